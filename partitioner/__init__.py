@@ -1,0 +1,16 @@
+"""Turning an annotated function into a running sharded program.
+
+Pipeline: trace (jax) -> partition (count partitions, pick devices, insert
+shardings into the MLIR) -> compile (jaxlib) -> execute.
+"""
+
+from partitioner._api import ShardedJitFunction as ShardedJitFunction
+from partitioner._api import sharded_jit as sharded_jit
+from partitioner._config import Config as Config
+from partitioner._config import config as config
+from partitioner._stages import Compiled as Compiled
+from partitioner._stages import Lowered as Lowered
+from partitioner._stats import compilation_stats as compilation_stats
+
+__all__ = ["Compiled", "Config", "Lowered", "ShardedJitFunction",
+           "compilation_stats", "config", "sharded_jit"]

@@ -1,0 +1,245 @@
+"""The public ``sharded_jit`` wrapper: arguments, pytrees, static args, call cache."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from partitioner import _plan
+from partitioner._args import ArgumentLayout, NotAnArray, signature, to_aval
+from partitioner._config import config
+from partitioner._insert import ShardingPass
+from partitioner._stages import Compiled, Lowered
+from partitioner._stats import stats
+from partitioner._trace import trace_and_lower
+from sharding._constraint import with_sharding_constraint
+from sharding._spec_tree import broadcast_specs, check_spec, is_spec_leaf
+
+_CALL_CACHE_SIZE = 256
+
+
+def sharded_jit(
+    fun: Callable[..., Any] | None = None,
+    in_parts: Any = None,
+    out_parts: Any = None,
+    num_partitions: int | None = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+    devices: Sequence[jax.Device] | None = None,
+) -> ShardedJitFunction:
+  """Compiles ``fun`` to run split across devices, XLA SPMD style.
+
+  Args:
+    fun: the function to run sharded. Positional arguments only.
+    in_parts: how each dynamic argument is split: a ``PartitionSpec`` of
+      partition counts, ``None`` for replicated, or a pytree prefix of the
+      arguments tuple made of those (a single spec applies to every argument).
+      It may also have one entry per positional argument including static
+      ones (those entries are ignored).
+    out_parts: the same for the outputs (a prefix of the output pytree).
+    num_partitions: the number of partitions; inferred from in_parts,
+      out_parts and every ``with_sharding_constraint`` inside ``fun`` when
+      not given.
+    static_argnums: positions of hashable arguments that are compile-time
+      constants; each new value compiles a new program.
+    donate_argnums: positions of arguments whose device buffers the program
+      may reuse for its outputs; donated jax.Arrays cannot be used afterwards.
+    devices: the device assignment (partition k runs on ``devices[k]``);
+      by default the first N of ``jax.local_devices()``.
+
+  Returns:
+    A :class:`ShardedJitFunction`: call it like ``fun``; it returns
+    ``jax.Array``s whose ``.sharding`` is a ``NamedSharding`` describing the
+    tiling. ``.lower(*args)`` exposes the staged program.
+
+  Raises:
+    TypeError, ValueError: for bad specs and arguments, at call time, with the
+      argument's name, shape and spec.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from sharding import PartitionSpec as P
+    >>> from partitioner import sharded_jit
+    >>> f = sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+    >>> f(jnp.ones((4, 2))).sharding.num_devices
+    2
+  """
+  if fun is None:
+    return functools.partial(
+        sharded_jit, in_parts=in_parts, out_parts=out_parts,
+        num_partitions=num_partitions, static_argnums=static_argnums,
+        donate_argnums=donate_argnums, devices=devices)
+  return ShardedJitFunction(fun, in_parts, out_parts, num_partitions,
+                            static_argnums, donate_argnums, devices)
+
+
+def _as_tuple(value: int | Sequence[int], what: str) -> tuple[int, ...]:
+  values = (value,) if isinstance(value, int) else tuple(value)
+  for v in values:
+    if isinstance(v, bool) or not isinstance(v, int):
+      raise TypeError(f"{what} must be ints, got {value!r}")
+  return values
+
+
+def _check_specs(tree: Any, what: str) -> Any:
+  if isinstance(tree, list):
+    tree = tuple(tree)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=is_spec_leaf)[0]:
+    check_spec(leaf, f"{what}{jax.tree_util.keystr(path)}")
+  return tree
+
+
+class ShardedJitFunction:
+  """A function compiled by :func:`sharded_jit`; see there."""
+
+  def __init__(self, fun, in_parts, out_parts, num_partitions, static_argnums,
+               donate_argnums, devices):
+    if not callable(fun):
+      raise TypeError(f"sharded_jit expects a callable, got {fun!r}")
+    self._fun = fun
+    self._name = getattr(fun, "__name__", type(fun).__name__)
+    self._in_parts = _check_specs(in_parts, "in_parts")
+    self._out_parts = _check_specs(out_parts, "out_parts")
+    if num_partitions is not None and (
+        isinstance(num_partitions, bool) or not isinstance(num_partitions, int)
+        or num_partitions < 1):
+      raise ValueError(
+          f"num_partitions must be a positive int or None, got {num_partitions!r}")
+    self._num_partitions = num_partitions
+    static = _as_tuple(static_argnums, "static_argnums")
+    donate = _as_tuple(donate_argnums, "donate_argnums")
+    if set(static) & set(donate):
+      raise ValueError(
+          f"static_argnums {static} and donate_argnums {donate} overlap: a"
+          " static argument has no buffer to donate.")
+    self._layout = ArgumentLayout(fun, static, donate)
+    if devices is not None:
+      devices = tuple(devices)
+      if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+      if len(set(devices)) != len(devices):
+        raise ValueError(f"devices contains duplicates: {list(devices)}")
+    self._devices = devices
+    self._cache: collections.OrderedDict[Any, Compiled] = collections.OrderedDict()
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args, **kwargs):
+    self._reject_kwargs(kwargs)
+    dyn, static_values = self._layout.split(args)
+    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    try:
+      key = (treedef, static_values, tuple(map(signature, leaves)),
+             config.partitioner)
+    except NotAnArray:
+      if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return self._call_traced(args, dyn)
+      self._layout.check_arrays(len(args), dyn)
+      raise
+    compiled = self._cache.get(key)
+    if compiled is None:
+      compiled = self._lower(args, dyn, static_values).compile()
+      self._cache[key] = compiled
+      if len(self._cache) > _CALL_CACHE_SIZE:
+        self._cache.popitem(last=False)
+    else:
+      stats.add("cache_hits")
+      self._cache.move_to_end(key)
+    return compiled.call_flat(leaves)
+
+  def lower(self, *args, **kwargs) -> Lowered:
+    """Traces and partitions for these arguments, without compiling."""
+    self._reject_kwargs(kwargs)
+    dyn, static_values = self._layout.split(args)
+    self._layout.check_arrays(len(args), dyn)
+    return self._lower(args, dyn, static_values)
+
+  def _reject_kwargs(self, kwargs: dict) -> None:
+    if kwargs:
+      raise TypeError(
+          f"sharded_jit function {self._name} got keyword arguments"
+          f" {sorted(kwargs)}; sharded_jit takes positional arguments only."
+          " Hint: pass them positionally, or bind them with functools.partial"
+          " before calling sharded_jit.")
+
+  def _in_specs(self, args: tuple, dyn: tuple) -> list:
+    in_parts = self._in_parts
+    if (self._layout.static_argnums and isinstance(in_parts, tuple)
+        and len(in_parts) == len(args) != len(dyn)):
+      keep = self._layout.dynamic_positions(len(args))
+      in_parts = tuple(in_parts[i] for i in keep)
+    return broadcast_specs(in_parts, dyn, "in_parts")
+
+  def _lower(self, args: tuple, dyn: tuple, static_values: tuple) -> Lowered:
+    nargs = len(args)
+    in_specs = self._in_specs(args, dyn)
+    leaves = jax.tree_util.tree_leaves(dyn)
+    avals = [to_aval(signature(x)) for x in leaves]
+    treedef = jax.tree_util.tree_structure(dyn)
+    rebuild = self._layout.rebuild(nargs, static_values)
+    traced = trace_and_lower(
+        self._fun, self._name,
+        lambda flat: rebuild(jax.tree_util.tree_unflatten(treedef, flat)),
+        avals, self._layout.donated_leaves(nargs, dyn))
+    sharding_pass = ShardingPass(traced.module)
+    names = self._layout.leaf_names(nargs, dyn)
+    ins = [_plan.SpecUse(s, a.shape, f"in_parts for {n}")
+           for s, a, n in zip(in_specs, avals, names)]
+    out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
+    out_specs = broadcast_specs(self._out_parts, out_tree_avals, "out_parts")
+    out_paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(out_tree_avals)[0]]
+    outs = [_plan.SpecUse(s, a.shape, f"out_parts for output{p}")
+            for s, a, p in zip(out_specs, traced.out_avals, out_paths)]
+    constraints = _plan.constraint_uses(sharding_pass.constraints())
+    placement = _plan.plan(ins, outs, constraints, self._num_partitions,
+                           self._devices)
+    mode = config.partitioner
+    sharding_pass.insert(placement.num_partitions, mode, placement.in_tilings,
+                         placement.out_tilings, placement.constraint_tilings)
+    expected = [signature(x) for x in leaves]
+
+    def call_check(call_args, call_kwargs):
+      self._reject_kwargs(call_kwargs)
+      call_dyn, call_static = self._layout.split(call_args)
+      self._layout.check_arrays(len(call_args), call_dyn)
+      call_leaves, call_tree = jax.tree_util.tree_flatten(call_dyn)
+      got = [signature(x) for x in call_leaves]
+      if (call_tree, call_static, got) != (jax.tree_util.tree_structure(dyn),
+                                           static_values, expected):
+        raise TypeError(
+            f"this compiled {self._name} was lowered for arguments"
+            f" {_describe(expected)} (static {static_values!r}), but was called"
+            f" with {_describe(got)} (static {call_static!r}). Hint: call the"
+            " sharded_jit function itself, which compiles for new shapes.")
+      return call_leaves
+
+    return Lowered(traced, placement, mode, sharding_pass.as_bytecode(),
+                   sharding_pass.as_text, call_check)
+
+  def _call_traced(self, args: tuple, dyn: tuple) -> Any:
+    """Called under a jax transformation: inline ``fun`` with constraints."""
+    in_specs = self._in_specs(args, dyn)
+    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    leaves = [x if s is None else with_sharding_constraint(x, s)
+              for x, s in zip(leaves, in_specs)]
+    _, static_values = self._layout.split(args)
+    full = self._layout.rebuild(len(args), static_values)(
+        jax.tree_util.tree_unflatten(treedef, leaves))
+    out = self._fun(*full)
+    out_specs = broadcast_specs(self._out_parts, out, "out_parts")
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_leaves = [x if s is None else with_sharding_constraint(x, s)
+                  for x, s in zip(out_leaves, out_specs)]
+    return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+  def __repr__(self) -> str:
+    return f"<sharded_jit {self._name}>"
+
+
+def _describe(sigs) -> str:
+  return "[" + ", ".join(f"{jax.numpy.dtype(d).name}{list(s)}" for s, d, _ in sigs) + "]"

@@ -1,0 +1,141 @@
+"""Turning call arguments into flat inputs, cache keys and readable names."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from partitioner import _compat
+
+_PY_SCALARS = {bool: False, int: True, float: True, complex: True}
+
+
+class NotAnArray(Exception):
+  """Raised by :func:`signature` for a leaf that is not an array."""
+
+
+def signature(x: Any) -> tuple:
+  """(shape, dtype, weak_type) of a flat input: its part of the cache key."""
+  if type(x) is _compat.ArrayImpl:
+    return (x.shape, x.dtype, x.weak_type)
+  if isinstance(x, np.ndarray | np.generic):
+    return (x.shape, jax.dtypes.canonicalize_dtype(x.dtype), False)
+  weak = _PY_SCALARS.get(type(x))
+  if weak is not None:
+    return ((), jax.dtypes.canonicalize_dtype(np.dtype(type(x))), weak)
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return (x.shape, x.dtype, getattr(x, "weak_type", False))
+  raise NotAnArray(x)
+
+
+def to_aval(sig: tuple) -> jax.ShapeDtypeStruct:
+  shape, dtype, weak = sig
+  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+
+
+class ArgumentLayout:
+  """How a sharded_jit function's positional arguments are laid out.
+
+  Args:
+    fun: the user's function (its parameter names are used in errors).
+    static_argnums: positions of static (hashable, compile-time) arguments.
+    donate_argnums: positions of arguments whose buffers may be donated.
+  """
+
+  def __init__(self, fun: Callable[..., Any], static_argnums: Sequence[int],
+               donate_argnums: Sequence[int]):
+    self.static_argnums = tuple(static_argnums)
+    self.donate_argnums = tuple(donate_argnums)
+    try:
+      params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+      params = []
+    self._names = [p.name for p in params
+                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+  def split(self, args: tuple) -> tuple[tuple, tuple]:
+    """Separates (dynamic args, static values)."""
+    if not self.static_argnums:
+      return args, ()
+    static = self._static_positions(len(args))
+    dyn = tuple(a for i, a in enumerate(args) if i not in static)
+    values = tuple(args[i] for i in sorted(static))
+    for i in sorted(static):
+      try:
+        hash(args[i])
+      except TypeError:
+        raise TypeError(
+            f"static argument {self.name(i)} must be hashable, got"
+            f" {type(args[i]).__name__}: {args[i]!r:.80}. Hint: pass a tuple"
+            " instead of a list, or make it a (non-static) array argument.")
+    return dyn, values
+
+  def _static_positions(self, nargs: int) -> set[int]:
+    positions = set()
+    for i in self.static_argnums:
+      j = i + nargs if i < 0 else i
+      if not 0 <= j < nargs:
+        raise ValueError(
+            f"static_argnums contains {i}, but the function was called with"
+            f" {nargs} positional arguments.")
+      positions.add(j)
+    return positions
+
+  def rebuild(self, nargs: int, static_values: tuple) -> Callable:
+    """A function from dynamic args back to the full positional args."""
+    static = sorted(self._static_positions(nargs)) if self.static_argnums else []
+    def rebuild(dyn: Sequence[Any]) -> tuple:
+      out, dyn_it, stat_it = [], iter(dyn), iter(static_values)
+      for i in range(nargs):
+        out.append(next(stat_it) if i in static else next(dyn_it))
+      return tuple(out)
+    return rebuild
+
+  def dynamic_positions(self, nargs: int) -> list[int]:
+    static = self._static_positions(nargs) if self.static_argnums else set()
+    return [i for i in range(nargs) if i not in static]
+
+  def name(self, position: int) -> str:
+    """``argument `x` (args[0])`` or ``args[3]`` when the name is unknown."""
+    if position < len(self._names):
+      return f"`{self._names[position]}` (args[{position}])"
+    return f"args[{position}]"
+
+  def leaf_names(self, nargs: int, dyn: tuple) -> list[str]:
+    """A readable name for each flat dynamic input, in flattening order."""
+    positions = self.dynamic_positions(nargs)
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]:
+      pos = positions[path[0].idx]
+      rest = jax.tree_util.keystr(path[1:])
+      names.append(f"argument {self.name(pos)}{rest}")
+    return names
+
+  def donated_leaves(self, nargs: int, dyn: tuple) -> list[int]:
+    """Flat indices of the dynamic inputs in donated arguments."""
+    if not self.donate_argnums:
+      return []
+    positions = self.dynamic_positions(nargs)
+    donate = {i + nargs if i < 0 else i for i in self.donate_argnums}
+    flat = []
+    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(dyn)[0]):
+      if positions[path[0].idx] in donate:
+        flat.append(k)
+    return flat
+
+  def check_arrays(self, nargs: int, dyn: tuple) -> None:
+    """Raises a TypeError naming the first flat input that is not an array."""
+    for name, leaf in zip(self.leaf_names(nargs, dyn),
+                          jax.tree_util.tree_leaves(dyn)):
+      try:
+        signature(leaf)
+      except NotAnArray:
+        raise TypeError(
+            f"{name} is a {type(leaf).__name__} ({leaf!r:.80}), not an array."
+            " sharded_jit arguments must be arrays (jax or numpy) or Python"
+            " scalars. Hint: if it is a configuration value, list its position"
+            " in static_argnums.") from None

@@ -1,0 +1,50 @@
+"""Every use of jax/jaxlib private APIs, in one place.
+
+A jax upgrade that moves one of these touches only this file. The tested jax
+range is pinned in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax._src.array import ArrayImpl as ArrayImpl  # noqa: F401 (re-export)
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import xla_client as _xc
+
+CompileOptions = _xc.CompileOptions
+LoadedExecutable = Any  # jaxlib._jax.LoadedExecutable
+
+
+def device_assignment(device_ids: Sequence[int]) -> Any:
+  """An XLA DeviceAssignment of one replica over ``device_ids`` partitions."""
+  import numpy as np
+  return _xc.DeviceAssignment.create(
+      np.asarray(device_ids, dtype=np.int64).reshape(1, len(device_ids)))
+
+
+def compile_and_load(module: bytes, devices: Sequence[jax.Device],
+                     options: Any) -> LoadedExecutable:
+  """Compiles an MLIR module (bytecode or text) with jaxlib's client."""
+  client = devices[0].client
+  return client.compile_and_load(module, _xc.DeviceList(tuple(devices)), options)
+
+
+def result_handlers(avals: Sequence[jax.core.ShapedArray],
+                    shardings: Sequence[jax.sharding.Sharding]) -> list[Any]:
+  """Per-output handlers that wrap raw execution results as jax.Arrays.
+
+  Built once per compiled program: ``ExecuteResults.consume_with_handlers``
+  then wraps outputs without rebuilding shardings on each call.
+  """
+  return list(_pxla.global_avals_to_results_handler(
+      list(avals), list(shardings), committed=True).handlers)
+
+
+def lowering_has_host_callbacks(lowered: jax.stages.Lowered) -> bool:
+  """Whether jax's lowering needs host callbacks (e.g. ``jax.debug.print``)."""
+  args = lowered._lowering.compile_args  # pylint: disable=protected-access
+  return bool(args.get("host_callbacks")) or bool(args.get("ordered_effects")) \
+      or bool(args.get("unordered_effects"))

@@ -1,0 +1,43 @@
+"""Stage 4: put inputs on devices, run the compiled program, wrap outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from partitioner import _compat
+from sharding._tiling import Tiling
+
+
+class Executable:
+  """A compiled SPMD program and everything its per-call path needs.
+
+  The per-call path is flatten -> place -> execute -> wrap; every object it
+  uses (target shardings, output handlers) is built here, once.
+
+  Args:
+    loaded: jaxlib's loaded executable.
+    in_tilings: the tiling of each flat input.
+    out_tilings: the tiling of each flat output.
+    out_avals: the abstract value of each flat output.
+  """
+
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers")
+
+  def __init__(self, loaded: _compat.LoadedExecutable,
+               in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
+               out_avals: Sequence[jax.core.ShapedArray]):
+    self.loaded = loaded
+    self.in_shardings = tuple(t.named_sharding() for t in in_tilings)
+    self.out_shardings = tuple(t.named_sharding() for t in out_tilings)
+    self._handlers = _compat.result_handlers(out_avals, self.out_shardings)
+
+  def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Runs the program on flat inputs; returns flat outputs."""
+    args = [x if type(x) is _compat.ArrayImpl and x.sharding == s
+            else jax.device_put(x, s)
+            for x, s in zip(leaves, self.in_shardings)]
+    results = self.loaded.execute_sharded(args)
+    return results.consume_with_handlers(self._handlers)

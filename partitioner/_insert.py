@@ -1,0 +1,147 @@
+"""Stage 2b: the MLIR pass that inserts shardings into the lowered module.
+
+Given the device tiling of every argument, result and constraint, it
+- sets ``mhlo.num_partitions`` / ``mhlo.num_replicas``;
+- Shardy mode: adds one ``sdy.mesh`` with a single axis over all partitions,
+  ``sdy.sharding`` on the arguments and results of ``main``, and rewrites each
+  constraint marker into ``sdy.sharding_constraint``;
+- GSPMD mode: ``mhlo.sharding`` on the arguments and results, and each marker
+  into a ``@Sharding`` custom call;
+- with one partition: markers are removed and nothing else is added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import sdy
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import mlir
+
+from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
+from sharding._partition_spec import PartitionSpec
+from sharding._tiling import Tiling, shardy_mesh_op
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSite:
+  """A with_sharding_constraint found in the lowered module."""
+  spec: PartitionSpec | None
+  shape: tuple[int, ...]
+  origin: str
+
+
+class ShardingPass:
+  """Holds a lowered module in its own MLIR context while it is rewritten.
+
+  Args:
+    module: MLIR bytecode or text from the trace stage.
+  """
+
+  def __init__(self, module: bytes | str):
+    self._context = mlir.make_ir_context()
+    with self._context:
+      self._module = ir.Module.parse(module)
+    self._markers = self._find_markers()
+
+  def _find_markers(self) -> list[ir.Operation]:
+    found = []
+
+    def visit(op):
+      if (op.name == "stablehlo.custom_call" and
+          ir.StringAttr(op.attributes["call_target_name"]).value == MARKER_TARGET):
+        found.append(op)
+      return ir.WalkResult.ADVANCE
+
+    with self._context:
+      self._module.operation.walk(visit)
+    return found
+
+  def constraints(self) -> list[ConstraintSite]:
+    """Every constraint marker, in program order."""
+    sites = []
+    with self._context:
+      for op in self._markers:
+        spec = decode_spec(ir.StringAttr(op.attributes["backend_config"]).value)
+        shape = tuple(ir.RankedTensorType(op.operands[0].type).shape)
+        origin = ir.StringAttr(op.attributes[ORIGIN_ATTR]).value
+        sites.append(ConstraintSite(spec, shape, origin))
+    return sites
+
+  def insert(self, num_partitions: int, mode: str,
+             in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
+             constraint_tilings: Sequence[Tiling]) -> None:
+    """Inserts the shardings (see the module docstring)."""
+    with self._context, ir.Location.unknown():
+      i32 = ir.IntegerType.get_signless(32)
+      attrs = self._module.operation.attributes
+      attrs["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, num_partitions)
+      attrs["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
+      if num_partitions == 1:
+        for op in self._markers:
+          op.results[0].replace_all_uses_with(op.operands[0])
+          op.erase()
+        self._markers = []
+        return
+      if mode == "shardy":
+        ir.InsertionPoint.at_block_begin(self._module.body).insert(
+            ir.Operation.parse(shardy_mesh_op(num_partitions)))
+        arg_attr = lambda t: ("sdy.sharding", ir.Attribute.parse(t.shardy()))
+        rewrite = _shardy_constraint
+      else:
+        arg_attr = lambda t: ("mhlo.sharding", ir.StringAttr.get(t.gspmd()))
+        rewrite = _gspmd_constraint
+      main = self._main()
+      main.arg_attrs = _with_attrs(main.arg_attrs, [arg_attr(t) for t in in_tilings])
+      main.result_attrs = _with_attrs(main.result_attrs,
+                                      [arg_attr(t) for t in out_tilings])
+      for op, tiling in zip(self._markers, constraint_tilings, strict=True):
+        with ir.InsertionPoint(op), op.location:
+          new = rewrite(op.operands[0], tiling)
+        op.results[0].replace_all_uses_with(new)
+        op.erase()
+      self._markers = []
+
+  def _main(self):
+    for op in self._module.body.operations:
+      if (op.operation.name == "func.func" and
+          ir.StringAttr(op.attributes["sym_name"]).value == "main"):
+        return op
+    raise RuntimeError("the lowered module has no main function")
+
+  def as_bytecode(self) -> bytes:
+    return mlir.module_to_bytecode(self._module)
+
+  def as_text(self) -> str:
+    with self._context:
+      return str(self._module)
+
+
+def _with_attrs(current: ir.ArrayAttr,
+                new: Sequence[tuple[str, ir.Attribute]]) -> ir.ArrayAttr:
+  """Merges one (name, attribute) into each argument's attribute dict."""
+  merged = []
+  for old, (name, value) in zip(current, new, strict=True):
+    d = {a.name: a.attr for a in ir.DictAttr(old)}
+    d[name] = value
+    merged.append(ir.DictAttr.get(d))
+  return ir.ArrayAttr.get(merged)
+
+
+def _shardy_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
+  return sdy.ShardingConstraintOp(x, ir.Attribute.parse(tiling.shardy())).result
+
+
+def _gspmd_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
+  op = hlo.CustomCallOp(
+      [x.type], [x],
+      call_target_name=ir.StringAttr.get("Sharding"),
+      has_side_effect=ir.BoolAttr.get(False),
+      backend_config=ir.StringAttr.get(""),
+      api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
+  op.attributes["mhlo.sharding"] = ir.StringAttr.get(tiling.gspmd())
+  return op.result
+
+

@@ -1,0 +1,105 @@
+"""The staged objects users see: ``f.lower(...)`` and ``.compile()``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from partitioner import _compile
+from partitioner._execute import Executable
+from partitioner._plan import Placement
+from partitioner._trace import TracedProgram
+
+
+class Lowered:
+  """A function traced, partitioned and annotated, ready to compile.
+
+  Attributes:
+    num_partitions: the number of partitions (devices) of the program.
+    devices: the device assignment; partition ``k`` runs on ``devices[k]``.
+    partitioner: ``"shardy"`` or ``"gspmd"``.
+  """
+
+  def __init__(self, traced: TracedProgram, placement: Placement, mode: str,
+               module: bytes, text: Callable[[], str], call_check: Callable):
+    self._traced = traced
+    self._placement = placement
+    self._module = module
+    self._text = text
+    self._call_check = call_check
+    self.partitioner = mode
+    self.num_partitions = placement.num_partitions
+    self.devices = placement.devices
+
+  @property
+  def in_shardings(self) -> list[jax.sharding.NamedSharding]:
+    """The sharding of each flat input."""
+    return [t.named_sharding() for t in self._placement.in_tilings]
+
+  @property
+  def out_shardings(self) -> Any:
+    """The sharding of each output, in the outputs' tree structure."""
+    return jax.tree_util.tree_unflatten(
+        self._traced.out_tree,
+        [t.named_sharding() for t in self._placement.out_tilings])
+
+  def as_text(self) -> str:
+    """The MLIR module after sharding insertion, before XLA partitions it."""
+    return self._text()
+
+  def compile(self) -> Compiled:
+    """Compiles with XLA (counted in ``compilation_stats()["compiles"]``)."""
+    p = self._placement
+    options = _compile.compile_options(p.num_partitions, p.devices,
+                                       self.partitioner)
+    loaded = _compile.compile_module(self._module, self._traced.name,
+                                     p.devices, options)
+    return Compiled(
+        Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals),
+        self._traced.out_tree, self._call_check, p.num_partitions)
+
+
+class Compiled:
+  """A compiled sharded program; call it like the original function.
+
+  Attributes:
+    num_partitions: the number of partitions (devices) of the program.
+  """
+
+  def __init__(self, executable: Executable, out_tree: Any,
+               call_check: Callable, num_partitions: int):
+    self._executable = executable
+    self._out_tree = out_tree
+    self._call_check = call_check
+    self.num_partitions = num_partitions
+
+  def __call__(self, *args, **kwargs):
+    leaves = self._call_check(args, kwargs)
+    return self.call_flat(leaves)
+
+  def call_flat(self, leaves) -> Any:
+    return jax.tree_util.tree_unflatten(
+        self._out_tree, self._executable.call_flat(leaves))
+
+  @property
+  def input_shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
+    return self._executable.in_shardings
+
+  @property
+  def output_shardings(self) -> Any:
+    return jax.tree_util.tree_unflatten(self._out_tree,
+                                        self._executable.out_shardings)
+
+  def as_text(self) -> str:
+    """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
+    return "\n\n".join(m.to_string() for m in self._executable.loaded.hlo_modules())
+
+  def cost_analysis(self) -> dict[str, float]:
+    """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
+    return dict(self._executable.loaded.cost_analysis())
+
+  def memory_analysis(self) -> Any:
+    """XLA's memory statistics of the per-device program."""
+    return self._executable.loaded.get_compiled_memory_stats()

@@ -1,0 +1,88 @@
+"""Stage 1: trace and lower the user's function with jax.
+
+jax does the tracing; we only flatten arguments, keep every argument (so the
+module's parameters are exactly our flat inputs) and lower while
+with_sharding_constraint emits partitioner markers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.interpreters import mlir
+
+from partitioner import _compat
+from sharding._constraint import emit_markers
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedProgram:
+  """The user's function as one StableHLO module with constraint markers.
+
+  Attributes:
+    name: the function's name (the module is called ``jit_<name>``).
+    module: the module as MLIR bytecode (with source locations).
+    in_avals: abstract value of each flat input.
+    out_avals: abstract value of each flat output.
+    out_tree: the structure of the function's outputs.
+  """
+  name: str
+  module: bytes
+  in_avals: tuple[jax.core.ShapedArray, ...]
+  out_avals: tuple[jax.core.ShapedArray, ...]
+  out_tree: Any
+
+
+def trace_and_lower(
+    fun: Callable[..., Any],
+    name: str,
+    rebuild_args: Callable[[Sequence[Any]], tuple[Any, ...]],
+    in_avals: Sequence[jax.ShapeDtypeStruct],
+    donated: Sequence[int],
+) -> TracedProgram:
+  """Traces ``fun`` on abstract flat inputs and lowers it to StableHLO.
+
+  Args:
+    fun: the user's function.
+    name: its name, for the module.
+    rebuild_args: turns the flat dynamic inputs back into ``fun``'s positional
+      arguments (with static arguments in place).
+    in_avals: shape, dtype and weak type of each flat input.
+    donated: indices of flat inputs whose buffers may be donated.
+
+  Raises:
+    NotImplementedError: the function uses host callbacks or side effects.
+  """
+  out_trees = []
+
+  def flat_fun(*leaves):
+    out = fun(*rebuild_args(leaves))
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_trees.append(out_tree)
+    return out_leaves
+
+  flat_fun.__name__ = flat_fun.__qualname__ = name
+  jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
+  with emit_markers():
+    lowered = jitted.trace(*in_avals).lower()
+  if _compat.lowering_has_host_callbacks(lowered):
+    raise NotImplementedError(
+        f"sharded_jit({name}): the function uses host callbacks or side"
+        " effects (e.g. jax.debug.print, jax.debug.callback, io_callback),"
+        " which sharded_jit does not support yet. Hint: remove them, or run"
+        " that part under jax.jit.")
+  module = mlir.module_to_bytecode(lowered.compiler_ir("stablehlo"))
+  out_avals = tuple(
+      jax.core.ShapedArray(o.shape, o.dtype, weak_type=getattr(o, "weak_type", False))
+      for o in jax.tree_util.tree_leaves(lowered.out_info))
+  return TracedProgram(
+      name=name,
+      module=module,
+      in_avals=tuple(jax.core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+                     for a in in_avals),
+      out_avals=out_avals,
+      out_tree=out_trees[-1],
+  )

@@ -1,0 +1,164 @@
+"""with_sharding_constraint: a jax primitive that marks how a value is tiled.
+
+All rules of the primitive live here (impl, abstract eval, JVP/transpose,
+batching, lowering). The lowering emits a marker custom call that the
+partitioner rewrites into a real sharding op (``sdy.sharding_constraint`` or
+a GSPMD ``@Sharding`` custom call) once it knows the device count. Markers are
+only emitted while the partitioner lowers a program (:func:`emit_markers`);
+everywhere else (eagerly, or under a plain ``jax.jit``) the constraint is the
+identity, so a model written with constraints also runs unsharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import ad, batching, mlir
+
+from sharding._partition_spec import PartitionSpec
+from sharding._spec_tree import broadcast_specs
+
+MARKER_TARGET = "sharded_jit.constraint"
+ORIGIN_ATTR = "sharded_jit.origin"
+_REPLICATED = "replicated"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _MarkerMode(threading.local):
+  """Per-thread switch: is the partitioner lowering a program right now?"""
+
+  def __init__(self):
+    self.depth = 0
+
+
+_marker_mode = _MarkerMode()
+
+
+@contextlib.contextmanager
+def emit_markers() -> Iterator[None]:
+  """Within this context, constraints lower to partitioner markers."""
+  _marker_mode.depth += 1
+  try:
+    yield
+  finally:
+    _marker_mode.depth -= 1
+
+
+def encode_spec(spec: PartitionSpec | None) -> str:
+  return _REPLICATED if spec is None else ",".join(map(str, spec.counts))
+
+
+def decode_spec(text: str) -> PartitionSpec | None:
+  if text == _REPLICATED:
+    return None
+  return PartitionSpec(*(int(c) for c in text.split(",") if c))
+
+
+def with_sharding_constraint(x: Any, spec: Any) -> Any:
+  """Constrains how ``x`` is tiled inside a ``sharded_jit`` function.
+
+  Args:
+    x: an array, or a pytree of arrays.
+    spec: a ``PartitionSpec`` of partition counts (one per dimension of x),
+      ``None`` for replicated, or a pytree prefix of ``x`` of those.
+
+  Returns:
+    ``x`` unchanged in value. Inside ``sharded_jit`` (also within nested
+    ``jax.jit``, ``lax.scan``/``while_loop``/``cond``, ``jax.vmap`` and
+    ``jax.grad``) XLA's partitioner lays the value out as ``spec`` says; the
+    spec's total counts towards the program's number of partitions.
+    Outside ``sharded_jit`` (eagerly, or under a plain ``jax.jit``) it returns
+    ``x`` unchanged, so the same model runs unsharded for debugging.
+
+  Raises:
+    TypeError: ``spec`` is not a PartitionSpec or None.
+    ValueError: the spec's rank differs from ``x``'s, or a dimension is not
+      divisible by its count.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from sharding import PartitionSpec as P, with_sharding_constraint
+    >>> h = with_sharding_constraint(jnp.ones((4, 2)), P(2, 1))
+  """
+  specs = broadcast_specs(spec, x, "with_sharding_constraint spec")
+  origin = _caller()
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
+  out = []
+  for (path, leaf), leaf_spec in zip(path_leaves, specs):
+    if not isinstance(leaf, jax.Array | jax.core.Tracer):
+      leaf = jnp.asarray(leaf)
+    if leaf_spec is not None:
+      leaf_spec.check_shape(
+          leaf.shape,
+          f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}")
+    out.append(constraint_p.bind(leaf, spec=leaf_spec, origin=origin))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _caller() -> str:
+  """The user's call site, for error messages: ``file.py:12 (fn)``."""
+  frame = sys._getframe(1)
+  while frame is not None and os.path.dirname(
+      os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+    frame = frame.f_back
+  if frame is None:
+    return "<unknown>"
+  return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+# --- the primitive and all its rules -----------------------------------------
+
+constraint_p = Primitive("sharded_jit_constraint")
+
+
+def _impl(x, *, spec, origin):
+  del spec, origin  # Outside sharded_jit a constraint is the identity.
+  return x
+
+
+def _abstract_eval(aval, *, spec, origin):
+  del spec, origin
+  return aval
+
+
+def _transpose(ct, x, *, spec, origin):
+  del x  # Linear: the cotangent gets the same constraint.
+  return [constraint_p.bind(ct, spec=spec, origin=origin)]
+
+
+def _batch(args, dims, *, spec, origin):
+  (x,), (d,) = args, dims
+  if d is not None and spec is not None:  # None: this operand is not mapped
+    spec = spec.insert(d, 1)  # The vmapped dimension stays unpartitioned.
+  return constraint_p.bind(x, spec=spec, origin=origin), d
+
+
+def _lower(ctx, x, *, spec, origin):
+  if not _marker_mode.depth:
+    return [x]
+  op = hlo.CustomCallOp(
+      [x.type], [x],
+      call_target_name=ir.StringAttr.get(MARKER_TARGET),
+      has_side_effect=ir.BoolAttr.get(False),
+      backend_config=ir.StringAttr.get(encode_spec(spec)),
+      api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1),
+  )
+  op.attributes[ORIGIN_ATTR] = ir.StringAttr.get(origin)
+  return op.results
+
+
+constraint_p.def_impl(_impl)
+constraint_p.def_abstract_eval(_abstract_eval)
+ad.deflinear2(constraint_p, _transpose)
+batching.primitive_batchers[constraint_p] = _batch
+mlir.register_lowering(constraint_p, _lower)

@@ -1,0 +1,134 @@
+"""PartitionSpec: how many tiles each dimension of an array is cut into."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterator, Sequence
+
+
+class PartitionSpec:
+  """Partition counts, one per array dimension.
+
+  ``PartitionSpec(2, 1)`` splits dimension 0 of a rank-2 array into 2 tiles and
+  leaves dimension 1 whole. The product of the counts is the number of
+  partitions (devices) the array is tiled over. Use ``None`` instead of a spec
+  to mean "replicated on every device".
+
+  Unlike ``jax.sharding.PartitionSpec``, entries are counts, not mesh axis
+  names: this is the API of the original ``sharded_jit``.
+
+  Args:
+    *counts: one positive ``int`` per array dimension. ``PartitionSpec()`` is
+      the spec of a scalar.
+
+  Raises:
+    TypeError: an entry is not an int (e.g. a mesh axis name or ``None``).
+    ValueError: an entry is smaller than 1.
+
+  Example:
+    >>> from sharding import PartitionSpec as P
+    >>> P(2, 1)
+    PartitionSpec(2, 1)
+    >>> P(2, 2).total
+    4
+  """
+
+  __slots__ = ("_counts", "_total")
+
+  def __init__(self, *counts: int):
+    canonical = []
+    for i, c in enumerate(counts):
+      if isinstance(c, bool) or not hasattr(c, "__index__"):
+        raise TypeError(
+            f"PartitionSpec entries must be positive ints (partition counts),"
+            f" got {c!r} at position {i} in {counts!r}. Hint: this"
+            " PartitionSpec counts tiles per dimension, e.g. PartitionSpec(2,"
+            " 1); use 1 for an unpartitioned dimension and None instead of"
+            " the whole spec for a replicated array. Mesh axis names belong"
+            " to jax.sharding.PartitionSpec.")
+      c = operator.index(c)
+      if c < 1:
+        raise ValueError(
+            f"PartitionSpec entries must be >= 1, got {c!r} at position {i} in"
+            f" {counts!r}. Hint: use 1 for a dimension that is not split.")
+      canonical.append(int(c))
+    object.__setattr__(self, "_counts", tuple(canonical))
+    object.__setattr__(self, "_total", math.prod(canonical))
+
+  def __setattr__(self, name, value):
+    raise AttributeError("PartitionSpec is immutable")
+
+  @property
+  def counts(self) -> tuple[int, ...]:
+    """The partition count of each dimension."""
+    return self._counts
+
+  @property
+  def total(self) -> int:
+    """The number of partitions: the product of the counts."""
+    return self._total
+
+  @property
+  def is_partitioned(self) -> bool:
+    """True when some dimension is split into more than one tile."""
+    return self._total > 1
+
+  def __len__(self) -> int:
+    return len(self._counts)
+
+  def __iter__(self) -> Iterator[int]:
+    return iter(self._counts)
+
+  def __getitem__(self, i):
+    return self._counts[i]
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, PartitionSpec) and self._counts == other._counts
+
+  def __hash__(self) -> int:
+    return hash((PartitionSpec, self._counts))
+
+  def __repr__(self) -> str:
+    return f"PartitionSpec({', '.join(map(str, self._counts))})"
+
+  def __reduce__(self):
+    return (PartitionSpec, self._counts)
+
+  def insert(self, dim: int, count: int = 1) -> PartitionSpec:
+    """Returns the spec with ``count`` inserted at dimension ``dim``."""
+    counts = list(self._counts)
+    counts.insert(dim, count)
+    return PartitionSpec(*counts)
+
+  def check_shape(self, shape: Sequence[int], what: str) -> None:
+    """Checks that this spec can tile an array of ``shape``.
+
+    Args:
+      shape: the global shape of the array.
+      what: how to name the array in an error, e.g. ``"in_parts[0]"``.
+
+    Raises:
+      ValueError: the rank differs, or a dimension is not divisible by its
+        count.
+    """
+    shape = tuple(shape)
+    if len(shape) != len(self._counts):
+      if shape:
+        example = PartitionSpec(*([1] * len(shape)))
+        hint = f" Give one count per dimension, e.g. {example!r}."
+      else:
+        hint = " For scalars the spec should be PartitionSpec() or None."
+      raise ValueError(
+          f"{what}: spec {self!r} has {len(self._counts)} entries but the"
+          f" array has rank {len(shape)} (shape {shape}).{hint}")
+    for dim, (size, count) in enumerate(zip(shape, self._counts)):
+      if size % count:
+        raise ValueError(
+            f"{what}: dimension {dim} of shape {shape} has size {size}, which"
+            f" is not divisible by its partition count {count} (spec"
+            f" {self!r}). Hint: pad the array to a multiple of {count} or"
+            f" choose a count that divides {size}.")
+
+
+PartitionSpec.__module__ = "sharding"

@@ -1,0 +1,66 @@
+"""Matching a tree of specs (a pytree prefix) against a tree of arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from sharding._partition_spec import PartitionSpec
+
+Spec = PartitionSpec | None
+
+
+def is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, PartitionSpec)
+
+
+def check_spec(spec: Any, what: str) -> Spec:
+  """Returns ``spec`` if it is a PartitionSpec or None, else a TypeError."""
+  if spec is None or isinstance(spec, PartitionSpec):
+    return spec
+  if isinstance(spec, jax.sharding.PartitionSpec):
+    hint = ("this toolkit's sharding.PartitionSpec takes partition counts, e.g."
+            " PartitionSpec(2, 1), not mesh axis names")
+  elif isinstance(spec, int):
+    hint = f"write PartitionSpec({spec}) for a rank-1 array"
+  else:
+    hint = "use sharding.PartitionSpec(...) for a split array, None for replicated"
+  raise TypeError(
+      f"{what}: expected a sharding.PartitionSpec or None, got"
+      f" {spec!r} of type {type(spec).__name__}. Hint: {hint}.")
+
+
+def broadcast_specs(specs: Any, tree: Any, what: str) -> list[Spec]:
+  """Expands a prefix tree of specs to one spec per leaf of ``tree``.
+
+  A single spec (or None) applies to every leaf below it, as in jax's
+  ``in_shardings``.
+
+  Args:
+    specs: a spec, None, or a (nested) container of them whose structure is a
+      prefix of ``tree``'s.
+    tree: the pytree of arrays.
+    what: the name of ``specs`` in errors, e.g. ``"in_parts"``.
+
+  Raises:
+    TypeError: a leaf of ``specs`` is not a spec or None.
+    ValueError: ``specs`` is not a prefix of ``tree``.
+  """
+  spec_leaves, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=is_spec_leaf)
+  for path, spec in jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=is_spec_leaf)[0]:
+    check_spec(spec, f"{what}{jax.tree_util.keystr(path)}")
+  try:
+    subtrees = spec_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{what} does not match the structure it describes: {what} is"
+        f" {specs!r} (structure {spec_def}) but the values have structure"
+        f" {jax.tree_util.tree_structure(tree)}. Hint: give one spec per"
+        f" value, or a single spec (or None) for a whole subtree. Details:"
+        f" {e}") from None
+  out: list[Spec] = []
+  for spec, sub in zip(spec_leaves, subtrees):
+    out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
+  return out

@@ -1,0 +1,163 @@
+"""Tiling: a PartitionSpec laid out over an ordered list of devices.
+
+The layout is row-major over the device assignment, exactly like GSPMD's
+``{devices=[a,b]0,1,...}``: device ``k`` of the assignment holds the tile whose
+block index is ``numpy.unravel_index(k, spec.counts)``. The same layout is
+expressed three ways: the GSPMD sharding string, the Shardy dimension
+shardings over a single 1-D mesh axis (using sub-axes where several dimensions
+are split), and a ``jax.sharding.NamedSharding`` for the arrays users get back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from sharding._partition_spec import PartitionSpec
+
+# Names used in the MLIR the partitioner emits and in the meshes of outputs.
+SHARDY_MESH_NAME = "sharded_jit_mesh"
+SHARDY_AXIS = "x"
+
+
+class Tiling:
+  """How an array of rank ``ndim`` is split over ``devices``.
+
+  Build one with :func:`tiling`, which caches them so that equal tilings are
+  the same object (and their ``NamedSharding`` compares by identity).
+
+  Args:
+    spec: the partition counts, or ``None`` for replicated.
+    devices: the ordered device assignment; its length is the number of
+      partitions of the program.
+    ndim: the rank of the array.
+
+  Raises:
+    ValueError: the spec's rank is not ``ndim``, or its total is neither 1
+      (replicated) nor the number of devices.
+  """
+
+  __slots__ = ("spec", "devices", "_named_sharding")
+
+  def __init__(self, spec: PartitionSpec | None, devices: Sequence, ndim: int):
+    if spec is None:
+      spec = PartitionSpec(*([1] * ndim))
+    if len(spec) != ndim:
+      raise ValueError(f"spec {spec!r} does not have rank {ndim}")
+    if spec.total not in (1, len(devices)):
+      raise ValueError(
+          f"spec {spec!r} partitions into {spec.total} tiles, but the device"
+          f" assignment has {len(devices)} devices")
+    self.spec = spec
+    self.devices = tuple(devices)
+    self._named_sharding = None
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
+  @property
+  def replicated(self) -> bool:
+    return not self.spec.is_partitioned
+
+  def device_block(self, k: int) -> tuple[int, ...]:
+    """The block index (one per dimension) that device ``k`` holds."""
+    if self.replicated:
+      return (0,) * len(self.spec)
+    return tuple(int(i) for i in np.unravel_index(k, self.spec.counts))
+
+  def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the piece each device holds."""
+    return tuple(s // c for s, c in zip(shape, self.spec.counts))
+
+  def device_slices(self, shape: Sequence[int]) -> tuple[tuple[slice, ...], ...]:
+    """For each device of the assignment, the slice of the global array it holds."""
+    tile = self.shard_shape(shape)
+    out = []
+    for k in range(self.num_devices):
+      block = self.device_block(k)
+      out.append(tuple(slice(b * t, (b + 1) * t) for b, t in zip(block, tile)))
+    return tuple(out)
+
+  def gspmd(self) -> str:
+    """The GSPMD (HloSharding) text, e.g. ``{devices=[2,1]0,1}``."""
+    if self.replicated:
+      return "{replicated}"
+    dims = ",".join(map(str, self.spec.counts))
+    ids = ",".join(map(str, range(self.num_devices)))
+    return f"{{devices=[{dims}]{ids}}}"
+
+  def shardy_dims(self) -> list[str]:
+    """Per-dimension Shardy shardings over the 1-D mesh axis ``x``.
+
+    The first split dimension takes the major part of the axis, the next the
+    following part, and so on: ``P(3, 2)`` on 6 devices is
+    ``[{"x":(1)3}, {"x":(3)2}]``.
+    """
+    dims = []
+    pre = 1
+    for count in self.spec.counts:
+      if count == 1:
+        dims.append("{}")
+      elif count == self.num_devices:
+        dims.append(f'{{"{SHARDY_AXIS}"}}')
+      else:
+        dims.append(f'{{"{SHARDY_AXIS}":({pre}){count}}}')
+      pre *= count
+    return dims
+
+  def shardy(self) -> str:
+    """The Shardy tensor sharding attribute text."""
+    return f"#sdy.sharding<@{SHARDY_MESH_NAME}, [{', '.join(self.shardy_dims())}]>"
+
+  def shardy_constraint_body(self) -> str:
+    """The ``<@mesh, [...]>`` part of an ``sdy.sharding_constraint``."""
+    return f"<@{SHARDY_MESH_NAME}, [{', '.join(self.shardy_dims())}]>"
+
+  def named_sharding(self) -> jax.sharding.NamedSharding:
+    """A ``NamedSharding`` with the same layout, for the arrays users see."""
+    if self._named_sharding is None:
+      self._named_sharding = self._make_named_sharding()
+    return self._named_sharding
+
+  def _make_named_sharding(self) -> jax.sharding.NamedSharding:
+    devices = np.empty(self.num_devices, dtype=object)
+    devices[:] = self.devices
+    if self.replicated:
+      mesh = jax.sharding.Mesh(devices, ("replica",))
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = [(d, c) for d, c in enumerate(self.spec.counts) if c > 1]
+    names = tuple(f"d{d}" for d, _ in split)
+    mesh = jax.sharding.Mesh(devices.reshape([c for _, c in split]), names)
+    axes = [f"d{d}" if c > 1 else None for d, c in enumerate(self.spec.counts)]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+
+  def __eq__(self, other) -> bool:
+    return (isinstance(other, Tiling) and self.spec == other.spec
+            and self.devices == other.devices)
+
+  def __hash__(self) -> int:
+    return hash((self.spec, self.devices))
+
+  def __repr__(self) -> str:
+    return f"Tiling({self.spec!r}, {self.gspmd()}, devices={list(self.devices)})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_tiling(spec: PartitionSpec, devices: tuple, ndim: int) -> Tiling:
+  return Tiling(spec, devices, ndim)
+
+
+def tiling(spec: PartitionSpec | None, devices: Sequence, ndim: int) -> Tiling:
+  """Returns the (cached) :class:`Tiling` of ``spec`` over ``devices``."""
+  if spec is None or not spec.is_partitioned:
+    spec = PartitionSpec(*([1] * ndim))
+  return _cached_tiling(spec, tuple(devices), ndim)
+
+
+def shardy_mesh_op(num_devices: int) -> str:
+  """The ``sdy.mesh`` op every Shardy sharding of this module refers to."""
+  return f'sdy.mesh @{SHARDY_MESH_NAME} = <["{SHARDY_AXIS}"={num_devices}]>'

@@ -1,0 +1,26 @@
+"""Test set-up: 8 simulated CPU devices, requested before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from partitioner import config  # noqa: E402
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def mode(request):
+  """Runs a test under both partitioner modes."""
+  with config.override(partitioner=request.param):
+    yield request.param
+
+
+@pytest.fixture
+def devices():
+  devs = jax.devices()
+  assert len(devs) == 8, "tests need 8 simulated CPU devices"
+  return devs

@@ -1,0 +1,136 @@
+"""One test per error a user can get; each checks the message names the value."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from partitioner import sharded_jit
+from sharding import PartitionSpec as P
+from sharding import with_sharding_constraint as wsc
+
+X = np.ones((8, 4), np.float32)
+
+
+def f(x, w):
+  return x @ w
+
+
+def test_spec_rank_differs_from_argument_rank():
+  g = sharded_jit(f, in_parts=(P(2, 1, 1), None), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape(
+      "in_parts for argument `x` (args[0]) with shape (8, 4): spec"
+      " PartitionSpec(2, 1, 1) has 3 entries but the array has rank 2")):
+    g(X, np.ones((4, 4), np.float32))
+
+
+def test_dimension_not_divisible():
+  g = sharded_jit(f, in_parts=(P(3, 1), None), out_parts=None)
+  with pytest.raises(ValueError, match=r"argument `x`.*shape \(8, 4\).*size 8.*not divisible.*count 3.*PartitionSpec\(3, 1\).*Hint"):
+    g(X, np.ones((4, 4), np.float32))
+
+
+def test_pytree_path_in_message():
+  g = sharded_jit(lambda p: p["w"] * 2, in_parts=({"w": P(2)},), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape("argument `p` (args[0])['w'] with shape (3,)")):
+    g({"w": np.ones(3, np.float32)})
+
+
+def test_out_parts_rank():
+  g = sharded_jit(lambda x: x.sum(0), in_parts=P(2, 1), out_parts=P(2, 1))
+  with pytest.raises(ValueError, match=r"out_parts for output with shape \(4,\).*PartitionSpec\(2, 1\).*rank 1"):
+    g(X)
+
+
+def test_more_partitions_than_devices():
+  g = sharded_jit(lambda x: x, in_parts=P(16, 1), out_parts=None)
+  with pytest.raises(ValueError, match="requires 16 devices, but only 8 devices are available.*xla_force_host_platform_device_count=16"):
+    g(np.ones((16, 2), np.float32))
+
+
+def test_devices_argument_too_short():
+  g = sharded_jit(lambda x: x, in_parts=P(4), out_parts=None, devices=jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"requires 4 devices, but only 2 devices are available \(from devices=\)"):
+    g(np.ones(4, np.float32))
+
+
+def test_specs_disagree_on_total():
+  g = sharded_jit(f, in_parts=(P(2, 1), P(4, 1)), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape(
+      "in_parts for argument `w` (args[1]): spec PartitionSpec(4, 1) partitions"
+      " into 4 pieces, but this sharded_jit partitions into 2 (from in_parts for"
+      " argument `x` (args[0]) = PartitionSpec(2, 1))")):
+    g(X, np.ones((4, 4), np.float32))
+
+
+def test_inner_constraint_disagrees_with_outer_parts():
+  def h(x):
+    return wsc(x * 2, P(1, 2))
+  g = sharded_jit(h, in_parts=P(2, 2), out_parts=None)
+  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_errors.py:\d+ \(h\).*PartitionSpec\(1, 2\) partitions into 2 pieces.*partitions into 4"):
+    g(X)
+
+
+def test_num_partitions_disagrees_with_spec():
+  g = sharded_jit(lambda x: x, in_parts=P(2, 1), out_parts=None, num_partitions=4)
+  with pytest.raises(ValueError, match=r"partitions into 2 pieces.*into 4 \(from num_partitions=4\)"):
+    g(X)
+
+
+def test_in_parts_tree_does_not_match():
+  g = sharded_jit(f, in_parts=(P(2, 1), None, None), out_parts=None)
+  with pytest.raises(ValueError, match=r"in_parts does not match.*\(PartitionSpec\(2, 1\), None, None\).*Hint"):
+    g(X, np.ones((4, 4), np.float32))
+
+
+def test_out_parts_tree_does_not_match():
+  g = sharded_jit(lambda x: (x, x), in_parts=None, out_parts=(P(2, 1), P(2, 1), None))
+  with pytest.raises(ValueError, match="out_parts does not match"):
+    g(X)
+
+
+def test_non_array_argument_not_static():
+  g = sharded_jit(lambda x, mode: x, in_parts=None, out_parts=None)
+  with pytest.raises(TypeError, match=r"argument `mode` \(args\[1\]\) is a str \('fast'\), not an array.*static_argnums"):
+    g(X, "fast")
+
+
+def test_unhashable_static_argument():
+  g = sharded_jit(lambda x, sizes: x, in_parts=None, out_parts=None, static_argnums=1)
+  with pytest.raises(TypeError, match=r"static argument `sizes` \(args\[1\]\) must be hashable, got list"):
+    g(X, [1, 2])
+
+
+def test_keyword_arguments():
+  g = sharded_jit(f, in_parts=None, out_parts=None)
+  with pytest.raises(TypeError, match=r"keyword arguments \['w'\].*positional"):
+    g(X, w=np.ones((4, 4)))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (jax.sharding.PartitionSpec("x"), "partition counts"),
+    ((2, 1), r"in_parts\[0\]: expected a sharding.PartitionSpec or None, got 2"),
+])
+def test_wrong_spec_type(bad, match):
+  with pytest.raises(TypeError, match=match):
+    sharded_jit(f, in_parts=bad, out_parts=None)
+
+
+def test_overlapping_static_and_donate():
+  with pytest.raises(ValueError, match="overlap"):
+    sharded_jit(f, None, None, static_argnums=1, donate_argnums=1)
+
+
+def test_bad_num_partitions():
+  with pytest.raises(ValueError, match="positive int"):
+    sharded_jit(f, None, None, num_partitions=0)
+
+
+def test_host_callbacks_are_not_supported_yet():
+  def g(x):
+    jax.debug.print("x={x}", x=x)
+    return x
+  with pytest.raises(NotImplementedError, match="host callbacks"):
+    sharded_jit(g, None, None)(X)
