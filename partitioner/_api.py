@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +19,8 @@ from sharding._constraint import with_sharding_constraint
 from sharding._spec_tree import broadcast_specs, check_spec, is_spec_leaf
 
 _CALL_CACHE_SIZE = 256
+_tree_flatten = jax.tree_util.tree_flatten  # bound once for the per-call path
+_tree_unflatten = jax.tree_util.tree_unflatten
 
 
 def sharded_jit(
@@ -118,6 +119,7 @@ class ShardedJitFunction:
           f"static_argnums {static} and donate_argnums {donate} overlap: a"
           " static argument has no buffer to donate.")
     self._layout = ArgumentLayout(fun, static, donate)
+    self._has_static = bool(static)
     if devices is not None:
       devices = tuple(devices)
       if not devices or not all(isinstance(d, jax.Device) for d in devices):
@@ -125,31 +127,57 @@ class ShardedJitFunction:
       if len(set(devices)) != len(devices):
         raise ValueError(f"devices contains duplicates: {list(devices)}")
     self._devices = devices
-    self._cache: collections.OrderedDict[Any, Compiled] = collections.OrderedDict()
+    # Call caches, bounded: canonical (shape, dtype, weak type) keys, and
+    # keys made of jax.Array avals (which also carry their placement).
+    self._cache: dict[Any, Compiled] = {}
+    self._fast_cache: dict[Any, Compiled] = {}
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    self._reject_kwargs(kwargs)
-    dyn, static_values = self._layout.split(args)
-    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    # The per-call path: flatten -> key -> cached program -> execute -> wrap.
+    # For jax.Array inputs the key is made of their avals (a slot read each);
+    # anything else takes the slower canonical key in _lookup.
+    if kwargs:
+      self._reject_kwargs(kwargs)
+    if self._has_static:
+      dyn, static_values = self._layout.split(args)
+    else:
+      dyn, static_values = args, ()
+    leaves, treedef = _tree_flatten(dyn)
+    mode = config.partitioner
     try:
-      key = (treedef, static_values, tuple(map(signature, leaves)),
-             config.partitioner)
+      key = (treedef, static_values, mode, *[x.aval for x in leaves])
+      compiled = self._fast_cache.get(key)
+    except AttributeError:  # numpy arrays, Python scalars, other objects
+      key = compiled = None
+    if compiled is None:
+      compiled = self._lookup(args, dyn, static_values, leaves, treedef, mode)
+      if compiled is None:  # called under a jax transformation
+        return self._call_traced(args, dyn)
+      if key is not None:
+        _bounded_put(self._fast_cache, key, compiled)
+    else:
+      stats.cache_hit()
+    return _tree_unflatten(compiled.out_tree,
+                           compiled.executable.call_flat(leaves))
+
+  def _lookup(self, args, dyn, static_values, leaves, treedef,
+              mode) -> Compiled | None:
+    """Finds or compiles the program for these arguments' canonical key."""
+    try:
+      key = (treedef, static_values, mode, *map(signature, leaves))
     except NotAnArray:
       if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return self._call_traced(args, dyn)
+        return None
       self._layout.check_arrays(len(args), dyn)
       raise
     compiled = self._cache.get(key)
     if compiled is None:
       compiled = self._lower(args, dyn, static_values).compile()
-      self._cache[key] = compiled
-      if len(self._cache) > _CALL_CACHE_SIZE:
-        self._cache.popitem(last=False)
+      _bounded_put(self._cache, key, compiled)
     else:
-      stats.add("cache_hits")
-      self._cache.move_to_end(key)
-    return compiled.call_flat(leaves)
+      stats.cache_hit()
+    return compiled
 
   def lower(self, *args, **kwargs) -> Lowered:
     """Traces and partitions for these arguments, without compiling."""
@@ -239,6 +267,13 @@ class ShardedJitFunction:
 
   def __repr__(self) -> str:
     return f"<sharded_jit {self._name}>"
+
+
+def _bounded_put(cache: dict, key: Any, value: Compiled) -> None:
+  """Inserts, evicting the oldest entries beyond _CALL_CACHE_SIZE."""
+  cache[key] = value
+  while len(cache) > _CALL_CACHE_SIZE:
+    del cache[next(iter(cache))]
 
 
 def _describe(sigs) -> str:

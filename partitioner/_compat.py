@@ -48,3 +48,16 @@ def lowering_has_host_callbacks(lowered: jax.stages.Lowered) -> bool:
   args = lowered._lowering.compile_args  # pylint: disable=protected-access
   return bool(args.get("host_callbacks")) or bool(args.get("ordered_effects")) \
       or bool(args.get("unordered_effects"))
+
+
+def hlo_sharding(text: str) -> Any:
+  """Parses an HloSharding from its text, e.g. ``{devices=[2,1]0,1}``."""
+  return _xc.HloSharding.from_string(text)
+
+
+def executable_shardings(loaded: LoadedExecutable) -> tuple[list[Any], list[Any]]:
+  """The HloShardings XLA chose for the parameters and outputs."""
+  params = loaded.get_parameter_shardings() or []
+  outs = loaded.get_output_shardings() or []
+  return ([_xc.HloSharding.from_proto(p) for p in params],
+          [_xc.HloSharding.from_proto(o) for o in outs])

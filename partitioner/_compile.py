@@ -10,6 +10,7 @@ import jax
 
 from partitioner import _compat
 from partitioner._stats import stats
+from sharding._tiling import Tiling
 
 logger = logging.getLogger(__name__)
 
@@ -52,3 +53,27 @@ def compile_module(module: bytes, name: str, devices: Sequence[jax.Device],
   logger.debug("Compiled %s for %d partitions in %.3f s", name,
                options.num_partitions, elapsed)
   return executable
+
+
+def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,
+                     in_tilings: Sequence[Tiling],
+                     out_tilings: Sequence[Tiling]) -> None:
+  """Checks that XLA laid out inputs and outputs as we asked.
+
+  Outputs are wrapped with our tilings' shardings without looking at the
+  data, so a disagreement would be a silently wrong answer: fail instead.
+
+  Raises:
+    RuntimeError: XLA chose a different layout (a bug in sharded_jit).
+  """
+  if num_partitions == 1:  # XLA's partitioner does not run
+    return
+  params, outs = _compat.executable_shardings(loaded)
+  for what, tilings, got in (("input", in_tilings, params), ("output", out_tilings, outs)):
+    for k, (tiling, actual) in enumerate(zip(tilings, got, strict=True)):
+      wanted = _compat.hlo_sharding(tiling.gspmd())
+      if wanted != actual and not (wanted.is_replicated() and actual.is_replicated()):
+        raise RuntimeError(
+            f"XLA laid out flat {what} {k} as {actual}, but sharded_jit asked"
+            f" for {tiling.gspmd()} (spec {tiling.spec!r}). This is a bug in"
+            " sharded_jit; please report it with the function that triggers it.")

@@ -11,6 +11,9 @@ from partitioner import _compat
 from sharding._tiling import Tiling
 
 
+_ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
+
+
 class Executable:
   """A compiled SPMD program and everything its per-call path needs.
 
@@ -36,8 +39,18 @@ class Executable:
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs; returns flat outputs."""
-    args = [x if type(x) is _compat.ArrayImpl and x.sharding == s
+    for x, s in zip(leaves, self.in_shardings):
+      if type(x) is not _ArrayImpl or x.sharding != s:
+        leaves = self.place(leaves)
+        break
+    return self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+
+  def place(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Puts each input on the devices with its sharding.
+
+    An array whose sharding is equivalent (same devices, same tiles) is
+    re-labelled without a copy; anything else is copied or resharded.
+    """
+    return [x if type(x) is _compat.ArrayImpl and x.sharding == s
             else jax.device_put(x, s)
             for x, s in zip(leaves, self.in_shardings)]
-    results = self.loaded.execute_sharded(args)
-    return results.consume_with_handlers(self._handlers)

@@ -13,12 +13,12 @@ Given the device tiling of every argument, result and constraint, it
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Sequence
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import mlir
 
 from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
 from sharding._partition_spec import PartitionSpec
@@ -34,16 +34,19 @@ class ConstraintSite:
 
 
 class ShardingPass:
-  """Holds a lowered module in its own MLIR context while it is rewritten.
+  """Rewrites a copy of a lowered module (jax's own module is left intact).
+
+  The copy lives in the MLIR context jax lowered in: a fresh context costs
+  milliseconds, which would show in every first call.
 
   Args:
-    module: MLIR bytecode or text from the trace stage.
+    module: the module from the trace stage.
   """
 
-  def __init__(self, module: bytes | str):
-    self._context = mlir.make_ir_context()
+  def __init__(self, module: ir.Module):
+    self._context = module.context
     with self._context:
-      self._module = ir.Module.parse(module)
+      self._module = module.operation.clone()
     self._markers = self._find_markers()
 
   def _find_markers(self) -> list[ir.Operation]:
@@ -56,7 +59,7 @@ class ShardingPass:
       return ir.WalkResult.ADVANCE
 
     with self._context:
-      self._module.operation.walk(visit)
+      self._module.walk(visit)
     return found
 
   def constraints(self) -> list[ConstraintSite]:
@@ -76,7 +79,7 @@ class ShardingPass:
     """Inserts the shardings (see the module docstring)."""
     with self._context, ir.Location.unknown():
       i32 = ir.IntegerType.get_signless(32)
-      attrs = self._module.operation.attributes
+      attrs = self._module.attributes
       attrs["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, num_partitions)
       attrs["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
       if num_partitions == 1:
@@ -86,7 +89,7 @@ class ShardingPass:
         self._markers = []
         return
       if mode == "shardy":
-        ir.InsertionPoint.at_block_begin(self._module.body).insert(
+        ir.InsertionPoint.at_block_begin(self._body()).insert(
             ir.Operation.parse(shardy_mesh_op(num_partitions)))
         arg_attr = lambda t: ("sdy.sharding", ir.Attribute.parse(t.shardy()))
         rewrite = _shardy_constraint
@@ -104,15 +107,20 @@ class ShardingPass:
         op.erase()
       self._markers = []
 
+  def _body(self) -> ir.Block:
+    return self._module.regions[0].blocks[0]
+
   def _main(self):
-    for op in self._module.body.operations:
+    for op in self._body().operations:
       if (op.operation.name == "func.func" and
           ir.StringAttr(op.attributes["sym_name"]).value == "main"):
         return op
     raise RuntimeError("the lowered module has no main function")
 
   def as_bytecode(self) -> bytes:
-    return mlir.module_to_bytecode(self._module)
+    out = io.BytesIO()
+    self._module.write_bytecode(file=out)
+    return out.getvalue()
 
   def as_text(self) -> str:
     with self._context:

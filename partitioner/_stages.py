@@ -56,6 +56,8 @@ class Lowered:
                                        self.partitioner)
     loaded = _compile.compile_module(self._module, self._traced.name,
                                      p.devices, options)
+    _compile.verify_shardings(loaded, p.num_partitions, p.in_tilings,
+                              p.out_tilings)
     return Compiled(
         Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals),
         self._traced.out_tree, self._call_check, p.num_partitions)
@@ -70,8 +72,8 @@ class Compiled:
 
   def __init__(self, executable: Executable, out_tree: Any,
                call_check: Callable, num_partitions: int):
-    self._executable = executable
-    self._out_tree = out_tree
+    self.executable = executable
+    self.out_tree = out_tree
     self._call_check = call_check
     self.num_partitions = num_partitions
 
@@ -81,25 +83,25 @@ class Compiled:
 
   def call_flat(self, leaves) -> Any:
     return jax.tree_util.tree_unflatten(
-        self._out_tree, self._executable.call_flat(leaves))
+        self.out_tree, self.executable.call_flat(leaves))
 
   @property
   def input_shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
-    return self._executable.in_shardings
+    return self.executable.in_shardings
 
   @property
   def output_shardings(self) -> Any:
-    return jax.tree_util.tree_unflatten(self._out_tree,
-                                        self._executable.out_shardings)
+    return jax.tree_util.tree_unflatten(self.out_tree,
+                                        self.executable.out_shardings)
 
   def as_text(self) -> str:
     """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
-    return "\n\n".join(m.to_string() for m in self._executable.loaded.hlo_modules())
+    return "\n\n".join(m.to_string() for m in self.executable.loaded.hlo_modules())
 
   def cost_analysis(self) -> dict[str, float]:
     """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
-    return dict(self._executable.loaded.cost_analysis())
+    return dict(self.executable.loaded.cost_analysis())
 
   def memory_analysis(self) -> Any:
     """XLA's memory statistics of the per-device program."""
-    return self._executable.loaded.get_compiled_memory_stats()
+    return self.executable.loaded.get_compiled_memory_stats()

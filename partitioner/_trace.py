@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.interpreters import mlir
+from jax.extend.mlir import ir
 
 from partitioner import _compat
 from sharding._constraint import emit_markers
@@ -24,13 +24,13 @@ class TracedProgram:
 
   Attributes:
     name: the function's name (the module is called ``jit_<name>``).
-    module: the module as MLIR bytecode (with source locations).
+    module: the lowered StableHLO module (jax's; do not modify it in place).
     in_avals: abstract value of each flat input.
     out_avals: abstract value of each flat output.
     out_tree: the structure of the function's outputs.
   """
   name: str
-  module: bytes
+  module: ir.Module
   in_avals: tuple[jax.core.ShapedArray, ...]
   out_avals: tuple[jax.core.ShapedArray, ...]
   out_tree: Any
@@ -74,7 +74,7 @@ def trace_and_lower(
         " effects (e.g. jax.debug.print, jax.debug.callback, io_callback),"
         " which sharded_jit does not support yet. Hint: remove them, or run"
         " that part under jax.jit.")
-  module = mlir.module_to_bytecode(lowered.compiler_ir("stablehlo"))
+  module = lowered.compiler_ir("stablehlo")
   out_avals = tuple(
       jax.core.ShapedArray(o.shape, o.dtype, weak_type=getattr(o, "weak_type", False))
       for o in jax.tree_util.tree_leaves(lowered.out_info))

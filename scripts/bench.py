@@ -1,0 +1,120 @@
+"""Benchmarks sharded_jit side by side with jax.jit + NamedSharding.
+
+Everything runs in one process and one run, on simulated CPU devices, and is
+reported as ratios ours/jax (lower is better for times). Simulated devices
+share the machine's cores: the numbers show our overhead, not scaling.
+
+  .venv/bin/python scripts/bench.py [--devices 8] [--calls 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_BATCH = 50
+_ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+_ARGS.add_argument("--devices", type=int, default=8)
+_ARGS.add_argument("--calls", type=int, default=10000, help="timed calls per case")
+_ARGS.add_argument("--first-calls", type=int, default=7,
+                   help="fresh functions traced and compiled per case")
+_ARGS.add_argument("--json", help="also write the results here")
+
+
+def main() -> None:
+  args = _ARGS.parse_args()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={args.devices}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+
+  def make_fn():
+    # A fresh function object each time, so nothing is cached across builds.
+    def layer(x, w):
+      return jnp.tanh(x @ w) * 0.5 + x
+    return layer
+
+  def build(n: int):
+    """(ours, theirs, ours' inputs, theirs' inputs) for n devices."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype(np.float32)
+    w = rng.normal(size=(32, 32)).astype(np.float32)
+    spec = P(n, 1) if n > 1 else None
+    ours = sharded_jit(make_fn(), in_parts=(spec, None), out_parts=spec,
+                       num_partitions=n)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    row = jax.sharding.NamedSharding(mesh, jax.P("x" if n > 1 else None, None))
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+    theirs = jax.jit(make_fn(), in_shardings=(row, rep), out_shardings=row)
+    placed = ours.lower(x, w).in_shardings
+    ours_in = (jax.device_put(x, placed[0]), jax.device_put(w, placed[1]))
+    theirs_in = (jax.device_put(x, row), jax.device_put(w, rep))
+    return ours, theirs, ours_in, theirs_in
+
+  def warm_up(fn, inputs) -> None:
+    for _ in range(50):  # the first executions of a program are slower
+      fn(*inputs).block_until_ready()
+
+  def batch(fn, inputs, calls: int) -> float:
+    """Seconds per call over ``calls`` back-to-back calls (one wait at the end)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*inputs)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) / calls
+
+  def first_call(fn, inputs) -> float:
+    t0 = time.perf_counter()
+    fn(*inputs).block_until_ready()
+    return time.perf_counter() - t0
+
+  results = {"jax": jax.__version__, "devices": args.devices,
+             "platform": jax.devices()[0].platform, "cases": []}
+  for n in sorted({args.devices, 1}, reverse=True):
+    ours, theirs, ours_in, theirs_in = build(n)
+    np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5)
+    warm_up(ours, ours_in)
+    warm_up(theirs, theirs_in)
+    # Alternate small batches of the two so that machine noise hits both
+    # alike; report the median batch.
+    a, b = [], []
+    for _ in range(max(1, args.calls // _BATCH)):
+      a.append(batch(ours, ours_in, _BATCH))
+      b.append(batch(theirs, theirs_in, _BATCH))
+    ours_t, theirs_t = statistics.median(a), statistics.median(b)
+    results["cases"].append({"case": f"per-call, {n} device(s)", "unit": "us",
+                             "ours": ours_t * 1e6, "jax": theirs_t * 1e6})
+    fa, fb = [], []
+    for _ in range(args.first_calls):  # fresh functions: trace + compile each time
+      ours, theirs, ours_in, theirs_in = build(n)
+      fa.append(first_call(ours, ours_in))
+      fb.append(first_call(theirs, theirs_in))
+    results["cases"].append({"case": f"first call, {n} device(s)", "unit": "ms",
+                             "ours": statistics.median(fa) * 1e3,
+                             "jax": statistics.median(fb) * 1e3})
+
+  print(f"jax {results['jax']}, {results['platform']}, "
+        f"{args.devices} simulated devices, {os.cpu_count()} cores")
+  print("| case | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
+  print("|---|---|---|---|")
+  for c in results["cases"]:
+    c["ratio"] = c["ours"] / c["jax"]
+    print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
+          f"| {c['ratio']:.2f} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
