@@ -6,11 +6,17 @@ shardings into the MLIR) -> compile (jaxlib) -> execute.
 
 from partitioner._api import ShardedJitFunction as ShardedJitFunction
 from partitioner._api import sharded_jit as sharded_jit
+from partitioner._cache import clear_caches as clear_caches
+from partitioner._cache_store import CacheStore as CacheStore
+from partitioner._cache_store import DiskStore as DiskStore
+from partitioner._cache_store import MemoryStore as MemoryStore
 from partitioner._config import Config as Config
 from partitioner._config import config as config
 from partitioner._stages import Compiled as Compiled
 from partitioner._stages import Lowered as Lowered
 from partitioner._stats import compilation_stats as compilation_stats
+from partitioner._version import __version__ as __version__
 
-__all__ = ["Compiled", "Config", "Lowered", "ShardedJitFunction",
+__all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Lowered",
+           "MemoryStore", "ShardedJitFunction", "clear_caches",
            "compilation_stats", "config", "sharded_jit"]

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from partitioner import _plan
+from partitioner._cache import Program
 from partitioner._args import ArgumentLayout, NotAnArray, signature, to_aval
 from partitioner._config import config
 from partitioner._insert import ShardingPass
@@ -246,8 +247,15 @@ class ShardedJitFunction:
             " sharded_jit function itself, which compiles for new shapes.")
       return call_leaves
 
-    return Lowered(traced, placement, mode, sharding_pass.as_bytecode(),
-                   sharding_pass.as_text, call_check)
+    summary = ", ".join(
+        f"{u.what.removeprefix('in_parts for argument ')}: {a.dtype.name}"
+        f"{list(a.shape)} {u.spec if u.spec is not None else 'replicated'}"
+        for u, a in zip(ins, avals))
+    program = Program(
+        name=self._name, module=sharding_pass.as_bytecode(),
+        module_text=sharding_pass.as_text(), mode=mode,
+        devices=placement.devices, summary=summary)
+    return Lowered(traced, placement, program, call_check)
 
   def _call_traced(self, args: tuple, dyn: tuple) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""

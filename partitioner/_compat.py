@@ -61,3 +61,19 @@ def executable_shardings(loaded: LoadedExecutable) -> tuple[list[Any], list[Any]
   outs = loaded.get_output_shardings() or []
   return ([_xc.HloSharding.from_proto(p) for p in params],
           [_xc.HloSharding.from_proto(o) for o in outs])
+
+
+def serialize_compile_options(options: Any) -> bytes:
+  """The compile options as protobuf bytes (for cache keys)."""
+  return options.SerializeAsString()
+
+
+def serialize_executable(loaded: LoadedExecutable) -> bytes:
+  return loaded.serialize()
+
+
+def deserialize_executable(data: bytes, devices: Sequence[jax.Device],
+                           options: Any) -> LoadedExecutable:
+  """Loads an executable serialized by :func:`serialize_executable`."""
+  client = devices[0].client
+  return client.deserialize_executable(data, _xc.DeviceList(tuple(devices)), options)

@@ -2,56 +2,71 @@
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 
 from partitioner import _compat
 from partitioner._stats import stats
 from sharding._tiling import Tiling
 
-logger = logging.getLogger(__name__)
 
-
-def compile_options(num_partitions: int, devices: Sequence[jax.Device],
-                    mode: str) -> _compat.CompileOptions:
+def compile_options(
+    num_partitions: int,
+    devices: Sequence[jax.Device] | np.ndarray,
+    mode: str,
+    *,
+    xla_options: Mapping[str, Any] | None = None,
+    disable_most_optimizations: bool = False,
+) -> _compat.CompileOptions:
   """Options for one SPMD program of ``num_partitions`` over ``devices``.
 
   Args:
     num_partitions: the number of partitions N (one replica).
-    devices: the device assignment; partition ``k`` runs on ``devices[k]``.
+    devices: the device assignment, shape ``(N,)`` or ``(1, N)``; partition
+      ``k`` runs on device ``k``.
     mode: ``"shardy"`` or ``"gspmd"``: which XLA partitioner reads the
       shardings.
+    xla_options: XLA options to override (``env_option_overrides``), e.g.
+      ``{"xla_cpu_enable_fast_math": False}``.
+    disable_most_optimizations: backend optimization level 0, for fast
+      debugging compiles.
 
   Raises:
-    ValueError: the device assignment does not have N devices.
+    ValueError: the device assignment's shape does not match N.
   """
-  if len(devices) != num_partitions:
+  assignment = np.asarray(devices, dtype=object)
+  if assignment.shape not in ((num_partitions,), (1, num_partitions)):
     raise ValueError(
-        f"device assignment has {len(devices)} devices but num_partitions is"
-        f" {num_partitions}; they must match (one replica, one device per"
-        " partition).")
+        f"the device assignment has shape {assignment.shape}, but"
+        f" num_partitions={num_partitions} needs shape ({num_partitions},) or"
+        f" (1, {num_partitions}): one replica, one device per partition.")
   options = _compat.CompileOptions()
   options.num_replicas = 1
   options.num_partitions = num_partitions
   build = options.executable_build_options
   build.use_spmd_partitioning = True
   build.use_shardy_partitioner = mode == "shardy"
-  options.device_assignment = _compat.device_assignment([d.id for d in devices])
+  options.device_assignment = _compat.device_assignment(
+      [d.id for d in assignment.reshape(-1)])
+  if xla_options:
+    options.env_option_overrides = sorted(
+        (str(k), v if isinstance(v, (bool, int, float)) else str(v))
+        for k, v in xla_options.items())
+  if disable_most_optimizations:
+    debug = build.debug_options
+    debug.xla_backend_optimization_level = 0
+    debug.xla_llvm_disable_expensive_passes = True
   return options
 
 
-def compile_module(module: bytes, name: str, devices: Sequence[jax.Device],
+def compile_module(module: bytes, devices: Sequence[jax.Device],
                    options: _compat.CompileOptions) -> _compat.LoadedExecutable:
-  """Compiles ``module`` for ``devices`` and counts it in compilation_stats."""
-  start = time.perf_counter()
+  """Compiles ``module`` for ``devices``; counted in compilation_stats."""
   executable = _compat.compile_and_load(module, devices, options)
-  elapsed = time.perf_counter() - start
   stats.add("compiles")
-  logger.debug("Compiled %s for %d partitions in %.3f s", name,
-               options.num_partitions, elapsed)
   return executable
 
 

@@ -3,11 +3,105 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 PARTITIONERS = ("shardy", "gspmd")
-_ENV_PARTITIONER = "SHARDED_JIT_PARTITIONER"
+
+
+def _parse_bool(text: str) -> bool:
+  value = text.strip().lower()
+  if value in ("1", "true", "yes", "on"):
+    return True
+  if value in ("0", "false", "no", "off", ""):
+    return False
+  raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_options(text: str) -> dict[str, str]:
+  """``"a=1,b=true"`` -> ``{"a": "1", "b": "true"}``."""
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip():
+      raise ValueError(f"expected name=value pairs separated by commas, got {item!r}")
+    out[name.strip()] = value.strip()
+  return out
+
+
+def _check_partitioner(value: Any) -> str:
+  if value not in PARTITIONERS:
+    raise ValueError(f"must be one of {PARTITIONERS}, got {value!r}")
+  return value
+
+
+def _check_optional_dir(value: Any) -> str | None:
+  if value in (None, ""):
+    return None
+  return os.fspath(value)
+
+
+def _non_negative(kind: type) -> Callable[[Any], Any]:
+  def check(value: Any):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+      raise ValueError(f"must be a non-negative number, got {value!r}")
+    return kind(value)
+  return check
+
+
+def _check_bool(value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise ValueError(f"must be True or False, got {value!r}")
+  return value
+
+
+def _check_options(value: Any) -> dict[str, Any]:
+  if not isinstance(value, Mapping):
+    raise ValueError(f"must be a dict of XLA option names to values, got {value!r}")
+  return dict(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+  env: str
+  default: Any
+  parse: Callable[[str], Any]   # environment text -> value
+  check: Callable[[Any], Any]   # value -> canonical value, or ValueError
+  doc: str
+
+
+_SETTINGS: dict[str, _Setting] = {
+    "partitioner": _Setting(
+        "SHARDED_JIT_PARTITIONER", "shardy", str, _check_partitioner,
+        "'shardy' (default) emits sdy shardings; 'gspmd' emits mhlo.sharding"
+        " attributes and @Sharding custom calls."),
+    "cache_dir": _Setting(
+        "SHARDED_JIT_CACHE_DIR", None, str, _check_optional_dir,
+        "Directory of the persistent compilation cache; None disables it."),
+    "cache_max_bytes": _Setting(
+        "SHARDED_JIT_CACHE_MAX_BYTES", 2 ** 31, int, _non_negative(int),
+        "Size limit of the cache directory; least recently used entries go"
+        " first. 0 means no limit."),
+    "cache_min_compile_secs": _Setting(
+        "SHARDED_JIT_CACHE_MIN_COMPILE_SECS", 0.0, float, _non_negative(float),
+        "Programs that compiled faster than this are not written."),
+    "cache_min_entry_bytes": _Setting(
+        "SHARDED_JIT_CACHE_MIN_ENTRY_BYTES", 0, int, _non_negative(int),
+        "Entries smaller than this are not written."),
+    "log_compiles": _Setting(
+        "SHARDED_JIT_LOG_COMPILES", False, _parse_bool, _check_bool,
+        "Log every compilation at WARNING (otherwise at DEBUG)."),
+    "disable_most_optimizations": _Setting(
+        "SHARDED_JIT_DISABLE_MOST_OPTIMIZATIONS", False, _parse_bool, _check_bool,
+        "Compile with XLA's backend optimization level 0: fast compiles for"
+        " debugging, slower programs."),
+    "xla_options": _Setting(
+        "SHARDED_JIT_XLA_OPTIONS", {}, _parse_options, _check_options,
+        "Extra XLA compile options (env_option_overrides), e.g."
+        " {'xla_cpu_enable_fast_math': False}; env: 'name=value,name=value'."),
+}
 
 
 class Config:
@@ -17,9 +111,24 @@ class Config:
   object is created (at import), and can be changed in code afterwards.
 
   Attributes:
-    partitioner: ``"shardy"`` (default) emits ``sdy`` shardings; ``"gspmd"``
-      emits ``mhlo.sharding`` attributes and ``@Sharding`` custom calls.
-      Environment variable: ``SHARDED_JIT_PARTITIONER``.
+    partitioner: ``"shardy"`` (default) or ``"gspmd"``.
+      Env: ``SHARDED_JIT_PARTITIONER``.
+    cache_dir: persistent compilation cache directory, or None (off).
+      Env: ``SHARDED_JIT_CACHE_DIR``.
+    cache_max_bytes: LRU size limit of the cache directory (default 2 GiB;
+      0 = unlimited). Env: ``SHARDED_JIT_CACHE_MAX_BYTES``.
+    cache_min_compile_secs: do not write programs that compiled faster.
+      Env: ``SHARDED_JIT_CACHE_MIN_COMPILE_SECS``.
+    cache_min_entry_bytes: do not write smaller entries.
+      Env: ``SHARDED_JIT_CACHE_MIN_ENTRY_BYTES``.
+    cache_store: a store object with ``get(key)``/``put(key, data)`` used
+      instead of ``cache_dir`` (e.g. ``partitioner.MemoryStore()``).
+    log_compiles: log each compilation at WARNING. Env:
+      ``SHARDED_JIT_LOG_COMPILES``.
+    disable_most_optimizations: XLA backend optimization level 0. Env:
+      ``SHARDED_JIT_DISABLE_MOST_OPTIMIZATIONS``.
+    xla_options: extra XLA options. Env: ``SHARDED_JIT_XLA_OPTIONS``
+      (``name=value,name=value``).
 
   Example:
     >>> from partitioner import config
@@ -27,42 +136,57 @@ class Config:
     ...   pass  # sharded_jit calls in here compile with GSPMD
   """
 
-  def __init__(self, environ: dict[str, str] | None = None):
+  def __init__(self, environ: Mapping[str, str] | None = None):
     environ = os.environ if environ is None else environ
-    self._partitioner = "shardy"
-    if environ.get(_ENV_PARTITIONER):
-      self.partitioner = environ[_ENV_PARTITIONER]
+    for name, setting in _SETTINGS.items():
+      value = setting.default
+      text = environ.get(setting.env)
+      if text:
+        try:
+          value = setting.check(setting.parse(text))
+        except ValueError as e:
+          raise ValueError(f"environment variable {setting.env}={text!r}: {e}") from None
+      object.__setattr__(self, name, value)  # plain attributes: cheap to read
+    object.__setattr__(self, "cache_store", None)
 
-  @property
-  def partitioner(self) -> str:
-    return self._partitioner
-
-  @partitioner.setter
-  def partitioner(self, value: str) -> None:
-    if value not in PARTITIONERS:
-      raise ValueError(
-          f"partitioner must be one of {PARTITIONERS}, got {value!r}. Hint: set"
-          f" partitioner.config.partitioner or the {_ENV_PARTITIONER}"
-          " environment variable to 'shardy' or 'gspmd'.")
-    self._partitioner = value
+  def __setattr__(self, name: str, value: Any) -> None:
+    if name == "cache_store":
+      if value is not None and not (callable(getattr(value, "get", None)) and
+                                    callable(getattr(value, "put", None))):
+        raise TypeError(
+            f"cache_store needs get(key) and put(key, data) methods, got {value!r}")
+    elif name in _SETTINGS:
+      setting = _SETTINGS[name]
+      try:
+        value = setting.check(value)
+      except ValueError as e:
+        raise ValueError(
+            f"partitioner.config.{name} {e}. Hint: {setting.doc} (environment"
+            f" variable {setting.env}).") from None
+    else:
+      raise AttributeError(
+          f"unknown setting {name!r}; settings: {sorted(self.__dict__)}")
+    object.__setattr__(self, name, value)
 
   @contextlib.contextmanager
   def override(self, **settings) -> Iterator[Config]:
     """Temporarily changes settings, e.g. ``override(partitioner="gspmd")``."""
-    old = {}
-    for name, value in settings.items():
-      if not isinstance(getattr(type(self), name, None), property):
-        raise AttributeError(f"unknown setting {name!r}")
-      old[name] = getattr(self, name)
-      setattr(self, name, value)
+    for name in settings:
+      if name not in self.__dict__:
+        raise AttributeError(
+            f"unknown setting {name!r}; settings: {sorted(self.__dict__)}")
+    old = {name: getattr(self, name) for name in settings}
     try:
+      for name, value in settings.items():
+        setattr(self, name, value)
       yield self
     finally:
       for name, value in old.items():
-        setattr(self, name, value)
+        object.__setattr__(self, name, value)
 
   def __repr__(self) -> str:
-    return f"Config(partitioner={self.partitioner!r})"
+    items = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+    return f"Config({items})"
 
 
 config = Config()

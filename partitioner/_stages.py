@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from partitioner import _compile
+from partitioner._cache import Program, compilation_cache
 from partitioner._execute import Executable
 from partitioner._plan import Placement
 from partitioner._trace import TracedProgram
@@ -22,14 +23,13 @@ class Lowered:
     partitioner: ``"shardy"`` or ``"gspmd"``.
   """
 
-  def __init__(self, traced: TracedProgram, placement: Placement, mode: str,
-               module: bytes, text: Callable[[], str], call_check: Callable):
+  def __init__(self, traced: TracedProgram, placement: Placement,
+               program: Program, call_check: Callable):
     self._traced = traced
     self._placement = placement
-    self._module = module
-    self._text = text
+    self._program = program
     self._call_check = call_check
-    self.partitioner = mode
+    self.partitioner = program.mode
     self.num_partitions = placement.num_partitions
     self.devices = placement.devices
 
@@ -47,15 +47,20 @@ class Lowered:
 
   def as_text(self) -> str:
     """The MLIR module after sharding insertion, before XLA partitions it."""
-    return self._text()
+    return self._program.module_text
+
+  def cache_key(self) -> str:
+    """The program's persistent cache key under the current settings.
+
+    Equal in every process that traces the same program with the same
+    settings, devices and versions.
+    """
+    return compilation_cache.key(self._program)[0]
 
   def compile(self) -> Compiled:
-    """Compiles with XLA (counted in ``compilation_stats()["compiles"]``)."""
+    """Loads the program from the compilation caches or compiles it."""
     p = self._placement
-    options = _compile.compile_options(p.num_partitions, p.devices,
-                                       self.partitioner)
-    loaded = _compile.compile_module(self._module, self._traced.name,
-                                     p.devices, options)
+    loaded = compilation_cache.load_or_compile(self._program)
     _compile.verify_shardings(loaded, p.num_partitions, p.in_tilings,
                               p.out_tilings)
     return Compiled(

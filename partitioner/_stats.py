@@ -25,7 +25,10 @@ class CompilationStats:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._counts: dict[str, float] = {"compiles": 0}
+    self._counts: dict[str, float] = {
+        "compiles": 0, "memory_hits": 0, "persistent_hits": 0,
+        "persistent_misses": 0, "persistent_writes": 0,
+        "compile_time_saved_secs": 0.0}
     self._hits = _HitCounter()
     self.cache_hit = self._hits.increment
 
@@ -45,9 +48,17 @@ def compilation_stats() -> dict[str, float]:
   """What compilation did in this process so far.
 
   Returns:
-    A new dict: ``"compiles"`` is the number of XLA compilations performed,
-    ``"cache_hits"`` the number of calls served by an already compiled
-    program from a ``sharded_jit`` function's call cache.
+    A new dict:
+    ``"compiles"``: XLA compilations this process performed;
+    ``"cache_hits"``: calls served from a ``sharded_jit`` function's call
+    cache (no tracing);
+    ``"memory_hits"``: call-cache misses whose program was already compiled
+    in this process (by another function or an earlier ``lower().compile()``);
+    ``"persistent_hits"`` / ``"persistent_misses"`` / ``"persistent_writes"``:
+    persistent cache look-ups that loaded a program, that found none (or an
+    unreadable one), and entries written;
+    ``"compile_time_saved_secs"``: the recorded compile time of the programs
+    loaded from the persistent cache.
 
   Example:
     >>> from partitioner import compilation_stats

@@ -9,7 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from partitioner import config  # noqa: E402
+from partitioner import clear_caches, config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compilation_cache():
+  """Each test starts without in-memory programs, so compile counts are exact."""
+  clear_caches()
+  yield
 
 
 @pytest.fixture(params=["shardy", "gspmd"])

@@ -17,7 +17,7 @@ def test_compile_options(devices):
 
 
 def test_compile_options_reject_wrong_assignment(devices):
-  with pytest.raises(ValueError, match="3 devices but num_partitions is 4"):
+  with pytest.raises(ValueError, match=r"shape \(3,\), but num_partitions=4 needs shape \(4,\) or \(1, 4\)"):
     _compile.compile_options(4, devices[:3], "shardy")
 
 

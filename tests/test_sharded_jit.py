@@ -285,7 +285,7 @@ def test_partitioner_env_variable():
   env["SHARDED_JIT_PARTITIONER"] = "bogus"
   err = subprocess.run([sys.executable, "-c", code], env=env,
                        capture_output=True, text=True).stderr
-  assert "partitioner must be one of ('shardy', 'gspmd'), got 'bogus'" in err
+  assert "SHARDED_JIT_PARTITIONER='bogus': must be one of ('shardy', 'gspmd')" in err
 
 
 def test_config_rejects_bad_mode():

@@ -1,0 +1,182 @@
+"""Finding a compiled program: in memory, then on disk, then compile.
+
+On a call-cache miss, :meth:`CompilationCache.load_or_compile` looks the
+program up by its persistent cache key in the in-memory executables of this
+process, then in the persistent store (``config.cache_dir`` or
+``config.cache_store``), and compiles only if both miss (writing the result
+to the store).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+
+from partitioner import _cache_entry, _compat, _compile
+from partitioner._cache_key import cache_key
+from partitioner._cache_store import CacheStore, DiskStore
+from partitioner._config import config
+from partitioner._stats import stats
+
+logger = logging.getLogger(__name__)
+
+_MEMORY_ENTRIES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What to compile, and how to describe it in logs.
+
+  Attributes:
+    name: the function's name.
+    module: MLIR bytecode to compile.
+    module_text: the same module as text without locations (for the key).
+    mode: ``"shardy"`` or ``"gspmd"``.
+    devices: the device assignment.
+    summary: arguments' shapes and specs, for log messages.
+  """
+  name: str
+  module: bytes
+  module_text: str
+  mode: str
+  devices: tuple[jax.Device, ...]
+  summary: str
+
+
+class CompilationCache:
+  """The in-memory executables of this process plus the persistent store."""
+
+  def __init__(self, memory_entries: int = _MEMORY_ENTRIES):
+    self._memory: collections.OrderedDict[str, _compat.LoadedExecutable] = (
+        collections.OrderedDict())
+    self._memory_entries = memory_entries
+    self._lock = threading.Lock()
+    self._disk: DiskStore | None = None
+
+  def clear(self) -> None:
+    """Forgets the in-memory executables (the persistent store is kept)."""
+    with self._lock:
+      self._memory.clear()
+
+  def store(self) -> CacheStore | None:
+    """The persistent store the settings ask for, or None."""
+    if config.cache_store is not None:
+      return config.cache_store
+    if not config.cache_dir:
+      return None
+    disk = self._disk
+    if (disk is None or disk.directory != config.cache_dir
+        or disk.max_bytes != config.cache_max_bytes):
+      disk = self._disk = DiskStore(config.cache_dir, config.cache_max_bytes)
+    return disk
+
+  def key(self, program: Program) -> tuple[str, _compat.CompileOptions, str]:
+    """(cache key, compile options, compression) under the current settings."""
+    options = _compile.compile_options(
+        len(program.devices), program.devices, program.mode,
+        xla_options=config.xla_options,
+        disable_most_optimizations=config.disable_most_optimizations)
+    compression = _cache_entry.default_compression()
+    key = cache_key(program.module_text, options, program.mode,
+                    program.devices, compression)
+    return key, options, compression
+
+  def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
+    """The loaded executable of ``program``, compiling only when needed."""
+    key, options, compression = self.key(program)
+    with self._lock:
+      loaded = self._memory.get(key)
+      if loaded is not None:
+        self._memory.move_to_end(key)
+    if loaded is not None:
+      stats.add("memory_hits")
+      return loaded
+    store = self.store()
+    loaded = self._load(store, key, program, options) if store is not None else None
+    if loaded is None:
+      loaded = self._compile(store, key, program, options, compression)
+    with self._lock:
+      self._memory[key] = loaded
+      while len(self._memory) > self._memory_entries:
+        self._memory.popitem(last=False)
+    return loaded
+
+  def _load(self, store: CacheStore, key: str, program: Program,
+            options: _compat.CompileOptions) -> _compat.LoadedExecutable | None:
+    try:
+      data = store.get(key)
+    except OSError as e:
+      logger.warning("Could not read compilation cache entry %s: %s", key, e)
+      data = None
+    if data is None:
+      stats.add("persistent_misses")
+      return None
+    try:
+      entry = _cache_entry.decode(data, key)
+      loaded = _compat.deserialize_executable(entry.executable, program.devices, options)
+    except Exception as e:  # any unreadable entry: warn, drop, recompile
+      logger.warning(
+          "Dropping unreadable compilation cache entry %s for %s (%s: %s);"
+          " recompiling.", key, program.name, type(e).__name__, e)
+      delete = getattr(store, "delete", None)
+      if delete is not None:
+        delete(key)
+      stats.add("persistent_misses")
+      return None
+    stats.add("persistent_hits")
+    stats.add("compile_time_saved_secs", entry.compile_time)
+    logger.debug("Loaded %s from the compilation cache (saved %.3f s)",
+                 program.name, entry.compile_time)
+    return loaded
+
+  def _compile(self, store: CacheStore | None, key: str, program: Program,
+               options: _compat.CompileOptions,
+               compression: str) -> _compat.LoadedExecutable:
+    start = time.perf_counter()
+    loaded = _compile.compile_module(program.module, program.devices, options)
+    elapsed = time.perf_counter() - start
+    logger.log(
+        logging.WARNING if config.log_compiles else logging.DEBUG,
+        "Compiled %s for %d partitions (%s) in %.3f s; arguments: %s",
+        program.name, len(program.devices), program.mode, elapsed, program.summary)
+    if store is not None:
+      self._write(store, key, program, loaded, elapsed, compression)
+    return loaded
+
+  def _write(self, store: CacheStore, key: str, program: Program,
+             loaded: _compat.LoadedExecutable, compile_time: float,
+             compression: str) -> None:
+    # Programs with host callbacks never get here: sharded_jit rejects them
+    # while tracing (their executables hold pointers into this process).
+    if compile_time < config.cache_min_compile_secs:
+      return
+    data = _cache_entry.encode(
+        _cache_entry.Entry(_compat.serialize_executable(loaded), compile_time),
+        key, compression)
+    if len(data) < config.cache_min_entry_bytes:
+      return
+    try:
+      store.put(key, data)
+    except OSError as e:
+      logger.warning("Could not write compilation cache entry %s: %s", key, e)
+      return
+    stats.add("persistent_writes")
+
+
+compilation_cache = CompilationCache()
+
+
+def clear_caches() -> None:
+  """Forgets this process's in-memory compiled programs.
+
+  The persistent cache is not touched: to clear it, delete the directory
+  ``partitioner.config.cache_dir``. Call caches of existing ``sharded_jit``
+  functions keep their programs until the functions are garbage collected.
+  """
+  compilation_cache.clear()

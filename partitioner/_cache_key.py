@@ -1,0 +1,71 @@
+"""The persistent cache key: a hash of everything that changes the binary.
+
+The same program traced in two processes (or on two ranks) must give the
+same key, so nothing here depends on object ids, file paths, timestamps or
+the process: the module is hashed as printed text without source locations.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from collections.abc import Sequence
+
+import jax
+import jaxlib
+
+from partitioner import _compat
+from partitioner._version import __version__
+
+
+def cache_key(module_text: str, options: _compat.CompileOptions, mode: str,
+              devices: Sequence[jax.Device], compression: str) -> str:
+  """A hex SHA-256 over the program and how it is compiled.
+
+  Args:
+    module_text: the module after sharding insertion, printed without
+      locations.
+    options: the compile options (partition count, device assignment, XLA
+      overrides, optimization level: all of it, serialized).
+    mode: the partitioner, ``"shardy"`` or ``"gspmd"``.
+    devices: the device assignment.
+    compression: how the entry is compressed.
+  """
+  h = hashlib.sha256()
+
+  def add(label: str, value: str | bytes) -> None:
+    data = value.encode() if isinstance(value, str) else value
+    h.update(label.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+  client = devices[0].client
+  add("module", module_text)
+  add("compile_options", _compat.serialize_compile_options(options))
+  add("partitioner", mode)
+  add("platform", f"{client.platform} {client.platform_version}")
+  add("device_kinds", ",".join(d.device_kind for d in devices))
+  add("device_assignment", ",".join(str(d.id) for d in devices))
+  if client.platform == "cpu":
+    add("host", host_cpu_fingerprint())
+  add("versions", f"jax={jax.__version__} jaxlib={jaxlib.__version__}"
+                  f" sharded-jit={__version__}")
+  add("compression", compression)
+  return h.hexdigest()
+
+
+@functools.cache
+def host_cpu_fingerprint() -> str:
+  """The CPU model and instruction-set flags XLA's CPU backend compiles for."""
+  parts = [platform.machine()]
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
+          parts.append(f"{name}={value.strip()}")
+        if not line.strip() and len(parts) > 1:
+          break  # the first processor is enough
+  except OSError:
+    parts.append(platform.processor())
+  return "\n".join(parts)

@@ -1,0 +1,87 @@
+import multiprocessing
+import os
+import zlib
+
+import pytest
+
+from partitioner import CacheStore, DiskStore, MemoryStore
+
+K1, K2, K3 = "a" * 64, "b" * 64, "c" * 64
+
+
+@pytest.mark.parametrize("make", [MemoryStore, lambda: DiskStore(os.environ["_STORE_DIR"])])
+def test_get_put_delete(make, tmp_path, monkeypatch):
+  monkeypatch.setenv("_STORE_DIR", str(tmp_path / "cache"))
+  store = make()
+  assert isinstance(store, CacheStore)
+  assert store.get(K1) is None
+  store.put(K1, b"one")
+  store.put(K1, b"two")
+  assert store.get(K1) == b"two"
+  store.delete(K1)
+  assert store.get(K1) is None
+
+
+@pytest.mark.parametrize("key", ["../etc/passwd", "ABC", "", "a" * 8])
+def test_keys_must_be_hex(tmp_path, key):
+  with pytest.raises(ValueError, match="hex"):
+    DiskStore(tmp_path).put(key, b"x")
+
+
+def test_writes_leave_no_temporary_files(tmp_path):
+  store = DiskStore(tmp_path)
+  store.put(K1, b"x" * 1000)
+  assert os.listdir(tmp_path) == [K1 + ".sjc"]
+
+
+def test_lru_eviction_removes_least_recently_used(tmp_path):
+  store = DiskStore(tmp_path, max_bytes=250)
+  store.put(K1, b"1" * 100)
+  store.put(K2, b"2" * 100)
+  os.utime(store.path(K1), (1000, 1000))
+  os.utime(store.path(K2), (2000, 2000))
+  store.get(K1)  # K1 is now the most recently used
+  store.put(K3, b"3" * 100)  # 300 bytes > 250: the LRU entry (K2) goes
+  assert store.get(K2) is None
+  assert store.get(K1) == b"1" * 100 and store.get(K3) == b"3" * 100
+
+
+def test_eviction_keeps_total_under_the_limit(tmp_path):
+  store = DiskStore(tmp_path, max_bytes=1000)
+  for i in range(20):
+    store.put(f"{i:064x}", os.urandom(300))
+  assert sum(size for _, size, _ in store.entries()) <= 1000
+
+
+def test_entry_larger_than_the_limit_is_not_written(tmp_path):
+  store = DiskStore(tmp_path, max_bytes=10)
+  store.put(K1, b"x" * 11)
+  assert store.get(K1) is None
+
+
+def _writer(directory, worker, rounds):
+  store = DiskStore(directory, max_bytes=0)
+  for i in range(rounds):
+    for key in ("f" * 64, f"{worker:02d}{i:062x}"):  # one shared key, one own
+      payload = os.urandom(20000 + 1000 * worker)
+      store.put(key, zlib.crc32(payload).to_bytes(4, "little") + payload)
+      data = store.get("f" * 64)
+      assert data is not None and zlib.crc32(data[4:]) == int.from_bytes(data[:4], "little")
+
+
+def test_concurrent_processes_never_see_partial_entries(tmp_path):
+  ctx = multiprocessing.get_context("spawn")
+  procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 30)) for w in range(4)]
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(timeout=120)
+  assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+  store = DiskStore(tmp_path)
+  entries = store.entries()
+  assert len(entries) == 1 + 4 * 30
+  for _, _, path in entries:
+    with open(path, "rb") as f:
+      data = f.read()
+    assert zlib.crc32(data[4:]) == int.from_bytes(data[:4], "little")
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]

@@ -1,0 +1,206 @@
+"""The persistent compilation cache, in-process (MemoryStore) and across processes."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from partitioner import MemoryStore, clear_caches, compilation_stats, config, sharded_jit
+from sharding import PartitionSpec as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mlp(w, x):
+  return jnp.tanh(x @ w).sum(0)
+
+
+W = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)
+
+
+def _delta(before):
+  after = compilation_stats()
+  return {k: after[k] - before[k] for k in before}
+
+
+@pytest.fixture
+def store():
+  s = MemoryStore()
+  with config.override(cache_store=s):
+    yield s
+
+
+def test_hit_after_restart_compiles_nothing(store):
+  before = compilation_stats()
+  first = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_misses"], d["persistent_writes"]) == (1, 1, 1)
+  assert len(store.entries) == 1
+  clear_caches()  # as if the process restarted
+  before = compilation_stats()
+  second = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_hits"]) == (0, 1)
+  assert d["compile_time_saved_secs"] > 0
+  np.testing.assert_array_equal(first, second)
+
+
+def test_memory_hit_across_functions(store):
+  sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  before = compilation_stats()
+  sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  d = _delta(before)
+  assert (d["compiles"], d["memory_hits"], d["persistent_hits"]) == (0, 1, 0)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d[: len(d) // 2],                                   # truncated
+    lambda d: d[:70] + bytes([d[70] ^ 0x55]) + d[71:],            # flipped byte
+    lambda d: b"garbage" * 100,                                   # garbage
+    lambda d: d[:58] + b"\0" * (len(d) - 58),                     # zeroed payload
+])
+def test_corrupt_entry_warns_and_recompiles(store, caplog, damage):
+  f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
+  want = np.asarray(f(W, X))
+  (key,) = store.entries
+  store.entries[key] = damage(store.entries[key])
+  clear_caches()
+  before = compilation_stats()
+  with caplog.at_level(logging.WARNING, logger="partitioner._cache"):
+    got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  assert "Dropping unreadable compilation cache entry" in caplog.text
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_hits"], d["persistent_writes"]) == (1, 0, 1)
+  np.testing.assert_array_equal(got, want)
+  assert store.entries[key][:4] == b"SJIT"  # rewritten
+
+
+def test_entry_of_another_program_under_the_key_is_rejected(store, caplog):
+  """XLA aborts on an executable for another device count: never hand it one."""
+  sharded_jit(lambda x: x + 1, in_parts=P(2), out_parts=P(2))(np.ones(4, np.float32))
+  (other_key,) = store.entries
+  f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
+  key = f.lower(W, X).cache_key()
+  store.entries[key] = store.entries[other_key]  # e.g. a misbehaving store
+  with caplog.at_level(logging.WARNING, logger="partitioner._cache"):
+    got = f(W, X)
+  assert "written for key" in caplog.text
+  np.testing.assert_allclose(got, jax.jit(mlp)(W, X), rtol=1e-6)
+
+
+def test_min_compile_secs_and_min_entry_bytes(store):
+  with config.override(cache_min_compile_secs=1000.0):
+    sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  assert not store.entries
+  with config.override(cache_min_entry_bytes=10 ** 9):
+    sharded_jit(lambda w, x: mlp(w, x) * 2, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  assert not store.entries
+
+
+def test_key_changes_with_everything_that_changes_the_binary():
+  def key(fn=mlp, w=W, x=X, in_parts=(P(1, 4), None), devices=None, **settings):
+    with config.override(**settings):
+      return sharded_jit(fn, in_parts=in_parts, out_parts=None,
+                         devices=devices).lower(w, x).cache_key()
+  base = key()
+  assert key() == base
+  variants = [
+      key(w=np.ones((4, 16), np.float32)),                 # shape
+      key(w=W.astype(np.int32)),                           # dtype
+      key(in_parts=(P(1, 2), None)),                       # spec
+      key(in_parts=(P(1, 4), P(4, 1))),                    # another spec
+      key(fn=lambda w, x: jnp.sin(x @ w).sum(0)),          # code
+      key(partitioner="gspmd"),                            # partitioner
+      key(disable_most_optimizations=True),                # optimization level
+      key(xla_options={"xla_cpu_enable_fast_math": True}), # XLA overrides
+      key(devices=jax.devices()[4:]),                      # device assignment
+  ]
+  assert len(set(variants)) == len(variants) and base not in variants
+
+
+_CHILD = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from partitioner import compilation_stats, sharded_jit
+    from sharding import PartitionSpec as P
+
+    def mlp(w, x):
+      return jnp.tanh(x @ w).sum(0)
+
+    first = int(os.environ.get("FIRST_DEVICE", "0"))
+    f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4),
+                    devices=jax.devices()[first:first + 4])
+    w = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)
+    key = f.lower(w, x).cache_key()
+    out = np.asarray(f(w, x)).tolist()
+    print(json.dumps({"key": key, "out": out, "stats": compilation_stats()}))
+""")
+
+
+def _run_child(cache_dir, **env):
+  full_env = dict(os.environ, SHARDED_JIT_CACHE_DIR=str(cache_dir), **env)
+  full_env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=full_env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_instead_of_compiling(tmp_path):
+  first = _run_child(tmp_path)
+  assert first["stats"]["compiles"] == 1 and first["stats"]["persistent_writes"] == 1
+  assert len(os.listdir(tmp_path)) == 1
+  second = _run_child(tmp_path)
+  assert second["key"] == first["key"]  # stable across processes
+  assert second["stats"]["compiles"] == 0 and second["stats"]["persistent_hits"] == 1
+  assert second["out"] == first["out"]
+  for env in ({"SHARDED_JIT_DISABLE_MOST_OPTIMIZATIONS": "1"},
+              {"SHARDED_JIT_PARTITIONER": "gspmd"},
+              {"FIRST_DEVICE": "4"}):
+    other = _run_child(tmp_path, **env)
+    assert other["key"] != first["key"], env
+    assert other["stats"]["compiles"] == 1 and other["stats"]["persistent_hits"] == 0, env
+    np.testing.assert_allclose(other["out"], first["out"], rtol=1e-6)
+
+
+def test_concurrent_processes_share_a_cache_dir(tmp_path):
+  full_env = dict(os.environ, SHARDED_JIT_CACHE_DIR=str(tmp_path))
+  full_env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, "-c", _CHILD], cwd=ROOT,
+                            env=dict(full_env, FIRST_DEVICE=str(i % 2 * 4)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(4)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0] * 4, [e for _, e in outs]
+  results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+  assert len({r["key"] for r in results}) == 2
+  assert len(os.listdir(tmp_path)) == 2
+  again = _run_child(tmp_path)
+  assert again["stats"]["compiles"] == 0 and again["out"] == results[0]["out"]
+
+
+def test_log_compiles(caplog):
+  with config.override(log_compiles=True), caplog.at_level(logging.WARNING):
+    sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  (record,) = [r for r in caplog.records if "Compiled" in r.getMessage()]
+  assert record.levelno == logging.WARNING
+  msg = record.getMessage()
+  assert "Compiled mlp for 4 partitions" in msg
+  assert "`w` (args[0]): float32[4, 8] PartitionSpec(1, 4)" in msg
+  assert "`x` (args[1]): float32[4, 4] replicated" in msg
+
+
+def test_disable_most_optimizations_still_correct():
+  with config.override(disable_most_optimizations=True):
+    got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  np.testing.assert_allclose(got, jax.jit(mlp)(W, X), rtol=1e-6)
