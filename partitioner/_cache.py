@@ -117,6 +117,7 @@ class CompilationCache:
     if data is None:
       stats.add("persistent_misses")
       return None
+    start = time.perf_counter()
     try:
       entry = _cache_entry.decode(data, key)
       loaded = _compat.deserialize_executable(entry.executable, program.devices, options)
@@ -130,6 +131,7 @@ class CompilationCache:
       stats.add("persistent_misses")
       return None
     stats.add("persistent_hits")
+    stats.add("persistent_load_secs", time.perf_counter() - start)
     stats.add("compile_time_saved_secs", entry.compile_time)
     logger.debug("Loaded %s from the compilation cache (saved %.3f s)",
                  program.name, entry.compile_time)
@@ -141,6 +143,7 @@ class CompilationCache:
     start = time.perf_counter()
     loaded = _compile.compile_module(program.module, program.devices, options)
     elapsed = time.perf_counter() - start
+    stats.add("compile_secs", elapsed)
     logger.log(
         logging.WARNING if config.log_compiles else logging.DEBUG,
         "Compiled %s for %d partitions (%s) in %.3f s; arguments: %s",

@@ -1,10 +1,17 @@
 """Benchmarks sharded_jit side by side with jax.jit + NamedSharding.
 
-Everything runs in one process and one run, on simulated CPU devices, and is
-reported as ratios ours/jax (lower is better for times). Simulated devices
-share the machine's cores: the numbers show our overhead, not scaling.
+Everything runs in one run, on simulated CPU devices, and is reported as
+ratios ours/jax. Simulated devices share the machine's cores: the numbers
+show our overhead, not scaling.
 
-  .venv/bin/python scripts/bench.py [--devices 8] [--calls 2000] [--json out.json]
+  .venv/bin/python scripts/bench.py [--devices 8] [--json out.json] [--only dispatch|startup]
+
+Sections:
+  dispatch  per-call time (inputs already placed) and first-call time
+            (trace + compile), on N devices and on 1 device.
+  startup   a fresh process running one train step of a 4-layer MLP split
+            over N devices: cold, then with a warm persistent cache; ours
+            (SHARDED_JIT_CACHE_DIR) vs jax's own persistent cache.
 """
 
 from __future__ import annotations
@@ -13,29 +20,42 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 _BATCH = 50
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _ARGS.add_argument("--devices", type=int, default=8)
-_ARGS.add_argument("--calls", type=int, default=10000, help="timed calls per case")
+_ARGS.add_argument("--calls", type=int, default=10000, help="timed calls per dispatch case")
 _ARGS.add_argument("--first-calls", type=int, default=7,
                    help="fresh functions traced and compiled per case")
+_ARGS.add_argument("--startup-runs", type=int, default=3,
+                   help="warm-cache processes per startup case")
+_ARGS.add_argument("--only", choices=["dispatch", "startup"])
 _ARGS.add_argument("--json", help="also write the results here")
+_ARGS.add_argument("--child", choices=["ours", "jax"], help=argparse.SUPPRESS)
+_ARGS.add_argument("--cache-dir", help=argparse.SUPPRESS)
+_ARGS.add_argument("--started", type=float, help=argparse.SUPPRESS)
 
 
-def main() -> None:
-  args = _ARGS.parse_args()
+def _setup_jax(devices: int):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={args.devices}")
+                             f" --xla_force_host_platform_device_count={devices}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+  sys.path.insert(0, _ROOT)
   import jax
+  return jax
+
+
+def dispatch(args) -> list[dict]:
+  jax = _setup_jax(args.devices)
   import jax.numpy as jnp
   import numpy as np
 
-  from partitioner import sharded_jit
+  from partitioner import clear_caches, sharded_jit
   from sharding import PartitionSpec as P
 
   def make_fn():
@@ -78,8 +98,7 @@ def main() -> None:
     fn(*inputs).block_until_ready()
     return time.perf_counter() - t0
 
-  results = {"jax": jax.__version__, "devices": args.devices,
-             "platform": jax.devices()[0].platform, "cases": []}
+  cases = []
   for n in sorted({args.devices, 1}, reverse=True):
     ours, theirs, ours_in, theirs_in = build(n)
     np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5)
@@ -91,26 +110,134 @@ def main() -> None:
     for _ in range(max(1, args.calls // _BATCH)):
       a.append(batch(ours, ours_in, _BATCH))
       b.append(batch(theirs, theirs_in, _BATCH))
-    ours_t, theirs_t = statistics.median(a), statistics.median(b)
-    results["cases"].append({"case": f"per-call, {n} device(s)", "unit": "us",
-                             "ours": ours_t * 1e6, "jax": theirs_t * 1e6})
+    cases.append({"case": f"per-call, {n} device(s)", "unit": "us",
+                  "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6})
     fa, fb = [], []
     for _ in range(args.first_calls):  # fresh functions: trace + compile each time
       ours, theirs, ours_in, theirs_in = build(n)
+      clear_caches()  # or the program is found among this process's executables
       fa.append(first_call(ours, ours_in))
       fb.append(first_call(theirs, theirs_in))
-    results["cases"].append({"case": f"first call, {n} device(s)", "unit": "ms",
-                             "ours": statistics.median(fa) * 1e3,
-                             "jax": statistics.median(fb) * 1e3})
+    cases.append({"case": f"first call, {n} device(s)", "unit": "ms",
+                  "ours": statistics.median(fa) * 1e3, "jax": statistics.median(fb) * 1e3})
+  return cases
 
-  print(f"jax {results['jax']}, {results['platform']}, "
-        f"{args.devices} simulated devices, {os.cpu_count()} cores")
-  print("| case | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
-  print("|---|---|---|---|")
-  for c in results["cases"]:
-    c["ratio"] = c["ours"] / c["jax"]
-    print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
-          f"| {c['ratio']:.2f} |")
+
+def startup_child(args) -> None:
+  """One fresh process: build the MLP, run one train step, report times."""
+  jax = _setup_jax(args.devices)
+  compile_part = []  # jax: seconds in backend compile or cache retrieval
+  if args.child == "jax":
+    def listen(event, duration, **kwargs):
+      if event in ("/jax/core/compile/backend_compile_duration",
+                   "/jax/compilation_cache/cache_retrieval_time_sec"):
+        compile_part.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  import jax.numpy as jnp
+  import numpy as np
+
+  from partitioner import compilation_stats, config, sharded_jit
+  from sharding import PartitionSpec as P
+  from sharding import with_sharding_constraint as wsc
+
+  n, width, layers = args.devices, 512, 4
+  if args.child == "ours":
+    config.cache_dir = args.cache_dir
+
+  def loss_fn(params, x):
+    h = x
+    for i in range(layers):
+      h = jax.nn.relu(h @ params[f"up{i}"])
+      if args.child == "ours":
+        h = wsc(h, P(1, n))
+      h = h @ params[f"down{i}"]
+    return jnp.mean(h ** 2)
+
+  def step(params, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads), loss
+
+  rng = np.random.default_rng(0)
+  params = {}
+  for i in range(layers):
+    params[f"up{i}"] = rng.normal(0, 0.05, (width, 2 * width)).astype(np.float32)
+    params[f"down{i}"] = rng.normal(0, 0.05, (2 * width, width)).astype(np.float32)
+  x = rng.normal(size=(64, width)).astype(np.float32)
+  if args.child == "ours":
+    parts = {k: (P(1, n) if k.startswith("up") else P(n, 1)) for k in params}
+    fn = sharded_jit(step, in_parts=(parts, None), out_parts=(parts, None))
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    col = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
+    row = jax.sharding.NamedSharding(mesh, jax.P("x", None))
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+    parts = {k: (col if k.startswith("up") else row) for k in params}
+    fn = jax.jit(step, in_shardings=(parts, rep), out_shardings=(parts, rep))
+  t0 = time.perf_counter()
+  _, loss = fn(params, x)
+  loss.block_until_ready()
+  first = time.perf_counter() - t0
+  if args.child == "ours":
+    stats = compilation_stats()
+    compile_part.append(stats["compile_secs"] + stats["persistent_load_secs"])
+  print(json.dumps({"first_call": first, "to_first_result": time.time() - args.started,
+                    "compile_part": sum(compile_part), "loss": float(loss)}))
+
+
+def startup(args) -> list[dict]:
+  def run(which: str, cache_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", which,
+           "--cache-dir", cache_dir, "--devices", str(args.devices),
+           "--started", str(time.time())]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  cases, results = [], {}
+  for which in ("ours", "jax"):
+    with tempfile.TemporaryDirectory() as d:
+      cold = run(which, d)
+      warm = [run(which, d) for _ in range(args.startup_runs)]
+    assert all(abs(w["loss"] - cold["loss"]) < 1e-6 for w in warm), (cold, warm)
+    results[which] = (cold, warm)
+  for field, label in (("compile_part", "compile or load from cache"),
+                       ("first_call", "first call (trace + compile or load + run)"),
+                       ("to_first_result", "process start to first result")):
+    for which in ("ours", "jax"):
+      cold, warm = results[which]
+      warm_t = statistics.median(w[field] for w in warm)
+      cases.append({"case": f"{label}, {which}", "unit": "ms",
+                    "cold": cold[field] * 1e3, "warm": warm_t * 1e3,
+                    "cold/warm": cold[field] / warm_t})
+  return cases
+
+
+def main() -> None:
+  args = _ARGS.parse_args()
+  if args.child:
+    return startup_child(args)
+  results = {"devices": args.devices, "cores": os.cpu_count()}
+  if args.only in (None, "dispatch"):
+    results["dispatch"] = dispatch(args)
+    import jax
+    results["jax"] = jax.__version__
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+          f"{args.devices} simulated devices, {os.cpu_count()} cores\n")
+    print("| case | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
+    print("|---|---|---|---|")
+    for c in results["dispatch"]:
+      c["ratio"] = c["ours"] / c["jax"]
+      print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
+            f"| {c['ratio']:.2f} |")
+  if args.only in (None, "startup"):
+    results["startup"] = startup(args)
+    print("\n| startup, 4-layer MLP train step | cold | warm cache | cold/warm |")
+    print("|---|---|---|---|")
+    for c in results["startup"]:
+      print(f"| {c['case']} | {c['cold']:.1f} ms | {c['warm']:.1f} ms | {c['cold/warm']:.1f}x |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)
