@@ -14,9 +14,11 @@ from partitioner._config import Config as Config
 from partitioner._config import config as config
 from partitioner._stages import Compiled as Compiled
 from partitioner._stages import Lowered as Lowered
+from partitioner._distributed import World as World
+from partitioner._distributed import initialize as initialize
 from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
 __all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Lowered",
            "MemoryStore", "ShardedJitFunction", "clear_caches",
-           "compilation_stats", "config", "sharded_jit"]
+           "World", "compilation_stats", "config", "initialize", "sharded_jit"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _plan
+from partitioner import _distributed, _local_parts, _plan
 from partitioner._cache import Program
 from partitioner._args import ArgumentLayout, NotAnArray, signature, to_aval
 from partitioner._config import config
@@ -32,6 +32,9 @@ def sharded_jit(
     static_argnums: int | Sequence[int] = (),
     donate_argnums: int | Sequence[int] = (),
     devices: Sequence[jax.Device] | None = None,
+    local_in_parts: Any = None,
+    local_out_parts: Any = None,
+    local_num_partitions: int | None = None,
 ) -> ShardedJitFunction:
   """Compiles ``fun`` to run split across devices, XLA SPMD style.
 
@@ -51,7 +54,17 @@ def sharded_jit(
     donate_argnums: positions of arguments whose device buffers the program
       may reuse for its outputs; donated jax.Arrays cannot be used afterwards.
     devices: the device assignment (partition k runs on ``devices[k]``);
-      by default the first N of ``jax.local_devices()``.
+      by default the first N of ``jax.local_devices()`` (in a multi-process
+      run: the first N/P devices of each of the P processes, process-major).
+    local_in_parts: multi-process runs: each process passes only its own
+      piece of each argument, and these specs say how that piece is split
+      over the process's devices (a prefix tree like ``in_parts``; ``in_parts``
+      still describe the global arrays). Without it, arguments are global
+      values (the same on every process, or global jax.Arrays).
+    local_out_parts: with it, each process gets back its own piece of each
+      output, as a jax.Array on its own devices, split as these specs say;
+      without it, outputs are global jax.Arrays.
+    local_num_partitions: how many devices of each process to use (N / P).
 
   Returns:
     A :class:`ShardedJitFunction`: call it like ``fun``; it returns
@@ -74,9 +87,12 @@ def sharded_jit(
     return functools.partial(
         sharded_jit, in_parts=in_parts, out_parts=out_parts,
         num_partitions=num_partitions, static_argnums=static_argnums,
-        donate_argnums=donate_argnums, devices=devices)
+        donate_argnums=donate_argnums, devices=devices,
+        local_in_parts=local_in_parts, local_out_parts=local_out_parts,
+        local_num_partitions=local_num_partitions)
   return ShardedJitFunction(fun, in_parts, out_parts, num_partitions,
-                            static_argnums, donate_argnums, devices)
+                            static_argnums, donate_argnums, devices,
+                            local_in_parts, local_out_parts, local_num_partitions)
 
 
 def _as_tuple(value: int | Sequence[int], what: str) -> tuple[int, ...]:
@@ -96,23 +112,35 @@ def _check_specs(tree: Any, what: str) -> Any:
   return tree
 
 
+def _positive_or_none(value: Any, what: str) -> int | None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                            or value < 1):
+    raise ValueError(f"{what} must be a positive int or None, got {value!r}")
+  return value
+
+
 class ShardedJitFunction:
   """A function compiled by :func:`sharded_jit`; see there."""
 
   def __init__(self, fun, in_parts, out_parts, num_partitions, static_argnums,
-               donate_argnums, devices):
+               donate_argnums, devices, local_in_parts=None,
+               local_out_parts=None, local_num_partitions=None):
     if not callable(fun):
       raise TypeError(f"sharded_jit expects a callable, got {fun!r}")
+    # Under an MPI launch, join the other ranks now, while jax has not set
+    # up its devices yet (a no-op in a single process).
+    _distributed.world()
     self._fun = fun
     self._name = getattr(fun, "__name__", type(fun).__name__)
     self._in_parts = _check_specs(in_parts, "in_parts")
     self._out_parts = _check_specs(out_parts, "out_parts")
-    if num_partitions is not None and (
-        isinstance(num_partitions, bool) or not isinstance(num_partitions, int)
-        or num_partitions < 1):
-      raise ValueError(
-          f"num_partitions must be a positive int or None, got {num_partitions!r}")
-    self._num_partitions = num_partitions
+    self._local_in_parts = (None if local_in_parts is None else
+                            _check_specs(local_in_parts, "local_in_parts"))
+    self._local_out_parts = (None if local_out_parts is None else
+                             _check_specs(local_out_parts, "local_out_parts"))
+    self._num_partitions = _positive_or_none(num_partitions, "num_partitions")
+    self._local_num_partitions = _positive_or_none(local_num_partitions,
+                                                   "local_num_partitions")
     static = _as_tuple(static_argnums, "static_argnums")
     donate = _as_tuple(donate_argnums, "donate_argnums")
     if set(static) & set(donate):
@@ -195,19 +223,28 @@ class ShardedJitFunction:
           " Hint: pass them positionally, or bind them with functools.partial"
           " before calling sharded_jit.")
 
-  def _in_specs(self, args: tuple, dyn: tuple) -> list:
-    in_parts = self._in_parts
+  def _in_specs(self, args: tuple, dyn: tuple, in_parts: Any = None,
+                what: str = "in_parts") -> list:
+    in_parts = self._in_parts if what == "in_parts" else in_parts
     if (self._layout.static_argnums and isinstance(in_parts, tuple)
         and len(in_parts) == len(args) != len(dyn)):
       keep = self._layout.dynamic_positions(len(args))
       in_parts = tuple(in_parts[i] for i in keep)
-    return broadcast_specs(in_parts, dyn, "in_parts")
+    return broadcast_specs(in_parts, dyn, what)
 
   def _lower(self, args: tuple, dyn: tuple, static_values: tuple) -> Lowered:
     nargs = len(args)
+    world = _distributed.world()
     in_specs = self._in_specs(args, dyn)
     leaves = jax.tree_util.tree_leaves(dyn)
     avals = [to_aval(signature(x)) for x in leaves]
+    names = self._layout.leaf_names(nargs, dyn)
+    in_local = None
+    if self._local_in_parts is not None:
+      given = self._in_specs(args, dyn, self._local_in_parts, "local_in_parts")
+      in_local = _local_parts.check_local_specs(in_specs, given, names,
+                                                world.size, "in")
+      avals = _local_parts.global_avals(avals, in_specs, in_local)
     treedef = jax.tree_util.tree_structure(dyn)
     rebuild = self._layout.rebuild(nargs, static_values)
     traced = trace_and_lower(
@@ -215,21 +252,30 @@ class ShardedJitFunction:
         lambda flat: rebuild(jax.tree_util.tree_unflatten(treedef, flat)),
         avals, self._layout.donated_leaves(nargs, dyn))
     sharding_pass = ShardingPass(traced.module)
-    names = self._layout.leaf_names(nargs, dyn)
     ins = [_plan.SpecUse(s, a.shape, f"in_parts for {n}")
            for s, a, n in zip(in_specs, avals, names)]
     out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
     out_specs = broadcast_specs(self._out_parts, out_tree_avals, "out_parts")
-    out_paths = [jax.tree_util.keystr(p) for p, _ in
+    out_names = ["output" + jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(out_tree_avals)[0]]
-    outs = [_plan.SpecUse(s, a.shape, f"out_parts for output{p}")
-            for s, a, p in zip(out_specs, traced.out_avals, out_paths)]
+    outs = [_plan.SpecUse(s, a.shape, f"out_parts for {n}")
+            for s, a, n in zip(out_specs, traced.out_avals, out_names)]
+    out_local = None
+    if self._local_out_parts is not None:
+      given = broadcast_specs(self._local_out_parts, out_tree_avals, "local_out_parts")
+      out_local = _local_parts.check_local_specs(out_specs, given, out_names,
+                                                 world.size, "out")
     constraints = _plan.constraint_uses(sharding_pass.constraints())
     placement = _plan.plan(ins, outs, constraints, self._num_partitions,
-                           self._devices)
+                           self._devices, world.size, self._local_num_partitions)
     mode = config.partitioner
     sharding_pass.insert(placement.num_partitions, mode, placement.in_tilings,
                          placement.out_tilings, placement.constraint_tilings)
+    globalize = None if in_local is None else _local_parts.globalizers(
+        placement.in_tilings, [a.shape for a in avals])
+    localize = None if out_local is None else _local_parts.localizers(
+        out_specs, out_local, [a.shape for a in traced.out_avals],
+        placement.devices, world.rank, world.size)
     expected = [signature(x) for x in leaves]
 
     def call_check(call_args, call_kwargs):
@@ -255,7 +301,7 @@ class ShardedJitFunction:
         name=self._name, module=sharding_pass.as_bytecode(),
         module_text=sharding_pass.as_text(), mode=mode,
         devices=placement.devices, summary=summary)
-    return Lowered(traced, placement, program, call_check)
+    return Lowered(traced, placement, program, call_check, globalize, localize)
 
   def _call_traced(self, args: tuple, dyn: tuple) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""

@@ -5,6 +5,11 @@ program up by its persistent cache key in the in-memory executables of this
 process, then in the persistent store (``config.cache_dir`` or
 ``config.cache_store``), and compiles only if both miss (writing the result
 to the store).
+
+In a multi-process run every rank computes the program key and the ranks
+compare keys (a mismatch raises on every rank); rank 0 alone then loads or
+compiles the program, writes the persistent cache and broadcasts the
+serialized executable, which the other ranks load instead of compiling.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from collections.abc import Sequence
 
 import jax
 
-from partitioner import _cache_entry, _compat, _compile
-from partitioner._cache_key import cache_key
+from partitioner import _cache_entry, _compat, _compile, _distributed
+from partitioner._cache_key import cache_key, program_key
 from partitioner._cache_store import CacheStore, DiskStore
 from partitioner._config import config
 from partitioner._stats import stats
@@ -76,35 +81,85 @@ class CompilationCache:
       disk = self._disk = DiskStore(config.cache_dir, config.cache_max_bytes)
     return disk
 
-  def key(self, program: Program) -> tuple[str, _compat.CompileOptions, str]:
-    """(cache key, compile options, compression) under the current settings."""
+  def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
+    """(program key, cache key, compile options, compression) under the
+    current settings."""
     options = _compile.compile_options(
         len(program.devices), program.devices, program.mode,
         xla_options=config.xla_options,
         disable_most_optimizations=config.disable_most_optimizations)
     compression = _cache_entry.default_compression()
-    key = cache_key(program.module_text, options, program.mode,
-                    program.devices, compression)
-    return key, options, compression
+    pkey = program_key(program.module_text, options, program.mode, program.devices)
+    return pkey, cache_key(pkey, program.devices, compression), options, compression
 
   def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
     """The loaded executable of ``program``, compiling only when needed."""
-    key, options, compression = self.key(program)
+    pkey, key, options, compression = self.key(program)
+    world = _distributed.world()
+    if world.multi:
+      loaded = self._shared(world, program, pkey, key, options, compression)
+    else:
+      loaded = self._memory_get(key)
+      if loaded is not None:
+        stats.add("memory_hits")
+        return loaded
+      loaded = self._load_or_compile(program, key, options, compression)
+    self._memory_put(key, loaded)
+    return loaded
+
+  def _memory_get(self, key: str) -> _compat.LoadedExecutable | None:
     with self._lock:
       loaded = self._memory.get(key)
       if loaded is not None:
         self._memory.move_to_end(key)
-    if loaded is not None:
-      stats.add("memory_hits")
       return loaded
-    store = self.store()
-    loaded = self._load(store, key, program, options) if store is not None else None
-    if loaded is None:
-      loaded = self._compile(store, key, program, options, compression)
+
+  def _memory_put(self, key: str, loaded: _compat.LoadedExecutable) -> None:
     with self._lock:
       self._memory[key] = loaded
       while len(self._memory) > self._memory_entries:
         self._memory.popitem(last=False)
+
+  def _load_or_compile(self, program: Program, key: str,
+                       options: _compat.CompileOptions,
+                       compression: str) -> _compat.LoadedExecutable:
+    """Persistent store, else compile (and write the store)."""
+    store = self.store()
+    loaded = self._load(store, key, program, options) if store is not None else None
+    if loaded is None:
+      loaded = self._compile(store, key, program, options, compression)
+    return loaded
+
+  def _shared(self, world: _distributed.World, program: Program, pkey: str,
+              key: str, options: _compat.CompileOptions,
+              compression: str) -> _compat.LoadedExecutable:
+    """Rank 0 loads or compiles and broadcasts; the others load its binary."""
+    mine = self._memory_get(key)
+    gathered = world.allgather((pkey, program.summary, mine is not None),
+                               f"the compilation of {program.name}")
+    if len({g[0] for g in gathered}) > 1:
+      raise _distributed.PeerError(_divergence(world.rank, program.name, gathered))
+    if all(have for _, _, have in gathered):
+      stats.add("memory_hits")
+      return mine
+    if world.rank == 0:
+      try:
+        loaded = mine or self._load_or_compile(program, key, options, compression)
+        payload = ("ok", _compat.serialize_executable(loaded))
+      except BaseException as e:
+        world.bcast(("error", f"{type(e).__name__}: {e}"))
+        raise
+      world.bcast(payload)
+      return loaded
+    status, data = world.bcast(None)
+    if status != "ok":
+      raise _distributed.PeerError(
+          f"rank {world.rank} of {world.size}: rank 0 failed to compile"
+          f" {program.name}: {data}")
+    if mine is not None:
+      return mine
+    loaded = _compat.deserialize_executable(data, program.devices, options)
+    stats.add("received_from_rank0")
     return loaded
 
   def _load(self, store: CacheStore, key: str, program: Program,
@@ -173,6 +228,17 @@ class CompilationCache:
 
 
 compilation_cache = CompilationCache()
+
+
+def _divergence(rank: int, name: str, gathered: list) -> str:
+  lines = [f"  rank {r}: {summary}" for r, (_, summary, _) in enumerate(gathered)]
+  same = len({summary for _, summary, _ in gathered}) == 1
+  what = ("the same argument shapes and specs but different code or settings"
+          if same else "different argument shapes or specs")
+  return (f"rank {rank} of {len(gathered)}: the ranks traced different programs"
+          f" for {name} ({what}):\n" + "\n".join(lines) +
+          "\nHint: in a multi-process run every rank must call each sharded_jit"
+          " function with the same shapes, specs, static arguments and settings.")
 
 
 def clear_caches() -> None:

@@ -19,9 +19,18 @@ from partitioner import _compat
 from partitioner._version import __version__
 
 
-def cache_key(module_text: str, options: _compat.CompileOptions, mode: str,
-              devices: Sequence[jax.Device], compression: str) -> str:
-  """A hex SHA-256 over the program and how it is compiled.
+def _hasher():
+  h = hashlib.sha256()
+
+  def add(label: str, value: str | bytes) -> None:
+    data = value.encode() if isinstance(value, str) else value
+    h.update(label.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+  return h, add
+
+
+def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
+                devices: Sequence[jax.Device]) -> str:
+  """A hex SHA-256 of the program: what every rank must agree on.
 
   Args:
     module_text: the module after sharding insertion, printed without
@@ -30,25 +39,32 @@ def cache_key(module_text: str, options: _compat.CompileOptions, mode: str,
       overrides, optimization level: all of it, serialized).
     mode: the partitioner, ``"shardy"`` or ``"gspmd"``.
     devices: the device assignment.
-    compression: how the entry is compressed.
   """
-  h = hashlib.sha256()
-
-  def add(label: str, value: str | bytes) -> None:
-    data = value.encode() if isinstance(value, str) else value
-    h.update(label.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-
-  client = devices[0].client
+  h, add = _hasher()
   add("module", module_text)
   add("compile_options", _compat.serialize_compile_options(options))
   add("partitioner", mode)
-  add("platform", f"{client.platform} {client.platform_version}")
   add("device_kinds", ",".join(d.device_kind for d in devices))
   add("device_assignment", ",".join(str(d.id) for d in devices))
-  if client.platform == "cpu":
-    add("host", host_cpu_fingerprint())
   add("versions", f"jax={jax.__version__} jaxlib={jaxlib.__version__}"
                   f" sharded-jit={__version__}")
+  return h.hexdigest()
+
+
+def cache_key(program: str, devices: Sequence[jax.Device], compression: str) -> str:
+  """The persistent cache key: the program key plus this machine's specifics.
+
+  Args:
+    program: the :func:`program_key`.
+    devices: the device assignment (for the platform and its version).
+    compression: how the entry is compressed.
+  """
+  h, add = _hasher()
+  client = devices[0].client
+  add("program", program)
+  add("platform", f"{client.platform} {client.platform_version}")
+  if client.platform == "cpu":
+    add("host", host_cpu_fingerprint())
   add("compression", compression)
   return h.hexdigest()
 

@@ -77,3 +77,9 @@ def deserialize_executable(data: bytes, devices: Sequence[jax.Device],
   """Loads an executable serialized by :func:`serialize_executable`."""
   client = devices[0].client
   return client.deserialize_executable(data, _xc.DeviceList(tuple(devices)), options)
+
+
+def backends_are_initialized() -> bool:
+  """Whether jax has created its backends (devices) already."""
+  from jax._src import xla_bridge
+  return xla_bridge.backends_are_initialized()

@@ -97,6 +97,14 @@ _SETTINGS: dict[str, _Setting] = {
         "SHARDED_JIT_DISABLE_MOST_OPTIMIZATIONS", False, _parse_bool, _check_bool,
         "Compile with XLA's backend optimization level 0: fast compiles for"
         " debugging, slower programs."),
+    "heartbeat_timeout_secs": _Setting(
+        "SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS", 10, int, _non_negative(int),
+        "Multi-process runs: when a rank stops sending heartbeats for this"
+        " long, jax's coordination service ends the job on every rank."),
+    "collective_timeout_secs": _Setting(
+        "SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS", 300.0, float, _non_negative(float),
+        "Multi-process runs: how long a rank waits for the others to start"
+        " the same compilation (or to connect) before raising an error."),
     "xla_options": _Setting(
         "SHARDED_JIT_XLA_OPTIONS", {}, _parse_options, _check_options,
         "Extra XLA compile options (env_option_overrides), e.g."
@@ -129,6 +137,11 @@ class Config:
       ``SHARDED_JIT_DISABLE_MOST_OPTIMIZATIONS``.
     xla_options: extra XLA options. Env: ``SHARDED_JIT_XLA_OPTIONS``
       (``name=value,name=value``).
+    heartbeat_timeout_secs: multi-process: a rank silent this long ends the
+      job (default 10). Env: ``SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS``.
+    collective_timeout_secs: multi-process: how long to wait for the other
+      ranks at a compilation (default 300). Env:
+      ``SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS``.
 
   Example:
     >>> from partitioner import config

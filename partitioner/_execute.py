@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from partitioner import _compat
 from sharding._tiling import Tiling
@@ -27,23 +28,33 @@ class Executable:
     out_avals: the abstract value of each flat output.
   """
 
-  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers")
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
+               "_globalize", "_localize")
 
   def __init__(self, loaded: _compat.LoadedExecutable,
                in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
-               out_avals: Sequence[jax.core.ShapedArray]):
+               out_avals: Sequence[jax.core.ShapedArray],
+               globalize: Sequence[Callable] | None = None,
+               localize: Sequence[Callable] | None = None):
     self.loaded = loaded
     self.in_shardings = tuple(t.named_sharding() for t in in_tilings)
     self.out_shardings = tuple(t.named_sharding() for t in out_tilings)
     self._handlers = _compat.result_handlers(out_avals, self.out_shardings)
+    self._globalize = globalize  # per-process pieces -> global arrays
+    self._localize = localize    # global outputs -> this process's pieces
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs; returns flat outputs."""
+    if self._globalize is not None:
+      leaves = [f(x) for f, x in zip(self._globalize, leaves)]
     for x, s in zip(leaves, self.in_shardings):
       if type(x) is not _ArrayImpl or x.sharding != s:
         leaves = self.place(leaves)
         break
-    return self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+    outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+    if self._localize is not None:
+      outs = [f(x) for f, x in zip(self._localize, outs)]
+    return outs
 
   def place(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Puts each input on the devices with its sharding.

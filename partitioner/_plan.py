@@ -49,8 +49,12 @@ def constraint_uses(sites: Sequence[ConstraintSite]) -> list[SpecUse]:
 
 def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
          constraints: Sequence[SpecUse], num_partitions: int | None,
-         devices: Sequence[jax.Device] | None) -> Placement:
+         devices: Sequence[jax.Device] | None, num_processes: int = 1,
+         local_num_partitions: int | None = None) -> Placement:
   """Checks all specs and lays them out over the chosen devices.
+
+  With several processes, N is shared equally: each process contributes
+  N / num_processes of its devices, in process-major order.
 
   Raises:
     ValueError: a spec does not fit its value's shape, specs disagree on the
@@ -61,7 +65,11 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
     if use.spec is not None:
       use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}")
   n = _count_partitions(uses, num_partitions)
-  chosen = _choose_devices(n, devices)
+  if num_processes > 1 or local_num_partitions is not None:
+    n = _share_between_processes(n, num_partitions is not None or n > 1,
+                                 num_processes, local_num_partitions)
+  chosen = (_choose_devices(n, devices) if num_processes == 1 else
+            _choose_global_devices(n, devices, num_processes))
   lay = lambda u: tiling(u.spec, chosen, len(u.shape))
   return Placement(
       num_partitions=n,
@@ -91,6 +99,56 @@ def _count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> in
           f" e.g. use a spec whose counts multiply to {expected}, or None to"
           " replicate.")
   return 1 if expected is None else expected
+
+
+def _share_between_processes(n: int, fixed: bool, num_processes: int,
+                             local_num_partitions: int | None) -> int:
+  if local_num_partitions is not None:
+    if not fixed:
+      return num_processes * local_num_partitions
+    if n != num_processes * local_num_partitions:
+      raise ValueError(
+          f"local_num_partitions={local_num_partitions} over {num_processes}"
+          f" processes makes {num_processes * local_num_partitions} partitions,"
+          f" but the specs partition into {n}. Hint: local_num_partitions must"
+          f" be N / (number of processes) = {n / num_processes:g}.")
+    return n
+  if not fixed:
+    return num_processes  # nothing is split: one device per process
+  if n % num_processes:
+    raise ValueError(
+        f"This sharded_jit partitions into {n} pieces, which {num_processes}"
+        " processes cannot share equally. Hint: use a number of partitions"
+        f" that is a multiple of {num_processes}.")
+  return n
+
+
+def _choose_global_devices(n: int, devices: Sequence[jax.Device] | None,
+                           num_processes: int) -> tuple:
+  """N / P devices of each process, process-major (the layout local specs assume)."""
+  per_process = n // num_processes
+  if devices is not None:
+    chosen = tuple(devices)[:n]
+    owners = [d.process_index for d in chosen]
+    expected = [p for p in range(num_processes) for _ in range(per_process)]
+    if len(chosen) < n or owners != expected:
+      raise ValueError(
+          f"devices= must list {per_process} devices of process 0, then"
+          f" {per_process} of process 1, and so on ({n} in all); got devices of"
+          f" processes {owners}.")
+    return chosen
+  chosen = []
+  for p in range(num_processes):
+    local = [d for d in jax.devices() if d.process_index == p]
+    if len(local) < per_process:
+      raise ValueError(
+          f"This sharded_jit requires {n} devices, but only"
+          f" {len(jax.devices())} devices are available ({num_processes}"
+          f" processes; process {p} has {len(local)}, it needs {per_process})."
+          " Hint: on CPU give each process more simulated devices, e.g."
+          f" python -m partitioner.launch --devices-per-process {per_process}.")
+    chosen.extend(local[:per_process])
+  return tuple(chosen)
 
 
 def _choose_devices(n: int, devices: Sequence[jax.Device] | None) -> tuple:

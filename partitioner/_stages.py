@@ -24,7 +24,10 @@ class Lowered:
   """
 
   def __init__(self, traced: TracedProgram, placement: Placement,
-               program: Program, call_check: Callable):
+               program: Program, call_check: Callable,
+               globalize: list[Callable] | None = None,
+               localize: list[Callable] | None = None):
+    self._globalize, self._localize = globalize, localize
     self._traced = traced
     self._placement = placement
     self._program = program
@@ -55,7 +58,7 @@ class Lowered:
     Equal in every process that traces the same program with the same
     settings, devices and versions.
     """
-    return compilation_cache.key(self._program)[0]
+    return compilation_cache.key(self._program)[1]
 
   def compile(self) -> Compiled:
     """Loads the program from the compilation caches or compiles it."""
@@ -64,7 +67,8 @@ class Lowered:
     _compile.verify_shardings(loaded, p.num_partitions, p.in_tilings,
                               p.out_tilings)
     return Compiled(
-        Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals),
+        Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals,
+                   self._globalize, self._localize),
         self._traced.out_tree, self._call_check, p.num_partitions)
 
 

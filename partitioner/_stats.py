@@ -28,6 +28,7 @@ class CompilationStats:
     self._counts: dict[str, float] = {
         "compiles": 0, "memory_hits": 0, "persistent_hits": 0,
         "persistent_misses": 0, "persistent_writes": 0,
+        "received_from_rank0": 0,
         "compile_secs": 0.0, "persistent_load_secs": 0.0,
         "compile_time_saved_secs": 0.0}
     self._hits = _HitCounter()
@@ -58,6 +59,8 @@ def compilation_stats() -> dict[str, float]:
     ``"persistent_hits"`` / ``"persistent_misses"`` / ``"persistent_writes"``:
     persistent cache look-ups that loaded a program, that found none (or an
     unreadable one), and entries written;
+    ``"received_from_rank0"``: multi-process runs, ranks > 0: programs
+    loaded from rank 0's broadcast instead of compiled;
     ``"compile_secs"``: time spent in XLA compilations;
     ``"persistent_load_secs"``: time spent reading and loading programs from
     the persistent cache;

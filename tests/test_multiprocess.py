@@ -1,0 +1,119 @@
+"""Multi-process runs under `mpiexec -n 2` (mpich wheel), 2 CPU devices per rank.
+
+Each job runs through the launcher with a timeout, so a hang fails the test
+instead of stalling CI.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="needs the mpi extra: pip install -e '.[mpi]'")
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TIMEOUT = 180
+
+
+def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT):
+  full_env = {k: v for k, v in os.environ.items()
+              if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+  full_env.update(env or {})
+  cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(n),
+         "--devices-per-process", str(devices), "--timeout", str(timeout),
+         os.path.join(HERE, script), *args]
+  start = time.monotonic()
+  proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True,
+                        text=True, timeout=timeout + 30)
+  return proc, time.monotonic() - start
+
+
+def _found(pattern, text):
+  """Sorted matches: the ranks' output may interleave on one line."""
+  return sorted(re.findall(pattern, text))
+
+
+def test_global_and_local_specs_train_step_and_binary_sharing():
+  proc, _ = launch("mp_core.py")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert _found(r"OK rank \d", proc.stdout) == ["OK rank 0", "OK rank 1"], proc.stdout
+  assert "OK rank 1 compiles=0" in proc.stdout  # rank 1 compiled nothing
+
+
+def test_ranks_tracing_different_programs_both_raise():
+  proc, _ = launch("mp_diverge.py")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  for rank in (0, 1):  # (the two ranks' lines may interleave)
+    assert (f"raised: rank {rank} of 2: the ranks traced different programs"
+            " for <lambda> (different argument shapes or specs)") in proc.stdout
+  assert "rank 1: `x` (args[0]): float32[16, 2] PartitionSpec(4, 1)" in proc.stdout
+
+
+@pytest.mark.parametrize("code", ["3", "0"])
+def test_a_rank_that_dies_ends_the_job_in_bounded_time(code):
+  proc, elapsed = launch("mp_die.py", env={"DIE_CODE": code}, timeout=120)
+  assert proc.returncode != 0, proc.stdout + proc.stderr
+  assert proc.returncode != 124, "the job hung until the launcher's timeout"
+  assert elapsed < 60, elapsed
+  assert "rank 0 finished" not in proc.stdout
+  assert "did not finish normally" in proc.stderr  # even when mpiexec says 0
+
+
+def test_without_launcher_cleanup_the_heartbeat_ends_the_survivors():
+  """Launchers that do not kill the job when a rank dies: jax's heartbeat
+  timeout (config.heartbeat_timeout_secs, 10 s) must end it."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
+  env.update(DIE_CODE="3", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+  if not os.path.exists(mpiexec):
+    pytest.skip("needs the mpich wheel's mpiexec (-disable-auto-cleanup is MPICH's)")
+  start = time.monotonic()
+  proc = subprocess.run([mpiexec, "-disable-auto-cleanup", "-n", "2", sys.executable,
+                         os.path.join(HERE, "mp_die.py")], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=TIMEOUT)
+  assert proc.returncode != 0
+  assert time.monotonic() - start < 60
+  assert "another task died" in proc.stdout + proc.stderr
+
+
+def test_sharded_jit_initializes_by_itself():
+  proc, _ = launch("mp_auto_init.py", "early")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count("ok: [1.0, 1.0") == 2 and "on 4 devices" in proc.stdout
+
+
+def test_too_late_to_initialize_is_a_clear_error():
+  proc, _ = launch("mp_auto_init.py", "late")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count("jax set up its devices before partitioner.initialize()") == 2
+
+
+def test_launcher_runs_a_module_and_passes_arguments(tmp_path):
+  script = tmp_path / "hello.py"
+  script.write_text("import sys, partitioner\n"
+                    "w = partitioner.initialize()\n"
+                    "sys.stdout.write(f'hello {w.rank}/{w.size} {sys.argv[1:]}\\n')\n")
+  proc, _ = launch(str(script), "--flag", "x", devices=1)
+  assert proc.returncode == 0, proc.stderr
+  assert _found(r"hello \d/2 \['--flag', 'x'\]", proc.stdout) == [
+      "hello 0/2 ['--flag', 'x']", "hello 1/2 ['--flag', 'x']"]
+
+
+def test_launcher_reports_a_failing_rank(tmp_path):
+  script = tmp_path / "fail.py"
+  script.write_text("import os, sys\nsys.exit(7 if os.environ['PMI_RANK'] == '1' else 0)\n")
+  proc, _ = launch(str(script), devices=1)
+  assert proc.returncode != 0
+
+
+def test_launcher_help_and_missing_script():
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "--help"],
+                       capture_output=True, text=True, cwd=ROOT)
+  assert out.returncode == 0 and "--devices-per-process" in out.stdout
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2"],
+                       capture_output=True, text=True, cwd=ROOT)
+  assert out.returncode != 0 and "give the script" in out.stderr
