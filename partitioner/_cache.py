@@ -54,12 +54,26 @@ class Program:
   summary: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Binary:
+  """A loaded executable and, when known, the bytes it was loaded from.
+
+  On CPU an executable that was itself deserialized cannot be serialized
+  again (the copy misses its compiled functions), so the bytes it came from
+  are kept to share it with other ranks.
+  """
+  loaded: _compat.LoadedExecutable
+  serialized: bytes | None = None
+
+  def to_bytes(self) -> bytes:
+    return self.serialized or _compat.serialize_executable(self.loaded)
+
+
 class CompilationCache:
   """The in-memory executables of this process plus the persistent store."""
 
   def __init__(self, memory_entries: int = _MEMORY_ENTRIES):
-    self._memory: collections.OrderedDict[str, _compat.LoadedExecutable] = (
-        collections.OrderedDict())
+    self._memory: collections.OrderedDict[str, _Binary] = collections.OrderedDict()
     self._memory_entries = memory_entries
     self._lock = threading.Lock()
     self._disk: DiskStore | None = None
@@ -97,42 +111,40 @@ class CompilationCache:
     pkey, key, options, compression = self.key(program)
     world = _distributed.world()
     if world.multi:
-      loaded = self._shared(world, program, pkey, key, options, compression)
+      binary = self._shared(world, program, pkey, key, options, compression)
     else:
-      loaded = self._memory_get(key)
-      if loaded is not None:
+      binary = self._memory_get(key)
+      if binary is not None:
         stats.add("memory_hits")
-        return loaded
-      loaded = self._load_or_compile(program, key, options, compression)
-    self._memory_put(key, loaded)
-    return loaded
+        return binary.loaded
+      binary = self._load_or_compile(program, key, options, compression)
+    self._memory_put(key, binary)
+    return binary.loaded
 
-  def _memory_get(self, key: str) -> _compat.LoadedExecutable | None:
+  def _memory_get(self, key: str) -> _Binary | None:
     with self._lock:
-      loaded = self._memory.get(key)
-      if loaded is not None:
+      binary = self._memory.get(key)
+      if binary is not None:
         self._memory.move_to_end(key)
-      return loaded
+      return binary
 
-  def _memory_put(self, key: str, loaded: _compat.LoadedExecutable) -> None:
+  def _memory_put(self, key: str, binary: _Binary) -> None:
     with self._lock:
-      self._memory[key] = loaded
+      self._memory[key] = binary
       while len(self._memory) > self._memory_entries:
         self._memory.popitem(last=False)
 
   def _load_or_compile(self, program: Program, key: str,
-                       options: _compat.CompileOptions,
-                       compression: str) -> _compat.LoadedExecutable:
+                       options: _compat.CompileOptions, compression: str) -> _Binary:
     """Persistent store, else compile (and write the store)."""
     store = self.store()
-    loaded = self._load(store, key, program, options) if store is not None else None
-    if loaded is None:
-      loaded = self._compile(store, key, program, options, compression)
-    return loaded
+    binary = self._load(store, key, program, options) if store is not None else None
+    if binary is None:
+      binary = self._compile(store, key, program, options, compression)
+    return binary
 
   def _shared(self, world: _distributed.World, program: Program, pkey: str,
-              key: str, options: _compat.CompileOptions,
-              compression: str) -> _compat.LoadedExecutable:
+              key: str, options: _compat.CompileOptions, compression: str) -> _Binary:
     """Rank 0 loads or compiles and broadcasts; the others load its binary."""
     mine = self._memory_get(key)
     gathered = world.allgather((pkey, program.summary, mine is not None),
@@ -144,13 +156,13 @@ class CompilationCache:
       return mine
     if world.rank == 0:
       try:
-        loaded = mine or self._load_or_compile(program, key, options, compression)
-        payload = ("ok", _compat.serialize_executable(loaded))
+        binary = mine or self._load_or_compile(program, key, options, compression)
+        data = binary.to_bytes()
       except BaseException as e:
         world.bcast(("error", f"{type(e).__name__}: {e}"))
         raise
-      world.bcast(payload)
-      return loaded
+      world.bcast(("ok", data))
+      return _Binary(binary.loaded, data)
     status, data = world.bcast(None)
     if status != "ok":
       raise _distributed.PeerError(
@@ -160,10 +172,10 @@ class CompilationCache:
       return mine
     loaded = _compat.deserialize_executable(data, program.devices, options)
     stats.add("received_from_rank0")
-    return loaded
+    return _Binary(loaded, data)
 
   def _load(self, store: CacheStore, key: str, program: Program,
-            options: _compat.CompileOptions) -> _compat.LoadedExecutable | None:
+            options: _compat.CompileOptions) -> _Binary | None:
     try:
       data = store.get(key)
     except OSError as e:
@@ -190,11 +202,10 @@ class CompilationCache:
     stats.add("compile_time_saved_secs", entry.compile_time)
     logger.debug("Loaded %s from the compilation cache (saved %.3f s)",
                  program.name, entry.compile_time)
-    return loaded
+    return _Binary(loaded, entry.executable)
 
   def _compile(self, store: CacheStore | None, key: str, program: Program,
-               options: _compat.CompileOptions,
-               compression: str) -> _compat.LoadedExecutable:
+               options: _compat.CompileOptions, compression: str) -> _Binary:
     start = time.perf_counter()
     loaded = _compile.compile_module(program.module, program.devices, options)
     elapsed = time.perf_counter() - start
@@ -204,12 +215,11 @@ class CompilationCache:
         "Compiled %s for %d partitions (%s) in %.3f s; arguments: %s",
         program.name, len(program.devices), program.mode, elapsed, program.summary)
     if store is not None:
-      self._write(store, key, program, loaded, elapsed, compression)
-    return loaded
+      self._write(store, key, loaded, elapsed, compression)
+    return _Binary(loaded)
 
-  def _write(self, store: CacheStore, key: str, program: Program,
-             loaded: _compat.LoadedExecutable, compile_time: float,
-             compression: str) -> None:
+  def _write(self, store: CacheStore, key: str, loaded: _compat.LoadedExecutable,
+             compile_time: float, compression: str) -> None:
     # Programs with host callbacks never get here: sharded_jit rejects them
     # while tracing (their executables hold pointers into this process).
     if compile_time < config.cache_min_compile_secs:

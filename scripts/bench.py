@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  .venv/bin/python scripts/bench.py [--devices 8] [--json out.json] [--only dispatch|startup]
+  .venv/bin/python scripts/bench.py [--devices 8] [--json out.json] [--only dispatch|startup|multiprocess]
 
 Sections:
   dispatch  per-call time (inputs already placed) and first-call time
@@ -12,6 +12,9 @@ Sections:
   startup   a fresh process running one train step of a 4-layer MLP split
             over N devices: cold, then with a warm persistent cache; ours
             (SHARDED_JIT_CACHE_DIR) vs jax's own persistent cache.
+  multiprocess  2 ranks x N/2 devices under the launcher: first call with
+            binary sharing (rank 0 compiles) vs jax.jit (every rank
+            compiles), and steady-state train steps/s.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ _ARGS.add_argument("--first-calls", type=int, default=7,
                    help="fresh functions traced and compiled per case")
 _ARGS.add_argument("--startup-runs", type=int, default=3,
                    help="warm-cache processes per startup case")
-_ARGS.add_argument("--only", choices=["dispatch", "startup"])
+_ARGS.add_argument("--only", choices=["dispatch", "startup", "multiprocess"])
+_ARGS.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess)")
 _ARGS.add_argument("--json", help="also write the results here")
-_ARGS.add_argument("--child", choices=["ours", "jax"], help=argparse.SUPPRESS)
+_ARGS.add_argument("--child", choices=["ours", "jax", "mp"], help=argparse.SUPPRESS)
 _ARGS.add_argument("--cache-dir", help=argparse.SUPPRESS)
+_ARGS.add_argument("--which", choices=["ours", "jax"], help=argparse.SUPPRESS)
 _ARGS.add_argument("--started", type=float, help=argparse.SUPPRESS)
 
 
@@ -136,22 +141,41 @@ def startup_child(args) -> None:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  from partitioner import compilation_stats, config
+
+  n = args.devices
+  if args.child == "ours":
+    config.cache_dir = args.cache_dir
+  fn, params, x = _mlp_step(jax, args.child == "ours", n)
+  t0 = time.perf_counter()
+  _, loss = fn(params, x)
+  loss.block_until_ready()
+  first = time.perf_counter() - t0
+  if args.child == "ours":
+    stats = compilation_stats()
+    compile_part.append(stats["compile_secs"] + stats["persistent_load_secs"])
+  print(json.dumps({"first_call": first, "to_first_result": time.time() - args.started,
+                    "compile_part": sum(compile_part), "loss": float(loss)}))
+
+
+def _mlp_step(jax, ours: bool, n: int, width: int = 512, layers: int = 4):
+  """(train step, params, batch): a tensor-parallel MLP over n devices.
+
+  Ours is a sharded_jit; theirs the same step under jax.jit with the same
+  layout as NamedShardings over a 1-D mesh of the same devices.
+  """
   import jax.numpy as jnp
   import numpy as np
 
-  from partitioner import compilation_stats, config, sharded_jit
+  from partitioner import sharded_jit
   from sharding import PartitionSpec as P
   from sharding import with_sharding_constraint as wsc
-
-  n, width, layers = args.devices, 512, 4
-  if args.child == "ours":
-    config.cache_dir = args.cache_dir
 
   def loss_fn(params, x):
     h = x
     for i in range(layers):
       h = jax.nn.relu(h @ params[f"up{i}"])
-      if args.child == "ours":
+      if ours:
         h = wsc(h, P(1, n))
       h = h @ params[f"down{i}"]
     return jnp.mean(h ** 2)
@@ -166,25 +190,80 @@ def startup_child(args) -> None:
     params[f"up{i}"] = rng.normal(0, 0.05, (width, 2 * width)).astype(np.float32)
     params[f"down{i}"] = rng.normal(0, 0.05, (2 * width, width)).astype(np.float32)
   x = rng.normal(size=(64, width)).astype(np.float32)
-  if args.child == "ours":
+  if ours:
     parts = {k: (P(1, n) if k.startswith("up") else P(n, 1)) for k in params}
-    fn = sharded_jit(step, in_parts=(parts, None), out_parts=(parts, None))
-  else:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
-    col = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
-    row = jax.sharding.NamedSharding(mesh, jax.P("x", None))
-    rep = jax.sharding.NamedSharding(mesh, jax.P())
-    parts = {k: (col if k.startswith("up") else row) for k in params}
-    fn = jax.jit(step, in_shardings=(parts, rep), out_shardings=(parts, rep))
+    return sharded_jit(step, in_parts=(parts, None), out_parts=(parts, None)), params, x
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+  col = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
+  row = jax.sharding.NamedSharding(mesh, jax.P("x", None))
+  rep = jax.sharding.NamedSharding(mesh, jax.P())
+  parts = {k: (col if k.startswith("up") else row) for k in params}
+  fn = jax.jit(step, in_shardings=(parts, rep), out_shardings=(parts, rep))
+  fn.in_shardings_flat = jax.tree_util.tree_leaves((parts, rep))  # for the benchmark
+  return fn, params, x
+
+
+def multiprocess_child(args) -> None:
+  """One rank of the 2-rank benchmark (run under partitioner.launch)."""
+  import partitioner
+  world = partitioner.initialize()
+  jax = _setup_jax(args.devices)  # the launcher set the per-process device count
+  n = len(jax.devices())
+  ours = args.which == "ours"
+  fn, params, x = _mlp_step(jax, ours, n)
+  # Global inputs, placed the same way for both (outside the timings).
+  shardings = fn.lower(params, x).in_shardings if ours else fn.in_shardings_flat
+  leaves, tree = jax.tree_util.tree_flatten((params, x))
+  placed = [jax.make_array_from_callback(v.shape, s, lambda i, v=v: v[i])
+            for v, s in zip(leaves, shardings)]
+  params, x = jax.tree_util.tree_unflatten(tree, placed)
+  world.rendezvous("the benchmark")
   t0 = time.perf_counter()
-  _, loss = fn(params, x)
+  params, loss = fn(params, x)
   loss.block_until_ready()
   first = time.perf_counter() - t0
-  if args.child == "ours":
-    stats = compilation_stats()
-    compile_part.append(stats["compile_secs"] + stats["persistent_load_secs"])
-  print(json.dumps({"first_call": first, "to_first_result": time.time() - args.started,
-                    "compile_part": sum(compile_part), "loss": float(loss)}))
+  for _ in range(3):
+    params, loss = fn(params, x)
+  loss.block_until_ready()
+  world.rendezvous("the benchmark")
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    params, loss = fn(params, x)
+  loss.block_until_ready()
+  result = {"first_call": first, "steps_per_sec": args.steps / (time.perf_counter() - t0),
+            "loss": float(loss), "compiles": partitioner.compilation_stats()["compiles"]}
+  gathered = world.comm.gather(result, root=0)
+  if world.rank == 0:
+    print("RESULT " + json.dumps(gathered))
+
+
+def multiprocess(args) -> list[dict]:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+  ranks = {}
+  for which in ("ours", "jax"):  # separate jobs: neither warms the other's caches
+    cmd = [sys.executable, "-m", "partitioner.launch", "-n", "2",
+           "--devices-per-process", str(args.devices // 2), "--timeout", "600",
+           os.path.abspath(__file__), "--child", "mp", "--which", which,
+           "--devices", str(args.devices // 2), "--steps", str(args.steps)]
+    out = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+      raise RuntimeError(f"the 2-rank benchmark failed:\n{out.stdout}\n{out.stderr}")
+    ranks[which] = json.loads(lines[-1][len("RESULT "):])
+  for a, b in zip(ranks["ours"], ranks["jax"]):
+    assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1, abs(b["loss"])), (a, b)
+  cases = []
+  for field, label, unit, scale, pick in (
+      ("first_call", "first call, slowest rank (trace + compile + run)", "ms", 1e3, max),
+      ("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min)):
+    ours = pick(r[field] for r in ranks["ours"]) * scale
+    theirs = pick(r[field] for r in ranks["jax"]) * scale
+    cases.append({"case": f"2 ranks x {args.devices // 2} devices: {label}",
+                  "unit": unit, "ours": ours, "jax": theirs, "ratio": ours / theirs})
+  cases.append({"case": "XLA compilations per rank (ours)", "unit": "",
+                "ours": [r["compiles"] for r in ranks["ours"]], "jax": None, "ratio": None})
+  return cases
 
 
 def startup(args) -> list[dict]:
@@ -217,6 +296,8 @@ def startup(args) -> list[dict]:
 
 def main() -> None:
   args = _ARGS.parse_args()
+  if args.child == "mp":
+    return multiprocess_child(args)
   if args.child:
     return startup_child(args)
   results = {"devices": args.devices, "cores": os.cpu_count()}
@@ -238,6 +319,16 @@ def main() -> None:
     print("|---|---|---|---|")
     for c in results["startup"]:
       print(f"| {c['case']} | {c['cold']:.1f} ms | {c['warm']:.1f} ms | {c['cold/warm']:.1f}x |")
+  if args.only in (None, "multiprocess"):
+    results["multiprocess"] = multiprocess(args)
+    print("\n| 2-rank run, 4-layer MLP train step | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
+    print("|---|---|---|---|")
+    for c in results["multiprocess"]:
+      if c["ratio"] is None:
+        print(f"| {c['case']} | {c['ours']} | every rank compiles | |")
+      else:
+        print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
+              f"| {c['ratio']:.2f} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)

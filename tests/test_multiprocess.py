@@ -4,6 +4,7 @@ Each job runs through the launcher with a timeout, so a hang fails the test
 instead of stalling CI.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,24 @@ def test_global_and_local_specs_train_step_and_binary_sharing():
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert _found(r"OK rank \d", proc.stdout) == ["OK rank 0", "OK rank 1"], proc.stdout
   assert "OK rank 1 compiles=0" in proc.stdout  # rank 1 compiled nothing
+
+
+def test_only_rank_0_uses_the_persistent_cache(tmp_path):
+  def run():
+    proc, _ = launch("mp_cache.py", env={"SHARDED_JIT_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stats = [json.loads(m) for m in re.findall(r"STATS (\{[^}]*\})", proc.stdout)]
+    return {s["rank"]: s for s in stats}
+  first = run()
+  assert first[0]["compiles"] == 1 and first[0]["persistent_writes"] == 1
+  assert first[1]["compiles"] == 0 and first[1]["persistent_writes"] == 0
+  assert first[1]["received_from_rank0"] == 1
+  assert len(os.listdir(tmp_path)) == 1
+  second = run()
+  assert second[0]["compiles"] == 0 and second[0]["persistent_hits"] == 1
+  assert second[1]["compiles"] == 0 and second[1]["persistent_hits"] == 0
+  assert second[1]["received_from_rank0"] == 1
+  assert second[0]["out"] == second[1]["out"] == 24.0
 
 
 def test_ranks_tracing_different_programs_both_raise():

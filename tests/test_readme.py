@@ -16,7 +16,8 @@ def _readme() -> str:
 def test_readme_python_blocks_run():
   text = _readme()
   blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-  code = "\n".join(b for b in blocks if "partitioner.config" not in b)
+  # Blocks that change settings or need MPI are shown, not run here.
+  code = "\n".join(b for b in blocks if "partitioner." not in b)
   code += "\nassert compiled(x, w).shape == (8, 4)\n"
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
