@@ -301,7 +301,8 @@ class ShardedJitFunction:
         name=self._name, module=sharding_pass.as_bytecode(),
         module_text=sharding_pass.as_text(), mode=mode,
         devices=placement.devices, summary=summary)
-    return Lowered(traced, placement, program, call_check, globalize, localize)
+    return Lowered(traced, placement, program, call_check, globalize, localize,
+                   (names, out_names))
 
   def _call_traced(self, args: tuple, dyn: tuple) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""
@@ -321,6 +322,24 @@ class ShardedJitFunction:
 
   def __repr__(self) -> str:
     return f"<sharded_jit {self._name}>"
+
+
+def explain(fun: ShardedJitFunction, *args) -> Any:
+  """``fun.lower(*args).compile().explain()``: what the partitioner did.
+
+  Example:
+    >>> import numpy as np
+    >>> from sharding import PartitionSpec as P
+    >>> from partitioner import explain, sharded_jit
+    >>> f = sharded_jit(lambda x, w: x @ w, in_parts=(P(1, 2), P(2, 1)), out_parts=None)
+    >>> report = explain(f, np.ones((8, 16), np.float32), np.ones((16, 4), np.float32))
+    >>> report.collective_totals()["all-reduce"]
+    (1, 128)
+  """
+  if not isinstance(fun, ShardedJitFunction):
+    raise TypeError(f"explain expects a sharded_jit function, got {fun!r}. Hint:"
+                    " wrap it with sharded_jit(fun, in_parts, out_parts) first.")
+  return fun.lower(*args).compile().explain()
 
 
 def _bounded_put(cache: dict, key: Any, value: Compiled) -> None:

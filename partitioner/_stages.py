@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from partitioner import _compile
+from partitioner import _compile, _explain
 from partitioner._cache import Program, compilation_cache
 from partitioner._execute import Executable
 from partitioner._plan import Placement
@@ -26,8 +27,10 @@ class Lowered:
   def __init__(self, traced: TracedProgram, placement: Placement,
                program: Program, call_check: Callable,
                globalize: list[Callable] | None = None,
-               localize: list[Callable] | None = None):
+               localize: list[Callable] | None = None,
+               names: tuple[Sequence[str], Sequence[str]] = ((), ())):
     self._globalize, self._localize = globalize, localize
+    self._names = names
     self._traced = traced
     self._placement = placement
     self._program = program
@@ -69,7 +72,31 @@ class Lowered:
     return Compiled(
         Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals,
                    self._globalize, self._localize),
-        self._traced.out_tree, self._call_check, p.num_partitions)
+        self._traced.out_tree, self._call_check, p.num_partitions,
+        functools.partial(self._explain, loaded))
+
+  def _explain(self, loaded, hlo_text: str) -> _explain.Explanation:
+    p, t = self._placement, self._traced
+    in_names, out_names = self._names
+    in_names = in_names or [f"args[{i}]" for i in range(len(t.in_avals))]
+    out_names = out_names or [f"output[{i}]" for i in range(len(t.out_avals))]
+    stats = loaded.get_compiled_memory_stats()
+    memory = {"arguments": stats.argument_size_in_bytes,
+              "outputs": stats.output_size_in_bytes,
+              "temporaries": stats.temp_size_in_bytes,
+              "aliased": stats.alias_size_in_bytes}
+    memory["peak_estimate"] = (memory["arguments"] + memory["outputs"] +
+                               memory["temporaries"] - memory["aliased"])
+    return _explain.Explanation(
+        name=self._program.name, partitioner=self.partitioner,
+        num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),
+        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
+                        in zip(in_names, t.in_avals, p.in_tilings)),
+        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
+                      in zip(out_names, t.out_avals, p.out_tilings)),
+        collectives=tuple(_explain.collectives(hlo_text)),
+        flops=float(dict(loaded.cost_analysis()).get("flops", 0.0)),
+        memory=memory)
 
 
 class Compiled:
@@ -80,7 +107,9 @@ class Compiled:
   """
 
   def __init__(self, executable: Executable, out_tree: Any,
-               call_check: Callable, num_partitions: int):
+               call_check: Callable, num_partitions: int,
+               explain: Callable[[str], _explain.Explanation] | None = None):
+    self._explain = explain
     self.executable = executable
     self.out_tree = out_tree
     self._call_check = call_check
@@ -110,6 +139,16 @@ class Compiled:
   def cost_analysis(self) -> dict[str, float]:
     """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
     return dict(self.executable.loaded.cost_analysis())
+
+  def explain(self) -> _explain.Explanation:
+    """A readable report of the partitioned program; see :class:`Explanation`.
+
+    Per argument and output: global shape, spec, per-device shard shape and
+    bytes, and a picture of which device holds which block; the collectives
+    XLA inserted (kind, bytes, source line); per-device FLOPs and memory.
+    ``print(compiled.explain())`` shows it; its fields are data too.
+    """
+    return self._explain(self.as_text())
 
   def memory_analysis(self) -> Any:
     """XLA's memory statistics of the per-device program."""
