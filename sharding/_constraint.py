@@ -82,8 +82,8 @@ def with_sharding_constraint(x: Any, spec: Any) -> Any:
 
   Raises:
     TypeError: ``spec`` is not a PartitionSpec or None.
-    ValueError: the spec's rank differs from ``x``'s, or a dimension is not
-      divisible by its count.
+    ValueError: the spec's rank differs from ``x``'s, or (inside sharded_jit)
+      a dimension is not divisible by its count.
 
   Example:
     >>> import jax.numpy as jnp
@@ -98,9 +98,12 @@ def with_sharding_constraint(x: Any, spec: Any) -> Any:
     if not isinstance(leaf, jax.Array | jax.core.Tracer):
       leaf = jnp.asarray(leaf)
     if leaf_spec is not None:
+      # The rank must always match; divisibility only matters when the
+      # constraint takes effect (sharded_jit checks every site again).
       leaf_spec.check_shape(
           leaf.shape,
-          f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}")
+          f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}",
+          divisible=_marker_mode.depth > 0)
     out.append(constraint_p.bind(leaf, spec=leaf_spec, origin=origin))
   return jax.tree_util.tree_unflatten(treedef, out)
 

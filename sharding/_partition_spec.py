@@ -101,12 +101,14 @@ class PartitionSpec:
     counts.insert(dim, count)
     return PartitionSpec(*counts)
 
-  def check_shape(self, shape: Sequence[int], what: str) -> None:
+  def check_shape(self, shape: Sequence[int], what: str, *,
+                  divisible: bool = True) -> None:
     """Checks that this spec can tile an array of ``shape``.
 
     Args:
       shape: the global shape of the array.
       what: how to name the array in an error, e.g. ``"in_parts[0]"``.
+      divisible: also check that each dimension divides by its count.
 
     Raises:
       ValueError: the rank differs, or a dimension is not divisible by its
@@ -123,7 +125,7 @@ class PartitionSpec:
           f"{what}: spec {self!r} has {len(self._counts)} entries but the"
           f" array has rank {len(shape)} (shape {shape}).{hint}")
     for dim, (size, count) in enumerate(zip(shape, self._counts)):
-      if size % count:
+      if divisible and size % count:
         raise ValueError(
             f"{what}: dimension {dim} of shape {shape} has size {size}, which"
             f" is not divisible by its partition count {count} (spec"

@@ -117,3 +117,11 @@ def test_bad_spec_type_error():
     wsc(jnp.ones(4), jax.sharding.PartitionSpec("x"))
   with pytest.raises(TypeError, match=r"PartitionSpec\(2\)"):
     wsc(jnp.ones(4), 2)
+
+
+def test_outside_sharded_jit_only_the_rank_is_checked():
+  # A batch of 1 cannot be split in 2, but the constraint has no effect here.
+  f = jax.jit(lambda x: wsc(x + 1, P(2, 1)))
+  np.testing.assert_array_equal(f(jnp.zeros((1, 3))), np.ones((1, 3)))
+  with pytest.raises(ValueError, match="rank 1"):
+    jax.jit(lambda x: wsc(x, P(2, 1)))(jnp.zeros(3))

@@ -17,11 +17,22 @@ def run(*cmd, timeout=300):
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
-def test_train_mlp(partitioner):
-  proc = run("examples/train_mlp.py", "--steps", "12", "--hidden", "128",
+def test_mlp_tensor_parallel(partitioner):
+  proc = run("examples/mlp_tensor_parallel.py", "--steps", "12", "--hidden", "128",
              f"--partitioner={partitioner}")
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "step  11" in proc.stdout and "(match)" in proc.stdout
+
+
+def test_transformer(tmp_path):
+  proc = run("examples/transformer.py", "--steps", "15", "--layers", "1", "--width", "64",
+             "--heads", "4", "--batch", "8", "--seq", "32", "--sample", "20",
+             f"--plot={tmp_path / 'loss.png'}")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "2 x 4 = 8 devices (data x model)" in proc.stdout
+  assert "tokens/s" in proc.stdout and "(match)" in proc.stdout
+  assert "Sample:\nThe " in proc.stdout
+  assert "all-reduce" in proc.stdout  # the explain() summary
 
 
 def test_multiprocess_train():
@@ -32,7 +43,9 @@ def test_multiprocess_train():
   assert "rank 1: compiled 0 program(s), received 1 from rank 0" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["examples/train_mlp.py", "examples/multiprocess_train.py"])
+@pytest.mark.parametrize("script", ["examples/mlp_tensor_parallel.py",
+                                    "examples/multiprocess_train.py",
+                                    "examples/transformer.py"])
 def test_help(script):
   proc = run(script, "--help")  # (absl exits with 1 after printing help)
   assert "--steps" in proc.stdout and "Training steps" in proc.stdout

@@ -9,7 +9,7 @@ grad, SGD update) is one sharded_jit program.
 At the end the same steps run unsharded under plain jax.jit, and the two
 loss curves are compared.
 
-  python examples/train_mlp.py --devices 8 --steps 30
+  python examples/mlp_tensor_parallel.py --devices 8 --steps 30
 """
 
 from __future__ import annotations

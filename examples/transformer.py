@@ -1,0 +1,257 @@
+"""A small decoder-only transformer language model, trained sharded 2-D.
+
+The model learns to write Python documentation one character at a time: the
+corpus is the help text that ships with CPython (``pydoc_data.topics``,
+~460k characters), so nothing is downloaded.
+
+Sharding over 8 simulated CPU devices, as data x model = 2 x 4:
+- activations [batch, seq, ...] are split 2 ways over the batch and 4 ways
+  over the model dimension: attention heads, MLP hidden units, the residual
+  stream's features (constraints inside every layer);
+- weights are split 4 ways over heads / hidden units (tensor parallel) and 2
+  ways over their other dimension (so each data group keeps half of them,
+  FSDP style; XLA gathers what it needs);
+- the token batch comes in split over all 8 devices.
+
+  python examples/transformer.py                 # ~1 minute on 2 CPU cores
+  python examples/transformer.py --steps 500 --layers 4 --data 2 --model 4
+
+It prints progress (step, loss, tokens/s), checks the first steps against an
+unsharded run, prints a sample of generated text and saves a loss curve PNG
+when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+_STEPS = flags.DEFINE_integer("steps", 500, "Training steps.")
+_DATA = flags.DEFINE_integer("data", 2, "Devices along the batch (data) dimension.")
+_MODEL = flags.DEFINE_integer("model", 4, "Devices along the model dimension (heads, MLP).")
+_BATCH = flags.DEFINE_integer("batch", 16, "Sequences per step.")
+_SEQ = flags.DEFINE_integer("seq", 64, "Characters per sequence.")
+_WIDTH = flags.DEFINE_integer("width", 128, "Model width.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Attention heads.")
+_LAYERS = flags.DEFINE_integer("layers", 2, "Transformer layers.")
+_LR = flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
+_CHECK = flags.DEFINE_integer("check_steps", 3, "Steps re-run unsharded to check the losses match.")
+_SAMPLE = flags.DEFINE_integer("sample", 200, "Characters of text to generate at the end (0: none).")
+_PLOT = flags.DEFINE_string("plot", "transformer_loss.png", "Loss curve PNG (needs matplotlib; '' for none).")
+_PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
+def main(argv):
+  del argv
+  n = _DATA.value * _MODEL.value
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={n}")
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  import logging
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from pydoc_data import topics
+
+  import partitioner
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+  from sharding import with_sharding_constraint as wsc
+
+  if _PARTITIONER.value:
+    partitioner.config.partitioner = _PARTITIONER.value
+  dp, mp = _DATA.value, _MODEL.value
+  d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
+  dh, f = d // h, 4 * d
+  for what, size, by in (("heads", h, mp), ("width", d, mp * dp), ("batch", b, n)):
+    if size % by:
+      raise app.UsageError(f"--{what}={size} must be divisible by {by}")
+
+  # --- data: Python's own documentation, character by character -----------
+  text = "\n".join(topics.topics.values())
+  chars = sorted(set(text))
+  vocab = -(-len(chars) // n) * n  # padded so the logits split evenly
+  index = {c: i for i, c in enumerate(chars)}
+  corpus = np.array([index[c] for c in text], dtype=np.int32)
+  rng = np.random.default_rng(_SEED.value)
+
+  def batches():
+    while True:
+      starts = rng.integers(0, len(corpus) - t - 1, size=b)
+      yield np.stack([corpus[s:s + t + 1] for s in starts])
+
+  # --- the model ------------------------------------------------------------
+  act = P(dp, 1, mp)          # [batch, seq, features]
+  heads = P(dp, 1, mp, 1)     # [batch, seq, heads, head_dim]
+
+  def norm(x, scale):
+    x = x - x.mean(-1, keepdims=True)
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
+
+  def block(x, p):
+    y = norm(x, p["ln1"])
+    q, k, v = (wsc(jnp.einsum("btd,dhk->bthk", y, p[w]), heads) for w in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(dh)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+    o = wsc(jnp.einsum("bhqs,bshk->bqhk", attn, v), heads)
+    x = wsc(x + jnp.einsum("bthk,hkd->btd", o, p["wo"]), act)
+    y = norm(x, p["ln2"])
+    hidden = wsc(jax.nn.gelu(y @ p["w1"]), act)     # MLP units split over the model dim
+    return wsc(x + hidden @ p["w2"], act)
+
+  def forward(params, tokens):
+    x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], act)
+    for p in params["blocks"]:
+      x = block(x, p)
+    return wsc(norm(x, params["ln"]) @ params["unembed"], act)  # [b, t, vocab]
+
+  def loss_fn(params, seqs):
+    logits = forward(params, seqs[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1).mean()
+
+  def adam_step(params, opt, seqs):
+    loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
+    step = opt["step"] + 1
+    m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
+    v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
+    lr = _LR.value * jnp.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
+    params = jax.tree_util.tree_map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + 1e-8),
+                                    params, m, v)
+    return params, {"step": step, "m": m, "v": v}, loss
+
+  def init(key):
+    def normal(key, shape, scale):
+      return (jax.random.normal(key, shape) * scale).astype(jnp.float32)
+    keys = iter(jax.random.split(key, 4 + 6 * layers))
+    blocks = []
+    for _ in range(layers):
+      blocks.append({
+          "ln1": jnp.ones(d), "ln2": jnp.ones(d),
+          "wq": normal(next(keys), (d, h, dh), d ** -0.5),
+          "wk": normal(next(keys), (d, h, dh), d ** -0.5),
+          "wv": normal(next(keys), (d, h, dh), d ** -0.5),
+          "wo": normal(next(keys), (h, dh, d), (2 * d * layers) ** -0.5),
+          "w1": normal(next(keys), (d, f), d ** -0.5),
+          "w2": normal(next(keys), (f, d), (2 * f * layers) ** -0.5)})
+    return {"embed": normal(next(keys), (vocab, d), 1.0),
+            "pos": normal(next(keys), (t, d), 0.1),
+            "ln": jnp.ones(d),
+            "unembed": normal(next(keys), (d, vocab), d ** -0.5),
+            "blocks": blocks}
+
+  # How each weight is split: heads / hidden units over the model dimension,
+  # the other dimension over the data dimension.
+  block_parts = {"ln1": None, "ln2": None, "wq": P(dp, mp, 1), "wk": P(dp, mp, 1),
+                 "wv": P(dp, mp, 1), "wo": P(mp, 1, dp), "w1": P(dp, mp), "w2": P(mp, dp)}
+  param_parts = {"embed": P(1, n), "pos": P(1, n), "ln": None, "unembed": P(dp, mp),
+                 "blocks": [block_parts] * layers}
+  opt_parts = {"step": None, "m": param_parts, "v": param_parts}
+  train_step = sharded_jit(adam_step, in_parts=(param_parts, opt_parts, P(n, 1)),
+                           out_parts=(param_parts, opt_parts, None), donate_argnums=(0, 1))
+
+  params0 = init(jax.random.PRNGKey(_SEED.value))
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params0)
+  opt0 = {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": zeros}
+  size = sum(x.size for x in jax.tree_util.tree_leaves(params0))
+  print(f"Transformer: {layers} layers, width {d}, {h} heads, {size / 1e6:.2f}M parameters,"
+        f" {len(chars)} characters; {dp} x {mp} = {n} devices (data x model),"
+        f" partitioner {partitioner.config.partitioner}", flush=True)
+
+  data = batches()
+  seen = [next(data) for _ in range(_STEPS.value)]
+  params, opt = jax.tree_util.tree_map(np.asarray, (params0, opt0))
+  losses, live = [], sys.stdout.isatty()
+  start = time.perf_counter()
+  tokens = 0
+  for i, seqs in enumerate(seen):
+    params, opt, loss = train_step(params, opt, seqs)
+    losses.append(float(loss))
+    tokens += b * t
+    if i == 0:
+      print(f"step   0  loss {losses[0]:.3f}  (first step: trace, partition and"
+            f" compile, {time.perf_counter() - start:.1f} s)", flush=True)
+      start, tokens = time.perf_counter(), 0
+      continue
+    rate = tokens / (time.perf_counter() - start)
+    bar = "#" * int(30 * (i + 1) / len(seen))
+    line = f"step {i:3d}/{len(seen)} [{bar:<30}] loss {losses[-1]:.3f}  {rate:,.0f} tokens/s"
+    if live:
+      print("\r" + line, end="", flush=True)
+    elif i % 10 == 0 or i == len(seen) - 1:
+      print(line, flush=True)
+  if live:
+    print()
+  print(f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (mean of the last 10 steps)")
+  print(explain_line(train_step, partitioner, params, opt, seen[0]))
+
+  # The same first steps unsharded (constraints are the identity outside
+  # sharded_jit): the losses must match.
+  if _CHECK.value:
+    plain = jax.jit(adam_step)
+    p, o, ref = params0, opt0, []
+    for seqs in seen[:_CHECK.value]:
+      p, o, loss = plain(p, o, seqs)
+      ref.append(float(loss))
+    diff = float(np.max(np.abs(np.array(losses[:len(ref)]) - ref)))
+    ok = np.allclose(losses[:len(ref)], ref, rtol=1e-3, atol=1e-4)
+    print(f"first {len(ref)} steps vs unsharded: max loss difference {diff:.1e}"
+          f" ({'match' if ok else 'MISMATCH'})")
+    if not ok:
+      sys.exit(1)
+
+  if _SAMPLE.value:
+    print("Sample:\n" + sample(jax, jnp, np, forward, params, chars, index, t,
+                               _SAMPLE.value, _SEED.value))
+  if _PLOT.value:
+    save_plot(losses, _PLOT.value)
+  if not np.mean(losses[-10:]) < losses[0]:
+    sys.exit(1)
+
+
+def explain_line(step_fn, partitioner, params, opt, seqs) -> str:
+  totals = step_fn.lower(params, opt, seqs).compile().explain().collective_totals()
+  used = ", ".join(f"{n} {k}" for k, (n, _) in totals.items() if n)
+  return f"collectives per step (partitioner.explain): {used or 'none'}"
+
+
+def sample(jax, jnp, np, forward, params, chars, index, t, length, seed) -> str:
+  """Generates text from the trained model, one character at a time."""
+  fwd = jax.jit(lambda p, x: forward(p, x)[0, -1])
+  prompt = "The "
+  ids = [index[c] for c in prompt]
+  key = jax.random.PRNGKey(seed)
+  for _ in range(length):
+    window = np.array([([0] * t + ids)[-t:]], dtype=np.int32)
+    logits = fwd(params, window)[:len(chars)]
+    key, sub = jax.random.split(key)
+    ids.append(int(jax.random.categorical(sub, logits / 0.8)))
+  return "".join(chars[i] for i in ids)
+
+
+def save_plot(losses, path) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"(matplotlib is not installed: no {path})")
+    return
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.plot(losses)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats/char)")
+  ax.set_title("transformer, sharded_jit over data x model")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"loss curve saved to {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
