@@ -29,6 +29,8 @@ import time
 
 from absl import app, flags
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 _STEPS = flags.DEFINE_integer("steps", 500, "Training steps.")
 _DATA = flags.DEFINE_integer("data", 2, "Devices along the batch (data) dimension.")
 _MODEL = flags.DEFINE_integer("model", 4, "Devices along the model dimension (heads, MLP).")
@@ -45,29 +47,121 @@ _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA 
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 
 
+class Model:
+  """The transformer, its Adam train step and how every array is split.
+
+  Args:
+    dp, mp: devices along the data and the model dimension.
+    width, heads, layers, seq, vocab: the model's size.
+    lr: Adam learning rate.
+    constrain: ``constrain(x, spec)`` applied to activations; by default
+      sharding.with_sharding_constraint (the benchmark passes jax's own).
+  """
+
+  def __init__(self, dp, mp, *, width, heads, layers, seq, vocab, lr, constrain=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sharding import PartitionSpec as P
+    from sharding import with_sharding_constraint
+
+    wsc = constrain or with_sharding_constraint
+    n, d, h, t = dp * mp, width, heads, seq
+    dh, f = d // h, 4 * d
+    act = P(dp, 1, mp)          # [batch, seq, features]
+    head_split = P(dp, 1, mp, 1)  # [batch, seq, heads, head_dim]
+
+    def norm(x, scale):
+      x = x - x.mean(-1, keepdims=True)
+      return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
+
+    def block(x, p):
+      y = norm(x, p["ln1"])
+      q, k, v = (wsc(jnp.einsum("btd,dhk->bthk", y, p[w]), head_split)
+                 for w in ("wq", "wk", "wv"))
+      scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(dh)
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+      o = wsc(jnp.einsum("bhqs,bshk->bqhk", attn, v), head_split)
+      x = wsc(x + jnp.einsum("bthk,hkd->btd", o, p["wo"]), act)
+      y = norm(x, p["ln2"])
+      hidden = wsc(jax.nn.gelu(y @ p["w1"]), act)  # MLP units split over the model dim
+      return wsc(x + hidden @ p["w2"], act)
+
+    def forward(params, tokens):
+      x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], act)
+      for p in params["blocks"]:
+        x = block(x, p)
+      return wsc(norm(x, params["ln"]) @ params["unembed"], act)  # [b, t, vocab]
+
+    def loss_fn(params, seqs):
+      logits = forward(params, seqs[:, :-1])
+      logp = jax.nn.log_softmax(logits, axis=-1)
+      return -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1).mean()
+
+    def adam_step(params, opt, seqs):
+      loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
+      step = opt["step"] + 1
+      m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
+      v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
+      rate = lr * jnp.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
+      params = jax.tree_util.tree_map(lambda p, m, v: p - rate * m / (jnp.sqrt(v) + 1e-8),
+                                      params, m, v)
+      return params, {"step": step, "m": m, "v": v}, loss
+
+    def init(key):
+      def normal(key, shape, scale):
+        return (jax.random.normal(key, shape) * scale).astype(jnp.float32)
+      keys = iter(jax.random.split(key, 4 + 6 * layers))
+      blocks = []
+      for _ in range(layers):
+        blocks.append({
+            "ln1": jnp.ones(d), "ln2": jnp.ones(d),
+            "wq": normal(next(keys), (d, h, dh), d ** -0.5),
+            "wk": normal(next(keys), (d, h, dh), d ** -0.5),
+            "wv": normal(next(keys), (d, h, dh), d ** -0.5),
+            "wo": normal(next(keys), (h, dh, d), (2 * d * layers) ** -0.5),
+            "w1": normal(next(keys), (d, f), d ** -0.5),
+            "w2": normal(next(keys), (f, d), (2 * f * layers) ** -0.5)})
+      params = {"embed": normal(next(keys), (vocab, d), 1.0),
+                "pos": normal(next(keys), (t, d), 0.1),
+                "ln": jnp.ones(d),
+                "unembed": normal(next(keys), (d, vocab), d ** -0.5),
+                "blocks": blocks}
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+      return params, {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": zeros}
+
+    # How each weight is split: heads / hidden units over the model dimension,
+    # the other dimension over the data dimension.
+    block_parts = {"ln1": None, "ln2": None, "wq": P(dp, mp, 1), "wk": P(dp, mp, 1),
+                   "wv": P(dp, mp, 1), "wo": P(mp, 1, dp), "w1": P(dp, mp),
+                   "w2": P(mp, dp)}
+    self.param_parts = {"embed": P(1, n), "pos": P(1, n), "ln": None,
+                        "unembed": P(dp, mp), "blocks": [block_parts] * layers}
+    self.opt_parts = {"step": None, "m": self.param_parts, "v": self.param_parts}
+    self.batch_parts = P(n, 1)
+    self.init, self.step, self.forward = init, adam_step, forward
+
+
 def main(argv):
   del argv
   n = _DATA.value * _MODEL.value
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n}")
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
   import logging
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from pydoc_data import topics
 
   import partitioner
   from partitioner import sharded_jit
-  from sharding import PartitionSpec as P
-  from sharding import with_sharding_constraint as wsc
 
   if _PARTITIONER.value:
     partitioner.config.partitioner = _PARTITIONER.value
   dp, mp = _DATA.value, _MODEL.value
   d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
-  dh, f = d // h, 4 * d
   for what, size, by in (("heads", h, mp), ("width", d, mp * dp), ("batch", b, n)):
     if size % by:
       raise app.UsageError(f"--{what}={size} must be divisible by {by}")
@@ -80,92 +174,22 @@ def main(argv):
   corpus = np.array([index[c] for c in text], dtype=np.int32)
   rng = np.random.default_rng(_SEED.value)
 
-  def batches():
-    while True:
-      starts = rng.integers(0, len(corpus) - t - 1, size=b)
-      yield np.stack([corpus[s:s + t + 1] for s in starts])
+  def batch():
+    starts = rng.integers(0, len(corpus) - t - 1, size=b)
+    return np.stack([corpus[s:s + t + 1] for s in starts])
 
-  # --- the model ------------------------------------------------------------
-  act = P(dp, 1, mp)          # [batch, seq, features]
-  heads = P(dp, 1, mp, 1)     # [batch, seq, heads, head_dim]
+  model = Model(dp, mp, width=d, heads=h, layers=layers, seq=t, vocab=vocab, lr=_LR.value)
+  train_step = sharded_jit(
+      model.step, in_parts=(model.param_parts, model.opt_parts, model.batch_parts),
+      out_parts=(model.param_parts, model.opt_parts, None), donate_argnums=(0, 1))
 
-  def norm(x, scale):
-    x = x - x.mean(-1, keepdims=True)
-    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
-
-  def block(x, p):
-    y = norm(x, p["ln1"])
-    q, k, v = (wsc(jnp.einsum("btd,dhk->bthk", y, p[w]), heads) for w in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(dh)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-    o = wsc(jnp.einsum("bhqs,bshk->bqhk", attn, v), heads)
-    x = wsc(x + jnp.einsum("bthk,hkd->btd", o, p["wo"]), act)
-    y = norm(x, p["ln2"])
-    hidden = wsc(jax.nn.gelu(y @ p["w1"]), act)     # MLP units split over the model dim
-    return wsc(x + hidden @ p["w2"], act)
-
-  def forward(params, tokens):
-    x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], act)
-    for p in params["blocks"]:
-      x = block(x, p)
-    return wsc(norm(x, params["ln"]) @ params["unembed"], act)  # [b, t, vocab]
-
-  def loss_fn(params, seqs):
-    logits = forward(params, seqs[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1).mean()
-
-  def adam_step(params, opt, seqs):
-    loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
-    step = opt["step"] + 1
-    m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
-    v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
-    lr = _LR.value * jnp.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
-    params = jax.tree_util.tree_map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + 1e-8),
-                                    params, m, v)
-    return params, {"step": step, "m": m, "v": v}, loss
-
-  def init(key):
-    def normal(key, shape, scale):
-      return (jax.random.normal(key, shape) * scale).astype(jnp.float32)
-    keys = iter(jax.random.split(key, 4 + 6 * layers))
-    blocks = []
-    for _ in range(layers):
-      blocks.append({
-          "ln1": jnp.ones(d), "ln2": jnp.ones(d),
-          "wq": normal(next(keys), (d, h, dh), d ** -0.5),
-          "wk": normal(next(keys), (d, h, dh), d ** -0.5),
-          "wv": normal(next(keys), (d, h, dh), d ** -0.5),
-          "wo": normal(next(keys), (h, dh, d), (2 * d * layers) ** -0.5),
-          "w1": normal(next(keys), (d, f), d ** -0.5),
-          "w2": normal(next(keys), (f, d), (2 * f * layers) ** -0.5)})
-    return {"embed": normal(next(keys), (vocab, d), 1.0),
-            "pos": normal(next(keys), (t, d), 0.1),
-            "ln": jnp.ones(d),
-            "unembed": normal(next(keys), (d, vocab), d ** -0.5),
-            "blocks": blocks}
-
-  # How each weight is split: heads / hidden units over the model dimension,
-  # the other dimension over the data dimension.
-  block_parts = {"ln1": None, "ln2": None, "wq": P(dp, mp, 1), "wk": P(dp, mp, 1),
-                 "wv": P(dp, mp, 1), "wo": P(mp, 1, dp), "w1": P(dp, mp), "w2": P(mp, dp)}
-  param_parts = {"embed": P(1, n), "pos": P(1, n), "ln": None, "unembed": P(dp, mp),
-                 "blocks": [block_parts] * layers}
-  opt_parts = {"step": None, "m": param_parts, "v": param_parts}
-  train_step = sharded_jit(adam_step, in_parts=(param_parts, opt_parts, P(n, 1)),
-                           out_parts=(param_parts, opt_parts, None), donate_argnums=(0, 1))
-
-  params0 = init(jax.random.PRNGKey(_SEED.value))
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, params0)
-  opt0 = {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": zeros}
+  params0, opt0 = model.init(jax.random.PRNGKey(_SEED.value))
   size = sum(x.size for x in jax.tree_util.tree_leaves(params0))
   print(f"Transformer: {layers} layers, width {d}, {h} heads, {size / 1e6:.2f}M parameters,"
         f" {len(chars)} characters; {dp} x {mp} = {n} devices (data x model),"
         f" partitioner {partitioner.config.partitioner}", flush=True)
 
-  data = batches()
-  seen = [next(data) for _ in range(_STEPS.value)]
+  seen = [batch() for _ in range(_STEPS.value)]
   params, opt = jax.tree_util.tree_map(np.asarray, (params0, opt0))
   losses, live = [], sys.stdout.isatty()
   start = time.perf_counter()
@@ -189,12 +213,12 @@ def main(argv):
   if live:
     print()
   print(f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (mean of the last 10 steps)")
-  print(explain_line(train_step, partitioner, params, opt, seen[0]))
+  print(explain_line(train_step, params, opt, seen[0]))
 
   # The same first steps unsharded (constraints are the identity outside
   # sharded_jit): the losses must match.
   if _CHECK.value:
-    plain = jax.jit(adam_step)
+    plain = jax.jit(model.step)
     p, o, ref = params0, opt0, []
     for seqs in seen[:_CHECK.value]:
       p, o, loss = plain(p, o, seqs)
@@ -207,7 +231,7 @@ def main(argv):
       sys.exit(1)
 
   if _SAMPLE.value:
-    print("Sample:\n" + sample(jax, jnp, np, forward, params, chars, index, t,
+    print("Sample:\n" + sample(model.forward, params, chars, index, t,
                                _SAMPLE.value, _SEED.value))
   if _PLOT.value:
     save_plot(losses, _PLOT.value)
@@ -215,14 +239,16 @@ def main(argv):
     sys.exit(1)
 
 
-def explain_line(step_fn, partitioner, params, opt, seqs) -> str:
+def explain_line(step_fn, params, opt, seqs) -> str:
   totals = step_fn.lower(params, opt, seqs).compile().explain().collective_totals()
   used = ", ".join(f"{n} {k}" for k, (n, _) in totals.items() if n)
   return f"collectives per step (partitioner.explain): {used or 'none'}"
 
 
-def sample(jax, jnp, np, forward, params, chars, index, t, length, seed) -> str:
+def sample(forward, params, chars, index, t, length, seed) -> str:
   """Generates text from the trained model, one character at a time."""
+  import jax
+  import numpy as np
   fwd = jax.jit(lambda p, x: forward(p, x)[0, -1])
   prompt = "The "
   ids = [index[c] for c in prompt]

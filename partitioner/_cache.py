@@ -154,15 +154,19 @@ class CompilationCache:
     if all(have for _, _, have in gathered):
       stats.add("memory_hits")
       return mine
+    waiting = f"rank 0's compilation of {program.name}"
     if world.rank == 0:
       try:
         binary = mine or self._load_or_compile(program, key, options, compression)
         data = binary.to_bytes()
       except BaseException as e:
+        world.rendezvous(waiting, deadline=False)
         world.bcast(("error", f"{type(e).__name__}: {e}"))
         raise
+      world.rendezvous(waiting, deadline=False)
       world.bcast(("ok", data))
       return _Binary(binary.loaded, data)
+    world.rendezvous(waiting, deadline=False)  # sleeps while rank 0 compiles
     status, data = world.bcast(None)
     if status != "ok":
       raise _distributed.PeerError(

@@ -63,19 +63,27 @@ class World:
   def multi(self) -> bool:
     return self.size > 1
 
-  def rendezvous(self, what: str) -> None:
+  def rendezvous(self, what: str, deadline: bool = True) -> None:
     """Waits until every process arrives here, or raises after the timeout.
 
     Blocking MPI collectives have no timeout: a peer that never arrives
     would hang this process forever. A non-blocking barrier polled against
-    a deadline turns that into an error instead.
+    a deadline turns that into an error instead. Polling also sleeps, where
+    MPICH's blocking collectives spin: a rank waiting for rank 0 to compile
+    would otherwise take a core from the compiler.
+
+    Args:
+      what: what the ranks meet for, for the error message.
+      deadline: raise after ``config.collective_timeout_secs``; without it
+        (waiting for rank 0 to compile, which may take long) only a dead
+        peer ends the wait (the launcher or jax's heartbeat stops the job).
     """
     timeout = config.collective_timeout_secs
     request = self.comm.Ibarrier()
-    deadline = time.monotonic() + timeout
+    end = time.monotonic() + timeout
     delay = 1e-4
     while not request.Test():
-      if time.monotonic() > deadline:
+      if deadline and time.monotonic() > end:
         raise PeerError(
             f"rank {self.rank} of {self.size}: waited {timeout:.0f} s for the"
             f" other ranks to reach {what}; at least one did not (it died,"

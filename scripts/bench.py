@@ -15,6 +15,13 @@ Sections:
   multiprocess  2 ranks x N/2 devices under the launcher: first call with
             binary sharing (rank 0 compiles) vs jax.jit (every rank
             compiles), and steady-state train steps/s.
+  scaling   steps/s of the transformer example's train step on 1, 2, 4, 8
+            devices (data x model), against jax.jit running the same
+            program (same in/out shardings and constraints as NamedShardings).
+
+Unless --no-write, results go to benchmarks/results.json, the tables into
+BENCHMARKS.md (between its "generated" markers) and, when matplotlib is
+installed, plots to benchmarks/*.png.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ _ARGS.add_argument("--calls", type=int, default=10000, help="timed calls per dis
 _ARGS.add_argument("--first-calls", type=int, default=7,
                    help="fresh functions traced and compiled per case")
 _ARGS.add_argument("--startup-runs", type=int, default=3,
-                   help="warm-cache processes per startup case")
-_ARGS.add_argument("--only", choices=["dispatch", "startup", "multiprocess"])
+                   help="cold and warm processes per startup case (medians)")
+_ARGS.add_argument("--only", choices=["dispatch", "startup", "multiprocess", "scaling"])
+_ARGS.add_argument("--no-write", action="store_true", help="only print the tables")
 _ARGS.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess)")
 _ARGS.add_argument("--json", help="also write the results here")
 _ARGS.add_argument("--child", choices=["ours", "jax", "mp"], help=argparse.SUPPRESS)
@@ -171,12 +179,18 @@ def _mlp_step(jax, ours: bool, n: int, width: int = 512, layers: int = 4):
   from sharding import PartitionSpec as P
   from sharding import with_sharding_constraint as wsc
 
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+
+  def constrain(h):  # the same constraint on both sides: the same program
+    if ours:
+      return wsc(h, P(1, n))
+    return jax.lax.with_sharding_constraint(
+        h, jax.sharding.NamedSharding(mesh, jax.P(None, "x")))
+
   def loss_fn(params, x):
     h = x
     for i in range(layers):
-      h = jax.nn.relu(h @ params[f"up{i}"])
-      if ours:
-        h = wsc(h, P(1, n))
+      h = constrain(jax.nn.relu(h @ params[f"up{i}"]))
       h = h @ params[f"down{i}"]
     return jnp.mean(h ** 2)
 
@@ -193,7 +207,6 @@ def _mlp_step(jax, ours: bool, n: int, width: int = 512, layers: int = 4):
   if ours:
     parts = {k: (P(1, n) if k.startswith("up") else P(n, 1)) for k in params}
     return sharded_jit(step, in_parts=(parts, None), out_parts=(parts, None)), params, x
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
   col = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
   row = jax.sharding.NamedSharding(mesh, jax.P("x", None))
   rep = jax.sharding.NamedSharding(mesh, jax.P())
@@ -266,6 +279,76 @@ def multiprocess(args) -> list[dict]:
   return cases
 
 
+def scaling(args) -> list[dict]:
+  """The transformer train step on 1, 2, 4, 8 devices: ours vs jax.jit."""
+  jax = _setup_jax(args.devices)
+  import importlib.util
+
+  import numpy as np
+
+  from partitioner import sharded_jit
+  from sharding import tiling
+  from sharding._spec_tree import broadcast_specs
+
+  spec = importlib.util.spec_from_file_location(
+      "transformer_example", os.path.join(_ROOT, "examples", "transformer.py"))
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  layouts = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}
+  cases = []
+  for n in [k for k in layouts if k <= args.devices]:
+    dp, mp = layouts[n]
+    devices = jax.devices()[:n]
+
+    def named(spec, ndim):
+      return tiling(spec, devices, ndim).named_sharding()
+
+    def jax_constraint(x, spec):
+      return jax.lax.with_sharding_constraint(x, named(spec, x.ndim))
+
+    size = dict(width=128, heads=8, layers=2, seq=64, vocab=104, lr=1e-3)
+    ours_model = example.Model(dp, mp, **size)
+    theirs_model = example.Model(dp, mp, constrain=jax_constraint, **size)
+    params, opt = ours_model.init(jax.random.PRNGKey(0))
+    seqs = np.random.default_rng(0).integers(0, 100, (16, 65)).astype(np.int32)
+    args_tree = (params, opt, seqs)
+    parts = (ours_model.param_parts, ours_model.opt_parts, ours_model.batch_parts)
+    leaves, tree = jax.tree_util.tree_flatten(args_tree)
+    specs = broadcast_specs(parts, args_tree, "parts")
+    in_shardings = jax.tree_util.tree_unflatten(
+        tree, [named(s, np.ndim(x)) for s, x in zip(specs, leaves)])
+    out_parts = (ours_model.param_parts, ours_model.opt_parts, None)
+    ours = sharded_jit(ours_model.step, in_parts=parts, out_parts=out_parts, num_partitions=n)
+    theirs = jax.jit(theirs_model.step, in_shardings=in_shardings,
+                     out_shardings=(in_shardings[0], in_shardings[1], named(None, 0)))
+    placed = jax.device_put(args_tree, in_shardings)
+    state = {"ours": placed, "jax": placed}
+    fns = {"ours": ours, "jax": theirs}
+
+    def run(which, steps):
+      p, o, _ = state[which]
+      for _ in range(steps):
+        p, o, loss = fns[which](p, o, seqs)
+      loss.block_until_ready()
+      state[which] = (p, o, seqs)
+      return float(loss)
+
+    losses = {w: run(w, 3) for w in fns}  # warm up (and compile)
+    assert abs(losses["ours"] - losses["jax"]) < 1e-3 * abs(losses["jax"]), losses
+    rates = {"ours": [], "jax": []}
+    per_round = 3
+    for _ in range(max(2, 2 * args.steps // per_round)):  # alternate: noise hits both alike
+      for which in fns:
+        t0 = time.perf_counter()
+        run(which, per_round)
+        rates[which].append(per_round / (time.perf_counter() - t0))
+    ours_rate, jax_rate = statistics.median(rates["ours"]), statistics.median(rates["jax"])
+    cases.append({"case": f"transformer train step, {n} device(s) ({dp} x {mp})",
+                  "devices": n, "unit": "steps/s", "ours": ours_rate, "jax": jax_rate,
+                  "ratio": ours_rate / jax_rate})
+  return cases
+
+
 def startup(args) -> list[dict]:
   def run(which: str, cache_dir: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
@@ -275,23 +358,121 @@ def startup(args) -> list[dict]:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
-  cases, results = [], {}
-  for which in ("ours", "jax"):
-    with tempfile.TemporaryDirectory() as d:
-      cold = run(which, d)
-      warm = [run(which, d) for _ in range(args.startup_runs)]
-    assert all(abs(w["loss"] - cold["loss"]) < 1e-6 for w in warm), (cold, warm)
-    results[which] = (cold, warm)
+  cases, results = [], {"ours": ([], []), "jax": ([], [])}
+  for _ in range(args.startup_runs):  # alternate ours and jax, cold then warm
+    for which in ("ours", "jax"):
+      with tempfile.TemporaryDirectory() as d:
+        results[which][0].append(run(which, d))
+        results[which][1].append(run(which, d))
+  for which, (cold, warm) in results.items():
+    assert all(abs(w["loss"] - cold[0]["loss"]) < 1e-6 for w in cold + warm), (cold, warm)
   for field, label in (("compile_part", "compile or load from cache"),
                        ("first_call", "first call (trace + compile or load + run)"),
                        ("to_first_result", "process start to first result")):
     for which in ("ours", "jax"):
       cold, warm = results[which]
+      cold_t = statistics.median(c[field] for c in cold)
       warm_t = statistics.median(w[field] for w in warm)
       cases.append({"case": f"{label}, {which}", "unit": "ms",
-                    "cold": cold[field] * 1e3, "warm": warm_t * 1e3,
-                    "cold/warm": cold[field] / warm_t})
+                    "cold": cold_t * 1e3, "warm": warm_t * 1e3,
+                    "cold/warm": cold_t / warm_t})
   return cases
+
+
+def tables(results: dict) -> str:
+  """All sections as markdown tables."""
+  out = [f"jax {results.get('jax', '?')}, {results['platform']}, {results['devices']}"
+         f" simulated devices, {results['cores']} cores, {results['date']}"]
+  ratio_header = ["| case | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |",
+                  "|---|---|---|---|"]
+  if "dispatch" in results:
+    out += ["", "Dispatch and first call (ratio: lower is better):", "", *ratio_header]
+    out += [f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']}"
+            f" | {c['ratio']:.2f} |" for c in results["dispatch"]]
+  if "scaling" in results:
+    out += ["", "Transformer train step, steps/s (ratio: higher is better):", "",
+            *ratio_header]
+    out += [f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']}"
+            f" | {c['ratio']:.2f} |" for c in results["scaling"]]
+  if "startup" in results:
+    out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
+            "|---|---|---|---|"]
+    out += [f"| {c['case']} | {c['cold']:.1f} ms | {c['warm']:.1f} ms | {c['cold/warm']:.1f}x |"
+            for c in results["startup"]]
+  if "multiprocess" in results:
+    out += ["", "2 ranks under the launcher (first call: lower is better; steps/s:"
+            " higher is better):", "", *ratio_header]
+    for c in results["multiprocess"]:
+      if c["ratio"] is None:
+        out.append(f"| {c['case']} | {c['ours']} | every rank compiles | |")
+      else:
+        out.append(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f}"
+                   f" {c['unit']} | {c['ratio']:.2f} |")
+  return "\n".join(out)
+
+
+def plots(results: dict, directory: str) -> list[str]:
+  """PNG plots when matplotlib is installed; returns the files written."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("(matplotlib is not installed: no plots)")
+    return []
+  written = []
+  if "scaling" in results:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    devices = [c["devices"] for c in results["scaling"]]
+    for which, label in (("ours", "sharded_jit"), ("jax", "jax.jit + NamedSharding")):
+      ax.plot(devices, [c[which] for c in results["scaling"]], marker="o", label=label)
+    ax.set_xlabel("simulated CPU devices")
+    ax.set_ylabel("train steps / s")
+    ax.set_xticks(devices)
+    ax.set_title("transformer train step")
+    ax.legend()
+    fig.tight_layout()
+    written.append(os.path.join(directory, "steps_per_sec.png"))
+    fig.savefig(written[-1], dpi=110)
+  if "startup" in results:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows = [c for c in results["startup"] if c["case"].startswith("compile or load")]
+    labels = [c["case"].rsplit(", ", 1)[1] for c in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [c["cold"] for c in rows], 0.4, label="cold")
+    ax.bar([i + 0.2 for i in x], [c["warm"] for c in rows], 0.4, label="warm cache")
+    ax.set_xticks(list(x), ["sharded_jit" if l == "ours" else "jax" for l in labels])
+    ax.set_ylabel("ms to compile or load")
+    ax.set_title("first call in a fresh process: compile part")
+    ax.legend()
+    fig.tight_layout()
+    written.append(os.path.join(directory, "first_call_cold_warm.png"))
+    fig.savefig(written[-1], dpi=110)
+  return written
+
+
+_BEGIN, _END = "<!-- generated by scripts/bench.py: begin -->", "<!-- generated by scripts/bench.py: end -->"
+
+
+def write(results: dict, command: str) -> None:
+  directory = os.path.join(_ROOT, "benchmarks")
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  images = plots(results, directory)
+  block = [_BEGIN, "", f"Command: `{command}`", "", tables(results)]
+  block += ["", *[f"![{os.path.basename(p)}](benchmarks/{os.path.basename(p)})"
+                  for p in images], _END]
+  path = os.path.join(_ROOT, "BENCHMARKS.md")
+  with open(path) as f:
+    text = f.read()
+  if _BEGIN in text and _END in text:
+    text = text[:text.index(_BEGIN)] + "\n".join(block) + text[text.index(_END) + len(_END):]
+  else:
+    text = text.rstrip() + "\n\n## Latest run\n\n" + "\n".join(block) + "\n"
+  with open(path, "w") as f:
+    f.write(text)
+  print(f"wrote benchmarks/results.json, BENCHMARKS.md{''.join(', ' + os.path.relpath(p, _ROOT) for p in images)}")
 
 
 def main() -> None:
@@ -300,38 +481,24 @@ def main() -> None:
     return multiprocess_child(args)
   if args.child:
     return startup_child(args)
-  results = {"devices": args.devices, "cores": os.cpu_count()}
-  if args.only in (None, "dispatch"):
-    results["dispatch"] = dispatch(args)
-    import jax
-    results["jax"] = jax.__version__
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-          f"{args.devices} simulated devices, {os.cpu_count()} cores\n")
-    print("| case | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
-    print("|---|---|---|---|")
-    for c in results["dispatch"]:
-      c["ratio"] = c["ours"] / c["jax"]
-      print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
-            f"| {c['ratio']:.2f} |")
-  if args.only in (None, "startup"):
-    results["startup"] = startup(args)
-    print("\n| startup, 4-layer MLP train step | cold | warm cache | cold/warm |")
-    print("|---|---|---|---|")
-    for c in results["startup"]:
-      print(f"| {c['case']} | {c['cold']:.1f} ms | {c['warm']:.1f} ms | {c['cold/warm']:.1f}x |")
-  if args.only in (None, "multiprocess"):
-    results["multiprocess"] = multiprocess(args)
-    print("\n| 2-rank run, 4-layer MLP train step | sharded_jit | jax.jit + NamedSharding | ratio ours/jax |")
-    print("|---|---|---|---|")
-    for c in results["multiprocess"]:
-      if c["ratio"] is None:
-        print(f"| {c['case']} | {c['ours']} | every rank compiles | |")
-      else:
-        print(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']} "
-              f"| {c['ratio']:.2f} |")
+  results = {"devices": args.devices, "cores": os.cpu_count(),
+             "date": time.strftime("%Y-%m-%d")}
+  sections = {"dispatch": dispatch, "scaling": scaling, "startup": startup,
+              "multiprocess": multiprocess}
+  for name, run in sections.items():
+    if args.only in (None, name):
+      results[name] = run(args)
+  import jax
+  results["jax"] = jax.__version__
+  results["platform"] = jax.devices()[0].platform
+  for c in results.get("dispatch", []):
+    c["ratio"] = c["ours"] / c["jax"]
+  print(tables(results))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)
+  if not args.no_write:
+    write(results, "python scripts/bench.py" + "".join(" " + a for a in sys.argv[1:]))
 
 
 if __name__ == "__main__":
