@@ -124,7 +124,7 @@ class Model:
             "wo": normal(next(keys), (h, dh, d), (2 * d * layers) ** -0.5),
             "w1": normal(next(keys), (d, f), d ** -0.5),
             "w2": normal(next(keys), (f, d), (2 * f * layers) ** -0.5)})
-      params = {"embed": normal(next(keys), (vocab, d), 1.0),
+      params = {"embed": normal(next(keys), (vocab, d), 0.1),
                 "pos": normal(next(keys), (t, d), 0.1),
                 "ln": jnp.ones(d),
                 "unembed": normal(next(keys), (d, vocab), d ** -0.5),

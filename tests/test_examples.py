@@ -33,6 +33,12 @@ def test_transformer(tmp_path):
   assert "tokens/s" in proc.stdout and "(match)" in proc.stdout
   assert "Sample:\nThe " in proc.stdout
   assert "all-reduce" in proc.stdout  # the explain() summary
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    assert "matplotlib is not installed" in proc.stdout
+  else:
+    assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
 def test_multiprocess_train():
