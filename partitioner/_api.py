@@ -269,8 +269,11 @@ class ShardedJitFunction:
     placement = _plan.plan(ins, outs, constraints, self._num_partitions,
                            self._devices, world.size, self._local_num_partitions)
     mode = config.partitioner
-    sharding_pass.insert(placement.num_partitions, mode, placement.in_tilings,
-                         placement.out_tilings, placement.constraint_tilings)
+    sharding_pass.insert(
+        placement.num_partitions, mode,
+        _plan.physical_tilings(placement.in_tilings, avals),
+        _plan.physical_tilings(placement.out_tilings, traced.out_avals),
+        placement.constraint_tilings)
     globalize = None if in_local is None else _local_parts.globalizers(
         placement.in_tilings, [a.shape for a in avals])
     localize = None if out_local is None else _local_parts.localizers(

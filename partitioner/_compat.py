@@ -83,3 +83,17 @@ def backends_are_initialized() -> bool:
   """Whether jax has created its backends (devices) already."""
   from jax._src import xla_bridge
   return xla_bridge.backends_are_initialized()
+
+
+def physical_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
+  """The shape XLA sees for an array of ``dtype`` (extended dtypes such as
+  typed PRNG keys add trailing dimensions: key<fry>[4] is u32[4, 2])."""
+  if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return tuple(shape)
+  from jax._src import core
+  return tuple(core.physical_shape(shape, dtype))
+
+
+def base_array(x: Any) -> Any:
+  """The physical array under a typed PRNG key array (no copy)."""
+  return x._base_array  # pylint: disable=protected-access

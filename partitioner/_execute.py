@@ -29,19 +29,23 @@ class Executable:
   """
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
-               "_globalize", "_localize")
+               "_globalize", "_localize", "_unwrap")
 
   def __init__(self, loaded: _compat.LoadedExecutable,
                in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
                out_avals: Sequence[jax.core.ShapedArray],
                globalize: Sequence[Callable] | None = None,
-               localize: Sequence[Callable] | None = None):
+               localize: Sequence[Callable] | None = None,
+               in_avals: Sequence[jax.core.ShapedArray] = ()):
     self.loaded = loaded
     self.in_shardings = tuple(t.named_sharding() for t in in_tilings)
     self.out_shardings = tuple(t.named_sharding() for t in out_tilings)
     self._handlers = _compat.result_handlers(out_avals, self.out_shardings)
     self._globalize = globalize  # per-process pieces -> global arrays
     self._localize = localize    # global outputs -> this process's pieces
+    # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
+    unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in in_avals]
+    self._unwrap = unwrap if any(unwrap) else None
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs; returns flat outputs."""
@@ -51,6 +55,8 @@ class Executable:
       if type(x) is not _ArrayImpl or x.sharding != s:
         leaves = self.place(leaves)
         break
+    if self._unwrap is not None:
+      leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
     outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
     if self._localize is not None:
       outs = [f(x) for f, x in zip(self._localize, outs)]

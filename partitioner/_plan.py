@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
+from partitioner import _compat
 from partitioner._insert import ConstraintSite
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, tiling
@@ -40,6 +42,19 @@ class Placement:
   in_tilings: tuple[Tiling, ...]
   out_tilings: tuple[Tiling, ...]
   constraint_tilings: tuple[Tiling, ...]
+
+
+def physical_tilings(tilings: Sequence[Tiling], avals: Sequence[Any]) -> tuple[Tiling, ...]:
+  """The tilings of the arrays XLA sees: extended dtypes (typed PRNG keys)
+  have trailing physical dimensions, which stay unsplit."""
+  out = []
+  for t, a in zip(tilings, avals):
+    extra = len(_compat.physical_shape(a.shape, a.dtype)) - len(a.shape)
+    if extra:
+      t = tiling(PartitionSpec(*t.spec.counts, *([1] * extra)), t.devices,
+                 len(a.shape) + extra)
+    out.append(t)
+  return tuple(out)
 
 
 def constraint_uses(sites: Sequence[ConstraintSite]) -> list[SpecUse]:

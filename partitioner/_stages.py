@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile, _explain
+from partitioner import _compile, _explain, _plan
 from partitioner._cache import Program, compilation_cache
 from partitioner._execute import Executable
 from partitioner._plan import Placement
@@ -67,11 +67,13 @@ class Lowered:
     """Loads the program from the compilation caches or compiles it."""
     p = self._placement
     loaded = compilation_cache.load_or_compile(self._program)
-    _compile.verify_shardings(loaded, p.num_partitions, p.in_tilings,
-                              p.out_tilings)
+    t = self._traced
+    _compile.verify_shardings(loaded, p.num_partitions,
+                              _plan.physical_tilings(p.in_tilings, t.in_avals),
+                              _plan.physical_tilings(p.out_tilings, t.out_avals))
     return Compiled(
-        Executable(loaded, p.in_tilings, p.out_tilings, self._traced.out_avals,
-                   self._globalize, self._localize),
+        Executable(loaded, p.in_tilings, p.out_tilings, t.out_avals,
+                   self._globalize, self._localize, t.in_avals),
         self._traced.out_tree, self._call_check, p.num_partitions,
         functools.partial(self._explain, loaded))
 

@@ -291,3 +291,41 @@ def test_partitioner_env_variable():
 def test_config_rejects_bad_mode():
   with pytest.raises(ValueError, match="shardy"):
     config.partitioner = "auto"
+
+
+def test_typed_prng_keys_in_and_out(mode):
+  """Typed keys are arrays of an extended dtype: XLA sees u32[..., 2]."""
+  def step(keys, x):
+    new = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+    noise = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
+    return new, x + noise
+  g = sharded_jit(step, in_parts=(P(2), P(2, 1)), out_parts=(P(2), P(2, 1)))
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = np.zeros((4, 3), np.float32)
+  want_keys, want_x = jax.jit(step)(keys, x)
+  got_keys, got_x = g(keys, x)
+  np.testing.assert_allclose(got_x, want_x, rtol=1e-6)
+  assert got_keys.dtype == keys.dtype and got_keys.sharding.num_devices == 2
+  np.testing.assert_array_equal(jax.random.key_data(got_keys), jax.random.key_data(want_keys))
+  again_keys, _ = g(got_keys, got_x)  # outputs feed the next step
+  assert again_keys.shape == (4,)
+
+
+@pytest.mark.parametrize("fun,want", [
+    (lambda x: None, None),
+    (lambda x: 3, 3),
+    (lambda x: (x > 1).astype(jnp.int32), np.array([0, 0, 1, 1])),
+])
+def test_unusual_outputs(fun, want):
+  got = sharded_jit(fun, in_parts=P(2), out_parts=None)(np.arange(4))
+  if want is None:
+    assert got is None
+  else:
+    np.testing.assert_array_equal(got, want)
+
+
+def test_no_arguments_and_closed_over_constants():
+  big = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+  np.testing.assert_array_equal(sharded_jit(lambda: jnp.ones(4), None, P(2))(), np.ones(4))
+  f = sharded_jit(lambda x: x @ big, in_parts=P(2, 1), out_parts=P(2, 1))
+  np.testing.assert_allclose(f(np.ones((8, 64), np.float32)), np.ones((8, 64)) @ big)
