@@ -159,13 +159,14 @@ class ShardedJitFunction:
     # Call caches, bounded: canonical (shape, dtype, weak type) keys, and
     # keys made of jax.Array avals (which also carry their placement).
     self._cache: dict[Any, Compiled] = {}
-    self._fast_cache: dict[Any, Compiled] = {}
+    self._fast_cache: dict[Any, tuple[Compiled, bool]] = {}
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
     # The per-call path: flatten -> key -> cached program -> execute -> wrap.
-    # For jax.Array inputs the key is made of their avals (a slot read each);
-    # anything else takes the slower canonical key in _lookup.
+    # For jax.Array inputs the key is their avals and shardings (attribute
+    # reads); a hit whose shardings were already the program's runs without
+    # any per-argument check. Anything else takes _lookup's canonical key.
     if kwargs:
       self._reject_kwargs(kwargs)
     if self._has_static:
@@ -175,20 +176,25 @@ class ShardedJitFunction:
     leaves, treedef = _tree_flatten(dyn)
     mode = config.partitioner
     try:
-      key = (treedef, static_values, mode, *[x.aval for x in leaves])
-      compiled = self._fast_cache.get(key)
-    except AttributeError:  # numpy arrays, Python scalars, other objects
-      key = compiled = None
-    if compiled is None:
+      key = (treedef, static_values, mode, *[x.aval for x in leaves],
+             *[x.sharding for x in leaves])
+      hit = self._fast_cache.get(key)
+    except AttributeError:  # numpy arrays, Python scalars, tracers, ...
+      key = hit = None
+    if hit is None:
       compiled = self._lookup(args, dyn, static_values, leaves, treedef, mode)
       if compiled is None:  # called under a jax transformation
         return self._call_traced(args, dyn)
       if key is not None:
-        _bounded_put(self._fast_cache, key, compiled)
+        _bounded_put(self._fast_cache, key,
+                     (compiled, compiled.executable.runs_as_is(leaves)))
+      outs = compiled.executable.call_flat(leaves)
     else:
       stats.cache_hit()
-    return _tree_unflatten(compiled.out_tree,
-                           compiled.executable.call_flat(leaves))
+      compiled, as_is = hit
+      outs = (compiled.executable.run(leaves) if as_is else
+              compiled.executable.call_flat(leaves))
+    return _tree_unflatten(compiled.out_tree, outs)
 
   def _lookup(self, args, dyn, static_values, leaves, treedef,
               mode) -> Compiled | None:
@@ -345,7 +351,7 @@ def explain(fun: ShardedJitFunction, *args) -> Any:
   return fun.lower(*args).compile().explain()
 
 
-def _bounded_put(cache: dict, key: Any, value: Compiled) -> None:
+def _bounded_put(cache: dict, key: Any, value: Any) -> None:
   """Inserts, evicting the oldest entries beyond _CALL_CACHE_SIZE."""
   cache[key] = value
   while len(cache) > _CALL_CACHE_SIZE:

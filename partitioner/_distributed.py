@@ -92,7 +92,7 @@ class World:
             " order; the timeout is partitioner.config.collective_timeout_secs"
             " (SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS).")
       time.sleep(delay)
-      delay = min(delay * 2, 0.01)
+      delay = min(delay * 2, 0.001)
 
   def allgather(self, value: Any, what: str) -> list[Any]:
     self.rendezvous(what)

@@ -48,7 +48,7 @@ class Executable:
     self._unwrap = unwrap if any(unwrap) else None
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
-    """Runs the program on flat inputs; returns flat outputs."""
+    """Runs the program on flat inputs (placing them first); flat outputs."""
     if self._globalize is not None:
       leaves = [f(x) for f, x in zip(self._globalize, leaves)]
     for x, s in zip(leaves, self.in_shardings):
@@ -57,6 +57,17 @@ class Executable:
         break
     if self._unwrap is not None:
       leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
+    return self.run(leaves)
+
+  def runs_as_is(self, leaves: Sequence[Any]) -> bool:
+    """Whether these inputs can go to :meth:`run` without any conversion
+    (then so can any inputs with the same types, avals and shardings)."""
+    return (self._globalize is None and self._unwrap is None and
+            all(type(x) is _ArrayImpl and x.sharding == s
+                for x, s in zip(leaves, self.in_shardings)))
+
+  def run(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Executes on inputs already placed as ``in_shardings``."""
     outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
     if self._localize is not None:
       outs = [f(x) for f, x in zip(self._localize, outs)]
