@@ -309,7 +309,8 @@ class ShardedJitFunction:
     program = Program(
         name=self._name, module=sharding_pass.as_bytecode(),
         module_text=sharding_pass.as_text(), mode=mode,
-        devices=placement.devices, summary=summary)
+        devices=placement.devices, summary=summary,
+        host_callbacks=traced.host_callbacks)
     return Lowered(traced, placement, program, call_check, globalize, localize,
                    (names, out_names))
 

@@ -45,6 +45,7 @@ class Program:
     mode: ``"shardy"`` or ``"gspmd"``.
     devices: the device assignment.
     summary: arguments' shapes and specs, for log messages.
+    host_callbacks: Python callbacks the program calls (jax.debug.print...).
   """
   name: str
   module: bytes
@@ -52,6 +53,7 @@ class Program:
   mode: str
   devices: tuple[jax.Device, ...]
   summary: str
+  host_callbacks: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,11 @@ class CompilationCache:
   def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
     """The loaded executable of ``program``, compiling only when needed."""
     pkey, key, options, compression = self.key(program)
+    if program.host_callbacks:
+      # The binary refers to this process's Python callbacks by position: it
+      # cannot be stored, shared with other ranks, or reused for another
+      # function whose module text happens to be the same.
+      return self._compile(None, key, program, options, compression).loaded
     world = _distributed.world()
     if world.multi:
       binary = self._shared(world, program, pkey, key, options, compression)
@@ -211,7 +218,8 @@ class CompilationCache:
   def _compile(self, store: CacheStore | None, key: str, program: Program,
                options: _compat.CompileOptions, compression: str) -> _Binary:
     start = time.perf_counter()
-    loaded = _compile.compile_module(program.module, program.devices, options)
+    loaded = _compile.compile_module(program.module, program.devices, options,
+                                     program.host_callbacks)
     elapsed = time.perf_counter() - start
     stats.add("compile_secs", elapsed)
     logger.log(
@@ -224,8 +232,7 @@ class CompilationCache:
 
   def _write(self, store: CacheStore, key: str, loaded: _compat.LoadedExecutable,
              compile_time: float, compression: str) -> None:
-    # Programs with host callbacks never get here: sharded_jit rejects them
-    # while tracing (their executables hold pointers into this process).
+    # Programs with host callbacks never get here (see load_or_compile).
     if compile_time < config.cache_min_compile_secs:
       return
     data = _cache_entry.encode(

@@ -26,9 +26,18 @@ def device_assignment(device_ids: Sequence[int]) -> Any:
 
 
 def compile_and_load(module: bytes, devices: Sequence[jax.Device],
-                     options: Any) -> LoadedExecutable:
+                     options: Any, host_callbacks: Sequence[Any] = ()) -> LoadedExecutable:
   """Compiles an MLIR module (bytecode or text) with jaxlib's client."""
   client = devices[0].client
+  if host_callbacks:
+    # This overload only takes an MLIR module object, not bytes.
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir
+    with mlir.make_ir_context():
+      parsed = ir.Module.parse(module)
+      return client.compile_and_load(
+          parsed, executable_devices=_xc.DeviceList(tuple(devices)),
+          compile_options=options, host_callbacks=list(host_callbacks))
   return client.compile_and_load(module, _xc.DeviceList(tuple(devices)), options)
 
 
@@ -43,11 +52,19 @@ def result_handlers(avals: Sequence[jax.core.ShapedArray],
       list(avals), list(shardings), committed=True).handlers)
 
 
-def lowering_has_host_callbacks(lowered: jax.stages.Lowered) -> bool:
-  """Whether jax's lowering needs host callbacks (e.g. ``jax.debug.print``)."""
+def lowering_callbacks(lowered: jax.stages.Lowered) -> tuple[tuple, Any, bool, bool]:
+  """(host callbacks, objects to keep alive, has unordered effects, has
+  ordered effects) of jax's lowering (``jax.debug.print`` and friends)."""
   args = lowered._lowering.compile_args  # pylint: disable=protected-access
-  return bool(args.get("host_callbacks")) or bool(args.get("ordered_effects")) \
-      or bool(args.get("unordered_effects"))
+  return (tuple(args.get("host_callbacks") or ()), args.get("keepalive"),
+          bool(args.get("unordered_effects")), bool(args.get("ordered_effects")))
+
+
+def record_runtime_token(token: Any, loaded: LoadedExecutable) -> None:
+  """Lets ``jax.effects_barrier()`` wait for this execution's side effects."""
+  from jax._src import dispatch
+  for i, device in enumerate(loaded.local_devices()):
+    dispatch.runtime_tokens.set_output_runtime_token(device, token.get_token(i))
 
 
 def hlo_sharding(text: str) -> Any:

@@ -63,9 +63,10 @@ def compile_options(
 
 
 def compile_module(module: bytes, devices: Sequence[jax.Device],
-                   options: _compat.CompileOptions) -> _compat.LoadedExecutable:
+                   options: _compat.CompileOptions,
+                   host_callbacks: Sequence[Any] = ()) -> _compat.LoadedExecutable:
   """Compiles ``module`` for ``devices``; counted in compilation_stats."""
-  executable = _compat.compile_and_load(module, devices, options)
+  executable = _compat.compile_and_load(module, devices, options, host_callbacks)
   stats.add("compiles")
   return executable
 

@@ -29,14 +29,15 @@ class Executable:
   """
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
-               "_globalize", "_localize", "_unwrap")
+               "_globalize", "_localize", "_unwrap", "_effects", "_keepalive")
 
   def __init__(self, loaded: _compat.LoadedExecutable,
                in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
                out_avals: Sequence[jax.core.ShapedArray],
                globalize: Sequence[Callable] | None = None,
                localize: Sequence[Callable] | None = None,
-               in_avals: Sequence[jax.core.ShapedArray] = ()):
+               in_avals: Sequence[jax.core.ShapedArray] = (),
+               effects: bool = False, keepalive: Any = None):
     self.loaded = loaded
     self.in_shardings = tuple(t.named_sharding() for t in in_tilings)
     self.out_shardings = tuple(t.named_sharding() for t in out_tilings)
@@ -46,6 +47,8 @@ class Executable:
     # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
     unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in in_avals]
     self._unwrap = unwrap if any(unwrap) else None
+    self._effects = effects      # host callbacks: run with runtime tokens
+    self._keepalive = keepalive  # what the callbacks need while we live
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
@@ -68,7 +71,12 @@ class Executable:
 
   def run(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Executes on inputs already placed as ``in_shardings``."""
-    outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+    if self._effects:
+      results = self.loaded.execute_sharded(leaves, with_tokens=True)
+      _compat.record_runtime_token(results.consume_token(), self.loaded)
+      outs = results.consume_with_handlers(self._handlers)
+    else:
+      outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
     if self._localize is not None:
       outs = [f(x) for f, x in zip(self._localize, outs)]
     return outs

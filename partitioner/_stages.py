@@ -73,7 +73,8 @@ class Lowered:
                               _plan.physical_tilings(p.out_tilings, t.out_avals))
     return Compiled(
         Executable(loaded, p.in_tilings, p.out_tilings, t.out_avals,
-                   self._globalize, self._localize, t.in_avals),
+                   self._globalize, self._localize, t.in_avals,
+                   effects=t.effects, keepalive=t.keepalive),
         self._traced.out_tree, self._call_check, p.num_partitions,
         functools.partial(self._explain, loaded))
 

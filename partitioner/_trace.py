@@ -28,12 +28,19 @@ class TracedProgram:
     in_avals: abstract value of each flat input.
     out_avals: abstract value of each flat output.
     out_tree: the structure of the function's outputs.
+    host_callbacks: Python callbacks the program calls (``jax.debug.print``,
+      ``jax.debug.callback``, ``pure_callback``); empty for most programs.
+    keepalive: objects the callbacks need alive while the program lives.
+    effects: whether the program has side effects to track with tokens.
   """
   name: str
   module: ir.Module
   in_avals: tuple[jax.core.ShapedArray, ...]
   out_avals: tuple[jax.core.ShapedArray, ...]
   out_tree: Any
+  host_callbacks: tuple = ()
+  keepalive: Any = None
+  effects: bool = False
 
 
 def trace_and_lower(
@@ -54,7 +61,7 @@ def trace_and_lower(
     donated: indices of flat inputs whose buffers may be donated.
 
   Raises:
-    NotImplementedError: the function uses host callbacks or side effects.
+    NotImplementedError: the function has ordered side effects.
   """
   out_trees = []
 
@@ -68,12 +75,12 @@ def trace_and_lower(
   jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
   with emit_markers():
     lowered = jitted.trace(*in_avals).lower()
-  if _compat.lowering_has_host_callbacks(lowered):
+  callbacks, keepalive, unordered, ordered = _compat.lowering_callbacks(lowered)
+  if ordered:
     raise NotImplementedError(
-        f"sharded_jit({name}): the function uses host callbacks or side"
-        " effects (e.g. jax.debug.print, jax.debug.callback, io_callback),"
-        " which sharded_jit does not support yet. Hint: remove them, or run"
-        " that part under jax.jit.")
+        f"sharded_jit({name}): the function has ordered side effects (e.g."
+        " jax.debug.print(..., ordered=True) or io_callback(..., ordered=True)),"
+        " which sharded_jit does not support yet. Hint: drop ordered=True.")
   module = lowered.compiler_ir("stablehlo")
   out_avals = tuple(
       jax.core.ShapedArray(o.shape, o.dtype, weak_type=getattr(o, "weak_type", False))
@@ -85,4 +92,7 @@ def trace_and_lower(
                      for a in in_avals),
       out_avals=out_avals,
       out_tree=out_trees[-1],
+      host_callbacks=callbacks,
+      keepalive=keepalive,
+      effects=unordered or bool(callbacks),
   )

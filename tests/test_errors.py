@@ -128,9 +128,9 @@ def test_bad_num_partitions():
     sharded_jit(f, None, None, num_partitions=0)
 
 
-def test_host_callbacks_are_not_supported_yet():
+def test_ordered_effects_are_not_supported_yet():
   def g(x):
-    jax.debug.print("x={x}", x=x)
+    jax.debug.print("x={x}", x=x, ordered=True)
     return x
-  with pytest.raises(NotImplementedError, match="host callbacks"):
+  with pytest.raises(NotImplementedError, match="ordered side effects.*ordered=True"):
     sharded_jit(g, None, None)(X)

@@ -329,3 +329,41 @@ def test_no_arguments_and_closed_over_constants():
   np.testing.assert_array_equal(sharded_jit(lambda: jnp.ones(4), None, P(2))(), np.ones(4))
   f = sharded_jit(lambda x: x @ big, in_parts=P(2, 1), out_parts=P(2, 1))
   np.testing.assert_allclose(f(np.ones((8, 64), np.float32)), np.ones((8, 64)) @ big)
+
+
+def test_host_callbacks_run(mode):
+  seen = []
+
+  def f(x):
+    jax.debug.callback(lambda s: seen.append(float(s)), x.sum())
+    y = jax.pure_callback(lambda a: np.asarray(a) * 10, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return y + 1
+
+  g = sharded_jit(f, in_parts=P(2), out_parts=P(2))
+  np.testing.assert_array_equal(g(np.arange(4, dtype=np.float32)), [1, 11, 21, 31])
+  g(np.ones(4, np.float32))
+  jax.effects_barrier()
+  assert seen == [6.0, 4.0]
+
+
+def test_programs_with_callbacks_are_never_reused_or_stored():
+  """Their binaries point at this function's callbacks: another function
+  with the same module text must get its own."""
+  store = partitioner.MemoryStore()
+  seen = {"a": [], "b": []}
+
+  def make(tag):
+    def f(x):
+      jax.debug.callback(lambda s: seen[tag].append(float(s)), x.sum())
+      return x * 2
+    return f
+
+  with config.override(cache_store=store):
+    before = compilation_stats()
+    sharded_jit(make("a"), P(2), P(2))(np.ones(4, np.float32))
+    sharded_jit(make("b"), P(2), P(2))(np.ones(4, np.float32) * 2)
+    jax.effects_barrier()
+    after = compilation_stats()
+  assert seen == {"a": [4.0], "b": [8.0]}
+  assert after["compiles"] - before["compiles"] == 2
+  assert after["persistent_writes"] == before["persistent_writes"] and not store.entries
