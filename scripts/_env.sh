@@ -18,7 +18,9 @@ if [ "$need" = 1 ]; then
   echo "Installing sharded-jit${EXTRAS:+[$EXTRAS]} into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
-  rm -f "$VENV"/.installed-*
+  for stamp in "$VENV"/.installed-*; do  # stamps of an older pyproject.toml
+    case "$stamp" in "$VENV/.installed-$HASH-"*) ;; *) rm -f "$stamp" ;; esac
+  done
   for part in base ${EXTRAS//,/ }; do touch "$VENV/.installed-$HASH-$part"; done
 fi
 PY="$VENV/bin/python"
