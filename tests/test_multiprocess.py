@@ -72,6 +72,13 @@ def test_ranks_tracing_different_programs_both_raise():
   assert "rank 1: `x` (args[0]): float32[16, 2] PartitionSpec(4, 1)" in proc.stdout
 
 
+def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
+  proc, elapsed = launch("mp_stall.py", env={"SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS": "3"})
+  assert "rank 0 raised: rank 0 of 2: waited 3 s for the other ranks to reach the" \
+         " compilation of <lambda>" in proc.stdout, proc.stdout + proc.stderr
+  assert elapsed < 60
+
+
 @pytest.mark.parametrize("code", ["3", "0"])
 def test_a_rank_that_dies_ends_the_job_in_bounded_time(code):
   proc, elapsed = launch("mp_die.py", env={"DIE_CODE": code}, timeout=120)
