@@ -159,7 +159,7 @@ class ShardedJitFunction:
     # Call caches, bounded: canonical (shape, dtype, weak type) keys, and
     # keys made of jax.Array avals (which also carry their placement).
     self._cache: dict[Any, Compiled] = {}
-    self._fast_cache: dict[Any, tuple[Compiled, bool]] = {}
+    self._fast_cache: dict[Any, Callable[[list], Any]] = {}
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
@@ -178,23 +178,23 @@ class ShardedJitFunction:
     try:
       key = (treedef, static_values, mode, *[x.aval for x in leaves],
              *[x.sharding for x in leaves])
-      hit = self._fast_cache.get(key)
+      hit = self._fast_cache.get(key)  # a runner for these inputs
     except AttributeError:  # numpy arrays, Python scalars, tracers, ...
       key = hit = None
-    if hit is None:
-      compiled = self._lookup(args, dyn, static_values, leaves, treedef, mode)
-      if compiled is None:  # called under a jax transformation
-        return self._call_traced(args, dyn)
-      if key is not None:
-        _bounded_put(self._fast_cache, key,
-                     (compiled, compiled.executable.runs_as_is(leaves)))
-      outs = compiled.executable.call_flat(leaves)
-    else:
+    if hit is not None:
       stats.cache_hit()
-      compiled, as_is = hit
-      outs = (compiled.executable.run(leaves) if as_is else
-              compiled.executable.call_flat(leaves))
-    return _tree_unflatten(compiled.out_tree, outs)
+      return hit(leaves)
+    compiled = self._lookup(args, dyn, static_values, leaves, treedef, mode)
+    if compiled is None:  # called under a jax transformation
+      return self._call_traced(args, dyn)
+    executable = compiled.executable
+    if key is not None:
+      if executable.runs_as_is(leaves):  # then so will every hit of this key
+        runner = executable.direct_runner(compiled.out_tree)
+      else:
+        runner = functools.partial(_call_placing, compiled)
+      _bounded_put(self._fast_cache, key, runner)
+    return _call_placing(compiled, leaves)
 
   def _lookup(self, args, dyn, static_values, leaves, treedef,
               mode) -> Compiled | None:
@@ -350,6 +350,11 @@ def explain(fun: ShardedJitFunction, *args) -> Any:
     raise TypeError(f"explain expects a sharded_jit function, got {fun!r}. Hint:"
                     " wrap it with sharded_jit(fun, in_parts, out_parts) first.")
   return fun.lower(*args).compile().explain()
+
+
+def _call_placing(compiled: Compiled, leaves: list) -> Any:
+  """Runs ``compiled``, placing or converting the inputs as needed."""
+  return _tree_unflatten(compiled.out_tree, compiled.executable.call_flat(leaves))
 
 
 def _bounded_put(cache: dict, key: Any, value: Any) -> None:
