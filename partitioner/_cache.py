@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 import jax
 

@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from partitioner import _compat
 from sharding._tiling import Tiling

@@ -3,7 +3,6 @@
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
