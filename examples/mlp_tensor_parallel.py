@@ -33,9 +33,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 def main(argv):
   del argv
   # Simulated devices must be requested before jax starts its CPU backend.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_DEVICES.value}")
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+  from partitioner.launch import with_cpu_device_count
+  os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""),
+                                                  _DEVICES.value)
   import logging
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   import jax

@@ -147,8 +147,8 @@ class Model:
 def main(argv):
   del argv
   n = _DATA.value * _MODEL.value
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={n}")
+  from partitioner.launch import with_cpu_device_count
+  os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), n)
   import logging
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   import jax

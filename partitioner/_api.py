@@ -17,7 +17,7 @@ from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
 from partitioner._trace import trace_and_lower
 from sharding._constraint import with_sharding_constraint
-from sharding._spec_tree import broadcast_specs, check_spec, is_spec_leaf
+from sharding._spec_tree import broadcast_specs, check_specs
 
 _CALL_CACHE_SIZE = 256
 _tree_flatten = jax.tree_util.tree_flatten  # bound once for the per-call path
@@ -104,11 +104,10 @@ def _as_tuple(value: int | Sequence[int], what: str) -> tuple[int, ...]:
 
 
 def _check_specs(tree: Any, what: str) -> Any:
+  """Validates a user's spec tree once, when sharded_jit is built."""
   if isinstance(tree, list):
     tree = tuple(tree)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=is_spec_leaf)[0]:
-    check_spec(leaf, f"{what}{jax.tree_util.keystr(path)}")
+  check_specs(tree, what)
   return tree
 
 
@@ -242,7 +241,7 @@ class ShardedJitFunction:
     nargs = len(args)
     world = _distributed.world()
     in_specs = self._in_specs(args, dyn)
-    leaves = jax.tree_util.tree_leaves(dyn)
+    leaves, treedef = jax.tree_util.tree_flatten(dyn)
     avals = [to_aval(signature(x)) for x in leaves]
     names = self._layout.leaf_names(nargs, dyn)
     in_local = None
@@ -251,7 +250,6 @@ class ShardedJitFunction:
       in_local = _local_parts.check_local_specs(in_specs, given, names,
                                                 world.size, "in")
       avals = _local_parts.global_avals(avals, in_specs, in_local)
-    treedef = jax.tree_util.tree_structure(dyn)
     rebuild = self._layout.rebuild(nargs, static_values)
     traced = trace_and_lower(
         self._fun, self._name,
@@ -293,8 +291,7 @@ class ShardedJitFunction:
       self._layout.check_arrays(len(call_args), call_dyn)
       call_leaves, call_tree = jax.tree_util.tree_flatten(call_dyn)
       got = [signature(x) for x in call_leaves]
-      if (call_tree, call_static, got) != (jax.tree_util.tree_structure(dyn),
-                                           static_values, expected):
+      if (call_tree, call_static, got) != (treedef, static_values, expected):
         raise TypeError(
             f"this compiled {self._name} was lowered for arguments"
             f" {_describe(expected)} (static {static_values!r}), but was called"
@@ -312,7 +309,7 @@ class ShardedJitFunction:
         devices=placement.devices, summary=summary,
         host_callbacks=traced.host_callbacks)
     return Lowered(traced, placement, program, call_check, globalize, localize,
-                   (names, out_names))
+                   names=(names, out_names))
 
   def _call_traced(self, args: tuple, dyn: tuple) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""

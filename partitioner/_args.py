@@ -50,6 +50,7 @@ class ArgumentLayout:
                donate_argnums: Sequence[int]):
     self.static_argnums = tuple(static_argnums)
     self.donate_argnums = tuple(donate_argnums)
+    self._positions: dict[int, tuple[int, ...]] = {}
     try:
       params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
@@ -63,8 +64,8 @@ class ArgumentLayout:
       return args, ()
     static = self._static_positions(len(args))
     dyn = tuple(a for i, a in enumerate(args) if i not in static)
-    values = tuple(args[i] for i in sorted(static))
-    for i in sorted(static):
+    values = tuple(args[i] for i in static)
+    for i in static:
       try:
         hash(args[i])
       except TypeError:
@@ -74,20 +75,25 @@ class ArgumentLayout:
             " instead of a list, or make it a (non-static) array argument.")
     return dyn, values
 
-  def _static_positions(self, nargs: int) -> set[int]:
-    positions = set()
-    for i in self.static_argnums:
-      j = i + nargs if i < 0 else i
-      if not 0 <= j < nargs:
-        raise ValueError(
-            f"static_argnums contains {i}, but the function was called with"
-            f" {nargs} positional arguments.")
-      positions.add(j)
+  def _static_positions(self, nargs: int) -> tuple[int, ...]:
+    """Sorted static positions for a call with ``nargs`` arguments (memoized:
+    split() runs on every call)."""
+    positions = self._positions.get(nargs)
+    if positions is None:
+      found = set()
+      for i in self.static_argnums:
+        j = i + nargs if i < 0 else i
+        if not 0 <= j < nargs:
+          raise ValueError(
+              f"static_argnums contains {i}, but the function was called with"
+              f" {nargs} positional arguments.")
+        found.add(j)
+      positions = self._positions[nargs] = tuple(sorted(found))
     return positions
 
   def rebuild(self, nargs: int, static_values: tuple) -> Callable:
     """A function from dynamic args back to the full positional args."""
-    static = sorted(self._static_positions(nargs)) if self.static_argnums else []
+    static = self._static_positions(nargs) if self.static_argnums else ()
     def rebuild(dyn: Sequence[Any]) -> tuple:
       out, dyn_it, stat_it = [], iter(dyn), iter(static_values)
       for i in range(nargs):
@@ -96,7 +102,7 @@ class ArgumentLayout:
     return rebuild
 
   def dynamic_positions(self, nargs: int) -> list[int]:
-    static = self._static_positions(nargs) if self.static_argnums else set()
+    static = self._static_positions(nargs) if self.static_argnums else ()
     return [i for i in range(nargs) if i not in static]
 
   def name(self, position: int) -> str:

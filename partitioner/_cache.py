@@ -99,22 +99,19 @@ class CompilationCache:
   def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
     """(program key, cache key, compile options, compression) under the
     current settings."""
-    options = _compile.compile_options(
-        len(program.devices), program.devices, program.mode,
-        xla_options=config.xla_options,
-        disable_most_optimizations=config.disable_most_optimizations)
+    options = _options(program)
     compression = _cache_entry.default_compression()
     pkey = program_key(program.module_text, options, program.mode, program.devices)
     return pkey, cache_key(pkey, program.devices, compression), options, compression
 
   def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
     """The loaded executable of ``program``, compiling only when needed."""
-    pkey, key, options, compression = self.key(program)
     if program.host_callbacks:
       # The binary refers to this process's Python callbacks by position: it
       # cannot be stored, shared with other ranks, or reused for another
       # function whose module text happens to be the same.
-      return self._compile(None, key, program, options, compression).loaded
+      return self._compile(None, "", program, _options(program), "").loaded
+    pkey, key, options, compression = self.key(program)
     world = _distributed.world()
     if world.multi:
       binary = self._shared(world, program, pkey, key, options, compression)
@@ -248,6 +245,13 @@ class CompilationCache:
 
 
 compilation_cache = CompilationCache()
+
+
+def _options(program: Program) -> _compat.CompileOptions:
+  return _compile.compile_options(
+      len(program.devices), program.devices, program.mode,
+      xla_options=config.xla_options,
+      disable_most_optimizations=config.disable_most_optimizations)
 
 
 def _divergence(rank: int, name: str, gathered: list) -> str:

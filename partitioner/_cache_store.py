@@ -7,6 +7,7 @@ plug their own (``partitioner.config.cache_store = MyStore()``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -89,10 +90,8 @@ class DiskStore:
         data = f.read()
     except FileNotFoundError:
       return None
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache still serves
       os.utime(path)  # mark as recently used (atime is often not updated)
-    except OSError:
-      pass
     return data
 
   def put(self, key: str, data: bytes) -> None:
@@ -107,18 +106,14 @@ class DiskStore:
         f.write(data)
       os.replace(tmp, path)
     except BaseException:
-      try:
+      with contextlib.suppress(OSError):
         os.unlink(tmp)
-      except OSError:
-        pass
       raise
     self.evict()
 
   def delete(self, key: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path(key))
-    except FileNotFoundError:
-      pass
 
   def entries(self) -> list[tuple[float, int, str]]:
     """(modification time, size, path) of every entry, oldest first."""
@@ -142,9 +137,7 @@ class DiskStore:
     for _, size, path in entries:
       if total <= self.max_bytes:
         break
-      try:
+      with contextlib.suppress(FileNotFoundError):  # another process was first
         os.unlink(path)
         logger.debug("Evicted %s from the compilation cache", path)
-      except FileNotFoundError:
-        pass
       total -= size

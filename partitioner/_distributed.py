@@ -10,6 +10,7 @@ MPI is used only for this bootstrap and for sharing compiled programs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -207,11 +208,9 @@ def _install_termination_message(rank: int, size: int) -> None:
   def on_term(signum, frame):
     sys.stderr.write(
         f"sharded_jit: rank {rank} of {size} terminated by the launcher"
-        " (signal {signum}); a peer rank probably failed.\n".format(signum=signum))
+        f" (signal {signum}); a peer rank probably failed.\n")
     sys.stderr.flush()
     os._exit(128 + signum)
 
-  try:
+  with contextlib.suppress(ValueError):  # only the main thread may set handlers
     signal.signal(signal.SIGTERM, on_term)
-  except ValueError:  # not the main thread
-    pass

@@ -27,8 +27,8 @@ class Lowered:
   def __init__(self, traced: TracedProgram, placement: Placement,
                program: Program, call_check: Callable,
                globalize: list[Callable] | None = None,
-               localize: list[Callable] | None = None,
-               names: tuple[Sequence[str], Sequence[str]] = ((), ())):
+               localize: list[Callable] | None = None, *,
+               names: tuple[Sequence[str], Sequence[str]]):
     self._globalize, self._localize = globalize, localize
     self._names = names
     self._traced = traced
@@ -81,8 +81,6 @@ class Lowered:
   def _explain(self, loaded, hlo_text: str) -> _explain.Explanation:
     p, t = self._placement, self._traced
     in_names, out_names = self._names
-    in_names = in_names or [f"args[{i}]" for i in range(len(t.in_avals))]
-    out_names = out_names or [f"output[{i}]" for i in range(len(t.out_avals))]
     stats = loaded.get_compiled_memory_stats()
     memory = {"arguments": stats.argument_size_in_bytes,
               "outputs": stats.output_size_in_bytes,

@@ -46,14 +46,21 @@ def command(num_processes: int, target: list[str], module: bool) -> list[str]:
   return [find_mpiexec(), "-n", str(num_processes), *rank_main, *target]
 
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+  """``XLA_FLAGS`` asking for ``count`` simulated CPU devices (any earlier
+  count is replaced). Takes effect only before jax starts its CPU backend."""
+  flags = [f for f in xla_flags.split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+  return " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={count}"])
+
+
 def environment(devices_per_process: int | None, marker_dir: str) -> dict[str, str]:
   env = dict(os.environ)
   env["SHARDED_JIT_LAUNCH_DIR"] = marker_dir
   if devices_per_process:
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = with_cpu_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
   return env
 
 

@@ -55,10 +55,10 @@ _ARGS.add_argument("--started", type=float, help=argparse.SUPPRESS)
 
 
 def _setup_jax(devices: int):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={devices}")
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, _ROOT)
+  from partitioner.launch import with_cpu_device_count
+  os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), devices)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   return jax
 

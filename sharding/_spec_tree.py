@@ -31,6 +31,16 @@ def check_spec(spec: Any, what: str) -> Spec:
       f" {spec!r} of type {type(spec).__name__}. Hint: {hint}.")
 
 
+def check_specs(specs: Any, what: str) -> tuple[list[Spec], Any]:
+  """Checks every leaf of a tree of specs; returns (leaves, treedef).
+
+  Raises:
+    TypeError: a leaf is not a PartitionSpec or None (named by its path).
+  """
+  paths, spec_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+  return [check_spec(s, f"{what}{jax.tree_util.keystr(p)}") for p, s in paths], spec_def
+
+
 def broadcast_specs(specs: Any, tree: Any, what: str) -> list[Spec]:
   """Expands a prefix tree of specs to one spec per leaf of ``tree``.
 
@@ -47,10 +57,7 @@ def broadcast_specs(specs: Any, tree: Any, what: str) -> list[Spec]:
     TypeError: a leaf of ``specs`` is not a spec or None.
     ValueError: ``specs`` is not a prefix of ``tree``.
   """
-  spec_leaves, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=is_spec_leaf)
-  for path, spec in jax.tree_util.tree_flatten_with_path(
-      specs, is_leaf=is_spec_leaf)[0]:
-    check_spec(spec, f"{what}{jax.tree_util.keystr(path)}")
+  spec_leaves, spec_def = check_specs(specs, what)
   try:
     subtrees = spec_def.flatten_up_to(tree)
   except (ValueError, TypeError) as e:

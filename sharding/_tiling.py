@@ -113,10 +113,6 @@ class Tiling:
     """The Shardy tensor sharding attribute text."""
     return f"#sdy.sharding<@{SHARDY_MESH_NAME}, [{', '.join(self.shardy_dims())}]>"
 
-  def shardy_constraint_body(self) -> str:
-    """The ``<@mesh, [...]>`` part of an ``sdy.sharding_constraint``."""
-    return f"<@{SHARDY_MESH_NAME}, [{', '.join(self.shardy_dims())}]>"
-
   def named_sharding(self) -> jax.sharding.NamedSharding:
     """A ``NamedSharding`` with the same layout, for the arrays users see."""
     if self._named_sharding is None:
