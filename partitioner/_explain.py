@@ -124,31 +124,7 @@ def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling) -> 
   itemsize = np.dtype(dtype).itemsize
   spec = "replicated" if tiling.replicated else repr(tiling.spec)
   return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
-                     math.prod(shard) * itemsize, picture(tiling))
-
-
-def picture(tiling: Tiling) -> str:
-  """A grid of device ids: which device holds which block.
-
-  Rows are the blocks of all dimensions but the last (row-major), columns
-  the blocks of the last dimension.
-  """
-  ids = [str(d.id) for d in tiling.devices]
-  if tiling.replicated:
-    return f"replicated: every device holds all of it ({', '.join(ids)})"
-  counts = tiling.spec.counts
-  cols = counts[-1]
-  rows = math.prod(counts[:-1])
-  width = max(len(i) for i in ids) + 2
-  line = "+" + "+".join("-" * width for _ in range(cols)) + "+"
-  out = [line]
-  for r in range(rows):
-    cells = [ids[r * cols + c].center(width) for c in range(cols)]
-    out += ["|" + "|".join(cells) + "|", line]
-  if len(counts) > 2:
-    out.append(f"(rows: dimensions 0..{len(counts) - 2} flattened row-major;"
-               f" columns: dimension {len(counts) - 1})")
-  return "\n".join(out)
+                     math.prod(shard) * itemsize, tiling.picture())
 
 
 def collectives(hlo_text: str) -> list[Collective]:

@@ -41,7 +41,7 @@ def check_specs(specs: Any, what: str) -> tuple[list[Spec], Any]:
   return [check_spec(s, f"{what}{jax.tree_util.keystr(p)}") for p, s in paths], spec_def
 
 
-def broadcast_specs(specs: Any, tree: Any, what: str) -> list[Spec]:
+def broadcast_specs(specs: Any, tree: Any, what: str = "specs") -> list[Spec]:
   """Expands a prefix tree of specs to one spec per leaf of ``tree``.
 
   A single spec (or None) applies to every leaf below it, as in jax's
@@ -56,6 +56,11 @@ def broadcast_specs(specs: Any, tree: Any, what: str) -> list[Spec]:
   Raises:
     TypeError: a leaf of ``specs`` is not a spec or None.
     ValueError: ``specs`` is not a prefix of ``tree``.
+
+  Example:
+    >>> from sharding import PartitionSpec as P, broadcast_specs
+    >>> broadcast_specs((P(2, 1), None), ({"a": 1, "b": 2}, 3))
+    [PartitionSpec(2, 1), PartitionSpec(2, 1), None]
   """
   spec_leaves, spec_def = check_specs(specs, what)
   try:

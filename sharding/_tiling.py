@@ -11,6 +11,7 @@ are split), and a ``jax.sharding.NamedSharding`` for the arrays users get back.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -81,6 +82,37 @@ class Tiling:
       block = self.device_block(k)
       out.append(tuple(slice(b * t, (b + 1) * t) for b, t in zip(block, tile)))
     return tuple(out)
+
+  def picture(self) -> str:
+    """A grid of device ids: which device holds which block.
+
+    Rows are the blocks of all dimensions but the last (row-major), columns
+    the blocks of the last dimension.
+
+    Example (with 2 devices):
+      >>> import jax
+      >>> from sharding import PartitionSpec as P, tiling
+      >>> print(tiling(P(1, 2), jax.devices()[:2], 2).picture())
+      +---+---+
+      | 0 | 1 |
+      +---+---+
+    """
+    ids = [str(d.id) for d in self.devices]
+    if self.replicated:
+      return f"replicated: every device holds all of it ({', '.join(ids)})"
+    counts = self.spec.counts
+    cols = counts[-1] if counts else 1
+    rows = math.prod(counts[:-1])
+    width = max(len(i) for i in ids) + 2
+    line = "+" + "+".join("-" * width for _ in range(cols)) + "+"
+    out = [line]
+    for r in range(rows):
+      cells = [ids[r * cols + c].center(width) for c in range(cols)]
+      out += ["|" + "|".join(cells) + "|", line]
+    if len(counts) > 2:
+      out.append(f"(rows: dimensions 0..{len(counts) - 2} flattened row-major;"
+                 f" columns: dimension {len(counts) - 1})")
+    return "\n".join(out)
 
   def gspmd(self) -> str:
     """The GSPMD (HloSharding) text, e.g. ``{devices=[2,1]0,1}``."""

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 
 from partitioner import Explanation, explain, sharded_jit
-from partitioner import _explain
 from sharding import PartitionSpec as P
 from sharding import tiling
 
@@ -50,48 +49,13 @@ def test_resharding_shows_up(mode):
 
 def test_picture_shows_which_device_holds_which_block(devices):
   t = tiling(P(2, 4), devices, 2)
-  rows = [l for l in _explain.picture(t).splitlines() if l.startswith("|")]
+  rows = [l for l in t.picture().splitlines() if l.startswith("|")]
   assert [r.split("|")[1:-1] for r in rows] == [
       [" 0 ", " 1 ", " 2 ", " 3 "], [" 4 ", " 5 ", " 6 ", " 7 "]]
-  assert "dimensions 0..1 flattened" in _explain.picture(tiling(P(2, 2, 2), devices, 3))
-  assert _explain.picture(tiling(None, devices[:2], 2)).startswith("replicated")
+  assert "dimensions 0..1 flattened" in tiling(P(2, 2, 2), devices, 3).picture()
+  assert tiling(None, devices[:2], 2).picture().startswith("replicated")
 
 
 def test_explain_rejects_plain_functions():
   with pytest.raises(TypeError, match="sharded_jit function"):
     explain(matmul, X, W)
-
-
-_HLO = """\
-HloModule m, num_partitions=4
-
-ENTRY %main {
-  %p = f32[8,8]{1,0} parameter(0)
-  %ar = f32[8,8]{1,0} all-reduce(%p), channel_id=1, metadata={op_name="jit(f)/add" stack_frame_id=2}
-  %ags = (f32[2,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%p), metadata={op_name="jit(f)/g"}
-  %agd = f32[8,8]{1,0} all-gather-done(%ags)
-  ROOT %a2a = (bf16[2,2]{1,0}, bf16[2,2]{1,0}) all-to-all(%p, %p), metadata={op_name="x" source_file="/a.py" source_line=7}
-}
-
-FileNames
-1 "/src/model.py"
-
-FunctionNames
-1 "layer"
-
-FileLocations
-1 {file_name_id=1 function_name_id=1 line=42 end_line=42 column=1 end_column=1}
-
-StackFrames
-1 {file_location_id=1 parent_frame_id=1}
-2 {file_location_id=1 parent_frame_id=1}
-"""
-
-
-def test_collectives_parser():
-  ops = _explain.collectives(_HLO)
-  assert [(o.kind, o.bytes) for o in ops] == [
-      ("all-reduce", 256), ("all-gather", 256), ("all-to-all", 16)]
-  assert ops[0].source == "/src/model.py:42 (layer)" and ops[0].op_name == "jit(f)/add"
-  assert ops[1].source == ""
-  assert ops[2].source == "/a.py:7"

@@ -1,8 +1,12 @@
+"""Per-process pieces: local specs and shapes (public helpers), and the
+error for a local spec that does not follow from the global one."""
+
+import numpy as np
 import pytest
 
-from partitioner import _local_parts
+from partitioner import sharded_jit
 from sharding import PartitionSpec as P
-from sharding._local import global_shape, local_shape, local_spec
+from sharding import global_shape, local_shape, local_spec
 
 
 @pytest.mark.parametrize("spec,procs,want", [
@@ -35,10 +39,16 @@ def test_shapes():
   assert global_shape((3,), None, None) == (3,)
 
 
-def test_check_local_specs_names_the_right_spec():
-  assert _local_parts.check_local_specs([P(4, 1), None], [P(2, 1), None],
-                                        ["x", "w"], 2, "in") == [P(2, 1), None]
-  with pytest.raises(ValueError, match=r"local_in_parts for x: spec PartitionSpec\(1, 2\).*"
-                                       r"holds a PartitionSpec\(2, 1\) piece.*"
-                                       r"use local_in_parts PartitionSpec\(2, 1\)"):
-    _local_parts.check_local_specs([P(4, 1)], [P(1, 2)], ["x"], 2, "in")
+def test_local_parts_that_do_not_follow_from_the_global_ones_name_the_right_spec():
+  x = np.ones((8, 4), np.float32)
+  ok = sharded_jit(lambda x: x, in_parts=P(4, 1), out_parts=P(4, 1),
+                   local_in_parts=P(4, 1), local_out_parts=P(4, 1))
+  np.testing.assert_array_equal(ok(x), x)  # one process holds everything
+  bad = sharded_jit(lambda x: x, in_parts=P(4, 1), out_parts=P(4, 1),
+                    local_in_parts=P(1, 4))
+  with pytest.raises(ValueError, match=r"local_in_parts for argument `x` \(args\[0\]\):"
+                                       r" spec PartitionSpec\(1, 4\) does not match"
+                                       r" in_parts PartitionSpec\(4, 1\) over 1 processes.*"
+                                       r"holds a PartitionSpec\(4, 1\) piece.*"
+                                       r"use local_in_parts PartitionSpec\(4, 1\)"):
+    bad(x)
