@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main(argv):
   del argv
-  from partitioner._distributed import launcher_world
+  from partitioner.launch import launcher_world
   if launcher_world()[1] == 1 and _PROCESSES.value > 1:
     # Not under MPI yet: start the processes and wait for them.
     cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(_PROCESSES.value),

@@ -1,26 +1,38 @@
 """Turning an annotated function into a running sharded program.
 
-Pipeline: trace (jax) -> partition (count partitions, pick devices, insert
-shardings into the MLIR) -> compile (jaxlib) -> execute.
+Pipeline, one module per stage: ``_trace`` (jax lowers the function) ->
+``_partition`` (count partitions, pick devices: ``_plan``; insert shardings
+into the MLIR: ``_insert``) -> ``_compile`` with the ``_cache`` subpackage
+(memory -> disk -> compile) -> ``_execute``. ``_api`` is the ``sharded_jit``
+wrapper; ``_stages`` holds ``Lowered``/``Compiled``; ``_distributed`` is
+everything multi-process.
 """
 
 from partitioner._api import ShardedJitFunction as ShardedJitFunction
 from partitioner._api import explain as explain
 from partitioner._api import sharded_jit as sharded_jit
+from partitioner._cache import CacheStore as CacheStore
+from partitioner._cache import DiskStore as DiskStore
+from partitioner._cache import MemoryStore as MemoryStore
 from partitioner._cache import clear_caches as clear_caches
-from partitioner._cache_store import CacheStore as CacheStore
-from partitioner._cache_store import DiskStore as DiskStore
-from partitioner._cache_store import MemoryStore as MemoryStore
 from partitioner._config import Config as Config
 from partitioner._config import config as config
+from partitioner._distributed import PeerError as PeerError
+from partitioner._distributed import World as World
+from partitioner._distributed import initialize as initialize
+from partitioner._explain import Explanation as Explanation
 from partitioner._stages import Compiled as Compiled
 from partitioner._stages import Lowered as Lowered
-from partitioner._distributed import World as World
-from partitioner._explain import Explanation as Explanation
-from partitioner._distributed import initialize as initialize
 from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
-__all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation", "Lowered",
-           "MemoryStore", "ShardedJitFunction", "clear_caches",
-           "World", "compilation_stats", "config", "explain", "initialize", "sharded_jit"]
+__all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation",
+           "Lowered", "MemoryStore", "PeerError", "ShardedJitFunction", "World",
+           "clear_caches", "compilation_stats", "config", "explain", "initialize",
+           "sharded_jit"]
+
+# Public classes show their public module path.
+for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
+             PeerError, World, Explanation, Compiled, Lowered):
+  _cls.__module__ = "partitioner"
+del _cls

@@ -1,4 +1,11 @@
-"""The public ``sharded_jit`` wrapper: arguments, pytrees, static args, call cache."""
+"""The public ``sharded_jit`` wrapper: validation once, call caches, dispatch.
+
+A call flattens its arguments and looks its program up in two bounded call
+caches; on a miss the stages run in order: ``_partition.lower`` (which
+traces with ``_trace``, plans with ``_plan`` and inserts shardings with
+``_insert``) -> ``Lowered.compile`` (``_cache``, ``_compile``) -> the
+``Executable`` of ``_execute`` runs it.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,11 @@ from typing import Any
 
 import jax
 
-from partitioner import _distributed, _local_parts, _plan
-from partitioner._cache import Program
-from partitioner._args import ArgumentLayout, NotAnArray, signature, to_aval
+from partitioner import _distributed, _partition
+from partitioner._args import ArgumentLayout, NotAnArray, reject_kwargs, signature
 from partitioner._config import config
-from partitioner._insert import ShardingPass
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
-from partitioner._trace import trace_and_lower
 from sharding._constraint import with_sharding_constraint
 from sharding._spec_tree import broadcast_specs, check_specs
 
@@ -129,32 +133,34 @@ class ShardedJitFunction:
     # Under an MPI launch, join the other ranks now, while jax has not set
     # up its devices yet (a no-op in a single process).
     _distributed.world()
-    self._fun = fun
-    self._name = getattr(fun, "__name__", type(fun).__name__)
-    self._in_parts = _check_specs(in_parts, "in_parts")
-    self._out_parts = _check_specs(out_parts, "out_parts")
-    self._local_in_parts = (None if local_in_parts is None else
-                            _check_specs(local_in_parts, "local_in_parts"))
-    self._local_out_parts = (None if local_out_parts is None else
-                             _check_specs(local_out_parts, "local_out_parts"))
-    self._num_partitions = _positive_or_none(num_partitions, "num_partitions")
-    self._local_num_partitions = _positive_or_none(local_num_partitions,
-                                                   "local_num_partitions")
+    name = getattr(fun, "__name__", type(fun).__name__)
     static = _as_tuple(static_argnums, "static_argnums")
     donate = _as_tuple(donate_argnums, "donate_argnums")
     if set(static) & set(donate):
       raise ValueError(
           f"static_argnums {static} and donate_argnums {donate} overlap: a"
           " static argument has no buffer to donate.")
-    self._layout = ArgumentLayout(fun, static, donate)
-    self._has_static = bool(static)
     if devices is not None:
       devices = tuple(devices)
       if not devices or not all(isinstance(d, jax.Device) for d in devices):
         raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
       if len(set(devices)) != len(devices):
         raise ValueError(f"devices contains duplicates: {list(devices)}")
-    self._devices = devices
+    self._request = _partition.Request(
+        fun=fun, name=name, layout=ArgumentLayout(fun, static, donate),
+        in_parts=_check_specs(in_parts, "in_parts"),
+        out_parts=_check_specs(out_parts, "out_parts"),
+        num_partitions=_positive_or_none(num_partitions, "num_partitions"),
+        devices=devices,
+        local_in_parts=(None if local_in_parts is None else
+                        _check_specs(local_in_parts, "local_in_parts")),
+        local_out_parts=(None if local_out_parts is None else
+                         _check_specs(local_out_parts, "local_out_parts")),
+        local_num_partitions=_positive_or_none(local_num_partitions,
+                                               "local_num_partitions"))
+    self._name = name
+    self._layout = self._request.layout
+    self._has_static = bool(static)
     # Call caches, bounded: canonical (shape, dtype, weak type) keys, and
     # keys made of jax.Array avals (which also carry their placement).
     self._cache: dict[Any, Compiled] = {}
@@ -167,7 +173,7 @@ class ShardedJitFunction:
     # reads); a hit whose shardings were already the program's runs without
     # any per-argument check. Anything else takes _lookup's canonical key.
     if kwargs:
-      self._reject_kwargs(kwargs)
+      reject_kwargs(self._name, kwargs)
     if self._has_static:
       dyn, static_values = self._layout.split(args)
     else:
@@ -183,31 +189,33 @@ class ShardedJitFunction:
     if hit is not None:
       stats.cache_hit()
       return hit(leaves)
-    compiled = self._lookup(args, dyn, static_values, leaves, treedef, mode)
+    compiled = self._lookup(len(args), static_values, leaves, treedef, mode)
     if compiled is None:  # called under a jax transformation
-      return self._call_traced(args, dyn)
+      return self._call_traced(len(args), static_values, leaves, treedef)
     executable = compiled.executable
     if key is not None:
       if executable.runs_as_is(leaves):  # then so will every hit of this key
         runner = executable.direct_runner(compiled.out_tree)
       else:
-        runner = functools.partial(_call_placing, compiled)
+        runner = compiled.call_flat
       _bounded_put(self._fast_cache, key, runner)
-    return _call_placing(compiled, leaves)
+    return compiled.call_flat(leaves)
 
-  def _lookup(self, args, dyn, static_values, leaves, treedef,
-              mode) -> Compiled | None:
-    """Finds or compiles the program for these arguments' canonical key."""
+  def _lookup(self, nargs, static_values, leaves, treedef, mode) -> Compiled | None:
+    """Finds or compiles the program for these arguments' canonical key;
+    None when called on tracers (under a jax transformation)."""
     try:
-      key = (treedef, static_values, mode, *map(signature, leaves))
+      sigs = tuple(map(signature, leaves))
     except NotAnArray:
       if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-      self._layout.check_arrays(len(args), dyn)
+      self._layout.check_arrays(nargs, jax.tree_util.tree_unflatten(treedef, leaves))
       raise
+    key = (treedef, static_values, mode, *sigs)
     compiled = self._cache.get(key)
     if compiled is None:
-      compiled = self._lower(args, dyn, static_values).compile()
+      inputs = self._layout.signature(nargs, static_values, leaves, treedef, sigs)
+      compiled = _partition.lower(self._request, inputs).compile()
       _bounded_put(self._cache, key, compiled)
     else:
       stats.cache_hit()
@@ -215,113 +223,25 @@ class ShardedJitFunction:
 
   def lower(self, *args, **kwargs) -> Lowered:
     """Traces and partitions for these arguments, without compiling."""
-    self._reject_kwargs(kwargs)
+    reject_kwargs(self._name, kwargs)
     dyn, static_values = self._layout.split(args)
-    self._layout.check_arrays(len(args), dyn)
-    return self._lower(args, dyn, static_values)
-
-  def _reject_kwargs(self, kwargs: dict) -> None:
-    if kwargs:
-      raise TypeError(
-          f"sharded_jit function {self._name} got keyword arguments"
-          f" {sorted(kwargs)}; sharded_jit takes positional arguments only."
-          " Hint: pass them positionally, or bind them with functools.partial"
-          " before calling sharded_jit.")
-
-  def _in_specs(self, args: tuple, dyn: tuple, in_parts: Any = None,
-                what: str = "in_parts") -> list:
-    in_parts = self._in_parts if what == "in_parts" else in_parts
-    if (self._layout.static_argnums and isinstance(in_parts, tuple)
-        and len(in_parts) == len(args) != len(dyn)):
-      keep = self._layout.dynamic_positions(len(args))
-      in_parts = tuple(in_parts[i] for i in keep)
-    return broadcast_specs(in_parts, dyn, what)
-
-  def _lower(self, args: tuple, dyn: tuple, static_values: tuple) -> Lowered:
-    nargs = len(args)
-    world = _distributed.world()
-    in_specs = self._in_specs(args, dyn)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
-    avals = [to_aval(signature(x)) for x in leaves]
-    names = self._layout.leaf_names(nargs, dyn)
-    in_local = None
-    if self._local_in_parts is not None:
-      given = self._in_specs(args, dyn, self._local_in_parts, "local_in_parts")
-      in_local = _local_parts.check_local_specs(in_specs, given, names,
-                                                world.size, "in")
-      avals = _local_parts.global_avals(avals, in_specs, in_local)
-    rebuild = self._layout.rebuild(nargs, static_values)
-    traced = trace_and_lower(
-        self._fun, self._name,
-        lambda flat: rebuild(jax.tree_util.tree_unflatten(treedef, flat)),
-        avals, self._layout.donated_leaves(nargs, dyn))
-    sharding_pass = ShardingPass(traced.module)
-    ins = [_plan.SpecUse(s, a.shape, f"in_parts for {n}")
-           for s, a, n in zip(in_specs, avals, names)]
-    out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
-    out_specs = broadcast_specs(self._out_parts, out_tree_avals, "out_parts")
-    out_names = ["output" + jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path(out_tree_avals)[0]]
-    outs = [_plan.SpecUse(s, a.shape, f"out_parts for {n}")
-            for s, a, n in zip(out_specs, traced.out_avals, out_names)]
-    out_local = None
-    if self._local_out_parts is not None:
-      given = broadcast_specs(self._local_out_parts, out_tree_avals, "local_out_parts")
-      out_local = _local_parts.check_local_specs(out_specs, given, out_names,
-                                                 world.size, "out")
-    constraints = _plan.constraint_uses(sharding_pass.constraints())
-    placement = _plan.plan(ins, outs, constraints, self._num_partitions,
-                           self._devices, world.size, self._local_num_partitions)
-    mode = config.partitioner
-    sharding_pass.insert(
-        placement.num_partitions, mode,
-        _plan.physical_tilings(placement.in_tilings, avals),
-        _plan.physical_tilings(placement.out_tilings, traced.out_avals),
-        placement.constraint_tilings)
-    globalize = None if in_local is None else _local_parts.globalizers(
-        placement.in_tilings, [a.shape for a in avals])
-    localize = None if out_local is None else _local_parts.localizers(
-        out_specs, out_local, [a.shape for a in traced.out_avals],
-        placement.devices, world.rank, world.size)
-    expected = [signature(x) for x in leaves]
+    return _partition.lower(
+        self._request, self._layout.signature(len(args), static_values, leaves, treedef))
 
-    def call_check(call_args, call_kwargs):
-      self._reject_kwargs(call_kwargs)
-      call_dyn, call_static = self._layout.split(call_args)
-      self._layout.check_arrays(len(call_args), call_dyn)
-      call_leaves, call_tree = jax.tree_util.tree_flatten(call_dyn)
-      got = [signature(x) for x in call_leaves]
-      if (call_tree, call_static, got) != (treedef, static_values, expected):
-        raise TypeError(
-            f"this compiled {self._name} was lowered for arguments"
-            f" {_describe(expected)} (static {static_values!r}), but was called"
-            f" with {_describe(got)} (static {call_static!r}). Hint: call the"
-            " sharded_jit function itself, which compiles for new shapes.")
-      return call_leaves
-
-    summary = ", ".join(
-        f"{u.what.removeprefix('in_parts for argument ')}: {a.dtype.name}"
-        f"{list(a.shape)} {u.spec if u.spec is not None else 'replicated'}"
-        for u, a in zip(ins, avals))
-    program = Program(
-        name=self._name, module=sharding_pass.as_bytecode(),
-        module_text=sharding_pass.as_text(), mode=mode,
-        devices=placement.devices, summary=summary,
-        host_callbacks=traced.host_callbacks)
-    return Lowered(traced, placement, program, call_check, globalize, localize,
-                   names=(names, out_names))
-
-  def _call_traced(self, args: tuple, dyn: tuple) -> Any:
+  def _call_traced(self, nargs: int, static_values: tuple, leaves: list,
+                   treedef: Any) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""
-    in_specs = self._in_specs(args, dyn)
-    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    request = self._request
+    parts = self._layout.dynamic_parts(request.in_parts, nargs)
+    in_specs = broadcast_specs(parts, jax.tree_util.tree_unflatten(treedef, leaves),
+                               "in_parts")
     leaves = [x if s is None else with_sharding_constraint(x, s)
               for x, s in zip(leaves, in_specs)]
-    _, static_values = self._layout.split(args)
-    full = self._layout.rebuild(len(args), static_values)(
+    full = self._layout.rebuild(nargs, static_values)(
         jax.tree_util.tree_unflatten(treedef, leaves))
-    out = self._fun(*full)
-    out_specs = broadcast_specs(self._out_parts, out, "out_parts")
+    out = request.fun(*full)
+    out_specs = broadcast_specs(request.out_parts, out, "out_parts")
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_leaves = [x if s is None else with_sharding_constraint(x, s)
                   for x, s in zip(out_leaves, out_specs)]
@@ -349,17 +269,9 @@ def explain(fun: ShardedJitFunction, *args) -> Any:
   return fun.lower(*args).compile().explain()
 
 
-def _call_placing(compiled: Compiled, leaves: list) -> Any:
-  """Runs ``compiled``, placing or converting the inputs as needed."""
-  return _tree_unflatten(compiled.out_tree, compiled.executable.call_flat(leaves))
-
-
 def _bounded_put(cache: dict, key: Any, value: Any) -> None:
   """Inserts, evicting the oldest entries beyond _CALL_CACHE_SIZE."""
   cache[key] = value
   while len(cache) > _CALL_CACHE_SIZE:
     del cache[next(iter(cache))]
 
-
-def _describe(sigs) -> str:
-  return "[" + ", ".join(f"{jax.numpy.dtype(d).name}{list(s)}" for s, d, _ in sigs) + "]"

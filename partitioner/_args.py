@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +38,40 @@ def to_aval(sig: tuple) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
 
 
+def describe(sigs: Sequence[tuple]) -> str:
+  """``[float32[4, 2], int32[]]``: signatures for error messages."""
+  return "[" + ", ".join(f"{jax.numpy.dtype(d).name}{list(s)}" for s, d, _ in sigs) + "]"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSignature:
+  """A call's arguments as a compiled program expects them: plain data.
+
+  Made once per call-cache miss (the arguments are flattened and signed
+  once); a :class:`~partitioner.Compiled` compares its calls against it.
+
+  Attributes:
+    nargs: the number of positional arguments.
+    static_values: the values of the static arguments.
+    treedef: the structure of the dynamic arguments.
+    signatures: (shape, dtype, weak_type) of each flat dynamic input.
+    paths: each flat input's path in the dynamic-arguments tuple.
+  """
+  nargs: int
+  static_values: tuple
+  treedef: Any
+  signatures: tuple[tuple, ...]
+  paths: tuple[tuple, ...]
+
+  @property
+  def avals(self) -> list[jax.ShapeDtypeStruct]:
+    return [to_aval(s) for s in self.signatures]
+
+  def skeleton(self) -> Any:
+    """The dynamic arguments' tree with leaf indices in place of arrays."""
+    return jax.tree_util.tree_unflatten(self.treedef, range(len(self.signatures)))
+
+
 class ArgumentLayout:
   """How a sharded_jit function's positional arguments are laid out.
 
@@ -57,6 +92,46 @@ class ArgumentLayout:
       params = []
     self._names = [p.name for p in params
                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+  def signature(self, nargs: int, static_values: tuple, leaves: Sequence[Any],
+                treedef: Any, sigs: tuple[tuple, ...] | None = None) -> InputSignature:
+    """The :class:`InputSignature` of already flattened dynamic arguments
+    (``sigs``: their signatures, when already computed).
+
+    Raises:
+      TypeError: a leaf is not an array (named by its argument and path).
+    """
+    if sigs is None:
+      try:
+        sigs = tuple(map(signature, leaves))
+      except NotAnArray:
+        self.check_arrays(nargs, jax.tree_util.tree_unflatten(treedef, leaves))
+        raise
+    paths = tuple(p for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(treedef, range(len(sigs))))[0])
+    return InputSignature(nargs, static_values, treedef, sigs, paths)
+
+  def check_call(self, expected: InputSignature, name: str, args: tuple,
+                 kwargs: dict) -> list[Any]:
+    """The flat dynamic inputs of a call, checked against ``expected``.
+
+    Raises:
+      TypeError: keyword arguments, a non-array argument, or arguments of
+        other shapes, dtypes, structure or static values.
+    """
+    reject_kwargs(name, kwargs)
+    dyn, static_values = self.split(args)
+    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    got = self.signature(len(args), static_values, leaves, treedef)
+    if (got.treedef, got.static_values, got.signatures) != (
+        expected.treedef, expected.static_values, expected.signatures):
+      raise TypeError(
+          f"this compiled {name} was lowered for arguments"
+          f" {describe(expected.signatures)} (static {expected.static_values!r}),"
+          f" but was called with {describe(got.signatures)} (static"
+          f" {got.static_values!r}). Hint: call the sharded_jit function itself,"
+          " which compiles for new shapes.")
+    return leaves
 
   def split(self, args: tuple) -> tuple[tuple, tuple]:
     """Separates (dynamic args, static values)."""
@@ -111,32 +186,35 @@ class ArgumentLayout:
       return f"`{self._names[position]}` (args[{position}])"
     return f"args[{position}]"
 
-  def leaf_names(self, nargs: int, dyn: tuple) -> list[str]:
+  def leaf_names(self, inputs: InputSignature) -> list[str]:
     """A readable name for each flat dynamic input, in flattening order."""
-    positions = self.dynamic_positions(nargs)
-    names = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]:
-      pos = positions[path[0].idx]
-      rest = jax.tree_util.keystr(path[1:])
-      names.append(f"argument {self.name(pos)}{rest}")
-    return names
+    positions = self.dynamic_positions(inputs.nargs)
+    return [f"argument {self.name(positions[path[0].idx])}"
+            f"{jax.tree_util.keystr(path[1:])}" for path in inputs.paths]
 
-  def donated_leaves(self, nargs: int, dyn: tuple) -> list[int]:
+  def donated_leaves(self, inputs: InputSignature) -> list[int]:
     """Flat indices of the dynamic inputs in donated arguments."""
     if not self.donate_argnums:
       return []
-    positions = self.dynamic_positions(nargs)
-    donate = {i + nargs if i < 0 else i for i in self.donate_argnums}
-    flat = []
-    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(dyn)[0]):
-      if positions[path[0].idx] in donate:
-        flat.append(k)
-    return flat
+    positions = self.dynamic_positions(inputs.nargs)
+    donate = {i + inputs.nargs if i < 0 else i for i in self.donate_argnums}
+    return [k for k, path in enumerate(inputs.paths)
+            if positions[path[0].idx] in donate]
+
+  def dynamic_parts(self, parts: Any, nargs: int) -> Any:
+    """``in_parts`` for the dynamic arguments: a tuple with one entry per
+    positional argument (static ones included) loses the static entries."""
+    if (self.static_argnums and isinstance(parts, tuple)
+        and len(parts) == nargs != len(self.dynamic_positions(nargs))):
+      return tuple(parts[i] for i in self.dynamic_positions(nargs))
+    return parts
 
   def check_arrays(self, nargs: int, dyn: tuple) -> None:
     """Raises a TypeError naming the first flat input that is not an array."""
-    for name, leaf in zip(self.leaf_names(nargs, dyn),
-                          jax.tree_util.tree_leaves(dyn)):
+    positions = self.dynamic_positions(nargs)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
+      name = (f"argument {self.name(positions[path[0].idx])}"
+              f"{jax.tree_util.keystr(path[1:])}")
       try:
         signature(leaf)
       except NotAnArray:
@@ -145,3 +223,12 @@ class ArgumentLayout:
             " sharded_jit arguments must be arrays (jax or numpy) or Python"
             " scalars. Hint: if it is a configuration value, list its position"
             " in static_argnums.") from None
+
+
+def reject_kwargs(name: str, kwargs: dict) -> None:
+  if kwargs:
+    raise TypeError(
+        f"sharded_jit function {name} got keyword arguments {sorted(kwargs)};"
+        " sharded_jit takes positional arguments only. Hint: pass them"
+        " positionally, or bind them with functools.partial before calling"
+        " sharded_jit.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,28 @@ import numpy as np
 from partitioner import _compat
 from partitioner._stats import stats
 from sharding._tiling import Tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What to compile (the partition stage's output), and how to describe it.
+
+  Attributes:
+    name: the function's name.
+    module: MLIR bytecode to compile.
+    module_text: the same module as text without locations (for the key).
+    mode: ``"shardy"`` or ``"gspmd"``.
+    devices: the device assignment.
+    summary: arguments' shapes and specs, for log messages.
+    host_callbacks: Python callbacks the program calls (jax.debug.print...).
+  """
+  name: str
+  module: bytes
+  module_text: str
+  mode: str
+  devices: tuple[jax.Device, ...]
+  summary: str
+  host_callbacks: tuple = ()
 
 
 def compile_options(

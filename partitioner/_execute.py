@@ -8,7 +8,10 @@ from typing import Any
 import jax
 
 from partitioner import _compat
-from sharding._tiling import Tiling
+from partitioner._distributed import _local_parts
+from partitioner._plan import Placement
+from partitioner._trace import TracedProgram
+from sharding._partition_spec import PartitionSpec
 
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
@@ -23,32 +26,39 @@ class Executable:
 
   Args:
     loaded: jaxlib's loaded executable.
-    in_tilings: the tiling of each flat input.
-    out_tilings: the tiling of each flat output.
-    out_avals: the abstract value of each flat output.
+    placement: every input's and output's tiling.
+    traced: the traced program (avals, effects, what callbacks keep alive).
+    in_local: with local_in_parts, each input piece's spec (else None):
+      each process passes its own piece, made global before running.
+    out_local: with local_out_parts, each output piece's spec (else None):
+      each process gets back its own piece.
+    process: (rank, number of processes).
   """
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive")
 
-  def __init__(self, loaded: _compat.LoadedExecutable,
-               in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
-               out_avals: Sequence[jax.core.ShapedArray],
-               globalize: Sequence[Callable] | None = None,
-               localize: Sequence[Callable] | None = None,
-               in_avals: Sequence[jax.core.ShapedArray] = (),
-               effects: bool = False, keepalive: Any = None):
+  def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
+               traced: TracedProgram,
+               in_local: Sequence[PartitionSpec | None] | None = None,
+               out_local: Sequence[PartitionSpec | None] | None = None,
+               process: tuple[int, int] = (0, 1)):
     self.loaded = loaded
-    self.in_shardings = tuple(t.named_sharding() for t in in_tilings)
-    self.out_shardings = tuple(t.named_sharding() for t in out_tilings)
-    self._handlers = _compat.result_handlers(out_avals, self.out_shardings)
-    self._globalize = globalize  # per-process pieces -> global arrays
-    self._localize = localize    # global outputs -> this process's pieces
+    self.in_shardings = tuple(t.named_sharding() for t in placement.in_tilings)
+    self.out_shardings = tuple(t.named_sharding() for t in placement.out_tilings)
+    self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
+    # per-process pieces -> global arrays, and global outputs -> pieces
+    self._globalize = None if in_local is None else _local_parts.globalizers(
+        placement.in_tilings, [a.shape for a in traced.in_avals])
+    self._localize = None if out_local is None else _local_parts.localizers(
+        [t.spec for t in placement.out_tilings], out_local,
+        [a.shape for a in traced.out_avals], placement.devices, *process)
     # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
-    unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in in_avals]
+    unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+              for a in traced.in_avals]
     self._unwrap = unwrap if any(unwrap) else None
-    self._effects = effects      # host callbacks: run with runtime tokens
-    self._keepalive = keepalive  # what the callbacks need while we live
+    self._effects = traced.effects        # host callbacks: run with runtime tokens
+    self._keepalive = traced.keepalive    # what the callbacks need while we live
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""

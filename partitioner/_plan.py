@@ -28,33 +28,45 @@ class SpecUse:
     spec: the spec, or None for replicated.
     shape: the global shape of the value it tiles.
     what: how to name the value in errors, e.g. ``"in_parts for argument x"``.
+    dtype: the value's dtype (arguments and outputs; None for constraints).
   """
   spec: PartitionSpec | None
   shape: tuple[int, ...]
   what: str
+  dtype: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """The outcome of planning: N, the devices, and every value's tiling."""
+  """The outcome of planning: N, the devices, and every value's tiling.
+
+  Attributes:
+    num_partitions: N.
+    devices: the device assignment; partition ``k`` runs on ``devices[k]``.
+    in_tilings, out_tilings: the tiling of each flat input and output.
+    constraint_tilings: the tiling of each constraint site, in program order.
+    in_physical, out_physical: the tilings of the arrays XLA sees (the same
+      as ``in_tilings``/``out_tilings`` except for extended dtypes).
+  """
   num_partitions: int
   devices: tuple[jax.Device, ...]
   in_tilings: tuple[Tiling, ...]
   out_tilings: tuple[Tiling, ...]
   constraint_tilings: tuple[Tiling, ...]
+  in_physical: tuple[Tiling, ...]
+  out_physical: tuple[Tiling, ...]
 
 
-def physical_tilings(tilings: Sequence[Tiling], avals: Sequence[Any]) -> tuple[Tiling, ...]:
-  """The tilings of the arrays XLA sees: extended dtypes (typed PRNG keys)
+def _physical(t: Tiling, use: SpecUse) -> Tiling:
+  """The tiling of the array XLA sees: extended dtypes (typed PRNG keys)
   have trailing physical dimensions, which stay unsplit."""
-  out = []
-  for t, a in zip(tilings, avals):
-    extra = len(_compat.physical_shape(a.shape, a.dtype)) - len(a.shape)
-    if extra:
-      t = tiling(PartitionSpec(*t.spec.counts, *([1] * extra)), t.devices,
-                 len(a.shape) + extra)
-    out.append(t)
-  return tuple(out)
+  if use.dtype is None:
+    return t
+  extra = len(_compat.physical_shape(use.shape, use.dtype)) - len(use.shape)
+  if not extra:
+    return t
+  return tiling(PartitionSpec(*t.spec.counts, *([1] * extra)), t.devices,
+                len(use.shape) + extra)
 
 
 def constraint_uses(sites: Sequence[ConstraintSite]) -> list[SpecUse]:
@@ -86,12 +98,15 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   chosen = (_choose_devices(n, devices) if num_processes == 1 else
             _choose_global_devices(n, devices, num_processes))
   lay = lambda u: tiling(u.spec, chosen, len(u.shape))
+  in_tilings, out_tilings = tuple(map(lay, ins)), tuple(map(lay, outs))
   return Placement(
       num_partitions=n,
       devices=chosen,
-      in_tilings=tuple(map(lay, ins)),
-      out_tilings=tuple(map(lay, outs)),
+      in_tilings=in_tilings,
+      out_tilings=out_tilings,
       constraint_tilings=tuple(map(lay, constraints)),
+      in_physical=tuple(map(_physical, in_tilings, ins)),
+      out_physical=tuple(map(_physical, out_tilings, outs)),
   )
 
 

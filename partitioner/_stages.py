@@ -1,59 +1,85 @@
-"""The staged objects users see: ``f.lower(...)`` and ``.compile()``."""
+"""The staged objects users see: ``f.lower(...)`` and ``.compile()``.
+
+Both hold plain data (the argument signature, the traced program, the
+placement, names, the loaded executable), like jax's own ``Lowered`` and
+``Compiled``; neither calls back into the stage that made it.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+import dataclasses
 from typing import Any
 
 import jax
 
-from partitioner import _compile, _explain, _plan
-from partitioner._cache import Program, compilation_cache
+from partitioner import _compile, _explain
+from partitioner._args import ArgumentLayout, InputSignature
+from partitioner._cache import compilation_cache
+from partitioner._compile import Program
 from partitioner._execute import Executable
 from partitioner._plan import Placement
 from partitioner._trace import TracedProgram
+from sharding._partition_spec import PartitionSpec
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Lowered:
   """A function traced, partitioned and annotated, ready to compile.
 
   Attributes:
-    num_partitions: the number of partitions (devices) of the program.
-    devices: the device assignment; partition ``k`` runs on ``devices[k]``.
-    partitioner: ``"shardy"`` or ``"gspmd"``.
+    name: the function's name.
+    layout: how its positional arguments are laid out (static, donated).
+    inputs: the arguments it was lowered for.
+    traced: the traced program (global avals, output structure, effects).
+    placement: N, the device assignment and every value's tiling.
+    program: the partitioned module, what stage 3 compiles.
+    in_names, out_names: readable names of the flat inputs and outputs.
+    in_local, out_local: with ``local_in_parts``/``local_out_parts``, the
+      spec of each process's piece of each flat input/output; else None.
+    process: (rank, number of processes).
   """
+  name: str
+  layout: ArgumentLayout
+  inputs: InputSignature
+  traced: TracedProgram
+  placement: Placement
+  program: Program
+  in_names: tuple[str, ...]
+  out_names: tuple[str, ...]
+  in_local: tuple[PartitionSpec | None, ...] | None
+  out_local: tuple[PartitionSpec | None, ...] | None
+  process: tuple[int, int]
 
-  def __init__(self, traced: TracedProgram, placement: Placement,
-               program: Program, call_check: Callable,
-               globalize: list[Callable] | None = None,
-               localize: list[Callable] | None = None, *,
-               names: tuple[Sequence[str], Sequence[str]]):
-    self._globalize, self._localize = globalize, localize
-    self._names = names
-    self._traced = traced
-    self._placement = placement
-    self._program = program
-    self._call_check = call_check
-    self.partitioner = program.mode
-    self.num_partitions = placement.num_partitions
-    self.devices = placement.devices
+  @property
+  def num_partitions(self) -> int:
+    """The number of partitions (devices) of the program."""
+    return self.placement.num_partitions
+
+  @property
+  def devices(self) -> tuple[jax.Device, ...]:
+    """The device assignment; partition ``k`` runs on ``devices[k]``."""
+    return self.placement.devices
+
+  @property
+  def partitioner(self) -> str:
+    """``"shardy"`` or ``"gspmd"``."""
+    return self.program.mode
 
   @property
   def in_shardings(self) -> list[jax.sharding.NamedSharding]:
     """The sharding of each flat input."""
-    return [t.named_sharding() for t in self._placement.in_tilings]
+    return [t.named_sharding() for t in self.placement.in_tilings]
 
   @property
   def out_shardings(self) -> Any:
     """The sharding of each output, in the outputs' tree structure."""
     return jax.tree_util.tree_unflatten(
-        self._traced.out_tree,
-        [t.named_sharding() for t in self._placement.out_tilings])
+        self.traced.out_tree,
+        [t.named_sharding() for t in self.placement.out_tilings])
 
   def as_text(self) -> str:
     """The MLIR module after sharding insertion, before XLA partitions it."""
-    return self._program.module_text
+    return self.program.module_text
 
   def cache_key(self) -> str:
     """The program's persistent cache key under the current settings.
@@ -61,66 +87,42 @@ class Lowered:
     Equal in every process that traces the same program with the same
     settings, devices and versions.
     """
-    return compilation_cache.key(self._program)[1]
+    return compilation_cache.key(self.program)[1]
 
   def compile(self) -> Compiled:
     """Loads the program from the compilation caches or compiles it."""
-    p = self._placement
-    loaded = compilation_cache.load_or_compile(self._program)
-    t = self._traced
-    _compile.verify_shardings(loaded, p.num_partitions,
-                              _plan.physical_tilings(p.in_tilings, t.in_avals),
-                              _plan.physical_tilings(p.out_tilings, t.out_avals))
-    return Compiled(
-        Executable(loaded, p.in_tilings, p.out_tilings, t.out_avals,
-                   self._globalize, self._localize, t.in_avals,
-                   effects=t.effects, keepalive=t.keepalive),
-        self._traced.out_tree, self._call_check, p.num_partitions,
-        functools.partial(self._explain, loaded))
-
-  def _explain(self, loaded, hlo_text: str) -> _explain.Explanation:
-    p, t = self._placement, self._traced
-    in_names, out_names = self._names
-    stats = loaded.get_compiled_memory_stats()
-    memory = {"arguments": stats.argument_size_in_bytes,
-              "outputs": stats.output_size_in_bytes,
-              "temporaries": stats.temp_size_in_bytes,
-              "aliased": stats.alias_size_in_bytes}
-    memory["peak_estimate"] = (memory["arguments"] + memory["outputs"] +
-                               memory["temporaries"] - memory["aliased"])
-    return _explain.Explanation(
-        name=self._program.name, partitioner=self.partitioner,
-        num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),
-        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
-                        in zip(in_names, t.in_avals, p.in_tilings)),
-        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
-                      in zip(out_names, t.out_avals, p.out_tilings)),
-        collectives=tuple(_explain.collectives(hlo_text)),
-        flops=float(dict(loaded.cost_analysis()).get("flops", 0.0)),
-        memory=memory)
+    p = self.placement
+    loaded = compilation_cache.load_or_compile(self.program)
+    _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical)
+    return Compiled(self, Executable(loaded, p, self.traced, self.in_local,
+                                     self.out_local, self.process))
 
 
 class Compiled:
   """A compiled sharded program; call it like the original function.
 
   Attributes:
-    num_partitions: the number of partitions (devices) of the program.
+    lowered: the :class:`Lowered` it was compiled from.
+    executable: the loaded program and its per-call path.
   """
 
-  def __init__(self, executable: Executable, out_tree: Any,
-               call_check: Callable, num_partitions: int,
-               explain: Callable[[str], _explain.Explanation] | None = None):
-    self._explain = explain
+  def __init__(self, lowered: Lowered, executable: Executable):
+    self.lowered = lowered
     self.executable = executable
-    self.out_tree = out_tree
-    self._call_check = call_check
-    self.num_partitions = num_partitions
+    self.out_tree = lowered.traced.out_tree
+
+  @property
+  def num_partitions(self) -> int:
+    """The number of partitions (devices) of the program."""
+    return self.lowered.num_partitions
 
   def __call__(self, *args, **kwargs):
-    leaves = self._call_check(args, kwargs)
+    lowered = self.lowered
+    leaves = lowered.layout.check_call(lowered.inputs, lowered.name, args, kwargs)
     return self.call_flat(leaves)
 
   def call_flat(self, leaves) -> Any:
+    """Runs on flat dynamic inputs; returns the outputs' pytree."""
     return jax.tree_util.tree_unflatten(
         self.out_tree, self.executable.call_flat(leaves))
 
@@ -141,6 +143,10 @@ class Compiled:
     """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
     return dict(self.executable.loaded.cost_analysis())
 
+  def memory_analysis(self) -> Any:
+    """XLA's memory statistics of the per-device program."""
+    return self.executable.loaded.get_compiled_memory_stats()
+
   def explain(self) -> _explain.Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.
 
@@ -149,8 +155,21 @@ class Compiled:
     XLA inserted (kind, bytes, source line); per-device FLOPs and memory.
     ``print(compiled.explain())`` shows it; its fields are data too.
     """
-    return self._explain(self.as_text())
-
-  def memory_analysis(self) -> Any:
-    """XLA's memory statistics of the per-device program."""
-    return self.executable.loaded.get_compiled_memory_stats()
+    low, p, t = self.lowered, self.lowered.placement, self.lowered.traced
+    stats = self.memory_analysis()
+    memory = {"arguments": stats.argument_size_in_bytes,
+              "outputs": stats.output_size_in_bytes,
+              "temporaries": stats.temp_size_in_bytes,
+              "aliased": stats.alias_size_in_bytes}
+    memory["peak_estimate"] = (memory["arguments"] + memory["outputs"] +
+                               memory["temporaries"] - memory["aliased"])
+    return _explain.Explanation(
+        name=low.name, partitioner=low.partitioner,
+        num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),
+        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
+                        in zip(low.in_names, t.in_avals, p.in_tilings)),
+        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
+                      in zip(low.out_names, t.out_avals, p.out_tilings)),
+        collectives=tuple(_explain.collectives(self.as_text())),
+        flops=float(self.cost_analysis().get("flops", 0.0)),
+        memory=memory)

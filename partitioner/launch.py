@@ -11,6 +11,10 @@ calls ``partitioner.initialize()`` (or just uses ``sharded_jit``) to join
 the other processes. The exit code is the job's: non-zero if any rank
 fails, or if a rank did not finish normally (killed, or ``os._exit``) even
 when ``mpiexec`` itself reports success.
+
+:func:`launcher_world` tells a script whether it already runs under an MPI
+launcher (and as which rank) without importing jax or MPI, e.g. to start
+itself through the launcher when it does not.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+
+from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
+from partitioner._distributed._env import launcher_world as launcher_world
+
+__all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
+           "launcher_world", "main", "with_cpu_device_count"]
 
 
 def find_mpiexec() -> str:
@@ -38,7 +48,8 @@ def find_mpiexec() -> str:
   return found
 
 
-_RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_main.py")
+_RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "_distributed", "_rank_main.py")
 
 
 def command(num_processes: int, target: list[str], module: bool) -> list[str]:

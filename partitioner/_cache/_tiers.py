@@ -1,4 +1,4 @@
-"""Finding a compiled program: in memory, then on disk, then compile.
+"""The cache tiers: in memory, then on disk, then compile.
 
 On a call-cache miss, :meth:`CompilationCache.load_or_compile` looks the
 program up by its persistent cache key in the in-memory executables of this
@@ -6,10 +6,9 @@ process, then in the persistent store (``config.cache_dir`` or
 ``config.cache_store``), and compiles only if both miss (writing the result
 to the store).
 
-In a multi-process run every rank computes the program key and the ranks
-compare keys (a mismatch raises on every rank); rank 0 alone then loads or
-compiles the program, writes the persistent cache and broadcasts the
-serialized executable, which the other ranks load instead of compiling.
+In a multi-process run the ranks agree on the program key and rank 0 alone
+loads or compiles the program (and writes the persistent cache); the others
+load the binary it broadcasts (``partitioner._distributed.share_from_rank0``).
 """
 
 from __future__ import annotations
@@ -20,39 +19,17 @@ import logging
 import threading
 import time
 
-import jax
-
-from partitioner import _cache_entry, _compat, _compile, _distributed
-from partitioner._cache_key import cache_key, program_key
-from partitioner._cache_store import CacheStore, DiskStore
+from partitioner import _compat, _compile, _distributed
+from partitioner._cache import _entry
+from partitioner._cache._key import cache_key, program_key
+from partitioner._cache._store import CacheStore, DiskStore
+from partitioner._compile import Program
 from partitioner._config import config
 from partitioner._stats import stats
 
 logger = logging.getLogger(__name__)
 
 _MEMORY_ENTRIES = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-  """What to compile, and how to describe it in logs.
-
-  Attributes:
-    name: the function's name.
-    module: MLIR bytecode to compile.
-    module_text: the same module as text without locations (for the key).
-    mode: ``"shardy"`` or ``"gspmd"``.
-    devices: the device assignment.
-    summary: arguments' shapes and specs, for log messages.
-    host_callbacks: Python callbacks the program calls (jax.debug.print...).
-  """
-  name: str
-  module: bytes
-  module_text: str
-  mode: str
-  devices: tuple[jax.Device, ...]
-  summary: str
-  host_callbacks: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +77,7 @@ class CompilationCache:
     """(program key, cache key, compile options, compression) under the
     current settings."""
     options = _options(program)
-    compression = _cache_entry.default_compression()
+    compression = _entry.default_compression()
     pkey = program_key(program.module_text, options, program.mode, program.devices)
     return pkey, cache_key(pkey, program.devices, compression), options, compression
 
@@ -150,31 +127,19 @@ class CompilationCache:
               key: str, options: _compat.CompileOptions, compression: str) -> _Binary:
     """Rank 0 loads or compiles and broadcasts; the others load its binary."""
     mine = self._memory_get(key)
-    gathered = world.allgather((pkey, program.summary, mine is not None),
-                               f"the compilation of {program.name}")
-    if len({g[0] for g in gathered}) > 1:
-      raise _distributed.PeerError(_divergence(world.rank, program.name, gathered))
-    if all(have for _, _, have in gathered):
+    produced: list[_Binary] = []
+
+    def produce() -> bytes:  # rank 0 only
+      produced.append(mine or self._load_or_compile(program, key, options, compression))
+      return produced[0].to_bytes()
+
+    data = _distributed.share_from_rank0(world, program.name, program.summary,
+                                         pkey, mine is not None, produce)
+    if data is None:  # every rank had it in memory
       stats.add("memory_hits")
       return mine
-    waiting = f"rank 0's compilation of {program.name}"
-    if world.rank == 0:
-      try:
-        binary = mine or self._load_or_compile(program, key, options, compression)
-        data = binary.to_bytes()
-      except BaseException as e:
-        world.rendezvous(waiting, deadline=False)
-        world.bcast(("error", f"{type(e).__name__}: {e}"))
-        raise
-      world.rendezvous(waiting, deadline=False)
-      world.bcast(("ok", data))
-      return _Binary(binary.loaded, data)
-    world.rendezvous(waiting, deadline=False)  # sleeps while rank 0 compiles
-    status, data = world.bcast(None)
-    if status != "ok":
-      raise _distributed.PeerError(
-          f"rank {world.rank} of {world.size}: rank 0 failed to compile"
-          f" {program.name}: {data}")
+    if produced:
+      return _Binary(produced[0].loaded, data)
     if mine is not None:
       return mine
     loaded = _compat.deserialize_executable(data, program.devices, options)
@@ -193,7 +158,7 @@ class CompilationCache:
       return None
     start = time.perf_counter()
     try:
-      entry = _cache_entry.decode(data, key)
+      entry = _entry.decode(data, key)
       loaded = _compat.deserialize_executable(entry.executable, program.devices, options)
     except Exception as e:  # any unreadable entry: warn, drop, recompile
       logger.warning(
@@ -231,8 +196,8 @@ class CompilationCache:
     # Programs with host callbacks never get here (see load_or_compile).
     if compile_time < config.cache_min_compile_secs:
       return
-    data = _cache_entry.encode(
-        _cache_entry.Entry(_compat.serialize_executable(loaded), compile_time),
+    data = _entry.encode(
+        _entry.Entry(_compat.serialize_executable(loaded), compile_time),
         key, compression)
     if len(data) < config.cache_min_entry_bytes:
       return
@@ -252,17 +217,6 @@ def _options(program: Program) -> _compat.CompileOptions:
       len(program.devices), program.devices, program.mode,
       xla_options=config.xla_options,
       disable_most_optimizations=config.disable_most_optimizations)
-
-
-def _divergence(rank: int, name: str, gathered: list) -> str:
-  lines = [f"  rank {r}: {summary}" for r, (_, summary, _) in enumerate(gathered)]
-  same = len({summary for _, summary, _ in gathered}) == 1
-  what = ("the same argument shapes and specs but different code or settings"
-          if same else "different argument shapes or specs")
-  return (f"rank {rank} of {len(gathered)}: the ranks traced different programs"
-          f" for {name} ({what}):\n" + "\n".join(lines) +
-          "\nHint: in a multi-process run every rank must call each sharded_jit"
-          " function with the same shapes, specs, static arguments and settings.")
 
 
 def clear_caches() -> None:

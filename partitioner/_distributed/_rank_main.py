@@ -10,24 +10,34 @@ markers.
 """
 
 import atexit
+import importlib.util
 import os
 import runpy
 import sys
 
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
+
+def _launcher_world():
+  """``_env.launcher_world``, loaded by path: importing the package would
+  import jax before the user's script could set XLA_FLAGS."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_env.py")
+  spec = importlib.util.spec_from_file_location("_sharded_jit_launch_env", path)
+  env = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(env)
+  return env.launcher_world()
 
 
 def main() -> None:
-  rank = next((os.environ[v] for v in _RANK_VARS if v in os.environ), "0")
+  rank, _ = _launcher_world()
   marker = os.path.join(os.environ["SHARDED_JIT_LAUNCH_DIR"], f"rank-{rank}.done")
   atexit.register(lambda: open(marker, "w").close())
   module = sys.argv[1] == "-m"
   target = sys.argv[2] if module else sys.argv[1]
   sys.argv = [target, *sys.argv[(3 if module else 2):]]
   if module:
+    sys.path[0] = os.getcwd()  # as `python -m`: the working directory first
     runpy.run_module(target, run_name="__main__", alter_sys=True)
   else:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py`
     runpy.run_path(target, run_name="__main__")
 
 

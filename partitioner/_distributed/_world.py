@@ -22,31 +22,18 @@ from typing import Any
 
 from partitioner import _compat
 from partitioner._config import config
+from partitioner._distributed._env import launcher_world
 
 logger = logging.getLogger(__name__)
 
-# (rank, size) environment variables set by the common MPI launchers.
-_LAUNCHER_ENV = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
-    ("PMI_RANK", "PMI_SIZE"),                          # MPICH/Hydra, Intel MPI
-    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),    # MVAPICH
-    ("PMIX_RANK", "PMIX_SIZE"),
-)
-
-
-def launcher_world() -> tuple[int, int]:
-  """(rank, size) announced by an MPI launcher's environment, else (0, 1)."""
-  for rank_var, size_var in _LAUNCHER_ENV:
-    if rank_var in os.environ and size_var in os.environ:
-      try:
-        return int(os.environ[rank_var]), int(os.environ[size_var])
-      except ValueError:
-        continue
-  return 0, 1
-
-
 class PeerError(RuntimeError):
-  """Another process failed, diverged or did not arrive in time."""
+  """Another process of a multi-process run failed, diverged or did not arrive.
+
+  Raised on every rank when the ranks traced different programs, when rank 0
+  failed to compile a program the others wait for, or when a rank does not
+  reach a compilation within ``config.collective_timeout_secs``. Catch it to
+  clean up (e.g. save a checkpoint) before the job ends.
+  """
 
 
 class World:
