@@ -1,0 +1,31 @@
+"""Benchmarks sharded_jit side by side with jax.jit + NamedSharding.
+
+Everything runs in one run, on simulated CPU devices, and is reported as
+ratios ours/jax. Simulated devices share the machine's cores: the numbers
+show our overhead, not scaling.
+
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|startup|multiprocess|scaling]
+  .venv/bin/python -m benchmarks ...   (the same, from the repo root)
+
+Sections (one module each):
+  dispatch  per-call time (inputs already placed) and first-call time
+            (trace + compile), on N devices and on 1 device.
+  startup   a fresh process running one train step of a 4-layer MLP split
+            over N devices: cold, then with a warm persistent cache; ours
+            (SHARDED_JIT_CACHE_DIR) vs jax's own persistent cache.
+            Each process is ``python -m benchmarks.startup_child``.
+  multiprocess  2 ranks x N/2 devices under the launcher: first call with
+            binary sharing (rank 0 compiles) vs jax.jit (every rank
+            compiles), and steady-state train steps/s. Each rank is
+            ``python -m benchmarks.multiprocess_child``.
+  scaling   steps/s of the transformer example's train step on 1, 2, 4, 8
+            devices (data x model), against jax.jit running the same
+            program (same in/out shardings and constraints as NamedShardings).
+
+Unless --no-write, results go to benchmarks/results.json, the tables into
+BENCHMARKS.md (between its "generated" markers) and, when matplotlib is
+installed, plots to benchmarks/*.png (see ``benchmarks.report``).
+
+This package is run from the repo root and is not installed. Importing it
+imports nothing else: the startup children time their own process start.
+"""

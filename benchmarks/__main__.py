@@ -1,0 +1,57 @@
+"""``python -m benchmarks``: parses the flags, runs the sections, prints the
+tables and (unless --no-write) writes them; see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import benchmarks
+from benchmarks import dispatch, multiprocess, report, scaling, startup
+
+SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "startup": startup.run,
+            "multiprocess": multiprocess.run}
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m benchmarks",
+                              description=benchmarks.__doc__.splitlines()[0])
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--calls", type=int, default=10000, help="timed calls per dispatch case")
+  p.add_argument("--first-calls", type=int, default=7,
+                 help="fresh functions traced and compiled per case")
+  p.add_argument("--startup-runs", type=int, default=3,
+                 help="cold and warm processes per startup case (medians)")
+  p.add_argument("--only", choices=["dispatch", "startup", "multiprocess", "scaling"])
+  p.add_argument("--no-write", action="store_true", help="only print the tables")
+  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess and scaling)")
+  p.add_argument("--json", help="also write the results here")
+  return p
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  args = parser().parse_args(argv)
+  results = {"devices": args.devices, "cores": os.cpu_count(),
+             "date": time.strftime("%Y-%m-%d")}
+  for name, run in SECTIONS.items():
+    if args.only in (None, name):
+      results[name] = run(args)
+  import jax
+  results["jax"] = jax.__version__
+  results["platform"] = jax.devices()[0].platform
+  for c in results.get("dispatch", []):
+    c["ratio"] = c["ours"] / c["jax"]
+  print(report.tables(results))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+  if not args.no_write:
+    report.write(results, "python -m benchmarks" + "".join(" " + a for a in argv))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,84 @@
+"""Dispatch section: per-call time (inputs already placed) and first-call
+time (trace + compile), on N devices and on 1 device."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from benchmarks._common import setup_jax
+
+_BATCH = 50
+
+
+def run(args) -> list[dict]:
+  jax = setup_jax(args.devices)
+  import jax.numpy as jnp
+  import numpy as np
+
+  from partitioner import clear_caches, sharded_jit
+  from sharding import PartitionSpec as P
+
+  def make_fn():
+    # A fresh function object each time, so nothing is cached across builds.
+    def layer(x, w):
+      return jnp.tanh(x @ w) * 0.5 + x
+    return layer
+
+  def build(n: int):
+    """(ours, theirs, ours' inputs, theirs' inputs) for n devices."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 32)).astype(np.float32)
+    w = rng.normal(size=(32, 32)).astype(np.float32)
+    spec = P(n, 1) if n > 1 else None
+    ours = sharded_jit(make_fn(), in_parts=(spec, None), out_parts=spec,
+                       num_partitions=n)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    row = jax.sharding.NamedSharding(mesh, jax.P("x" if n > 1 else None, None))
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+    theirs = jax.jit(make_fn(), in_shardings=(row, rep), out_shardings=row)
+    placed = ours.lower(x, w).in_shardings
+    ours_in = (jax.device_put(x, placed[0]), jax.device_put(w, placed[1]))
+    theirs_in = (jax.device_put(x, row), jax.device_put(w, rep))
+    return ours, theirs, ours_in, theirs_in
+
+  def warm_up(fn, inputs) -> None:
+    for _ in range(50):  # the first executions of a program are slower
+      fn(*inputs).block_until_ready()
+
+  def batch(fn, inputs, calls: int) -> float:
+    """Seconds per call over ``calls`` back-to-back calls (one wait at the end)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*inputs)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) / calls
+
+  def first_call(fn, inputs) -> float:
+    t0 = time.perf_counter()
+    fn(*inputs).block_until_ready()
+    return time.perf_counter() - t0
+
+  cases = []
+  for n in sorted({args.devices, 1}, reverse=True):
+    ours, theirs, ours_in, theirs_in = build(n)
+    np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5)
+    warm_up(ours, ours_in)
+    warm_up(theirs, theirs_in)
+    # Alternate small batches of the two so that machine noise hits both
+    # alike; report the median batch.
+    a, b = [], []
+    for _ in range(max(1, args.calls // _BATCH)):
+      a.append(batch(ours, ours_in, _BATCH))
+      b.append(batch(theirs, theirs_in, _BATCH))
+    cases.append({"case": f"per-call, {n} device(s)", "unit": "us",
+                  "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6})
+    fa, fb = [], []
+    for _ in range(args.first_calls):  # fresh functions: trace + compile each time
+      ours, theirs, ours_in, theirs_in = build(n)
+      clear_caches()  # or the program is found among this process's executables
+      fa.append(first_call(ours, ours_in))
+      fb.append(first_call(theirs, theirs_in))
+    cases.append({"case": f"first call, {n} device(s)", "unit": "ms",
+                  "ours": statistics.median(fa) * 1e3, "jax": statistics.median(fb) * 1e3})
+  return cases

@@ -1,0 +1,44 @@
+"""Multiprocess section: 2 ranks x N/2 devices under ``partitioner.launch``
+(each rank is ``benchmarks.multiprocess_child``): first call with binary
+sharing (rank 0 compiles) vs jax.jit (every rank compiles), and steady-state
+train steps/s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks._common import ROOT
+
+
+def run(args) -> list[dict]:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+  # The ranks run `-m benchmarks.multiprocess_child`, which is not installed.
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  ranks = {}
+  for which in ("ours", "jax"):  # separate jobs: neither warms the other's caches
+    cmd = [sys.executable, "-m", "partitioner.launch", "-n", "2",
+           "--devices-per-process", str(args.devices // 2), "--timeout", "600",
+           "-m", "benchmarks.multiprocess_child", "--which", which,
+           "--devices", str(args.devices // 2), "--steps", str(args.steps)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+      raise RuntimeError(f"the 2-rank benchmark failed:\n{out.stdout}\n{out.stderr}")
+    ranks[which] = json.loads(lines[-1][len("RESULT "):])
+  for a, b in zip(ranks["ours"], ranks["jax"]):
+    assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1, abs(b["loss"])), (a, b)
+  cases = []
+  for field, label, unit, scale, pick in (
+      ("first_call", "first call, slowest rank (trace + compile + run)", "ms", 1e3, max),
+      ("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min)):
+    ours = pick(r[field] for r in ranks["ours"]) * scale
+    theirs = pick(r[field] for r in ranks["jax"]) * scale
+    cases.append({"case": f"2 ranks x {args.devices // 2} devices: {label}",
+                  "unit": unit, "ours": ours, "jax": theirs, "ratio": ours / theirs})
+  cases.append({"case": "XLA compilations per rank (ours)", "unit": "",
+                "ours": [r["compiles"] for r in ranks["ours"]], "jax": None, "ratio": None})
+  return cases
