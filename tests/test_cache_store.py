@@ -69,6 +69,7 @@ def _writer(directory, worker, rounds):
       assert data is not None and zlib.crc32(data[4:]) == int.from_bytes(data[:4], "little")
 
 
+@pytest.mark.slow
 def test_concurrent_processes_never_see_partial_entries(tmp_path):
   ctx = multiprocessing.get_context("spawn")
   procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 30)) for w in range(4)]

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from partitioner import Config, config
@@ -60,3 +64,21 @@ def test_override_restores_even_on_error():
   with pytest.raises(AttributeError):
     with config.override(nope=1):
       pass
+
+
+@pytest.mark.slow
+def test_partitioner_env_variable():
+  code = ("import partitioner; print(partitioner.config.partitioner)")
+  env = dict(os.environ, SHARDED_JIT_PARTITIONER="gspmd")
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip() == "gspmd"
+  env["SHARDED_JIT_PARTITIONER"] = "bogus"
+  err = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True).stderr
+  assert "SHARDED_JIT_PARTITIONER='bogus': must be one of ('shardy', 'gspmd')" in err
+
+
+def test_config_rejects_bad_mode():
+  with pytest.raises(ValueError, match="shardy"):
+    config.partitioner = "auto"

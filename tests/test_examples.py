@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each one runs an example in a fresh process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,6 +43,7 @@ def test_transformer(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.mpi
 def test_multiprocess_train():
   pytest.importorskip("mpi4py")
   proc = run("examples/multiprocess_train.py", "--steps", "12", "--hidden", "128")

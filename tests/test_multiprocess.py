@@ -1,8 +1,4 @@
-"""Multi-process runs under `mpiexec -n 2` (mpich wheel), 2 CPU devices per rank.
-
-Each job runs through the launcher with a timeout, so a hang fails the test
-instead of stalling CI.
-"""
+"""Multi-process runs under `mpiexec -n 2` (mpich wheel), 2 CPU devices per rank."""
 
 import json
 import os
@@ -15,33 +11,15 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="needs the mpi extra: pip install -e '.[mpi]'")
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess")
-ROOT = os.path.dirname(os.path.dirname(HERE))
-TIMEOUT = 180
+from mpi_jobs import HERE, ROOT, TIMEOUT, found, launch  # noqa: E402
 
-
-def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT):
-  full_env = {k: v for k, v in os.environ.items()
-              if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
-  full_env.update(env or {})
-  cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(n),
-         "--devices-per-process", str(devices), "--timeout", str(timeout),
-         os.path.join(HERE, script), *args]
-  start = time.monotonic()
-  proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True,
-                        text=True, timeout=timeout + 30)
-  return proc, time.monotonic() - start
-
-
-def _found(pattern, text):
-  """Sorted matches: the ranks' output may interleave on one line."""
-  return sorted(re.findall(pattern, text))
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_global_and_local_specs_train_step_and_binary_sharing():
   proc, _ = launch("mp_core.py")
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert _found(r"OK rank \d", proc.stdout) == ["OK rank 0", "OK rank 1"], proc.stdout
+  assert found(r"OK rank \d", proc.stdout) == ["OK rank 0", "OK rank 1"], proc.stdout
   assert "OK rank 1 compiles=0" in proc.stdout  # rank 1 compiled nothing
 
 
@@ -118,28 +96,3 @@ def test_too_late_to_initialize_is_a_clear_error():
   assert proc.stdout.count("jax set up its devices before partitioner.initialize()") == 2
 
 
-def test_launcher_runs_a_module_and_passes_arguments(tmp_path):
-  script = tmp_path / "hello.py"
-  script.write_text("import sys, partitioner\n"
-                    "w = partitioner.initialize()\n"
-                    "sys.stdout.write(f'hello {w.rank}/{w.size} {sys.argv[1:]}\\n')\n")
-  proc, _ = launch(str(script), "--flag", "x", devices=1)
-  assert proc.returncode == 0, proc.stderr
-  assert _found(r"hello \d/2 \['--flag', 'x'\]", proc.stdout) == [
-      "hello 0/2 ['--flag', 'x']", "hello 1/2 ['--flag', 'x']"]
-
-
-def test_launcher_reports_a_failing_rank(tmp_path):
-  script = tmp_path / "fail.py"
-  script.write_text("import os, sys\nsys.exit(7 if os.environ['PMI_RANK'] == '1' else 0)\n")
-  proc, _ = launch(str(script), devices=1)
-  assert proc.returncode != 0
-
-
-def test_launcher_help_and_missing_script():
-  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "--help"],
-                       capture_output=True, text=True, cwd=ROOT)
-  assert out.returncode == 0 and "--devices-per-process" in out.stdout
-  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2"],
-                       capture_output=True, text=True, cwd=ROOT)
-  assert out.returncode != 0 and "give the script" in out.stderr

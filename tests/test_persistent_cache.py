@@ -74,7 +74,7 @@ def test_corrupt_entry_warns_and_recompiles(store, caplog, damage):
   store.entries[key] = damage(store.entries[key])
   clear_caches()
   before = compilation_stats()
-  with caplog.at_level(logging.WARNING, logger="partitioner._cache"):
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
     got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
   assert "Dropping unreadable compilation cache entry" in caplog.text
   d = _delta(before)
@@ -90,7 +90,7 @@ def test_entry_of_another_program_under_the_key_is_rejected(store, caplog):
   f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
   key = f.lower(W, X).cache_key()
   store.entries[key] = store.entries[other_key]  # e.g. a misbehaving store
-  with caplog.at_level(logging.WARNING, logger="partitioner._cache"):
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
     got = f(W, X)
   assert "written for key" in caplog.text
   np.testing.assert_allclose(got, jax.jit(mlp)(W, X), rtol=1e-6)
@@ -103,27 +103,6 @@ def test_min_compile_secs_and_min_entry_bytes(store):
   with config.override(cache_min_entry_bytes=10 ** 9):
     sharded_jit(lambda w, x: mlp(w, x) * 2, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
   assert not store.entries
-
-
-def test_key_changes_with_everything_that_changes_the_binary():
-  def key(fn=mlp, w=W, x=X, in_parts=(P(1, 4), None), devices=None, **settings):
-    with config.override(**settings):
-      return sharded_jit(fn, in_parts=in_parts, out_parts=None,
-                         devices=devices).lower(w, x).cache_key()
-  base = key()
-  assert key() == base
-  variants = [
-      key(w=np.ones((4, 16), np.float32)),                 # shape
-      key(w=W.astype(np.int32)),                           # dtype
-      key(in_parts=(P(1, 2), None)),                       # spec
-      key(in_parts=(P(1, 4), P(4, 1))),                    # another spec
-      key(fn=lambda w, x: jnp.sin(x @ w).sum(0)),          # code
-      key(partitioner="gspmd"),                            # partitioner
-      key(disable_most_optimizations=True),                # optimization level
-      key(xla_options={"xla_cpu_enable_fast_math": True}), # XLA overrides
-      key(devices=jax.devices()[4:]),                      # device assignment
-  ]
-  assert len(set(variants)) == len(variants) and base not in variants
 
 
 _CHILD = textwrap.dedent("""
@@ -156,6 +135,7 @@ def _run_child(cache_dir, **env):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_second_process_loads_instead_of_compiling(tmp_path):
   first = _run_child(tmp_path)
   assert first["stats"]["compiles"] == 1 and first["stats"]["persistent_writes"] == 1
@@ -173,6 +153,7 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     np.testing.assert_allclose(other["out"], first["out"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_concurrent_processes_share_a_cache_dir(tmp_path):
   full_env = dict(os.environ, SHARDED_JIT_CACHE_DIR=str(tmp_path))
   full_env.pop("XLA_FLAGS", None)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -13,6 +15,7 @@ def _readme() -> str:
     return f.read()
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run():
   text = _readme()
   blocks = re.findall(r"```python\n(.*?)```", text, re.S)

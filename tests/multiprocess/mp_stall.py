@@ -20,5 +20,5 @@ if world.rank == 1:
 f = sharded_jit(lambda x: x * 2, in_parts=P(4, 1), out_parts=None)
 try:
   f(np.ones((8, 2), np.float32))
-except partitioner._distributed.PeerError as e:
+except partitioner.PeerError as e:
   print(f"rank 0 raised: {e}", flush=True)
