@@ -105,6 +105,13 @@ _SETTINGS: dict[str, _Setting] = {
         "SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS", 300.0, float, _non_negative(float),
         "Multi-process runs: how long a rank waits for the others to start"
         " the same compilation (or to connect) before raising an error."),
+    "max_inflight_steps": _Setting(
+        "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _non_negative(int),
+        "Multi-process runs: how many calls of sharded programs may be queued"
+        " on the devices before a new call waits for the oldest to finish."
+        " XLA's CPU runtime deadlocks when many steps with cross-process"
+        " collectives run ahead of each other (plain jax.jit as well); 0 means"
+        " no limit."),
     "xla_options": _Setting(
         "SHARDED_JIT_XLA_OPTIONS", {}, _parse_options, _check_options,
         "Extra XLA compile options (env_option_overrides), e.g."
@@ -142,6 +149,9 @@ class Config:
     collective_timeout_secs: multi-process: how long to wait for the other
       ranks at a compilation (default 300). Env:
       ``SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS``.
+    max_inflight_steps: multi-process: calls queued on the devices before a
+      new call waits for the oldest (default 4; 0 = no limit). Env:
+      ``SHARDED_JIT_MAX_INFLIGHT_STEPS``.
 
   Example:
     >>> from partitioner import config

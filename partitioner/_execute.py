@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from partitioner import _compat
+from partitioner._config import config
 from partitioner._distributed import _local_parts
 from partitioner._plan import Placement
 from partitioner._trace import TracedProgram
@@ -16,6 +18,34 @@ from sharding._partition_spec import PartitionSpec
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
 _unflatten = jax.tree_util.tree_unflatten
+
+
+class InflightLimit:
+  """Bounds how many executions are queued on the devices at once.
+
+  Multi-process runs only: when a training loop dispatches many steps of a
+  program with cross-process collectives without reading a result, XLA's
+  CPU runtime deadlocks after a few dozen (plain ``jax.jit`` as well). A new
+  call beyond ``config.max_inflight_steps`` first waits on the host for the
+  oldest execution to finish: no device computation is added, so the ranks
+  cannot order anything differently.
+  """
+
+  def __init__(self):
+    self._tokens: collections.deque = collections.deque()
+
+  def add(self, token: Any) -> None:
+    """Records an execution (its runtime token); waits while too many run."""
+    limit = config.max_inflight_steps
+    if not limit:
+      return
+    tokens = self._tokens
+    tokens.append(token)
+    while len(tokens) > limit:
+      tokens.popleft().block_until_ready()
+
+
+inflight = InflightLimit()  # one per process: the bound is on the devices' queues
 
 
 class Executable:
@@ -36,7 +66,8 @@ class Executable:
   """
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
-               "_globalize", "_localize", "_unwrap", "_effects", "_keepalive")
+               "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
+               "_bounded")
 
   def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
                traced: TracedProgram,
@@ -49,7 +80,8 @@ class Executable:
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
     # per-process pieces -> global arrays, and global outputs -> pieces
     self._globalize = None if in_local is None else _local_parts.globalizers(
-        placement.in_tilings, [a.shape for a in traced.in_avals])
+        placement.in_tilings, in_local, [a.shape for a in traced.in_avals],
+        placement.devices, *process)
     self._localize = None if out_local is None else _local_parts.localizers(
         [t.spec for t in placement.out_tilings], out_local,
         [a.shape for a in traced.out_avals], placement.devices, *process)
@@ -59,6 +91,7 @@ class Executable:
     self._unwrap = unwrap if any(unwrap) else None
     self._effects = traced.effects        # host callbacks: run with runtime tokens
     self._keepalive = traced.keepalive    # what the callbacks need while we live
+    self._bounded = process[1] > 1        # multi-process: see InflightLimit
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
@@ -82,7 +115,7 @@ class Executable:
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
     no per-process conversion; returns the outputs' pytree."""
-    if self._effects or self._localize is not None:
+    if self._effects or self._bounded or self._localize is not None:
       return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
     execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
 
@@ -92,9 +125,13 @@ class Executable:
 
   def run(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Executes on inputs already placed as ``in_shardings``."""
-    if self._effects:
+    if self._effects or self._bounded:
       results = self.loaded.execute_sharded(leaves, with_tokens=True)
-      _compat.record_runtime_token(results.consume_token(), self.loaded)
+      token = results.consume_token()
+      if self._effects:
+        _compat.record_runtime_token(token, self.loaded)
+      if self._bounded:
+        inflight.add(token)
       outs = results.consume_with_handlers(self._handlers)
     else:
       outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)

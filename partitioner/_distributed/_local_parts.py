@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from sharding._local import global_shape, local_shape, local_spec
 from sharding._partition_spec import PartitionSpec
@@ -72,19 +73,40 @@ def local_devices(devices: Sequence[jax.Device], rank: int,
 
 
 class Globalize:
-  """Turns a process's piece into the global jax.Array (no cross-process copy)."""
+  """Turns a process's piece into the global jax.Array without running any
+  computation on the devices.
 
-  __slots__ = ("sharding", "shape")
+  A piece that already lies on this process's devices as its local tiling
+  (what ``local_out_parts`` returns, fed back in a training loop) becomes
+  the global array by re-labelling its own device buffers. Anything else
+  (numpy, or a jax.Array laid out otherwise) goes through host memory and is
+  copied to the devices. Neither path enqueues a computation: small eager
+  slicing programs on the devices could be ordered differently on each rank
+  relative to the sharded programs still running their cross-process
+  collectives, and deadlock the job.
+  """
 
-  def __init__(self, sharding: jax.sharding.Sharding, shape: tuple[int, ...]):
-    self.sharding, self.shape = sharding, shape
+  __slots__ = ("sharding", "shape", "local_sharding", "devices")
+
+  def __init__(self, global_tiling, local_tiling, shape: tuple[int, ...]):
+    self.sharding = global_tiling.named_sharding()
+    self.local_sharding = local_tiling.named_sharding()
+    self.devices = local_tiling.devices
+    self.shape = shape
 
   def __call__(self, piece: Any) -> jax.Array:
-    if isinstance(piece, jax.Array) and not piece.is_fully_addressable:
-      raise ValueError(
-          "with local_in_parts each rank passes its own piece (numpy or a"
-          " process-local jax.Array), but got a global jax.Array of shape"
-          f" {piece.shape}. Hint: pass the piece, or drop local_in_parts.")
+    if isinstance(piece, jax.Array):
+      if not piece.is_fully_addressable:
+        raise ValueError(
+            "with local_in_parts each rank passes its own piece (numpy or a"
+            " process-local jax.Array), but got a global jax.Array of shape"
+            f" {piece.shape}. Hint: pass the piece, or drop local_in_parts.")
+      if piece.sharding == self.local_sharding or piece.sharding.is_equivalent_to(
+          self.local_sharding, piece.ndim):
+        by_device = {s.device: s.data for s in piece.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.sharding, [by_device[d] for d in self.devices])
+      piece = np.asarray(piece)  # waits for the piece; runs nothing
     return jax.make_array_from_process_local_data(self.sharding, piece, self.shape)
 
 
@@ -113,7 +135,10 @@ def localizers(out_specs: Sequence[Spec], out_local: Sequence[Spec],
           for g, l, shape in zip(out_specs, out_local, out_shapes)]
 
 
-def globalizers(in_tilings, in_shapes: Sequence[tuple[int, ...]]) -> list[Globalize]:
+def globalizers(in_tilings: Sequence[Any], in_local: Sequence[Spec],
+                in_shapes: Sequence[tuple[int, ...]], devices: Sequence[jax.Device],
+                rank: int, num_processes: int) -> list[Globalize]:
   """A :class:`Globalize` per input."""
-  return [Globalize(t.named_sharding(), tuple(shape))
-          for t, shape in zip(in_tilings, in_shapes)]
+  mine = local_devices(devices, rank, num_processes)
+  return [Globalize(t, tiling(l, mine, len(shape)), tuple(shape))
+          for t, l, shape in zip(in_tilings, in_local, in_shapes)]
