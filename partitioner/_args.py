@@ -155,14 +155,7 @@ class ArgumentLayout:
     split() runs on every call)."""
     positions = self._positions.get(nargs)
     if positions is None:
-      found = set()
-      for i in self.static_argnums:
-        j = i + nargs if i < 0 else i
-        if not 0 <= j < nargs:
-          raise ValueError(
-              f"static_argnums contains {i}, but the function was called with"
-              f" {nargs} positional arguments.")
-        found.add(j)
+      found = _positions(self.static_argnums, nargs, "static_argnums")
       positions = self._positions[nargs] = tuple(sorted(found))
     return positions
 
@@ -197,7 +190,7 @@ class ArgumentLayout:
     if not self.donate_argnums:
       return []
     positions = self.dynamic_positions(inputs.nargs)
-    donate = {i + inputs.nargs if i < 0 else i for i in self.donate_argnums}
+    donate = _positions(self.donate_argnums, inputs.nargs, "donate_argnums")
     return [k for k, path in enumerate(inputs.paths)
             if positions[path[0].idx] in donate]
 
@@ -223,6 +216,25 @@ class ArgumentLayout:
             " sharded_jit arguments must be arrays (jax or numpy) or Python"
             " scalars. Hint: if it is a configuration value, list its position"
             " in static_argnums.") from None
+
+
+def _positions(argnums: Sequence[int], nargs: int, what: str) -> set[int]:
+  """``static_argnums``/``donate_argnums`` as non-negative positions.
+
+  Raises:
+    ValueError: a position is out of range for ``nargs`` arguments (jax.jit
+      raises too: a donation that cannot happen must not pass silently).
+  """
+  found = set()
+  for i in argnums:
+    j = i + nargs if i < 0 else i
+    if not 0 <= j < nargs:
+      raise ValueError(
+          f"{what} contains {i}, but the function was called with {nargs}"
+          f" positional argument(s). Hint: positions count from 0 over the"
+          f" positional arguments, static ones included.")
+    found.add(j)
+  return found
 
 
 def reject_kwargs(name: str, kwargs: dict) -> None:

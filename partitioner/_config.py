@@ -38,9 +38,11 @@ def _check_partitioner(value: Any) -> str:
 
 
 def _check_optional_dir(value: Any) -> str | None:
-  if value in (None, ""):
+  if value is None or value == "":
     return None
-  return os.fspath(value)
+  if not isinstance(value, (str, os.PathLike)):
+    raise ValueError(f"must be a directory path (str or os.PathLike) or None, got {value!r}")
+  return os.path.expanduser(os.fspath(value))
 
 
 def _non_negative(kind: type) -> Callable[[Any], Any]:

@@ -63,18 +63,23 @@ class Executable:
     out_local: with local_out_parts, each output piece's spec (else None):
       each process gets back its own piece.
     process: (rank, number of processes).
+    in_names: each flat input's name, for errors.
+    donated: flat indices of the donated inputs.
   """
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
-               "_bounded")
+               "_bounded", "_names", "_donated")
 
   def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
                traced: TracedProgram,
                in_local: Sequence[PartitionSpec | None] | None = None,
                out_local: Sequence[PartitionSpec | None] | None = None,
-               process: tuple[int, int] = (0, 1)):
+               process: tuple[int, int] = (0, 1), in_names: Sequence[str] = (),
+               donated: Sequence[int] = ()):
     self.loaded = loaded
+    self._names = tuple(in_names)
+    self._donated = tuple(donated)
     self.in_shardings = tuple(t.named_sharding() for t in placement.in_tilings)
     self.out_shardings = tuple(t.named_sharding() for t in placement.out_tilings)
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
@@ -95,6 +100,8 @@ class Executable:
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
+    if self._donated:
+      self.check_deleted(leaves)
     if self._globalize is not None:
       leaves = [f(x) for f, x in zip(self._globalize, leaves)]
     for x, s in zip(leaves, self.in_shardings):
@@ -115,16 +122,42 @@ class Executable:
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
     no per-process conversion; returns the outputs' pytree."""
-    if self._effects or self._bounded or self._localize is not None:
+    if self._effects or self._bounded or self._donated or self._localize is not None:
       return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
     execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
+    check = self.check_deleted
 
     def run(leaves):
-      return unflatten(out_tree, execute(leaves).consume_with_handlers(handlers))
+      try:
+        results = execute(leaves)
+      except jax.errors.JaxRuntimeError:
+        check(leaves)  # a clear error for a deleted input, else re-raise
+        raise
+      return unflatten(out_tree, results.consume_with_handlers(handlers))
     return run
+
+  def check_deleted(self, leaves: Sequence[Any]) -> None:
+    """Raises a ValueError naming the first input whose buffers are gone."""
+    for k, x in enumerate(leaves):
+      if isinstance(x, jax.Array) and x.is_deleted():
+        name = self._names[k] if k < len(self._names) else f"input {k}"
+        raise ValueError(
+            f"{name} (shape {x.shape}) has been deleted: it was donated to an"
+            " earlier call (donate_argnums) or deleted with .delete(). Hint:"
+            " pass the array that call returned instead, or drop"
+            " donate_argnums to keep the inputs.")
 
   def run(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Executes on inputs already placed as ``in_shardings``."""
+    if self._donated:  # XLA crashes (not raises) on a deleted donated buffer
+      self.check_deleted(leaves)
+    try:
+      return self._run(leaves)
+    except jax.errors.JaxRuntimeError:
+      self.check_deleted(leaves)
+      raise
+
+  def _run(self, leaves: Sequence[Any]) -> list[jax.Array]:
     if self._effects or self._bounded:
       results = self.loaded.execute_sharded(leaves, with_tokens=True)
       token = results.consume_token()

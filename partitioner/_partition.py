@@ -59,10 +59,11 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
     in_local = _local_parts.check_local_specs(in_specs, given, names, world.size, "in")
     avals = _local_parts.global_avals(avals, in_specs, in_local)
   rebuild = layout.rebuild(inputs.nargs, inputs.static_values)
+  donated = tuple(layout.donated_leaves(inputs))
   traced = trace_and_lower(
       request.fun, request.name,
       lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
-      avals, layout.donated_leaves(inputs))
+      avals, donated)
 
   out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")
@@ -92,7 +93,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       host_callbacks=traced.host_callbacks)
   return Lowered(
       name=request.name, layout=layout, inputs=inputs, traced=traced,
-      placement=placement, program=program, in_names=tuple(names),
+      placement=placement, program=program, in_names=tuple(names), donated=donated,
       out_names=tuple(out_names),
       in_local=None if in_local is None else tuple(in_local),
       out_local=None if out_local is None else tuple(out_local),

@@ -34,6 +34,7 @@ class Lowered:
     placement: N, the device assignment and every value's tiling.
     program: the partitioned module, what stage 3 compiles.
     in_names, out_names: readable names of the flat inputs and outputs.
+    donated: flat indices of the inputs whose buffers the program may reuse.
     in_local, out_local: with ``local_in_parts``/``local_out_parts``, the
       spec of each process's piece of each flat input/output; else None.
     process: (rank, number of processes).
@@ -46,6 +47,7 @@ class Lowered:
   program: Program
   in_names: tuple[str, ...]
   out_names: tuple[str, ...]
+  donated: tuple[int, ...]
   in_local: tuple[PartitionSpec | None, ...] | None
   out_local: tuple[PartitionSpec | None, ...] | None
   process: tuple[int, int]
@@ -95,7 +97,8 @@ class Lowered:
     loaded = compilation_cache.load_or_compile(self.program)
     _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical)
     return Compiled(self, Executable(loaded, p, self.traced, self.in_local,
-                                     self.out_local, self.process))
+                                     self.out_local, self.process, self.in_names,
+                                     self.donated))
 
 
 class Compiled:

@@ -52,6 +52,16 @@ def test_setting_in_code_validates_and_names_the_env_variable():
     c.cache_size = 5
   with pytest.raises(TypeError, match="get\\(key\\) and put"):
     c.cache_store = object()
+  with pytest.raises(ValueError, match=r"config.cache_dir must be a directory path.*got 5"):
+    c.cache_dir = 5
+
+
+def test_cache_dir_expands_the_home_directory(monkeypatch):
+  monkeypatch.setenv("HOME", "/home/someone")
+  c = Config(environ={"SHARDED_JIT_CACHE_DIR": "~/.cache/sj"})
+  assert c.cache_dir == "/home/someone/.cache/sj"
+  c.cache_dir = "~/other"
+  assert c.cache_dir == "/home/someone/other"
 
 
 def test_override_restores_even_on_error():

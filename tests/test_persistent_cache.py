@@ -185,3 +185,39 @@ def test_disable_most_optimizations_still_correct():
   with config.override(disable_most_optimizations=True):
     got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
   np.testing.assert_allclose(got, jax.jit(mlp)(W, X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["a regular file", "under a regular file"])
+def test_an_unusable_cache_dir_is_a_warning_and_a_compile(tmp_path, caplog, where):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  cache_dir = blocker if where == "a regular file" else blocker / "cache"
+  f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
+  with config.override(cache_dir=str(cache_dir)), caplog.at_level(logging.WARNING):
+    before = compilation_stats()
+    got = f(W, X)
+    sharded_jit(lambda w, x: mlp(w, x) * 2, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  np.testing.assert_allclose(got, jax.jit(mlp)(W, X), rtol=1e-6)
+  assert _delta(before)["compiles"] == 2
+  warnings = [r for r in caplog.records if "Persistent compilation cache disabled" in r.getMessage()]
+  assert len(warnings) == 1, caplog.text  # once, not at every compile
+  assert str(cache_dir) in warnings[0].getMessage()
+
+
+class _UndeletableStore(MemoryStore):
+  def delete(self, key):
+    raise PermissionError(13, "Permission denied", key)
+
+
+def test_a_corrupt_entry_that_cannot_be_removed_is_a_warning(caplog):
+  store = _UndeletableStore()
+  with config.override(cache_store=store):
+    f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
+    want = np.asarray(f(W, X))
+    (key,) = store.entries
+    store.entries[key] = b"garbage" * 10
+    clear_caches()
+    with caplog.at_level(logging.WARNING):
+      got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
+  np.testing.assert_array_equal(got, want)
+  assert "Could not remove the unreadable entry" in caplog.text

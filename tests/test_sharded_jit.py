@@ -235,6 +235,31 @@ def test_donation_invalidates_donated_inputs():
   assert x.is_deleted()
 
 
+@pytest.mark.parametrize("how", ["donated", "deleted"])
+def test_reusing_a_donated_or_deleted_array_is_a_clear_error(mode, how):
+  """Reusing a donated array used to crash the process (signal 11)."""
+  donate = 0 if how == "donated" else ()
+  f = sharded_jit(lambda x: x + 1, in_parts=P(2, 1), out_parts=P(2, 1),
+                  donate_argnums=donate)
+  a = f(np.zeros((8, 4), np.float32))
+  if how == "donated":
+    b = f(a)
+    np.testing.assert_array_equal(b, 2 * np.ones((8, 4)))
+  else:
+    a.delete()
+  for _ in range(2):  # the first call with this key, then a call-cache hit
+    with pytest.raises(ValueError, match=r"argument `x` \(args\[0\]\) \(shape"
+                                         r" \(8, 4\)\) has been deleted: it was donated"):
+      f(a)
+
+
+def test_donate_argnums_out_of_range_is_an_error():
+  f = sharded_jit(lambda x: x, in_parts=P(2), out_parts=P(2), donate_argnums=3)
+  with pytest.raises(ValueError, match=r"donate_argnums contains 3, but the function"
+                                       r" was called with 1 positional argument"):
+    f(np.ones(4, np.float32))
+
+
 def test_grad_step_inside(mode):
   def loss(w, x):
     return jnp.mean(jnp.tanh(x @ w) ** 2)

@@ -55,6 +55,7 @@ class CompilationCache:
     self._memory_entries = memory_entries
     self._lock = threading.Lock()
     self._disk: DiskStore | None = None
+    self._unusable: tuple[str, int] | None = None  # a cache_dir that failed
 
   def clear(self) -> None:
     """Forgets the in-memory executables (the persistent store is kept)."""
@@ -62,15 +63,32 @@ class CompilationCache:
       self._memory.clear()
 
   def store(self) -> CacheStore | None:
-    """The persistent store the settings ask for, or None."""
+    """The persistent store the settings ask for, or None.
+
+    A cache directory that cannot be used (a regular file, under a file, not
+    writable) logs one warning and the programs compile without it: a cache
+    must never fail the user's call.
+    """
     if config.cache_store is not None:
       return config.cache_store
     if not config.cache_dir:
       return None
+    wanted = (config.cache_dir, config.cache_max_bytes)
     disk = self._disk
-    if (disk is None or disk.directory != config.cache_dir
-        or disk.max_bytes != config.cache_max_bytes):
-      disk = self._disk = DiskStore(config.cache_dir, config.cache_max_bytes)
+    if disk is None or (disk.directory, disk.max_bytes) != wanted:
+      if self._unusable == wanted:
+        return None
+      try:
+        disk = DiskStore(*wanted)
+      except OSError as e:
+        self._unusable = wanted
+        logger.warning(
+            "Persistent compilation cache disabled: cannot use cache_dir %r"
+            " (%s: %s); compiling without it. Hint: point"
+            " partitioner.config.cache_dir (SHARDED_JIT_CACHE_DIR) at a"
+            " writable directory.", config.cache_dir, type(e).__name__, e)
+        return None
+      self._disk = disk
     return disk
 
   def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
@@ -166,7 +184,10 @@ class CompilationCache:
           " recompiling.", key, program.name, type(e).__name__, e)
       delete = getattr(store, "delete", None)
       if delete is not None:
-        delete(key)
+        try:
+          delete(key)
+        except OSError as e:  # e.g. a read-only cache directory
+          logger.warning("Could not remove the unreadable entry %s: %s", key, e)
       stats.add("persistent_misses")
       return None
     stats.add("persistent_hits")
