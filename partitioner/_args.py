@@ -182,8 +182,11 @@ class ArgumentLayout:
   def leaf_names(self, inputs: InputSignature) -> list[str]:
     """A readable name for each flat dynamic input, in flattening order."""
     positions = self.dynamic_positions(inputs.nargs)
-    return [f"argument {self.name(positions[path[0].idx])}"
-            f"{jax.tree_util.keystr(path[1:])}" for path in inputs.paths]
+    return [self._path_name(positions, path) for path in inputs.paths]
+
+  def _path_name(self, positions: Sequence[int], path: tuple) -> str:
+    """``argument `x` (args[0])['w']``: a flat input by its path."""
+    return f"argument {self.name(positions[path[0].idx])}{jax.tree_util.keystr(path[1:])}"
 
   def donated_leaves(self, inputs: InputSignature) -> list[int]:
     """Flat indices of the dynamic inputs in donated arguments."""
@@ -206,8 +209,7 @@ class ArgumentLayout:
     """Raises a TypeError naming the first flat input that is not an array."""
     positions = self.dynamic_positions(nargs)
     for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
-      name = (f"argument {self.name(positions[path[0].idx])}"
-              f"{jax.tree_util.keystr(path[1:])}")
+      name = self._path_name(positions, path)
       try:
         signature(leaf)
       except NotAnArray:

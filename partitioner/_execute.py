@@ -110,7 +110,7 @@ class Executable:
         break
     if self._unwrap is not None:
       leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
-    return self.run(leaves)
+    return self._execute(leaves)  # (deleted inputs were checked above)
 
   def runs_as_is(self, leaves: Sequence[Any]) -> bool:
     """Whether these inputs can go to :meth:`run` without any conversion
@@ -151,13 +151,16 @@ class Executable:
     """Executes on inputs already placed as ``in_shardings``."""
     if self._donated:  # XLA crashes (not raises) on a deleted donated buffer
       self.check_deleted(leaves)
+    return self._execute(leaves)
+
+  def _execute(self, leaves: Sequence[Any]) -> list[jax.Array]:
     try:
-      return self._run(leaves)
+      return self._execute_unchecked(leaves)
     except jax.errors.JaxRuntimeError:
-      self.check_deleted(leaves)
+      self.check_deleted(leaves)  # a clear error for a deleted input, else re-raise
       raise
 
-  def _run(self, leaves: Sequence[Any]) -> list[jax.Array]:
+  def _execute_unchecked(self, leaves: Sequence[Any]) -> list[jax.Array]:
     if self._effects or self._bounded:
       results = self.loaded.execute_sharded(leaves, with_tokens=True)
       token = results.consume_token()
