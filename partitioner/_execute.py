@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from partitioner import _compat
-from partitioner._config import config
 from partitioner._distributed import _local_parts
+from partitioner._distributed._steps import steps
 from partitioner._plan import Placement
 from partitioner._trace import TracedProgram
 from sharding._partition_spec import PartitionSpec
@@ -18,34 +17,6 @@ from sharding._partition_spec import PartitionSpec
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
 _unflatten = jax.tree_util.tree_unflatten
-
-
-class InflightLimit:
-  """Bounds how many executions are queued on the devices at once.
-
-  Multi-process runs only: when a training loop dispatches many steps of a
-  program with cross-process collectives without reading a result, XLA's
-  CPU runtime deadlocks after a few dozen (plain ``jax.jit`` as well). A new
-  call beyond ``config.max_inflight_steps`` first waits on the host for the
-  oldest execution to finish: no device computation is added, so the ranks
-  cannot order anything differently.
-  """
-
-  def __init__(self):
-    self._tokens: collections.deque = collections.deque()
-
-  def add(self, token: Any) -> None:
-    """Records an execution (its runtime token); waits while too many run."""
-    limit = config.max_inflight_steps
-    if not limit:
-      return
-    tokens = self._tokens
-    tokens.append(token)
-    while len(tokens) > limit:
-      tokens.popleft().block_until_ready()
-
-
-inflight = InflightLimit()  # one per process: the bound is on the devices' queues
 
 
 class Executable:
@@ -69,7 +40,7 @@ class Executable:
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
-               "_bounded", "_names", "_donated")
+               "_bounded", "_process", "_names", "_donated")
 
   def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
                traced: TracedProgram,
@@ -96,7 +67,8 @@ class Executable:
     self._unwrap = unwrap if any(unwrap) else None
     self._effects = traced.effects        # host callbacks: run with runtime tokens
     self._keepalive = traced.keepalive    # what the callbacks need while we live
-    self._bounded = process[1] > 1        # multi-process: see InflightLimit
+    self._process = process
+    self._bounded = process[1] > 1        # multi-process: see _steps.Steps
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
@@ -162,12 +134,14 @@ class Executable:
 
   def _execute_unchecked(self, leaves: Sequence[Any]) -> list[jax.Array]:
     if self._effects or self._bounded:
+      if self._bounded:
+        steps.before(*self._process)
       results = self.loaded.execute_sharded(leaves, with_tokens=True)
       token = results.consume_token()
       if self._effects:
         _compat.record_runtime_token(token, self.loaded)
       if self._bounded:
-        inflight.add(token)
+        steps.add(token)
       outs = results.consume_with_handlers(self._handlers)
     else:
       outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)

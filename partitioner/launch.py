@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed._env import launcher_world as launcher_world
+from partitioner._distributed._env import read_marks
 
 __all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]
@@ -54,7 +57,20 @@ _RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 def command(num_processes: int, target: list[str], module: bool) -> list[str]:
   rank_main = [sys.executable, _RANK_MAIN, *(["-m"] if module else [])]
-  return [find_mpiexec(), "-n", str(num_processes), *rank_main, *target]
+  mpiexec = find_mpiexec()
+  # MPICH's launcher can tell which rank ended how (see _exit_statuses).
+  report = ["-print-all-exitcodes"] if _is_hydra(mpiexec) else []
+  return [mpiexec, *report, "-n", str(num_processes), *rank_main, *target]
+
+
+def _is_hydra(mpiexec: str) -> bool:
+  """Whether ``mpiexec`` is MPICH's (Hydra), as the mpich wheel's is."""
+  try:
+    version = subprocess.run([mpiexec, "--version"], capture_output=True,
+                             text=True, timeout=10).stdout
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return "HYDRA" in version
 
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -97,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
   cmd = command(args.num_processes, args.target, args.module)
   with tempfile.TemporaryDirectory(prefix="sharded_jit_launch_") as markers:
     proc = subprocess.Popen(cmd, env=environment(args.devices_per_process, markers),
-                            start_new_session=True)
+                            start_new_session=True, stdout=subprocess.PIPE)
+    output = _Forward(proc.stdout, sys.stdout)
     try:
       code = proc.wait(timeout=args.timeout)
+      output.join()
     except subprocess.TimeoutExpired:
       sys.stderr.write(f"partitioner.launch: the job did not finish within"
                        f" {args.timeout:g} s; ending it.\n")
@@ -108,16 +126,82 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
       _kill(proc)
       return 130
-    missing = [r for r in range(args.num_processes)
-               if not os.path.exists(os.path.join(markers, f"rank-{r}.done"))]
-  if missing:
-    sys.stderr.write(
-        f"partitioner.launch: the job failed (mpiexec exit code {code}): rank(s)"
-        f" {missing} did not finish normally (they crashed, ended with"
-        " os._exit, or were stopped by the launcher after a peer rank failed)."
-        " See the first error above.\n")
-    return code or 1
-  return code
+    marks = read_marks(markers, args.num_processes)
+  if all("done" in m for m in marks.values()):
+    return code
+  statuses = _exit_statuses(output.tail(), args.num_processes)
+  cause_known = any(statuses.values()) or any(
+      "failed" in m or "ended" in m for m in marks.values())
+  endings = sorted((order, r, text) for r, m in marks.items()
+                   for order, text in [_how_it_ended(m, statuses.get(r), cause_known)])
+  sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
+                   + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
+  return code or 1
+
+
+class _Forward(threading.Thread):
+  """Copies the job's stdout to ours as it comes (progress bars included),
+  keeping the end of it: MPICH reports there how each rank ended."""
+
+  def __init__(self, source, sink):
+    super().__init__(daemon=True)
+    self.source, self.sink, self.kept = source, sink, bytearray()
+    self.start()
+
+  def run(self) -> None:
+    out = getattr(self.sink, "buffer", None)
+    while chunk := os.read(self.source.fileno(), 65536):
+      self.kept = (self.kept + chunk)[-16384:]
+      chunk = _EXIT_CODES.sub(b"", chunk)  # ours to read, not the user's
+      if out is not None:
+        out.write(chunk)
+      else:
+        self.sink.write(chunk.decode(errors="replace"))
+      self.sink.flush()
+
+  def tail(self) -> bytes:
+    return bytes(self.kept)
+
+
+_EXIT_CODES = re.compile(rb"\[mpiexec@[^\]]*\] Exit codes: (.*)\n?")
+
+
+def _exit_statuses(text: bytes, size: int) -> dict[int, int]:
+  """rank -> wait status, from MPICH's ``-print-all-exitcodes`` line
+  (``[mpiexec@host] Exit codes: [host] 0,768``, ranks in order). A rank the
+  launcher killed after a peer died shows 0."""
+  found = _EXIT_CODES.search(text)
+  if found is None:
+    return {}
+  codes = re.findall(rb"\d+", re.sub(rb"\[[^\]]*\]", b"", found.group(1)))
+  return dict(enumerate(int(c) for c in codes[:size]))
+
+
+def _how_it_ended(marks: dict[str, str], status: int | None,
+                  cause_known: bool) -> tuple[int, str]:
+  """One rank's ending, from the markers it left (``_env.mark``) and its
+  wait status from MPICH: (0 if it caused the job's end, else 1, what
+  happened). ``cause_known``: some rank caused the end."""
+  pid = marks.get("started", "")
+  if "failed" in marks:
+    if marks["failed"] == "interrupted":
+      return 0, "was interrupted (Ctrl-C)"
+    return 0, f"raised {marks['failed'].rstrip('.')}; its traceback is above"
+  if status and not marks.keys() & {"done", "failed", "ended", "left"}:
+    how = (f"exit code {status >> 8}" if status > 255 else f"signal {status & 0x7F}")
+    return -1, (f"died first (PID {pid}, {how}) without a Python exit: killed by"
+                " a signal, crashed in native code, or called os._exit")
+  if "done" in marks:
+    return 1, "finished normally"
+  if "left" in marks:
+    return 0, (f"its script ended after {marks['left']} multi-process steps,"
+               " while a peer still needed it")
+  if "ended" in marks:
+    return 1, f"ended because of a peer: {marks['ended']}"
+  if "stopped" in marks or cause_known:
+    return 1, "was stopped by the launcher after a peer failed"
+  return 0, (f"ended without a Python exit (PID {pid or '?'}): killed by a"
+             " signal, crashed in native code, or called os._exit")
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -11,7 +11,7 @@
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed._env import launcher_world as launcher_world
 from partitioner._distributed._share import share_from_rank0 as share_from_rank0
-from partitioner._distributed._world import PeerError as PeerError
+from partitioner._distributed._errors import PeerError as PeerError
 from partitioner._distributed._world import World as World
 from partitioner._distributed._world import initialize as initialize
 from partitioner._distributed._world import world as world

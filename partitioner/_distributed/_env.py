@@ -34,3 +34,35 @@ def launcher_world(environ=None) -> tuple[int, int]:
       except ValueError:
         continue
   return 0, 1
+
+
+# partitioner.launch: the directory where each rank records how it ended.
+LAUNCH_DIR_ENV = "SHARDED_JIT_LAUNCH_DIR"
+
+# How a rank ended, one marker file per rank and kind: ``rank-<r>.<kind>``.
+ENDINGS = ("started", "done", "failed", "ended", "left", "stopped")
+
+
+def mark(rank: int, kind: str, text: str = "") -> None:
+  """Records, for ``partitioner.launch``, how this rank ended (if it runs
+  under the launcher; otherwise nothing). Never raises."""
+  directory = os.environ.get(LAUNCH_DIR_ENV)
+  if not directory:
+    return
+  try:
+    with open(os.path.join(directory, f"rank-{rank}.{kind}"), "w") as f:
+      f.write(text)
+  except OSError:
+    pass
+
+
+def read_marks(directory: str, size: int) -> dict[int, dict[str, str]]:
+  """rank -> {kind: text} of the markers the ranks left in ``directory``."""
+  marks: dict[int, dict[str, str]] = {r: {} for r in range(size)}
+  for r in range(size):
+    for kind in ENDINGS:
+      path = os.path.join(directory, f"rank-{r}.{kind}")
+      if os.path.exists(path):
+        with open(path, errors="replace") as f:
+          marks[r][kind] = f.read().strip()
+  return marks

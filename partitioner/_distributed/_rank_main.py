@@ -1,12 +1,13 @@
 """Runs one rank's script for ``partitioner.launch`` and records a clean exit.
 
 Run as a file (``python .../_rank_main.py script.py args``), so that nothing
-is imported before the user's script. It leaves ``rank-<r>.done`` in
-``$SHARDED_JIT_LAUNCH_DIR`` when the interpreter exits normally (also through
-``sys.exit`` or an exception). A rank that was killed, or that left through
-``os._exit``, leaves nothing: MPICH's launcher ends the whole job when one
-rank exits early, and may still report success, so the launcher checks the
-markers.
+is imported before the user's script. It leaves markers in
+``$SHARDED_JIT_LAUNCH_DIR``: ``rank-<r>.started`` (its PID) at once and
+``rank-<r>.done`` when the interpreter exits normally. A rank that was
+killed, or that left through ``os._exit``, leaves no ``done``: MPICH's
+launcher ends the whole job when one rank exits early, and may still report
+success, so the launcher checks the markers (``_ending`` adds how a rank
+failed).
 """
 
 import atexit
@@ -16,20 +17,21 @@ import runpy
 import sys
 
 
-def _launcher_world():
-  """``_env.launcher_world``, loaded by path: importing the package would
-  import jax before the user's script could set XLA_FLAGS."""
+def _env_module():
+  """``_env``, loaded by path: importing the package would import jax before
+  the user's script could set XLA_FLAGS."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_env.py")
   spec = importlib.util.spec_from_file_location("_sharded_jit_launch_env", path)
   env = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(env)
-  return env.launcher_world()
+  return env
 
 
 def main() -> None:
-  rank, _ = _launcher_world()
-  marker = os.path.join(os.environ["SHARDED_JIT_LAUNCH_DIR"], f"rank-{rank}.done")
-  atexit.register(lambda: open(marker, "w").close())
+  env = _env_module()
+  rank, _ = env.launcher_world()
+  env.mark(rank, "started", str(os.getpid()))
+  atexit.register(env.mark, rank, "done")
   module = sys.argv[1] == "-m"
   target = sys.argv[2] if module else sys.argv[1]
   sys.argv = [target, *sys.argv[(3 if module else 2):]]

@@ -22,19 +22,12 @@ from typing import Any
 
 from partitioner import _compat
 from partitioner._config import config
-from partitioner._distributed._env import launcher_world
+from partitioner._distributed import _ending
+from partitioner._distributed._env import launcher_world, mark
+from partitioner._distributed._errors import PeerError
+from partitioner._distributed._steps import departure_message, steps
 
 logger = logging.getLogger(__name__)
-
-class PeerError(RuntimeError):
-  """Another process of a multi-process run failed, diverged or did not arrive.
-
-  Raised on every rank when the ranks traced different programs, when rank 0
-  failed to compile a program the others wait for, or when a rank does not
-  reach a compilation within ``config.collective_timeout_secs``. Catch it to
-  clean up (e.g. save a checkpoint) before the job ends.
-  """
-
 
 class World:
   """The processes of this run, and MPI collectives with a deadline.
@@ -71,6 +64,8 @@ class World:
     end = time.monotonic() + timeout
     delay = 1e-4
     while not request.Test():
+      if steps.departed:
+        raise PeerError(departure_message(self.rank, self.size, steps.departed, what))
       if deadline and time.monotonic() > end:
         raise PeerError(
             f"rank {self.rank} of {self.size}: waited {timeout:.0f} s for the"
@@ -159,6 +154,7 @@ def initialize(coordinator_address: str | None = None) -> World:
         shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
         initialization_timeout=int(config.collective_timeout_secs))
     _install_termination_message(rank, size)
+    _ending.install(rank, size, comm)
     _runtime.world = World(rank, size, comm)
     return _runtime.world
 
@@ -197,6 +193,7 @@ def _install_termination_message(rank: int, size: int) -> None:
         f"sharded_jit: rank {rank} of {size} terminated by the launcher"
         f" (signal {signum}); a peer rank probably failed.\n")
     sys.stderr.flush()
+    mark(rank, "stopped", f"signal {signum}")
     os._exit(128 + signum)
 
   with contextlib.suppress(ValueError):  # only the main thread may set handlers

@@ -1,0 +1,48 @@
+"""One rank ends early while the other keeps training; the job must end fast.
+
+  mp_end.py HOW   (HOW: raise, exit0, exit3, kill, keyboard, late, finish)
+
+Rank 1 ends after step 5 (raise: an unhandled ValueError; exitN: sys.exit(N);
+kill: SIGKILL to itself; keyboard: KeyboardInterrupt; late: sys.exit(0)
+while rank 0 pauses before its next step, which then finds rank 1 gone); rank 0 keeps dispatching steps (each with an
+all-reduce across the ranks) without reading them. With ``finish`` both ranks run to the end, rank 1 leaving first while
+rank 0 still works on its own for a while: a normal ending.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import partitioner
+
+world = partitioner.initialize()
+
+import numpy as np  # noqa: E402
+
+from partitioner import sharded_jit  # noqa: E402
+from sharding import PartitionSpec as P  # noqa: E402
+
+how = sys.argv[1]
+step = sharded_jit(lambda x: x * 0.5 + x.mean() * 0.5 + 0.1, in_parts=P(4, 1), out_parts=P(4, 1),
+                   local_in_parts=P(2, 1), local_out_parts=P(2, 1))
+x = np.ones((4, 2), np.float32)
+for i in range(10 if how == "finish" else 100_000):
+  if how == "late":
+    float(x[0, 0])  # in step: rank 0 is never ahead of rank 1
+    if world.rank == 0 and i == 6:
+      time.sleep(2)
+  x = step(x)
+  if world.rank == 1 and i == 5 and how != "finish":
+    if how == "raise":
+      raise ValueError("rank 1 broke at step 5")
+    if how.startswith("exit") or how == "late":
+      sys.exit(int(how[4:] or 0))
+    if how == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
+    if how == "keyboard":
+      raise KeyboardInterrupt
+print(f"rank {world.rank} done {float(x[0, 0]):.3f}", flush=True)
+if how == "finish" and world.rank == 0:
+  time.sleep(3)  # local work after the last collective: rank 1 waits for it
+  print("rank 0 finished its local work", flush=True)
