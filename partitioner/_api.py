@@ -20,7 +20,7 @@ from partitioner._args import ArgumentLayout, NotAnArray, reject_kwargs, signatu
 from partitioner._config import config
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
-from sharding._constraint import with_sharding_constraint
+from sharding._constraint import caller, constrain
 from sharding._spec_tree import broadcast_specs, check_specs
 
 _CALL_CACHE_SIZE = 256
@@ -100,11 +100,11 @@ def sharded_jit(
 
 
 def _as_tuple(value: int | Sequence[int], what: str) -> tuple[int, ...]:
-  values = (value,) if isinstance(value, int) else tuple(value)
-  for v in values:
-    if isinstance(v, bool) or not isinstance(v, int):
-      raise TypeError(f"{what} must be ints, got {value!r}")
-  return values
+  values = (value,) if isinstance(value, int) else value
+  if not isinstance(values, Sequence | set | frozenset) or isinstance(values, str) or any(
+      isinstance(v, bool) or not isinstance(v, int) for v in values):
+    raise TypeError(f"{what} must be an int or a sequence of ints, got {value!r}")
+  return tuple(values)
 
 
 def _check_specs(tree: Any, what: str) -> Any:
@@ -141,6 +141,9 @@ class ShardedJitFunction:
           f"static_argnums {static} and donate_argnums {donate} overlap: a"
           " static argument has no buffer to donate.")
     if devices is not None:
+      if isinstance(devices, jax.Device) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a sequence of jax.Device (e.g."
+                        f" jax.devices()[:4]), got {devices!r}")
       devices = tuple(devices)
       if not devices or not all(isinstance(d, jax.Device) for d in devices):
         raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
@@ -233,17 +236,20 @@ class ShardedJitFunction:
                    treedef: Any) -> Any:
     """Called under a jax transformation: inline ``fun`` with constraints."""
     request = self._request
+    site = caller()
     parts = self._layout.dynamic_parts(request.in_parts, nargs)
     in_specs = broadcast_specs(parts, jax.tree_util.tree_unflatten(treedef, leaves),
                                "in_parts")
-    leaves = [x if s is None else with_sharding_constraint(x, s)
+    leaves = [x if s is None else constrain(
+                  x, s, f"{site}, in_parts of the nested sharded_jit {self._name}")
               for x, s in zip(leaves, in_specs)]
     full = self._layout.rebuild(nargs, static_values)(
         jax.tree_util.tree_unflatten(treedef, leaves))
     out = request.fun(*full)
     out_specs = broadcast_specs(request.out_parts, out, "out_parts")
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_leaves = [x if s is None else with_sharding_constraint(x, s)
+    out_leaves = [x if s is None else constrain(
+                      x, s, f"{site}, out_parts of the nested sharded_jit {self._name}")
                   for x, s in zip(out_leaves, out_specs)]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 

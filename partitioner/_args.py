@@ -20,17 +20,62 @@ class NotAnArray(Exception):
 
 
 def signature(x: Any) -> tuple:
-  """(shape, dtype, weak_type) of a flat input: its part of the cache key."""
+  """(shape, dtype, weak_type) of a flat input: its part of the cache key.
+
+  Raises:
+    NotAnArray: ``x`` is not an array jax can hold (see :func:`why_not`).
+  """
   if type(x) is _compat.ArrayImpl:
     return (x.shape, x.dtype, x.weak_type)
   if isinstance(x, np.ndarray | np.generic):
-    return (x.shape, jax.dtypes.canonicalize_dtype(x.dtype), False)
+    dtype = x.dtype if x.dtype.isnative else x.dtype.newbyteorder("=")
+    if not _compat.is_array_dtype(dtype):
+      raise NotAnArray(x)
+    return (x.shape, jax.dtypes.canonicalize_dtype(dtype), False)
   weak = _PY_SCALARS.get(type(x))
   if weak is not None:
-    return ((), jax.dtypes.canonicalize_dtype(np.dtype(type(x))), weak)
+    dtype = jax.dtypes.canonicalize_dtype(np.dtype(type(x)))
+    if type(x) is int and not _int_fits(x, dtype):
+      raise NotAnArray(x)
+    return ((), dtype, weak)
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
   raise NotAnArray(x)
+
+
+def _int_fits(x: int, dtype: np.dtype) -> bool:
+  info = np.iinfo(dtype)
+  return info.min <= x <= info.max
+
+
+_DTYPE_HINTS = {  # numpy dtype kind -> (what it is, what to do)
+    "O": ("object", "pass numbers; a ragged nested list becomes an object"
+          " array, so pad it to a rectangle first"),
+    "U": ("str", "encode text as numbers (e.g. token ids), or list the"
+          " argument in static_argnums if it is a setting"),
+    "S": ("bytes", "encode it as numbers, e.g. np.frombuffer(b, np.uint8)"),
+    "V": ("structured", "pass one array per field, e.g. x['a'] and x['b']"),
+    "M": ("datetime64", "convert it to numbers, e.g. x.astype(np.int64)"),
+    "m": ("timedelta64", "convert it to numbers, e.g. x.astype(np.int64)"),
+}
+
+
+def why_not(x: Any) -> str:
+  """Why ``x`` cannot be a sharded_jit input, with a hint."""
+  if isinstance(x, np.ndarray | np.generic):
+    kind, hint = _DTYPE_HINTS.get(x.dtype.kind, (str(x.dtype), "pass numbers"))
+    return (f"is a numpy array of dtype {x.dtype} ({kind}), which jax cannot"
+            f" hold. Hint: {hint}.")
+  if type(x) is int:
+    dtype = jax.dtypes.canonicalize_dtype(np.dtype(int))
+    return (f"is the Python int {x}, which does not fit in {dtype.name}, jax's"
+            " integer type" + (" with jax_enable_x64 off" if dtype == np.int32 else "")
+            + ". Hint: pass it as a float, enable 64-bit types"
+            " (jax.config.update('jax_enable_x64', True)), or list its"
+            " position in static_argnums.")
+  return (f"is a {type(x).__name__} ({x!r:.80}), not an array. sharded_jit"
+          " arguments must be arrays (jax or numpy) or Python scalars. Hint: if"
+          " it is a configuration value, list its position in static_argnums.")
 
 
 def to_aval(sig: tuple) -> jax.ShapeDtypeStruct:
@@ -213,11 +258,7 @@ class ArgumentLayout:
       try:
         signature(leaf)
       except NotAnArray:
-        raise TypeError(
-            f"{name} is a {type(leaf).__name__} ({leaf!r:.80}), not an array."
-            " sharded_jit arguments must be arrays (jax or numpy) or Python"
-            " scalars. Hint: if it is a configuration value, list its position"
-            " in static_argnums.") from None
+        raise TypeError(f"{name} {why_not(leaf)}") from None
 
 
 def _positions(argnums: Sequence[int], nargs: int, what: str) -> set[int]:

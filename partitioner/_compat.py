@@ -6,10 +6,13 @@ range is pinned in pyproject.toml.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax._src import dtypes as _dtypes
 from jax._src.array import ArrayImpl as ArrayImpl  # noqa: F401 (re-export)
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import xla_client as _xc
@@ -114,3 +117,14 @@ def physical_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
 def base_array(x: Any) -> Any:
   """The physical array under a typed PRNG key array (no copy)."""
   return x._base_array  # pylint: disable=protected-access
+
+
+@functools.lru_cache(maxsize=None)
+def is_array_dtype(dtype: np.dtype) -> bool:
+  """Whether jax can hold arrays of ``dtype`` (numbers, bool, ml_dtypes;
+  not object, str, bytes, structured or datetime)."""
+  try:
+    _dtypes.check_valid_dtype(dtype)
+  except TypeError:
+    return False
+  return True

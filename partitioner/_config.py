@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -45,11 +46,27 @@ def _check_optional_dir(value: Any) -> str | None:
   return os.path.expanduser(os.fspath(value))
 
 
-def _non_negative(kind: type) -> Callable[[Any], Any]:
-  def check(value: Any):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-      raise ValueError(f"must be a non-negative number, got {value!r}")
-    return kind(value)
+def _whole(minimum: int) -> Callable[[Any], int]:
+  """A whole number >= ``minimum`` (2.0 is accepted as 2; 1.5, inf are not)."""
+  def check(value: Any) -> int:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or
+        not math.isfinite(value) or value != int(value) or value < minimum):
+      raise ValueError(f"must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+  return check
+
+
+def _seconds(positive: bool, infinite: bool) -> Callable[[Any], float]:
+  """A duration in seconds: >= 0 (> 0 if ``positive``); inf only if ``infinite``."""
+  def check(value: Any) -> float:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and
+          not math.isnan(value) and (value > 0 if positive else value >= 0) and
+          (infinite or math.isfinite(value)))
+    if not ok:
+      raise ValueError(
+          f"must be a number of seconds {'> 0' if positive else '>= 0'}"
+          f"{' (inf: no limit)' if infinite else ''}, got {value!r}")
+    return float(value)
   return check
 
 
@@ -83,14 +100,14 @@ _SETTINGS: dict[str, _Setting] = {
         "SHARDED_JIT_CACHE_DIR", None, str, _check_optional_dir,
         "Directory of the persistent compilation cache; None disables it."),
     "cache_max_bytes": _Setting(
-        "SHARDED_JIT_CACHE_MAX_BYTES", 2 ** 31, int, _non_negative(int),
+        "SHARDED_JIT_CACHE_MAX_BYTES", 2 ** 31, int, _whole(0),
         "Size limit of the cache directory; least recently used entries go"
         " first. 0 means no limit."),
     "cache_min_compile_secs": _Setting(
-        "SHARDED_JIT_CACHE_MIN_COMPILE_SECS", 0.0, float, _non_negative(float),
+        "SHARDED_JIT_CACHE_MIN_COMPILE_SECS", 0.0, float, _seconds(False, False),
         "Programs that compiled faster than this are not written."),
     "cache_min_entry_bytes": _Setting(
-        "SHARDED_JIT_CACHE_MIN_ENTRY_BYTES", 0, int, _non_negative(int),
+        "SHARDED_JIT_CACHE_MIN_ENTRY_BYTES", 0, int, _whole(0),
         "Entries smaller than this are not written."),
     "log_compiles": _Setting(
         "SHARDED_JIT_LOG_COMPILES", False, _parse_bool, _check_bool,
@@ -100,15 +117,17 @@ _SETTINGS: dict[str, _Setting] = {
         "Compile with XLA's backend optimization level 0: fast compiles for"
         " debugging, slower programs."),
     "heartbeat_timeout_secs": _Setting(
-        "SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS", 10, int, _non_negative(int),
+        "SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS", 10, int, _whole(2),
         "Multi-process runs: when a rank stops sending heartbeats for this"
-        " long, jax's coordination service ends the job on every rank."),
+        " long, jax's coordination service ends the job on every rank. At"
+        " least 2: shorter ends healthy jobs."),
     "collective_timeout_secs": _Setting(
-        "SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS", 300.0, float, _non_negative(float),
+        "SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS", 300.0, float, _seconds(True, True),
         "Multi-process runs: how long a rank waits for the others to start"
-        " the same compilation (or to connect) before raising an error."),
+        " the same compilation (or to connect) before raising an error; inf"
+        " waits without a limit."),
     "max_inflight_steps": _Setting(
-        "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _non_negative(int),
+        "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _whole(0),
         "Multi-process runs: how many calls of sharded programs may be queued"
         " on the devices before a new call waits for the oldest to finish."
         " XLA's CPU runtime deadlocks when many steps with cross-process"
@@ -170,7 +189,8 @@ class Config:
         try:
           value = setting.check(setting.parse(text))
         except ValueError as e:
-          raise ValueError(f"environment variable {setting.env}={text!r}: {e}") from None
+          raise ValueError(f"environment variable {setting.env}={text!r}: {e}."
+                           f" Hint: {setting.doc}") from None
       object.__setattr__(self, name, value)  # plain attributes: cheap to read
     object.__setattr__(self, "cache_store", None)
 

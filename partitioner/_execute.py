@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from partitioner import _compat
 from partitioner._distributed import _local_parts
@@ -112,9 +116,8 @@ class Executable:
     """Raises a ValueError naming the first input whose buffers are gone."""
     for k, x in enumerate(leaves):
       if isinstance(x, jax.Array) and x.is_deleted():
-        name = self._names[k] if k < len(self._names) else f"input {k}"
         raise ValueError(
-            f"{name} (shape {x.shape}) has been deleted: it was donated to an"
+            f"{self._name(k)} (shape {x.shape}) has been deleted: it was donated to an"
             " earlier call (donate_argnums) or deleted with .delete(). Hint:"
             " pass the array that call returned instead, or drop"
             " donate_argnums to keep the inputs.")
@@ -153,8 +156,45 @@ class Executable:
     """Puts each input on the devices with its sharding.
 
     An array whose sharding is equivalent (same devices, same tiles) is
-    re-labelled without a copy; anything else is copied or resharded.
+    re-labelled without a copy; anything else is copied or resharded. Numpy
+    inputs are copied first: the transfer may finish after this call
+    returns, and the caller may change its array at once.
     """
     return [x if type(x) is _compat.ArrayImpl and x.sharding == s
-            else jax.device_put(x, s)
-            for x, s in zip(leaves, self.in_shardings)]
+            else jax.device_put(_host_copy(x, self._name(k)) if isinstance(x, np.ndarray)
+                                else x, s)
+            for k, (x, s) in enumerate(zip(leaves, self.in_shardings))]
+
+  def _name(self, k: int) -> str:
+    return self._names[k] if k < len(self._names) else f"input {k}"
+
+
+def _host_copy(x: np.ndarray, name: str) -> np.ndarray:
+  """A private copy of a numpy input, in native byte order; warns when
+  64-bit integers will not fit the 32-bit type jax turns them into."""
+  if x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size and not _x64():
+    info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
+    low, high = x.min(), x.max()
+    if low < info.min or high > info.max:
+      warnings.warn(
+          f"{name} is {x.dtype} with values up to {high if high > info.max else low},"
+          f" outside {info.dtype}'s range; with jax_enable_x64 off jax"
+          f" converts it to {info.dtype} and these values wrap around. Hint:"
+          " enable 64-bit types (jax.config.update('jax_enable_x64', True))"
+          " or pass values that fit.", stacklevel=_user_stacklevel())
+  return np.array(x, dtype=x.dtype.newbyteorder("="), copy=True)
+
+
+def _user_stacklevel() -> int:
+  """warnings.warn's stacklevel for the first caller outside this package."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _x64() -> bool:
+  return jax.dtypes.canonicalize_dtype(np.int64) == np.int64

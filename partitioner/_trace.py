@@ -8,10 +8,12 @@ with_sharding_constraint emits partitioner markers.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.mlir import ir
 
 from partitioner import _compat
@@ -43,6 +45,30 @@ class TracedProgram:
   effects: bool = False
 
 
+def _check_outputs(fun: Callable[..., Any], name: str, out: Any) -> None:
+  """Raises a TypeError, pointing at ``fun``, for an output that is not an array."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if isinstance(leaf, jax.Array | jax.core.Tracer) or type(leaf) in (
+        bool, int, float, complex):
+      continue
+    if isinstance(leaf, np.ndarray | np.generic) and _compat.is_array_dtype(leaf.dtype):
+      continue
+    raise TypeError(
+        f"sharded_jit function {name} ({_where(fun)}) returned a value of type"
+        f" {type(leaf).__name__} ({leaf!r:.80}) at output"
+        f"{jax.tree_util.keystr(path) or ' (the whole output)'}, not an array. Hint: return only arrays"
+        " and numbers; compute strings and other Python objects outside the"
+        " function (or from its outputs).")
+
+
+def _where(fun: Callable[..., Any]) -> str:
+  """``file.py:12``: where ``fun`` is defined, for errors."""
+  fun = inspect.unwrap(getattr(fun, "func", fun))  # functools.partial, wraps
+  code = getattr(fun, "__code__", None)
+  return "defined at an unknown place" if code is None else \
+      f"defined at {code.co_filename}:{code.co_firstlineno}"
+
+
 def trace_and_lower(
     fun: Callable[..., Any],
     name: str,
@@ -67,6 +93,7 @@ def trace_and_lower(
 
   def flat_fun(*leaves):
     out = fun(*rebuild_args(leaves))
+    _check_outputs(fun, name, out)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_trees.append(out_tree)
     return out_leaves

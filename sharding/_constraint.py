@@ -32,6 +32,8 @@ MARKER_TARGET = "sharded_jit.constraint"
 ORIGIN_ATTR = "sharded_jit.origin"
 _REPLICATED = "replicated"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TOOLKIT_DIRS = {_PACKAGE_DIR, *(os.path.join(os.path.dirname(_PACKAGE_DIR), p)
+                                 for p in ("partitioner", "partitioner/_distributed"))}
 
 
 class _MarkerMode(threading.local):
@@ -90,13 +92,24 @@ def with_sharding_constraint(x: Any, spec: Any) -> Any:
     >>> from sharding import PartitionSpec as P, with_sharding_constraint
     >>> h = with_sharding_constraint(jnp.ones((4, 2)), P(2, 1))
   """
+  return constrain(x, spec, caller())
+
+
+def constrain(x: Any, spec: Any, origin: str) -> Any:
+  """:func:`with_sharding_constraint` with its site given: ``origin`` names
+  it in errors and in explain(), e.g. ``train.py:12 (step)``."""
   specs = broadcast_specs(spec, x, "with_sharding_constraint spec")
-  origin = _caller()
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
   out = []
   for (path, leaf), leaf_spec in zip(path_leaves, specs):
     if not isinstance(leaf, jax.Array | jax.core.Tracer):
-      leaf = jnp.asarray(leaf)
+      try:
+        leaf = jnp.asarray(leaf)
+      except TypeError:
+        raise TypeError(
+            f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}:"
+            f" expected an array, got a value of type {type(leaf).__name__}"
+            f" ({leaf!r:.80}). Hint: constrain arrays only.") from None
     if leaf_spec is not None:
       # The rank must always match; divisibility only matters when the
       # constraint takes effect (sharded_jit checks every site again).
@@ -108,11 +121,12 @@ def with_sharding_constraint(x: Any, spec: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _caller() -> str:
-  """The user's call site, for error messages: ``file.py:12 (fn)``."""
+def caller() -> str:
+  """The user's call site, for error messages: ``file.py:12 (fn)``: the
+  first frame outside this toolkit's packages."""
   frame = sys._getframe(1)
   while frame is not None and os.path.dirname(
-      os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+      os.path.abspath(frame.f_code.co_filename)) in _TOOLKIT_DIRS:
     frame = frame.f_back
   if frame is None:
     return "<unknown>"

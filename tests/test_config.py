@@ -37,7 +37,7 @@ def test_environment_variables():
     ({"SHARDED_JIT_CACHE_MAX_BYTES": "lots"}, "SHARDED_JIT_CACHE_MAX_BYTES='lots'"),
     ({"SHARDED_JIT_LOG_COMPILES": "maybe"}, "boolean"),
     ({"SHARDED_JIT_XLA_OPTIONS": "novalue"}, "name=value"),
-    ({"SHARDED_JIT_CACHE_MIN_COMPILE_SECS": "-1"}, "non-negative"),
+    ({"SHARDED_JIT_CACHE_MIN_COMPILE_SECS": "-1"}, "seconds >= 0"),
 ])
 def test_bad_environment_values(env, match):
   with pytest.raises(ValueError, match=match):
@@ -46,7 +46,7 @@ def test_bad_environment_values(env, match):
 
 def test_setting_in_code_validates_and_names_the_env_variable():
   c = Config(environ={})
-  with pytest.raises(ValueError, match=r"config.cache_max_bytes must be a non-negative number, got -5.*SHARDED_JIT_CACHE_MAX_BYTES"):
+  with pytest.raises(ValueError, match=r"config.cache_max_bytes must be a whole number >= 0, got -5.*SHARDED_JIT_CACHE_MAX_BYTES"):
     c.cache_max_bytes = -5
   with pytest.raises(AttributeError, match="unknown setting 'cache_size'"):
     c.cache_size = 5

@@ -68,7 +68,7 @@ class World:
         raise PeerError(departure_message(self.rank, self.size, steps.departed, what))
       if deadline and time.monotonic() > end:
         raise PeerError(
-            f"rank {self.rank} of {self.size}: waited {timeout:.0f} s for the"
+            f"rank {self.rank} of {self.size}: waited {timeout:g} s for the"
             f" other ranks to reach {what}; at least one did not (it died,"
             " hangs, or runs a different program). Hint: every rank must call"
             " the same sharded_jit functions with the same shapes in the same"
@@ -152,7 +152,7 @@ def initialize(coordinator_address: str | None = None) -> World:
         address, num_processes=size, process_id=rank,
         heartbeat_timeout_seconds=int(config.heartbeat_timeout_secs),
         shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
-        initialization_timeout=int(config.collective_timeout_secs))
+        initialization_timeout=int(min(config.collective_timeout_secs, _A_YEAR)))
     _install_termination_message(rank, size)
     _ending.install(rank, size, comm)
     _runtime.world = World(rank, size, comm)
@@ -175,6 +175,9 @@ def world() -> World:
         " others. Hint: call partitioner.initialize() at the start of the"
         " script, before any jax computation.")
   return initialize()
+
+
+_A_YEAR = 365 * 24 * 3600  # "no limit" (collective_timeout_secs=inf) for jax
 
 
 def _free_port(host: str) -> int:
