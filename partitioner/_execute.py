@@ -82,7 +82,11 @@ class Executable:
       leaves = [f(x) for f, x in zip(self._globalize, leaves)]
     for x, s in zip(leaves, self.in_shardings):
       if type(x) is not _ArrayImpl or x.sharding != s:
-        leaves = self.place(leaves)
+        try:
+          leaves = self.place(leaves)
+        except RuntimeError:
+          self.check_deleted(leaves)  # a clear error for a deleted input, else re-raise
+          raise
         break
     if self._unwrap is not None:
       leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
