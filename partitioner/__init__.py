@@ -3,7 +3,9 @@
 Pipeline, one module per stage: ``_trace`` (jax lowers the function) ->
 ``_partition`` (count partitions, pick devices: ``_plan``; insert shardings
 into the MLIR: ``_insert``) -> ``_compile`` with the ``_cache`` subpackage
-(memory -> disk -> compile) -> ``_execute``. ``_api`` is the ``sharded_jit``
+(memory -> disk -> compile) -> ``_execute``. ``_guard`` keeps XLA's
+partitioner away from ops it gets wrong; ``_check`` compares with an
+unsharded run (``config.check_unsharded``). ``_api`` is the ``sharded_jit``
 wrapper; ``_stages`` holds ``Lowered``/``Compiled``; ``_distributed`` is
 everything multi-process.
 """
@@ -12,6 +14,7 @@ from partitioner._api import ShardedJitFunction as ShardedJitFunction
 from partitioner._api import explain as explain
 from partitioner._api import sharded_jit as sharded_jit
 from partitioner._cache import CacheStore as CacheStore
+from partitioner._check import PartitionerMismatchError as PartitionerMismatchError
 from partitioner._cache import DiskStore as DiskStore
 from partitioner._cache import MemoryStore as MemoryStore
 from partitioner._cache import clear_caches as clear_caches
@@ -27,12 +30,13 @@ from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
 __all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation",
-           "Lowered", "MemoryStore", "PeerError", "ShardedJitFunction", "World",
+           "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError", "ShardedJitFunction", "World",
            "clear_caches", "compilation_stats", "config", "explain", "initialize",
            "sharded_jit"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
-             PeerError, World, Explanation, Compiled, Lowered):
+             PeerError, PartitionerMismatchError, World, Explanation, Compiled,
+             Lowered):
   _cls.__module__ = "partitioner"
 del _cls

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _distributed, _partition
+from partitioner import _check, _distributed, _partition
 from partitioner._args import ArgumentLayout, NotAnArray, reject_kwargs, signature
 from partitioner._config import config
 from partitioner._stages import Compiled, Lowered
@@ -168,6 +168,7 @@ class ShardedJitFunction:
     # keys made of jax.Array avals (which also carry their placement).
     self._cache: dict[Any, Compiled] = {}
     self._fast_cache: dict[Any, Callable[[list], Any]] = {}
+    self._checked: set[Compiled] = set()  # config.check_unsharded: programs done
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
@@ -195,6 +196,8 @@ class ShardedJitFunction:
     compiled = self._lookup(len(args), static_values, leaves, treedef, mode)
     if compiled is None:  # called under a jax transformation
       return self._call_traced(len(args), static_values, leaves, treedef)
+    if config.check_unsharded and compiled not in self._checked:
+      return self._call_checked(compiled, args, leaves)
     executable = compiled.executable
     if key is not None:
       if executable.runs_as_is(leaves):  # then so will every hit of this key
@@ -203,6 +206,21 @@ class ShardedJitFunction:
         runner = compiled.call_flat
       _bounded_put(self._fast_cache, key, runner)
     return compiled.call_flat(leaves)
+
+  def _call_checked(self, compiled: Compiled, args: tuple, leaves: list) -> Any:
+    """A new program's first call in check mode: also run it unsharded and
+    compare (see ``_check``)."""
+    if compiled.lowered.process[1] > 1:
+      raise NotImplementedError(
+          "config.check_unsharded runs single-process programs only: with"
+          " several processes no rank holds every input. Hint: reproduce on"
+          " one process (e.g. with --devices-per-process N on one host).")
+    want = _check.reference(self._request.fun, args, self._layout.static_argnums)
+    out = compiled.call_flat(leaves)
+    _check.compare(self._name, compiled.lowered.out_names,
+                   jax.tree_util.tree_leaves(out), want)
+    self._checked.add(compiled)
+    return out
 
   def _lookup(self, nargs, static_values, leaves, treedef, mode) -> Compiled | None:
     """Finds or compiles the program for these arguments' canonical key;

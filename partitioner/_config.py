@@ -133,6 +133,12 @@ _SETTINGS: dict[str, _Setting] = {
         " XLA's CPU runtime deadlocks when many steps with cross-process"
         " collectives run ahead of each other (plain jax.jit as well); 0 means"
         " no limit."),
+    "check_unsharded": _Setting(
+        "SHARDED_JIT_CHECK_UNSHARDED", False, _parse_bool, _check_bool,
+        "Run each newly compiled program's first call also unsharded on one"
+        " device and raise if an output differs: for when you suspect the"
+        " partitioner. Single-process runs; costs one unsharded run per new"
+        " program."),
     "xla_options": _Setting(
         "SHARDED_JIT_XLA_OPTIONS", {}, _parse_options, _check_options,
         "Extra XLA compile options (env_option_overrides), e.g."
@@ -170,6 +176,9 @@ class Config:
     collective_timeout_secs: multi-process: how long to wait for the other
       ranks at a compilation (default 300). Env:
       ``SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS``.
+    check_unsharded: compare each new program's first call with an
+      unsharded run on one device and raise on a mismatch. Env:
+      ``SHARDED_JIT_CHECK_UNSHARDED``.
     max_inflight_steps: multi-process: calls queued on the devices before a
       new call waits for the oldest (default 4; 0 = no limit). Env:
       ``SHARDED_JIT_MAX_INFLIGHT_STEPS``.

@@ -80,6 +80,8 @@ class Explanation:
     memory: per-device bytes: ``arguments``, ``outputs``, ``temporaries``,
       ``aliased`` and ``peak_estimate`` (= arguments + outputs + temporaries
       - aliased).
+    guards: ops sharded_jit kept unsplit (or whose start it clamped) because
+      XLA's partitioner computes them wrongly when split, with source lines.
   """
   name: str
   partitioner: str
@@ -90,6 +92,7 @@ class Explanation:
   collectives: tuple[Collective, ...]
   flops: float
   memory: dict[str, int]
+  guards: tuple[str, ...] = ()
 
   def collective_totals(self) -> dict[str, tuple[int, int]]:
     """kind -> (count, total per-device bytes), for every kind (zeros included)."""
@@ -110,6 +113,9 @@ class Explanation:
     out += [f"  {k:<18} {n:3d} op(s) {_bytes(b):>10}" for k, (n, b) in totals.items()]
     if self.collectives:
       out += ["", "  Each one:"] + [f"    {c}" for c in self.collectives]
+    if self.guards:
+      out += ["", "Ops kept unsplit because XLA's partitioner gets them wrong when split:"]
+      out += [f"  {g}" for g in self.guards]
     m = self.memory
     out += ["", f"Per device: {self.flops:,.0f} FLOPs; memory: arguments"
                 f" {_bytes(m['arguments'])}, outputs {_bytes(m['outputs'])},"

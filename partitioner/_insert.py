@@ -7,7 +7,8 @@ Given the device tiling of every argument, result and constraint, it
   constraint marker into ``sdy.sharding_constraint``;
 - GSPMD mode: ``mhlo.sharding`` on the arguments and results, and each marker
   into a ``@Sharding`` custom call;
-- with one partition: markers are removed and nothing else is added.
+- with one partition: markers are removed and nothing else is added;
+- with several: ops XLA's partitioner gets wrong are guarded (``_guard``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from partitioner._guard import Guard, guard
 from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, shardy_mesh_op
@@ -48,6 +50,7 @@ class ShardingPass:
     with self._context:
       self._module = module.operation.clone()
     self._markers = self._find_markers()
+    self.guards: list[Guard] = []  # ops kept unsplit where XLA errs (_guard)
 
   def _find_markers(self) -> list[ir.Operation]:
     found = []
@@ -106,6 +109,7 @@ class ShardingPass:
         op.results[0].replace_all_uses_with(new)
         op.erase()
       self._markers = []
+      self.guards = guard(self._module, mode)
 
   def _body(self) -> ir.Block:
     return self._module.regions[0].blocks[0]

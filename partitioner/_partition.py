@@ -10,6 +10,7 @@ module (``_insert``) and package the result as plain data for stage 3.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ from partitioner._insert import ShardingPass
 from partitioner._stages import Lowered
 from partitioner._trace import trace_and_lower
 from sharding._spec_tree import broadcast_specs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,9 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   mode = config.partitioner
   sharding_pass.insert(placement.num_partitions, mode, placement.in_physical,
                        placement.out_physical, placement.constraint_tilings)
+  for guard in sharding_pass.guards:
+    logger.info("sharded_jit(%s): %s, where XLA's partitioner gives wrong values",
+                request.name, guard)
   program = Program(
       name=request.name, module=sharding_pass.as_bytecode(),
       module_text=sharding_pass.as_text(), mode=mode,
@@ -97,7 +103,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       out_names=tuple(out_names),
       in_local=None if in_local is None else tuple(in_local),
       out_local=None if out_local is None else tuple(out_local),
-      process=(world.rank, world.size))
+      process=(world.rank, world.size),
+      guards=tuple(str(g) for g in sharding_pass.guards))
 
 
 def _arg_specs(parts: Any, layout: ArgumentLayout, inputs: InputSignature,

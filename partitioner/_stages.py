@@ -38,6 +38,8 @@ class Lowered:
     in_local, out_local: with ``local_in_parts``/``local_out_parts``, the
       spec of each process's piece of each flat input/output; else None.
     process: (rank, number of processes).
+    guards: ops kept unsplit (or clamped) where XLA's partitioner would give
+      wrong values, each with its source line (``_guard``).
   """
   name: str
   layout: ArgumentLayout
@@ -51,6 +53,7 @@ class Lowered:
   in_local: tuple[PartitionSpec | None, ...] | None
   out_local: tuple[PartitionSpec | None, ...] | None
   process: tuple[int, int]
+  guards: tuple[str, ...] = ()
 
   @property
   def num_partitions(self) -> int:
@@ -175,4 +178,4 @@ class Compiled:
                       in zip(low.out_names, t.out_avals, p.out_tilings)),
         collectives=tuple(_explain.collectives(self.as_text())),
         flops=float(self.cost_analysis().get("flops", 0.0)),
-        memory=memory)
+        memory=memory, guards=low.guards)

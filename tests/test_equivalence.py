@@ -80,3 +80,78 @@ def test_sharded_matches_jax_jit(case):
         got, want)
     if spec.total > 1:
       assert jax.tree_util.tree_leaves(got)[0].sharding.num_devices == spec.total
+
+
+# --- ops XLA's SPMD partitioner gets wrong when split (issue 10, item 7) -------
+# pad with interior or negative padding, strided slices and dynamic_slice with
+# starts that get clamped, on split dimensions: sharded_jit must guard them
+# (partitioner/_guard.py) and give exactly the unsharded result.
+
+def _split_spec(draw, shape, n):
+  """A spec of total n that divides ``shape``, or None when none is drawn."""
+  counts = [1] * len(shape)
+  for _ in range(n.bit_length() - 1):  # each factor 2 on a dimension that allows it
+    fits = [d for d in range(len(shape)) if shape[d] % (counts[d] * 2) == 0]
+    if not fits:
+      return None
+    counts[draw(st.sampled_from(fits))] *= 2
+  return P(*counts)
+
+
+@st.composite
+def risky_cases(draw):
+  n = draw(st.sampled_from([2, 4, 8]))
+  ndim = draw(st.integers(1, 2))
+  shape = tuple(draw(st.integers(1, 12)) for _ in range(ndim))
+  op = draw(st.sampled_from(["pad", "slice", "dynamic_slice"]))
+  if op == "pad":
+    config = [(draw(st.integers(-1, 2)), draw(st.integers(-1, 2)), draw(st.integers(0, 2)))
+              for _ in range(ndim)]
+    out_shape = tuple(lo + hi + s + max(s - 1, 0) * it for (lo, hi, it), s in zip(config, shape))
+    if min(out_shape) < 1:
+      config = [(max(lo, 0), max(hi, 0), it) for lo, hi, it in config]
+      out_shape = tuple(lo + hi + s + max(s - 1, 0) * it
+                        for (lo, hi, it), s in zip(config, shape))
+    params = config
+  elif op == "slice":
+    starts = [draw(st.integers(0, s - 1)) for s in shape]
+    limits = [draw(st.integers(b + 1, s)) for b, s in zip(starts, shape)]
+    strides = [draw(st.integers(1, 3)) for _ in shape]
+    params = (starts, limits, strides)
+    out_shape = tuple(-(-(e - b) // k) for b, e, k in zip(starts, limits, strides))
+  else:
+    sizes = [draw(st.integers(1, s)) for s in shape]
+    starts = [draw(st.integers(-s - 2, s + 2)) for s in shape]
+    params = (sizes, starts)
+    out_shape = tuple(sizes)
+  in_spec = draw(st.one_of(st.none(), st.just(_split_spec(draw, shape, n))))
+  out_spec = _split_spec(draw, out_shape, n)
+  if in_spec is None and out_spec is None:
+    out_spec = P(*([1] * ndim))  # nothing split: still a valid program
+  seed = draw(st.integers(0, 2 ** 16))
+  return n, shape, op, params, in_spec, out_spec, seed
+
+
+def _risky_fun(op, params):
+  if op == "pad":
+    return lambda x, starts: jax.lax.pad(x, np.float32(0.5), params)
+  if op == "slice":
+    return lambda x, starts: jax.lax.slice(x, *params)
+  sizes, _ = params
+  return lambda x, starts: jax.lax.dynamic_slice(x, tuple(starts), sizes)
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(risky_cases())
+def test_ops_xla_gets_wrong_when_split_match_the_unsharded_result(case):
+  n, shape, op, params, in_spec, out_spec, seed = case
+  x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+  starts = np.array(params[1] if op == "dynamic_slice" else [0] * len(shape), np.int32)
+  fun = _risky_fun(op, params)
+  want = np.asarray(jax.jit(fun)(x, starts))
+  g = sharded_jit(fun, in_parts=(in_spec, None), out_parts=out_spec)
+  for mode in ("shardy", "gspmd"):
+    with config.override(partitioner=mode):
+      got = g(x, starts)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{mode} {case}")

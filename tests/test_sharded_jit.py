@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -385,3 +386,24 @@ def test_programs_with_callbacks_are_never_reused_or_stored():
   assert seen == {"a": [4.0], "b": [8.0]}
   assert after["compiles"] - before["compiles"] == 2
   assert after["persistent_writes"] == before["persistent_writes"] and not store.entries
+
+
+@pytest.mark.parametrize("mode", ["shardy", "gspmd"])
+def test_ops_xla_splits_wrongly_are_guarded_and_reported(mode, caplog):
+  """Issue 10, item 7: XLA's partitioner gives [x0, x0] here (and aborts the
+  process on the negative padding); sharded_jit keeps the dimension unsplit."""
+  def f(x, y):
+    a = jax.lax.pad(x, np.float32(0.5), [(0, 1, 1)])      # interior padding
+    b = jax.lax.pad(y, 0, [(-1, 0, 1), (1, 0, 0)])        # negative + interior
+    return a, b
+  g = sharded_jit(f, in_parts=None, out_parts=(P(2), P(2, 1)))
+  x, y = np.array([3.0], np.float32), np.arange(22, dtype=np.int32).reshape(2, 11)
+  with config.override(partitioner=mode), caplog.at_level("INFO", "partitioner"):
+    a, b = g(x, y)
+    report = str(g.lower(x, y).compile().explain())
+  want_a, want_b = jax.jit(f)(x, y)
+  assert np.asarray(a).tolist() == np.asarray(want_a).tolist() == [3.0, 0.5]
+  assert np.asarray(b).tolist() == np.asarray(want_b).tolist()
+  assert re.search(r"test_sharded_jit.py:\d+: pad \(interior or negative padding\):"
+                   r" dimension\(s\) 0 kept unsplit", report), report
+  assert "where XLA's partitioner gives wrong values" in caplog.text

@@ -1,0 +1,50 @@
+"""config.check_unsharded catches a wrong partitioned result.
+
+White-box: the guard pass (partitioner/_guard.py) is switched off so that XLA's
+own partitioner bug (pad with interior padding into a split output) shows, as
+it would for a bug the guard does not know yet.
+"""
+
+import numpy as np
+import pytest
+from jax import lax
+
+import partitioner._insert
+from partitioner import PartitionerMismatchError, config, sharded_jit
+from sharding import PartitionSpec as P
+
+
+def pad(x):
+  return lax.pad(x, np.float32(0.5), [(0, 1, 1)])
+
+
+def test_check_mode_raises_naming_the_output(monkeypatch):
+  monkeypatch.setattr(partitioner._insert, "guard", lambda module, mode: [])
+  f = sharded_jit(lambda x: (x * 2, pad(x)), in_parts=None, out_parts=(None, P(2)))
+  x = np.array([3.0], np.float32)
+  assert np.asarray(f(x)[1]).tolist() == [3.0, 3.0]  # XLA's wrong answer, unguarded
+  f = sharded_jit(lambda x: (x * 2, pad(x)), in_parts=None, out_parts=(None, P(2)))
+  with config.override(check_unsharded=True):
+    with pytest.raises(PartitionerMismatchError, match=(
+        r"sharded_jit\(<lambda>\), check_unsharded: output\[1\] differs from the"
+        r" same function run unsharded on one device \(largest difference at index"
+        r" \(1,\): sharded 3\.0, unsharded 0\.5\).*explain\(\)")):
+      f(x)
+
+
+def test_check_mode_passes_right_results_and_checks_each_program_once(monkeypatch):
+  calls = []
+  real = partitioner._check.reference
+  monkeypatch.setattr(partitioner._check, "reference",
+                      lambda *a: calls.append(1) or real(*a))
+  f = sharded_jit(lambda x, k: x * k, in_parts=P(2), out_parts=P(2), static_argnums=1,
+                  donate_argnums=0)  # the reference runs before the donation
+  g = sharded_jit(pad, in_parts=P(2), out_parts=P(2))
+  with config.override(check_unsharded=True):
+    for _ in range(3):
+      out = f(np.arange(4, dtype=np.float32), 2)
+    f(np.arange(8, dtype=np.float32), 2)  # a new shape: a new program, checked
+    padded = g(np.arange(4, dtype=np.float32))  # guarded: right
+  assert np.asarray(out).tolist() == [0, 2, 4, 6]
+  assert np.asarray(padded).tolist() == [0, 0.5, 1, 0.5, 2, 0.5, 3, 0.5]
+  assert len(calls) == 3
