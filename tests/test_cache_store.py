@@ -86,3 +86,36 @@ def test_concurrent_processes_never_see_partial_entries(tmp_path):
       data = f.read()
     assert zlib.crc32(data[4:]) == int.from_bytes(data[:4], "little")
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_temporary_file_of_a_killed_writer_is_removed_once_stale(tmp_path):
+  """Issue 10, item 6: a writer killed between write and rename left it forever."""
+  store = DiskStore(tmp_path, max_bytes=10_000)
+  orphan = tmp_path / ".tmp-abc.sjc"
+  orphan.write_bytes(b"x" * 100)
+  fresh = tmp_path / ".tmp-def.sjc"  # another writer, still writing
+  fresh.write_bytes(b"y" * 100)
+  old = os.path.getmtime(orphan) - 3600
+  os.utime(orphan, (old, old))
+  store.put("aa" * 8, b"entry")
+  assert not orphan.exists() and fresh.exists()
+  assert store.get("aa" * 8) == b"entry"
+
+
+def test_temporary_files_count_towards_the_size_limit(tmp_path):
+  store = DiskStore(tmp_path, max_bytes=1000)
+  store.put("aa" * 8, b"a" * 400)
+  (tmp_path / ".tmp-writing.sjc").write_bytes(b"t" * 500)  # being written now
+  store.put("bb" * 8, b"b" * 400)  # 400 + 500 + 400 > 1000: the oldest entry goes
+  assert store.get("aa" * 8) is None and store.get("bb" * 8) == b"b" * 400
+
+
+@pytest.mark.parametrize("directory_mode,entry_mode", [(0o775, 0o664), (0o700, 0o600),
+                                                      (0o755, 0o644)])
+def test_entries_take_the_directory_permissions(tmp_path, directory_mode, entry_mode):
+  """A cache directory shared by a team: entries must be readable by the group."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  os.chmod(cache, directory_mode)
+  DiskStore(cache).put("cc" * 8, b"data")
+  assert os.stat(cache / ("cc" * 8 + ".sjc")).st_mode & 0o777 == entry_mode

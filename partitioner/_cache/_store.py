@@ -11,14 +11,18 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
+import time
 from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
 _KEY = re.compile(r"^[0-9a-f]{16,128}$")
 _SUFFIX = ".sjc"
+_TMP = ".tmp-"
+STALE_TMP_SECS = 600  # a temporary file this old lost its writer (entries take ms)
 
 
 @runtime_checkable
@@ -69,6 +73,10 @@ class DiskStore:
   never see a partial entry. Reading an entry refreshes its modification
   time; when the directory grows past ``max_bytes`` the entries used least
   recently are removed. Entries larger than ``max_bytes`` are not written.
+  Temporary files count towards the limit; one left by a writer that died
+  before its rename is removed once it is ``STALE_TMP_SECS`` old. Entries
+  take the directory's read/write permissions (a directory shared by a
+  group gives group-readable entries), not mkstemp's private 0600.
 
   Args:
     directory: created if missing.
@@ -100,8 +108,10 @@ class DiskStore:
       logger.info("Not caching %s: %d bytes exceed the cache limit of %d",
                   key, len(data), self.max_bytes)
       return
-    fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=_SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP, suffix=_SUFFIX)
     try:
+      with contextlib.suppress(OSError):  # e.g. a file system without modes
+        os.fchmod(fd, stat.S_IMODE(os.stat(self.directory).st_mode) & 0o666)
       with os.fdopen(fd, "wb") as f:
         f.write(data)
       os.replace(tmp, path)
@@ -117,24 +127,38 @@ class DiskStore:
 
   def entries(self) -> list[tuple[float, int, str]]:
     """(modification time, size, path) of every entry, oldest first."""
+    return sorted(e for e in self._files() if not os.path.basename(e[2]).startswith(_TMP))
+
+  def _files(self) -> list[tuple[float, int, str]]:
+    """(modification time, size, path) of every entry and temporary file."""
     out = []
     with os.scandir(self.directory) as it:
       for e in it:
-        if e.name.endswith(_SUFFIX) and not e.name.startswith(".tmp-"):
+        if e.name.endswith(_SUFFIX):
           try:
             st = e.stat()
           except FileNotFoundError:  # removed by another process meanwhile
             continue
           out.append((st.st_mtime, st.st_size, e.path))
-    return sorted(out)
+    return out
 
   def evict(self) -> None:
-    """Removes least recently used entries until under ``max_bytes``."""
+    """Removes stale temporary files, then least recently used entries until
+    the directory is under ``max_bytes``."""
+    stale = time.time() - STALE_TMP_SECS
+    files = []
+    for mtime, size, path in self._files():
+      if os.path.basename(path).startswith(_TMP) and mtime < stale:
+        with contextlib.suppress(FileNotFoundError):  # a writer killed mid-write
+          os.unlink(path)
+          logger.info("Removed %s, left by a cache writer that did not finish", path)
+        continue
+      files.append((mtime, size, path))
     if not self.max_bytes:
       return
-    entries = self.entries()
-    total = sum(size for _, size, _ in entries)
-    for _, size, path in entries:
+    total = sum(size for _, size, _ in files)  # temporary files count too
+    for _, size, path in sorted(f for f in files
+                                if not os.path.basename(f[2]).startswith(_TMP)):
       if total <= self.max_bytes:
         break
       with contextlib.suppress(FileNotFoundError):  # another process was first
