@@ -160,3 +160,10 @@ def test_ranks_that_finish_apart_end_together_and_normally():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "rank 0 finished its local work" in proc.stdout  # rank 1 waited for it
   assert "failed" not in proc.stderr
+
+
+def test_resident_memory_stays_flat_over_2000_steps():
+  proc, _ = launch("mp_memory.py", "2000", timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  growth = [float(g) for g in re.findall(r"growth (-?[\d.]+)%", proc.stdout)]
+  assert len(growth) == 2 and max(growth) < 5.0, proc.stdout
