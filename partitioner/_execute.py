@@ -44,7 +44,7 @@ class Executable:
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
-               "_bounded", "_process", "_names", "_donated")
+               "_bounded", "_process", "_names", "_donated", "_empty")
 
   def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
                traced: TracedProgram,
@@ -73,6 +73,10 @@ class Executable:
     self._keepalive = traced.keepalive    # what the callbacks need while we live
     self._process = process
     self._bounded = process[1] > 1        # multi-process: see _steps.Steps
+    # Outputs with no elements: Shardy hands back whole-shaped buffers for
+    # them whatever was asked; they hold no data, so make them afresh.
+    self._empty = tuple((k, a.shape, a.dtype) for k, a in enumerate(traced.out_avals)
+                        if 0 in a.shape)
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
@@ -102,7 +106,8 @@ class Executable:
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
     no per-process conversion; returns the outputs' pytree."""
-    if self._effects or self._bounded or self._donated or self._localize is not None:
+    if (self._effects or self._bounded or self._donated or self._empty or
+        self._localize is not None):
       return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
     execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
     check = self.check_deleted
@@ -152,6 +157,8 @@ class Executable:
       outs = results.consume_with_handlers(self._handlers)
     else:
       outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+    for k, shape, dtype in self._empty:
+      outs[k] = jax.device_put(np.empty(shape, dtype), self.out_shardings[k])
     if self._localize is not None:
       outs = [f(x) for f, x in zip(self._localize, outs)]
     return outs

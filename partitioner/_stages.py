@@ -98,7 +98,10 @@ class Lowered:
     """Loads the program from the compilation caches or compiles it."""
     p = self.placement
     loaded = compilation_cache.load_or_compile(self.program)
-    _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical)
+    empty = tuple([0 in a.shape for a in avals]
+                  for avals in (self.traced.in_avals, self.traced.out_avals))
+    _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical,
+                              empty)
     return Compiled(self, Executable(loaded, p, self.traced, self.in_local,
                                      self.out_local, self.process, self.in_names,
                                      self.donated))

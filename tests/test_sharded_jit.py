@@ -407,3 +407,17 @@ def test_ops_xla_splits_wrongly_are_guarded_and_reported(mode, caplog):
   assert re.search(r"test_sharded_jit.py:\d+: pad \(interior or negative padding\):"
                    r" dimension\(s\) 0 kept unsplit", report), report
   assert "where XLA's partitioner gives wrong values" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["shardy", "gspmd"])
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4), (8, 0)])
+def test_zero_size_arrays_with_a_split_spec(mode, shape):
+  """Issue 11: Shardy used to fail with "XLA laid out flat output 0 as
+  {replicated} ... This is a bug in sharded_jit"."""
+  f = sharded_jit(lambda x: (x + 1, x.sum()), in_parts=P(2, 1), out_parts=(P(2, 1), None))
+  with config.override(partitioner=mode):
+    y, total = f(np.zeros(shape, np.float32))
+  want = jax.device_put(np.zeros(shape, np.float32), y.sharding)
+  assert y.shape == shape and float(total) == 0.0 and np.asarray(y).shape == shape
+  assert [s.data.shape for s in y.addressable_shards] == \
+      [s.data.shape for s in want.addressable_shards]
