@@ -20,7 +20,7 @@ from partitioner._args import ArgumentLayout, NotAnArray, reject_kwargs, signatu
 from partitioner._config import config
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
-from sharding._constraint import caller, constrain
+from sharding._constraint import caller, constrain, emitting_markers
 from sharding._spec_tree import broadcast_specs, check_specs
 
 _CALL_CACHE_SIZE = 256
@@ -195,6 +195,15 @@ class ShardedJitFunction:
       return hit(leaves)
     compiled = self._lookup(len(args), static_values, leaves, treedef, mode)
     if compiled is None:  # called under a jax transformation
+      if (config.check_unsharded and not emitting_markers()
+          and not _check.in_reference_run()):
+        raise NotImplementedError(
+            f"config.check_unsharded cannot check sharded_jit function"
+            f" {self._name} here: it is called under a jax transformation"
+            " (jax.jit, grad, vmap, ...), so it becomes part of jax's program,"
+            " which sharded_jit does not compile. Hint: call it directly, or"
+            " wrap the transformation inside it (e.g. compute jax.grad inside"
+            " the sharded_jit function), or turn check_unsharded off.")
       return self._call_traced(len(args), static_values, leaves, treedef)
     if config.check_unsharded and compiled not in self._checked:
       return self._call_checked(compiled, args, leaves)

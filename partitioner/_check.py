@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import threading
+
 import jax
 import numpy as np
 
@@ -19,14 +21,34 @@ class PartitionerMismatchError(RuntimeError):
   """A sharded output differs from the same function run unsharded."""
 
 
+class _Reference(threading.local):
+  """Per thread: is an unsharded reference run being traced right now?"""
+
+  def __init__(self):
+    self.depth = 0
+
+
+_reference = _Reference()
+
+
+def in_reference_run() -> bool:
+  """Whether sharded_jit functions are being traced for a reference run
+  (they are then meant to run unsharded, inside jax's program)."""
+  return _reference.depth > 0
+
+
 def reference(fun: Callable[..., Any], args: Sequence[Any],
               static_argnums: Sequence[int]) -> list[np.ndarray]:
   """``fun(*args)`` unsharded on one device, as flat host arrays. Call it
   before the sharded run: that one may donate (delete) the inputs."""
   on_host = jax.tree_util.tree_map(
       lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tuple(args))
-  with jax.default_device(jax.local_devices()[0]):
-    out = jax.jit(fun, static_argnums=tuple(static_argnums))(*on_host)
+  _reference.depth += 1
+  try:
+    with jax.default_device(jax.local_devices()[0]):
+      out = jax.jit(fun, static_argnums=tuple(static_argnums))(*on_host)
+  finally:
+    _reference.depth -= 1
   return [np.asarray(o) for o in jax.tree_util.tree_leaves(out)]
 
 

@@ -56,6 +56,11 @@ def emit_markers() -> Iterator[None]:
     _marker_mode.depth -= 1
 
 
+def emitting_markers() -> bool:
+  """Whether the partitioner is lowering a program right now (this thread)."""
+  return _marker_mode.depth > 0
+
+
 def encode_spec(spec: PartitionSpec | None) -> str:
   return _REPLICATED if spec is None else ",".join(map(str, spec.counts))
 

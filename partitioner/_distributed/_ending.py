@@ -93,8 +93,9 @@ class _Ending:
     """atexit: tell the peers, then wait for every one of them to finish."""
     try:
       steps.drain()  # the watcher ends the job if these wait for a departed peer
-    except Exception:  # noqa: BLE001 - a failed step is already reported
-      pass
+    except Exception as e:  # noqa: BLE001 - exiting anyway: say it, do not hide it
+      sys.stderr.write(f"sharded_jit: rank {self.rank} of {self.size}: a step"
+                       f" that was never read failed: {_first_line(e)}\n")
     with self.lock:
       self.exiting = True
     count = steps.count

@@ -7,6 +7,7 @@ nothing else (jax in particular) may be imported yet.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # (rank, size) variables set by the common MPI launchers.
@@ -49,11 +50,9 @@ def mark(rank: int, kind: str, text: str = "") -> None:
   directory = os.environ.get(LAUNCH_DIR_ENV)
   if not directory:
     return
-  try:
+  with contextlib.suppress(OSError):  # the launcher's report is best effort
     with open(os.path.join(directory, f"rank-{rank}.{kind}"), "w") as f:
       f.write(text)
-  except OSError:
-    pass
 
 
 def read_marks(directory: str, size: int) -> dict[int, dict[str, str]]:

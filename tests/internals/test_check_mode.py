@@ -48,3 +48,16 @@ def test_check_mode_passes_right_results_and_checks_each_program_once(monkeypatc
   assert np.asarray(out).tolist() == [0, 2, 4, 6]
   assert np.asarray(padded).tolist() == [0, 0.5, 1, 0.5, 2, 0.5, 3, 0.5]
   assert len(calls) == 3
+
+
+def test_check_mode_under_a_jax_transformation_is_an_error_not_skipped():
+  import jax
+  f = sharded_jit(lambda x: x * 2, in_parts=P(2), out_parts=P(2))
+  outer = sharded_jit(lambda x: f(x) + 1, in_parts=P(2), out_parts=P(2))
+  x = np.arange(4, dtype=np.float32)
+  with config.override(check_unsharded=True):
+    assert np.asarray(outer(x)).tolist() == [1, 3, 5, 7]  # nested: checked as a whole
+    with pytest.raises(NotImplementedError, match=r"check_unsharded cannot check"
+                       r" sharded_jit function <lambda> here: it is called under a jax"
+                       r" transformation"):
+      jax.jit(f)(x)
