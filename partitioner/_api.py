@@ -15,8 +15,9 @@ from typing import Any
 
 import jax
 
-from partitioner import _check, _distributed, _partition
-from partitioner._args import ArgumentLayout, NotAnArray, reject_kwargs, signature
+from partitioner import _check, _compose, _distributed, _partition
+from partitioner._args import (ArgumentLayout, NotAnArray, abstract_signature,
+                               reject_kwargs, signature)
 from partitioner._config import config
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
@@ -168,6 +169,7 @@ class ShardedJitFunction:
     # keys made of jax.Array avals (which also carry their placement).
     self._cache: dict[Any, Compiled] = {}
     self._fast_cache: dict[Any, Callable[[list], Any]] = {}
+    self._staged: dict[Any, _compose.Staged] = {}  # calls on tracers
     self._checked: set[Compiled] = set()  # config.check_unsharded: programs done
     functools.update_wrapper(self, fun)
 
@@ -194,17 +196,12 @@ class ShardedJitFunction:
       stats.cache_hit()
       return hit(leaves)
     compiled = self._lookup(len(args), static_values, leaves, treedef, mode)
-    if compiled is None:  # called under a jax transformation
-      if (config.check_unsharded and not emitting_markers()
-          and not _check.in_reference_run()):
-        raise NotImplementedError(
-            f"config.check_unsharded cannot check sharded_jit function"
-            f" {self._name} here: it is called under a jax transformation"
-            " (jax.jit, grad, vmap, ...), so it becomes part of jax's program,"
-            " which sharded_jit does not compile. Hint: call it directly, or"
-            " wrap the transformation inside it (e.g. compute jax.grad inside"
-            " the sharded_jit function), or turn check_unsharded off.")
-      return self._call_traced(len(args), static_values, leaves, treedef)
+    if compiled is None:  # called on tracers
+      if emitting_markers() or _compose.pmap_context.axes is not None:
+        # Inside our own trace (a nested sharded_jit or partitioner.pmap's
+        # body): constraints, which the enclosing program lays out.
+        return self._call_inline(len(args), static_values, leaves, treedef)
+      return self._call_under_jax(len(args), static_values, leaves, treedef)
     if config.check_unsharded and compiled not in self._checked:
       return self._call_checked(compiled, args, leaves)
     executable = compiled.executable
@@ -259,9 +256,59 @@ class ShardedJitFunction:
     return _partition.lower(
         self._request, self._layout.signature(len(args), static_values, leaves, treedef))
 
-  def _call_traced(self, nargs: int, static_values: tuple, leaves: list,
+  def _call_under_jax(self, nargs: int, static_values: tuple, leaves: list,
+                      treedef: Any) -> Any:
+    """Called under jax.jit, grad, vmap, scan, ...: staged into jax's program
+    as a jax.jit with this function's tilings (see ``_compose``)."""
+    if (config.check_unsharded and not _check.in_reference_run()):
+      raise NotImplementedError(
+          f"config.check_unsharded cannot check sharded_jit function"
+          f" {self._name} here: it is called under a jax transformation"
+          " (jax.jit, grad, vmap, ...), so it becomes part of jax's program,"
+          " which sharded_jit does not compile. Hint: call it directly, or"
+          " wrap the transformation inside it (e.g. compute jax.grad inside"
+          " the sharded_jit function), or turn check_unsharded off.")
+    sigs = tuple(abstract_signature(x) for x in leaves)
+    key = (treedef, static_values, config.partitioner, *sigs)
+    staged = self._staged.get(key)
+    if staged is None:
+      request = self._request
+      if self._layout.donate_argnums:
+        raise ValueError(
+            f"sharded_jit function {self._name} has donate_argnums, which"
+            " cannot be honoured under a jax transformation (jax.jit, grad,"
+            " vmap, ...): its inputs are values inside jax's program, not"
+            " buffers. Hint: donate at the outermost jax.jit instead"
+            " (jax.jit(..., donate_argnums=...)), or build this sharded_jit"
+            " without donate_argnums.")
+      inputs = self._layout.signature(nargs, static_values, leaves, treedef, sigs)
+      lowered = _partition.lower(request, inputs)
+      if lowered.process[1] > 1:
+        raise NotImplementedError(
+            f"sharded_jit function {self._name} is called under a jax"
+            " transformation in a multi-process run, which sharded_jit does"
+            " not support yet. Hint: call it directly (compute jax.grad inside"
+            " the sharded_jit function), or use partitioner.pmap for data"
+            " parallelism across processes.")
+      staged = _compose.stage(lowered, request.fun,
+                              self._layout.rebuild(nargs, static_values),
+                              treedef, self._name)
+      _bounded_put(self._staged, key, staged)
+    if _compose.in_manual_context():
+      if staged.num_partitions == 1:  # nothing to partition: each copy runs it
+        return self._call_inline(nargs, static_values, leaves, treedef)
+      raise ValueError(
+          f"sharded_jit function {self._name} partitions into"
+          f" {staged.num_partitions} but is called inside jax.pmap (or"
+          " jax.shard_map), where each device runs its own copy of the"
+          " program: its partitions would be lost. Hint: use"
+          " partitioner.pmap(f), which runs replicas x partitions as one"
+          " program (replica r, partition p on devices[r * N + p]).")
+    return staged.jitted(*leaves)
+
+  def _call_inline(self, nargs: int, static_values: tuple, leaves: list,
                    treedef: Any) -> Any:
-    """Called under a jax transformation: inline ``fun`` with constraints."""
+    """Inside our own trace: inline ``fun`` with constraints."""
     request = self._request
     site = caller()
     parts = self._layout.dynamic_parts(request.in_parts, nargs)

@@ -43,6 +43,12 @@ def signature(x: Any) -> tuple:
   raise NotAnArray(x)
 
 
+def abstract_signature(x: Any) -> tuple:
+  """(shape, dtype, weak_type) of a tracer or ``jax.ShapeDtypeStruct``."""
+  aval = x.aval if isinstance(x, jax.core.Tracer) else x
+  return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+
+
 def _int_fits(x: int, dtype: np.dtype) -> bool:
   info = np.iinfo(dtype)
   return info.min <= x <= info.max

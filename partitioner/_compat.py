@@ -128,3 +128,24 @@ def is_array_dtype(dtype: np.dtype) -> bool:
   except TypeError:
     return False
   return True
+
+
+def lowering_devices(ctx: Any) -> tuple | None:
+  """The device assignment of the jax program a lowering rule runs in, when
+  it is an ordinary (not manual) program; None inside shard_map/pmap or when
+  jax has not fixed the devices."""
+  from jax._src import sharding_impls
+  axis_context = ctx.module_context.axis_context
+  if isinstance(axis_context, sharding_impls.ShardingContext):
+    return axis_context.device_assignment
+  return None
+
+
+def lowering_manual_mesh(ctx: Any) -> tuple[Any, frozenset] | None:
+  """(mesh, manual axis names) when a lowering rule runs inside a
+  shard_map (or jax.pmap) body; None otherwise."""
+  from jax._src import sharding_impls
+  axis_context = ctx.module_context.axis_context
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    return axis_context.mesh, frozenset(axis_context.manual_axes)
+  return None

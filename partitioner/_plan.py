@@ -1,8 +1,9 @@
 """Stage 2a: decide the number of partitions and the devices, check every spec.
 
-All specs that partition anything (in_parts, out_parts and every
-with_sharding_constraint inside the function) must agree on the total number
-of partitions; ``num_partitions=`` overrides the inference. The devices are
+N, the number of partitions, is the largest total of all specs that
+partition anything (in_parts, out_parts and every with_sharding_constraint
+inside the function), or ``num_partitions=``; every spec's total must divide
+it, and one with fewer tiles is partially replicated. The devices are
 the first N of ``devices=`` or of ``jax.local_devices()``.
 """
 
@@ -89,8 +90,9 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   """
   uses = [*ins, *outs, *constraints]
   for use in uses:
-    if use.spec is not None:
-      use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}")
+    if use.spec is not None:  # uneven tiles are fine inside (XLA pads)
+      use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}",
+                           divisible=use.dtype is not None)
   n = _count_partitions(uses, num_partitions)
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
@@ -111,24 +113,27 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
 
 
 def _count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int:
+  """N: ``num_partitions``, else the largest total of any spec. Every spec's
+  total must divide N (a smaller total is partially replicated)."""
+  split = [u for u in uses if u.spec is not None and u.spec.is_partitioned]
   if num_partitions is not None:
-    expected, source = num_partitions, f"num_partitions={num_partitions}"
+    n, source = num_partitions, f"num_partitions={num_partitions}"
+  elif split:
+    top = max(split, key=lambda u: u.spec.total)
+    n, source = top.spec.total, f"{top.what} = {top.spec!r}"
   else:
-    expected, source = None, None
-  for use in uses:
-    if use.spec is None or not use.spec.is_partitioned:
-      continue
-    if expected is None:
-      expected, source = use.spec.total, f"{use.what} = {use.spec!r}"
-    elif use.spec.total != expected:
+    return 1
+  for use in split:
+    if n % use.spec.total:
       raise ValueError(
           f"{use.what}: spec {use.spec!r} partitions into {use.spec.total}"
-          f" pieces, but this sharded_jit partitions into {expected} (from"
-          f" {source}). Hint: every spec that splits an array must split it"
-          f" into the same total number of tiles (the product of its counts);"
-          f" e.g. use a spec whose counts multiply to {expected}, or None to"
-          " replicate.")
-  return 1 if expected is None else expected
+          f" tiles, which do not divide the {n} partitions of this sharded_jit"
+          f" (from {source}). Hint: every spec that splits an array must split"
+          f" it into a number of tiles (the product of its counts) that divides"
+          f" {n}; a spec with fewer tiles is partially replicated (each tile on"
+          f" {n} / tiles devices). Use e.g. counts that multiply to {n} or one"
+          f" of its divisors, None to replicate, or num_partitions= to set N.")
+  return n
 
 
 def _share_between_processes(n: int, fixed: bool, num_processes: int,

@@ -4,9 +4,11 @@ All rules of the primitive live here (impl, abstract eval, JVP/transpose,
 batching, lowering). The lowering emits a marker custom call that the
 partitioner rewrites into a real sharding op (``sdy.sharding_constraint`` or
 a GSPMD ``@Sharding`` custom call) once it knows the device count. Markers are
-only emitted while the partitioner lowers a program (:func:`emit_markers`);
-everywhere else (eagerly, or under a plain ``jax.jit``) the constraint is the
-identity, so a model written with constraints also runs unsharded.
+only emitted while the partitioner lowers a program (:func:`emit_markers`).
+Eagerly, or in a jax program on one device, the constraint is the identity,
+so a model written with constraints also runs unsharded; in a jax program
+on several devices (a sharded_jit function called under ``jax.jit``,
+``partitioner.pmap``) ``partitioner`` makes it a real constraint.
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def with_sharding_constraint(x: Any, spec: Any) -> Any:
 
   Raises:
     TypeError: ``spec`` is not a PartitionSpec or None.
-    ValueError: the spec's rank differs from ``x``'s, or (inside sharded_jit)
-      a dimension is not divisible by its count.
+    ValueError: the spec's rank differs from ``x``'s. A count need not
+      divide its dimension: XLA pads uneven tiles inside the program.
 
   Example:
     >>> import jax.numpy as jnp
@@ -116,12 +118,12 @@ def constrain(x: Any, spec: Any, origin: str) -> Any:
             f" expected an array, got a value of type {type(leaf).__name__}"
             f" ({leaf!r:.80}). Hint: constrain arrays only.") from None
     if leaf_spec is not None:
-      # The rank must always match; divisibility only matters when the
-      # constraint takes effect (sharded_jit checks every site again).
+      # The rank must match; a count need not divide its dimension (XLA
+      # pads uneven tiles inside a program, as for jax.jit).
       leaf_spec.check_shape(
           leaf.shape,
           f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}",
-          divisible=_marker_mode.depth > 0)
+          divisible=False)
     out.append(constraint_p.bind(leaf, spec=leaf_spec, origin=origin))
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -165,7 +167,10 @@ def _batch(args, dims, *, spec, origin):
   return constraint_p.bind(x, spec=spec, origin=origin), d
 
 
-def _lower(ctx, x, *, spec, origin):
+def lower(ctx, x, *, spec, origin):
+  """The marker while the partitioner lowers a program, else the identity
+  (``partitioner`` registers a rule that also applies the constraint in
+  jax programs that run on several devices)."""
   if not _marker_mode.depth:
     return [x]
   op = hlo.CustomCallOp(
@@ -183,4 +188,4 @@ constraint_p.def_impl(_impl)
 constraint_p.def_abstract_eval(_abstract_eval)
 ad.deflinear2(constraint_p, _transpose)
 batching.primitive_batchers[constraint_p] = _batch
-mlir.register_lowering(constraint_p, _lower)
+mlir.register_lowering(constraint_p, lower)

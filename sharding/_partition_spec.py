@@ -126,11 +126,42 @@ class PartitionSpec:
           f" array has rank {len(shape)} (shape {shape}).{hint}")
     for dim, (size, count) in enumerate(zip(shape, self._counts)):
       if divisible and size % count:
+        near = self.nearest_fit(shape)
+        use = f"use {near!r} (it divides every dimension), or " if near else ""
         raise ValueError(
             f"{what}: dimension {dim} of shape {shape} has size {size}, which"
             f" is not divisible by its partition count {count} (spec"
-            f" {self!r}). Hint: pad the array to a multiple of {count} or"
-            f" choose a count that divides {size}.")
+            f" {self!r}). A jax.Array holds equal tiles on every device, so"
+            " arguments and outputs cannot be split unevenly (inside the"
+            " function a with_sharding_constraint can: XLA pads there). Hint:"
+            f" {use}pad dimension {dim} to a multiple of {count} (size"
+            f" {-(-size // count) * count}).")
+
+  def nearest_fit(self, shape: Sequence[int]) -> PartitionSpec | None:
+    """The spec closest to this one that divides ``shape`` evenly.
+
+    It has the same total if one exists, else the largest total that
+    divides this one; closeness is how far each count moves (in factors).
+    None when only the replicated spec fits.
+    """
+    def splits(total: int, dims: Sequence[int]) -> Iterator[tuple[int, ...]]:
+      if not dims:
+        if total == 1:
+          yield ()
+        return
+      for c in range(1, total + 1):
+        if total % c == 0 and dims[0] % c == 0:
+          for rest in splits(total // c, dims[1:]):
+            yield (c, *rest)
+
+    distance = lambda counts: sum(abs(math.log(a / b))
+                                  for a, b in zip(counts, self._counts))
+    for total in sorted((t for t in range(2, self._total + 1) if self._total % t == 0),
+                        reverse=True):
+      fits = list(splits(total, tuple(shape)))
+      if fits:
+        return PartitionSpec(*min(fits, key=distance))
+    return None
 
 
 PartitionSpec.__module__ = "sharding"

@@ -2,10 +2,14 @@
 
 The layout is row-major over the device assignment, exactly like GSPMD's
 ``{devices=[a,b]0,1,...}``: device ``k`` of the assignment holds the tile whose
-block index is ``numpy.unravel_index(k, spec.counts)``. The same layout is
-expressed three ways: the GSPMD sharding string, the Shardy dimension
-shardings over a single 1-D mesh axis (using sub-axes where several dimensions
-are split), and a ``jax.sharding.NamedSharding`` for the arrays users get back.
+block index is ``numpy.unravel_index(k, spec.counts)``. A spec whose total T
+is smaller than the number of devices N (T divides N) is partially
+replicated: each tile is held by N / T consecutive devices, so device ``k``
+holds tile ``k // (N / T)`` (GSPMD's ``last_tile_dim_replicate``). The same
+layout is expressed three ways: the GSPMD sharding string, the Shardy
+dimension shardings over a single 1-D mesh axis (using sub-axes where several
+dimensions are split), and a ``jax.sharding.NamedSharding`` for the arrays
+users get back.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ class Tiling:
     ndim: the rank of the array.
 
   Raises:
-    ValueError: the spec's rank is not ``ndim``, or its total is neither 1
-      (replicated) nor the number of devices.
+    ValueError: the spec's rank is not ``ndim``, or its total does not
+      divide the number of devices.
   """
 
   __slots__ = ("spec", "devices", "_named_sharding")
@@ -48,10 +52,10 @@ class Tiling:
       spec = PartitionSpec(*([1] * ndim))
     if len(spec) != ndim:
       raise ValueError(f"spec {spec!r} does not have rank {ndim}")
-    if spec.total not in (1, len(devices)):
+    if len(devices) % spec.total:
       raise ValueError(
-          f"spec {spec!r} partitions into {spec.total} tiles, but the device"
-          f" assignment has {len(devices)} devices")
+          f"spec {spec!r} partitions into {spec.total} tiles, which do not"
+          f" share the {len(devices)} devices of the assignment equally")
     self.spec = spec
     self.devices = tuple(devices)
     self._named_sharding = None
@@ -64,15 +68,20 @@ class Tiling:
   def replicated(self) -> bool:
     return not self.spec.is_partitioned
 
+  @property
+  def copies(self) -> int:
+    """How many devices hold each tile: N / T (1 when fully split)."""
+    return self.num_devices // self.spec.total
+
   def device_block(self, k: int) -> tuple[int, ...]:
     """The block index (one per dimension) that device ``k`` holds."""
     if self.replicated:
       return (0,) * len(self.spec)
-    return tuple(int(i) for i in np.unravel_index(k, self.spec.counts))
+    return tuple(int(i) for i in np.unravel_index(k // self.copies, self.spec.counts))
 
   def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the piece each device holds."""
-    return tuple(s // c for s, c in zip(shape, self.spec.counts))
+    return tuple(-(-s // c) for s, c in zip(shape, self.spec.counts))  # uneven: padded
 
   def device_slices(self, shape: Sequence[int]) -> tuple[tuple[slice, ...], ...]:
     """For each device of the assignment, the slice of the global array it holds."""
@@ -87,7 +96,8 @@ class Tiling:
     """A grid of device ids: which device holds which block.
 
     Rows are the blocks of all dimensions but the last (row-major), columns
-    the blocks of the last dimension.
+    the blocks of the last dimension. A partially replicated block lists
+    every device that holds it (``0,1``).
 
     Example (with 2 devices):
       >>> import jax
@@ -97,9 +107,12 @@ class Tiling:
       | 0 | 1 |
       +---+---+
     """
-    ids = [str(d.id) for d in self.devices]
     if self.replicated:
-      return f"replicated: every device holds all of it ({', '.join(ids)})"
+      ids = ", ".join(str(d.id) for d in self.devices)
+      return f"replicated: every device holds all of it ({ids})"
+    c = self.copies
+    ids = [",".join(str(d.id) for d in self.devices[t * c:(t + 1) * c])
+           for t in range(self.spec.total)]
     counts = self.spec.counts
     cols = counts[-1] if counts else 1
     rows = math.prod(counts[:-1])
@@ -112,22 +125,29 @@ class Tiling:
     if len(counts) > 2:
       out.append(f"(rows: dimensions 0..{len(counts) - 2} flattened row-major;"
                  f" columns: dimension {len(counts) - 1})")
+    if c > 1:
+      out.append(f"(each block is held by {c} devices)")
     return "\n".join(out)
 
   def gspmd(self) -> str:
     """The GSPMD (HloSharding) text, e.g. ``{devices=[2,1]0,1}``."""
     if self.replicated:
       return "{replicated}"
-    dims = ",".join(map(str, self.spec.counts))
+    counts = list(self.spec.counts)
     ids = ",".join(map(str, range(self.num_devices)))
-    return f"{{devices=[{dims}]{ids}}}"
+    if self.copies == 1:
+      return f"{{devices=[{','.join(map(str, counts))}]{ids}}}"
+    dims = ",".join(map(str, [*counts, self.copies]))
+    return f"{{devices=[{dims}]{ids} last_tile_dim_replicate}}"
 
   def shardy_dims(self) -> list[str]:
     """Per-dimension Shardy shardings over the 1-D mesh axis ``x``.
 
     The first split dimension takes the major part of the axis, the next the
     following part, and so on: ``P(3, 2)`` on 6 devices is
-    ``[{"x":(1)3}, {"x":(3)2}]``.
+    ``[{"x":(1)3}, {"x":(3)2}]``. A partially replicated spec leaves the
+    minor part of the axis unused: ``P(2, 1)`` on 8 devices is
+    ``[{"x":(1)2}, {}]``.
     """
     dims = []
     pre = 1
@@ -159,7 +179,10 @@ class Tiling:
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     split = [(d, c) for d, c in enumerate(self.spec.counts) if c > 1]
     names = tuple(f"d{d}" for d, _ in split)
-    mesh = jax.sharding.Mesh(devices.reshape([c for _, c in split]), names)
+    shape = [c for _, c in split]
+    if self.copies > 1:  # the devices holding the same tile: an unused axis
+      names, shape = (*names, "replica"), [*shape, self.copies]
+    mesh = jax.sharding.Mesh(devices.reshape(shape), names)
     axes = [f"d{d}" if c > 1 else None for d, c in enumerate(self.spec.counts)]
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
 

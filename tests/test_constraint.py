@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from partitioner import sharded_jit
+from partitioner import config, sharded_jit
 from sharding import PartitionSpec as P
 from sharding import with_sharding_constraint as wsc
 
@@ -106,10 +106,13 @@ def test_rank_mismatch_error():
     wsc(jnp.ones(4), P(2, 1))
 
 
-def test_not_divisible_error_inside_sharded_jit():
-  f = sharded_jit(lambda x: wsc(x, P(3, 1)), in_parts=None, out_parts=None)
-  with pytest.raises(ValueError, match=r"test_constraint.py:\d+.*size 8.*not divisible.*3"):
-    f(jnp.ones((8, 2)))
+@pytest.mark.parametrize("mode", ["shardy", "gspmd"])
+def test_uneven_constraint_inside_is_exact(mode, monkeypatch):
+  monkeypatch.setattr(config, "partitioner", mode)
+  f = sharded_jit(lambda x: wsc(jnp.sin(x), P(3, 1)) * 2, in_parts=None, out_parts=None)
+  x = np.arange(16, dtype=np.float32).reshape(8, 2)
+  np.testing.assert_allclose(f(x), np.sin(x) * 2, rtol=1e-6)
+  assert f.lower(x).compile().explain().num_partitions == 3  # 8 rows in 3 tiles: padded to 9
 
 
 def test_bad_spec_type_error():

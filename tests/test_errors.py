@@ -55,27 +55,34 @@ def test_devices_argument_too_short():
     g(np.ones(4, np.float32))
 
 
-def test_specs_disagree_on_total():
-  g = sharded_jit(f, in_parts=(P(2, 1), P(4, 1)), out_parts=None)
+def test_specs_whose_totals_do_not_divide():
+  g = sharded_jit(lambda x, y: x.sum() + y.sum(), in_parts=(P(2, 1), P(3, 1)),
+                  out_parts=None)
   with pytest.raises(ValueError, match=re.escape(
-      "in_parts for argument `w` (args[1]): spec PartitionSpec(4, 1) partitions"
-      " into 4 pieces, but this sharded_jit partitions into 2 (from in_parts for"
-      " argument `x` (args[0]) = PartitionSpec(2, 1))")):
-    g(X, np.ones((4, 4), np.float32))
+      "in_parts for argument `x` (args[0]): spec PartitionSpec(2, 1) partitions"
+      " into 2 tiles, which do not divide the 3 partitions of this sharded_jit"
+      " (from in_parts for argument `y` (args[1]) = PartitionSpec(3, 1))")):
+    g(X, np.ones((6, 4), np.float32))
 
 
-def test_inner_constraint_disagrees_with_outer_parts():
+def test_inner_constraint_that_does_not_divide_the_outer_parts():
   def h(x):
-    return wsc(x * 2, P(1, 2))
+    return wsc(x[:6] * 2, P(3, 1)).sum()
   g = sharded_jit(h, in_parts=P(2, 2), out_parts=None)
-  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_errors.py:\d+ \(h\).*PartitionSpec\(1, 2\) partitions into 2 pieces.*partitions into 4"):
+  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_errors.py:\d+ \(h\): spec PartitionSpec\(3, 1\) partitions into 3 tiles, which do not divide the 4 partitions of this sharded_jit \(from in_parts for argument `x` \(args\[0\]\) = PartitionSpec\(2, 2\)\)"):
     g(X)
 
 
-def test_num_partitions_disagrees_with_spec():
-  g = sharded_jit(lambda x: x, in_parts=P(2, 1), out_parts=None, num_partitions=4)
-  with pytest.raises(ValueError, match=r"partitions into 2 pieces.*into 4 \(from num_partitions=4\)"):
+def test_num_partitions_that_a_spec_does_not_divide():
+  g = sharded_jit(lambda x: x, in_parts=P(2, 1), out_parts=None, num_partitions=3)
+  with pytest.raises(ValueError, match=r"partitions into 2 tiles, which do not divide the 3 partitions.*\(from num_partitions=3\)"):
     g(X)
+
+
+def test_uneven_argument_suggests_the_nearest_spec_and_says_why():
+  g = sharded_jit(lambda x: x, in_parts=P(4, 2), out_parts=P(4, 2))
+  with pytest.raises(ValueError, match=r"argument `x`.*shape \(6, 8\).*size 6, which is not divisible by its partition count 4.*A jax.Array holds equal tiles on every device.*Hint: use PartitionSpec\(2, 4\) \(it divides every dimension\), or pad dimension 0 to a multiple of 4 \(size 8\)"):
+    g(np.ones((6, 8), np.float32))
 
 
 def test_in_parts_tree_does_not_match():

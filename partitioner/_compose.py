@@ -1,0 +1,207 @@
+"""sharded_jit inside jax's own programs: jax.jit, grad, vmap, scan, pmap.
+
+Called on tracers, a sharded_jit function cannot run its own program: it
+becomes part of the program jax is building. So that its partitioning is kept
+(never silently dropped), it is staged as a ``jax.jit`` whose in and out
+shardings are its tilings (as ``NamedSharding``s over the same devices), and
+``with_sharding_constraint`` lowers to a real sharding constraint whenever the
+jax program it ends up in runs on several devices. jax's rules then carry the
+tilings through every transformation: the JVP and transpose of a sharded
+``jax.jit`` are sharded ``jax.jit``s (gradients come back tiled like the
+inputs), vmap adds an unsplit dimension, and the enclosing ``jax.jit``
+compiles with ``num_partitions = N``.
+
+Inside :func:`partitioner.pmap` the replica axis is manual and the
+partitions are the auto axes ``sharded_jit_p0, sharded_jit_p1, ...`` of its
+mesh (the prime factors of N, major to minor): a spec maps onto consecutive
+runs of them, which keeps the row-major tiling of a partition count spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.interpreters import mlir
+
+from partitioner import _compat
+from sharding._constraint import constraint_p, emitting_markers
+from sharding._constraint import lower as marker_lowering
+from sharding._partition_spec import PartitionSpec
+from sharding._tiling import tiling
+
+PARTITION_AXIS_PREFIX = "sharded_jit_p"
+
+
+def prime_factors(n: int) -> list[int]:
+  """``12 -> [2, 2, 3]``."""
+  out, p = [], 2
+  while n > 1:
+    while n % p == 0:
+      out.append(p)
+      n //= p
+    p += 1
+  return out
+
+
+def mesh_spec(spec: PartitionSpec | None, axes: Sequence[tuple[str, int]],
+              what: str) -> jax.sharding.PartitionSpec:
+  """A partition count spec as a jax spec over the partition axes
+  ``axes`` ((name, size), major to minor): each split dimension takes the
+  next run of axes whose sizes multiply to its count.
+
+  Raises:
+    ValueError: the counts cannot be laid out over these axes in order.
+  """
+  if spec is None or not spec.is_partitioned:
+    return jax.sharding.PartitionSpec()
+  out, i = [], 0
+  for count in spec.counts:
+    names, size = [], 1
+    while size < count and i < len(axes):
+      names.append(axes[i][0])
+      size *= axes[i][1]
+      i += 1
+    if size != count:
+      sizes = " x ".join(str(s) for _, s in axes)
+      raise ValueError(
+          f"{what}: spec {spec!r} cannot be laid out over the {sizes}"
+          " partition axes of partitioner.pmap (each count must take the next"
+          " prime factors of the number of partitions, in order). Hint: use"
+          " counts that are products of consecutive factors, e.g. split the"
+          " leading dimensions by the smaller factors.")
+    out.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+  return jax.sharding.PartitionSpec(*out)
+
+
+def partition_axes(mesh: Any) -> list[tuple[str, int]]:
+  """The partition axes of a partitioner.pmap mesh, major to minor."""
+  return [(n, mesh.shape[n]) for n in mesh.axis_names
+          if n.startswith(PARTITION_AXIS_PREFIX)]
+
+
+def _constraint_sharding(ctx: Any, spec: PartitionSpec | None, ndim: int,
+                         origin: str) -> jax.sharding.Sharding | None:
+  """The jax sharding a constraint takes in the jax program being lowered;
+  None when it is the identity (a program on one device)."""
+  manual = _compat.lowering_manual_mesh(ctx)
+  if manual is not None:
+    mesh, _ = manual
+    axes = partition_axes(mesh)
+    if axes:  # inside partitioner.pmap
+      n = 1
+      for _, size in axes:
+        n *= size
+      if spec is not None and n % spec.total:
+        raise ValueError(
+            f"with_sharding_constraint at {origin}: spec {spec!r} partitions"
+            f" into {spec.total} tiles, which do not divide the {n} partitions"
+            " of this partitioner.pmap. Hint: use counts that multiply to a"
+            f" divisor of {n}.")
+      what = f"with_sharding_constraint at {origin}"
+      return jax.sharding.NamedSharding(mesh, mesh_spec(spec, axes, what))
+    if spec is not None and spec.is_partitioned:
+      raise ValueError(
+          f"with_sharding_constraint at {origin}: spec {spec!r} splits a value"
+          " inside jax.pmap or jax.shard_map, whose devices each run their own"
+          " copy of the program, so there is nothing left to partition. Hint:"
+          " use partitioner.pmap, which runs replicas x partitions, or"
+          " jax.lax.with_sharding_constraint with a NamedSharding of the"
+          " shard_map's mesh.")
+    return None
+  devices = _compat.lowering_devices(ctx)
+  if devices is None or len(devices) == 1:
+    return None
+  if spec is not None and len(devices) % spec.total:
+    raise ValueError(
+        f"with_sharding_constraint at {origin}: spec {spec!r} partitions into"
+        f" {spec.total} tiles, but the jax program it is part of runs on"
+        f" {len(devices)} devices, which the tiles cannot share equally."
+        " Hint: use counts that multiply to a divisor of"
+        f" {len(devices)}.")
+  return tiling(spec, devices, ndim).named_sharding()
+
+
+def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
+                      origin: str) -> Sequence[Any]:
+  if emitting_markers():  # sharded_jit's own program: the partitioner decides
+    return marker_lowering(ctx, x, spec=spec, origin=origin)
+  sharding = _constraint_sharding(ctx, spec, ctx.avals_in[0].ndim, origin)
+  if sharding is None:
+    return [x]
+  apply = lambda v: jax.lax.with_sharding_constraint(v, sharding)
+  return mlir.lower_fun(apply, multiple_results=False)(ctx, x)
+
+
+mlir.register_lowering(constraint_p, _lower_constraint)
+
+
+# --- partitioner.pmap's context -------------------------------------------------
+
+class _PmapContext(threading.local):
+  """Per-thread: the partition axes while partitioner.pmap traces its body."""
+
+  def __init__(self):
+    self.axes: list[tuple[str, int]] | None = None
+
+
+pmap_context = _PmapContext()
+
+
+def in_manual_context() -> bool:
+  """Whether jax is tracing inside jax.pmap or a shard_map right now."""
+  return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+# --- a sharded_jit function staged into jax's program ----------------------------
+
+@dataclasses.dataclass
+class Staged:
+  """A sharded_jit function for one input signature, as a jax.jit with its
+  tilings as in and out shardings.
+
+  Attributes:
+    jitted: the jax.jit to call on the flat dynamic inputs.
+    num_partitions: N.
+  """
+  jitted: Callable[..., Any]
+  num_partitions: int
+
+
+def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any,
+          name: str) -> Staged:
+  """Builds the jax.jit for a sharded_jit call on tracers.
+
+  Args:
+    lowered: the :class:`~partitioner.Lowered` of the same call on abstract
+      inputs (its placement gives N, the devices and every tiling).
+    fun: the user's function.
+    rebuild: flat dynamic inputs -> ``fun``'s positional arguments.
+    treedef: the structure of the dynamic arguments.
+    name: the function's name, for warnings.
+  """
+  placement = lowered.placement
+  if lowered.guards:
+    warnings.warn(
+        f"sharded_jit function {name} is called under a jax transformation, so"
+        " jax compiles it as part of its own program, without sharded_jit's"
+        " guards for ops XLA's partitioner gets wrong: "
+        + "; ".join(lowered.guards) + ". Hint: call it directly (not under"
+        " jax.jit/grad/vmap), or keep those dimensions unsplit.", stacklevel=4)
+  out_tree = lowered.traced.out_tree
+
+  def flat(*leaves):
+    return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, leaves)))
+
+  flat.__name__ = flat.__qualname__ = name
+  jitted = jax.jit(
+      flat,
+      in_shardings=tuple(t.named_sharding() for t in placement.in_tilings),
+      out_shardings=jax.tree_util.tree_unflatten(
+          out_tree, [t.named_sharding() for t in placement.out_tilings]),
+      keep_unused=True)
+  return Staged(jitted, placement.num_partitions)
