@@ -6,7 +6,8 @@ into the MLIR: ``_insert``) -> ``_compile`` with the ``_cache`` subpackage
 (memory -> disk -> compile) -> ``_execute``. ``_guard`` keeps XLA's
 partitioner away from ops it gets wrong; ``_check`` compares with an
 unsharded run (``config.check_unsharded``). ``_api`` is the ``sharded_jit``
-wrapper; ``_stages`` holds ``Lowered``/``Compiled``; ``_distributed`` is
+wrapper; ``_compose`` stages it into jax's programs (jax.jit, grad, vmap)
+and ``_pmap`` runs replicas x partitions; ``_stages`` holds ``Lowered``/``Compiled``; ``_distributed`` is
 everything multi-process.
 """
 
@@ -24,19 +25,22 @@ from partitioner._distributed import PeerError as PeerError
 from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
 from partitioner._explain import Explanation as Explanation
+from partitioner._pmap import PmapFunction as PmapFunction
+from partitioner._pmap import pmap as pmap
 from partitioner._stages import Compiled as Compiled
 from partitioner._stages import Lowered as Lowered
 from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
 __all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation",
-           "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError", "ShardedJitFunction", "World",
-           "clear_caches", "compilation_stats", "config", "explain", "initialize",
+           "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
+           "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
+           "compilation_stats", "config", "explain", "initialize", "pmap",
            "sharded_jit"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
-             PeerError, PartitionerMismatchError, World, Explanation, Compiled,
-             Lowered):
+             PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
+             Compiled, Lowered):
   _cls.__module__ = "partitioner"
 del _cls

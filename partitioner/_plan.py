@@ -93,7 +93,7 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
     if use.spec is not None:  # uneven tiles are fine inside (XLA pads)
       use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}",
                            divisible=use.dtype is not None)
-  n = _count_partitions(uses, num_partitions)
+  n = count_partitions(uses, num_partitions)
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
                                  num_processes, local_num_partitions)
@@ -112,7 +112,7 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   )
 
 
-def _count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int:
+def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int:
   """N: ``num_partitions``, else the largest total of any spec. Every spec's
   total must divide N (a smaller total is partially replicated)."""
   split = [u for u in uses if u.spec is not None and u.spec.is_partitioned]

@@ -1,0 +1,310 @@
+"""partitioner.pmap: replicas x partitions as one XLA program.
+
+``pmap(f)`` maps ``f`` over R replicas like ``jax.pmap``; the sharded_jit
+functions (and constraints) inside ``f`` split each replica's work over N
+partitions. The program runs on R x N devices, replica-major: replica r,
+partition p on ``devices[r * N + p]``.
+
+How: N is found by lowering ``jax.vmap(f, axis_name=...)`` once with
+partitioner markers (every spec inside ``f`` is then a constraint site, as
+in a nested sharded_jit). The program is then ``jax.jit`` of a ``shard_map``
+over a mesh ``(R, p0, p1, ...)``: the replica axis (named ``axis_name``) is
+manual, so ``lax.psum``/``pmean``/``all_gather``/``ppermute``/``axis_index``
+over it work as in ``jax.pmap``; the partition axes are the prime factors
+of N and stay automatic, so the specs inside become sharding constraints
+over them (``_compose``) and XLA partitions each replica.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from partitioner import _compose, _plan
+from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
+from partitioner._insert import ShardingPass
+from sharding._constraint import emit_markers
+
+_DEFAULT_AXIS = "pmap_replicas"
+
+
+def pmap(fun: Callable[..., Any], axis_name: Any = None, *, in_axes: Any = 0,
+         out_axes: Any = 0, static_broadcasted_argnums: int | Sequence[int] = (),
+         donate_argnums: int | Sequence[int] = (),
+         devices: Sequence[jax.Device] | None = None) -> PmapFunction:
+  """``jax.pmap`` over replicas whose work is split over partitions.
+
+  Args:
+    fun: the per-replica function. It may be, or call, sharded_jit functions
+      (and use ``with_sharding_constraint``); their specs give N, the number
+      of partitions of each replica. Positional arguments only.
+    axis_name: the name of the replica axis, for ``lax.psum``, ``pmean``,
+      ``all_gather``, ``ppermute`` and ``axis_index`` inside ``fun``.
+    in_axes: as in ``jax.pmap``: which axis of each argument is mapped (an
+      int, None for broadcast, or a prefix tree of those over the arguments).
+    out_axes: the same for the outputs.
+    static_broadcasted_argnums: positions of hashable arguments passed as
+      compile-time constants to every replica.
+    donate_argnums: positions of arguments whose buffers the program may
+      reuse for its outputs.
+    devices: the R x N devices, replica-major (by default the first R x N
+      of ``jax.local_devices()``).
+
+  Returns:
+    A :class:`PmapFunction`. Its outputs are jax.Arrays with R x N shards:
+    the mapped axis split over the replicas, each replica's piece tiled over
+    its partitions as the specs inside say.
+
+  Example:
+    >>> import numpy as np
+    >>> import partitioner
+    >>> from sharding import PartitionSpec as P
+    >>> f = partitioner.sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+    >>> y = partitioner.pmap(f)(np.ones((2, 4, 3), np.float32))
+    >>> len(y.addressable_shards)  # 2 replicas x 2 partitions
+    4
+  """
+  if not callable(fun):
+    raise TypeError(f"partitioner.pmap expects a callable, got {fun!r}")
+  return PmapFunction(fun, axis_name, in_axes, out_axes,
+                      _as_tuple(static_broadcasted_argnums, "static_broadcasted_argnums"),
+                      _as_tuple(donate_argnums, "donate_argnums"), devices)
+
+
+def _as_tuple(value: Any, what: str) -> tuple[int, ...]:
+  values = (value,) if isinstance(value, int) else tuple(value)
+  if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+    raise TypeError(f"{what} must be an int or a sequence of ints, got {value!r}")
+  return values
+
+
+def _check_axes(tree: Any, what: str) -> Any:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None)[0]:
+    if leaf is not None and (isinstance(leaf, bool) or not isinstance(leaf, int)):
+      raise TypeError(f"{what}{jax.tree_util.keystr(path)} must be an int or None,"
+                      f" got {leaf!r}")
+  return tuple(tree) if isinstance(tree, list) else tree
+
+
+def _broadcast_axes(axes: Any, tree: Any, what: str) -> list[int | None]:
+  """One axis (or None) per leaf of ``tree`` from a prefix tree of axes."""
+  leaves, axes_def = jax.tree_util.tree_flatten(axes, is_leaf=lambda x: x is None)
+  try:
+    subtrees = axes_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{what} does not match the structure it describes: {what} is"
+        f" {axes!r} but the values have structure"
+        f" {jax.tree_util.tree_structure(tree)}. Hint: give an int or None"
+        f" per value, or one for a whole subtree. Details: {e}") from None
+  out = []
+  for ax, sub in zip(leaves, subtrees):
+    out.extend([ax] * len(jax.tree_util.tree_leaves(sub)))
+  return out
+
+
+class PmapFunction:
+  """A function mapped by :func:`pmap`; see there."""
+
+  def __init__(self, fun, axis_name, in_axes, out_axes, static, donate, devices):
+    self._fun = fun
+    self._name = getattr(fun, "__name__", type(fun).__name__)
+    self._axis = _DEFAULT_AXIS if axis_name is None else axis_name
+    self._in_axes = _check_axes(in_axes, "in_axes")
+    self._out_axes = _check_axes(out_axes, "out_axes")
+    if set(static) & set(donate):
+      raise ValueError(
+          f"static_broadcasted_argnums {static} and donate_argnums {donate}"
+          " overlap: a static argument has no buffer to donate.")
+    self._layout = ArgumentLayout(fun, static, donate)
+    if devices is not None:
+      devices = tuple(devices)
+      if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+    self._devices = devices
+    self._programs: dict[Any, _Program] = {}
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args, **kwargs):
+    reject_kwargs(self._name, kwargs)
+    dyn, static_values = self._layout.split(args)
+    leaves, treedef = jax.tree_util.tree_flatten(dyn)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      raise NotImplementedError(
+          f"partitioner.pmap({self._name}) is called under a jax transformation"
+          " (jax.jit, grad, vmap, ...), which it does not support yet. Hint:"
+          " put the transformation inside the mapped function (e.g. compute"
+          " jax.grad per replica and average it with lax.pmean).")
+    leaves = [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
+    nargs = len(args)
+    axes = _broadcast_axes(self._layout.dynamic_parts(self._in_axes, nargs),
+                           jax.tree_util.tree_unflatten(treedef, leaves), "in_axes")
+    names = self._layout.leaf_names(self._layout.signature(
+        nargs, static_values, leaves, treedef,
+        tuple(abstract_signature(x) for x in leaves)))
+    replicas = self._replicas(leaves, axes, names)
+    key = (treedef, static_values, replicas, tuple(axes),
+           *[abstract_signature(x) for x in leaves])
+    program = self._programs.get(key)
+    if program is None:
+      program = self._programs[key] = _Program.build(
+          self, nargs, static_values, leaves, treedef, axes, replicas)
+    return program(leaves)
+
+  def _replicas(self, leaves: Sequence[Any], axes: Sequence[int | None],
+                names: Sequence[str]) -> int:
+    """R: the size of the mapped axis, which every mapped argument shares."""
+    found = None
+    for x, ax, name in zip(leaves, axes, names):
+      if ax is None:
+        continue
+      if not -x.ndim <= ax < x.ndim:
+        raise ValueError(
+            f"partitioner.pmap({self._name}): in_axes is {ax} for {name}, which"
+            f" has shape {tuple(x.shape)} (rank {x.ndim}). Hint: map an axis the"
+            " argument has, or use None to give every replica all of it.")
+      size = x.shape[ax]
+      if found is None:
+        found = (size, name)
+      elif size != found[0]:
+        raise ValueError(
+            f"partitioner.pmap({self._name}): {name} has size {size} on its"
+            f" mapped axis {ax} (shape {tuple(x.shape)}), but {found[1]} has"
+            f" {found[0]}. Hint: every mapped argument needs the same number"
+            " of replicas along its mapped axis.")
+    if found is None:
+      raise ValueError(
+          f"partitioner.pmap({self._name}): no argument is mapped (in_axes is"
+          " None for all), so the number of replicas is unknown. Hint: map at"
+          " least one argument.")
+    return found[0]
+
+  def __repr__(self) -> str:
+    return f"<partitioner.pmap {self._name}>"
+
+
+class _Program:
+  """The jax.jit(shard_map(...)) for one input signature."""
+
+  def __init__(self, jitted, axes_context, num_partitions, devices, mesh):
+    self._jitted = jitted
+    self._axes_context = axes_context
+    self.num_partitions = num_partitions
+    self.devices = devices
+    self.mesh = mesh
+
+  def __call__(self, leaves: Sequence[Any]) -> Any:
+    context = _compose.pmap_context
+    saved, context.axes = context.axes, self._axes_context
+    try:  # jax traces on the first call: inner sharded_jits inline
+      return self._jitted(*leaves)
+    finally:
+      context.axes = saved
+
+  @classmethod
+  def build(cls, pm: PmapFunction, nargs: int, static_values: tuple,
+            leaves: Sequence[Any], treedef: Any, axes: Sequence[int | None],
+            replicas: int) -> _Program:
+    rebuild = pm._layout.rebuild(nargs, static_values)
+    fun = pm._fun
+
+    def per_replica(*xs):
+      return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, xs)))
+
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  weak_type=abstract_signature(x)[2]) for x in leaves]
+    n, out_shape = _discover(per_replica, avals, axes, replicas, pm._axis)
+    out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
+    out_axes = _broadcast_axes(pm._out_axes, out_shape, "out_axes")
+    for ax, o in zip(out_axes, out_leaves_shape):
+      if ax is not None and not -(o.ndim + 1) <= ax <= o.ndim:
+        raise ValueError(f"partitioner.pmap({pm._name}): out_axes {ax} is out of"
+                         f" range for an output of rank {o.ndim}.")
+    devices = _choose_devices(replicas * n, pm._devices, replicas, n)
+    factors = _compose.prime_factors(n)
+    names = (pm._axis, *(f"{_compose.PARTITION_AXIS_PREFIX}{i}" for i in range(len(factors))))
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    mesh = jax.sharding.Mesh(grid.reshape(replicas, *factors), names)
+    rep = pm._axis
+    P = jax.sharding.PartitionSpec
+
+    def body(*blocks):
+      xs = [b if ax is None else b[0] for b, ax in zip(blocks, axes)]
+      out = jax.tree_util.tree_leaves(per_replica(*xs))
+      return tuple(o if ax is None else o[None] for o, ax in zip(out, out_axes))
+
+    mapped = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=tuple(P() if ax is None else P(rep) for ax in axes),
+        out_specs=tuple(P() if ax is None else P(rep) for ax in out_axes),
+        axis_names={rep}, check_vma=False)
+
+    def program(*xs):
+      xs = [x if ax in (None, 0) else jnp.moveaxis(x, ax, 0) for x, ax in zip(xs, axes)]
+      outs = mapped(*xs)
+      outs = [o if ax in (None, 0) else jnp.moveaxis(o, 0, ax % (o.ndim))
+              for o, ax in zip(outs, out_axes)]
+      return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    program.__name__ = program.__qualname__ = f"pmap_{pm._name}"
+    in_shardings = tuple(
+        jax.sharding.NamedSharding(mesh, P() if ax is None else
+                                   P(*([None] * (ax % x.ndim)), rep))
+        for x, ax in zip(leaves, axes))
+    donated = tuple(i for i, path in enumerate(_paths(treedef))
+                    if pm._layout.dynamic_positions(nargs)[path] in
+                    {d % nargs for d in pm._layout.donate_argnums})
+    jitted = jax.jit(program, in_shardings=in_shardings, donate_argnums=donated)
+    axes_context = [(name, mesh.shape[name]) for name in names[1:]]
+    return cls(jitted, axes_context, n, devices, mesh)
+
+
+def _paths(treedef: Any) -> list[int]:
+  """For each flat dynamic input, the index of its dynamic argument."""
+  skeleton = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+  return [p[0].idx for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]]
+
+
+def _discover(per_replica: Callable, avals: Sequence[jax.ShapeDtypeStruct],
+              axes: Sequence[int | None], replicas: int, axis_name: Any) -> tuple[int, Any]:
+  """(N, the per-call output shapes): lowers ``vmap(per_replica)`` with
+  partitioner markers and plans over every spec found inside."""
+  vmapped = jax.vmap(per_replica, in_axes=tuple(axes), axis_name=axis_name,
+                     axis_size=replicas)
+  per_replica_shape = []
+
+  def run(*xs):
+    out = vmapped(*xs)
+    per_replica_shape.append(out)
+    return out
+
+  with emit_markers():
+    lowered = jax.jit(run).trace(*avals).lower()
+  sites = ShardingPass(lowered.compiler_ir("stablehlo")).constraints()
+  n = _plan.count_partitions(_plan.constraint_uses(sites), None)
+  out_shape = jax.tree_util.tree_map(
+      lambda o: jax.ShapeDtypeStruct(o.shape[1:], o.dtype), lowered.out_info)
+  return n, out_shape
+
+
+def _choose_devices(count: int, devices: Sequence[jax.Device] | None,
+                    replicas: int, n: int) -> tuple[jax.Device, ...]:
+  available = list(jax.local_devices() if devices is None else devices)
+  if count > len(available):
+    where = "jax.local_devices()" if devices is None else "devices="
+    hint = (" Hint: on CPU, simulate more devices by setting XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={count} before jax is"
+            " imported." if available[0].platform == "cpu" else
+            " Hint: map fewer replicas, or partition into fewer pieces.")
+    raise ValueError(
+        f"partitioner.pmap needs {replicas} replicas x {n} partitions ="
+        f" {count} devices, but only {len(available)} devices are available"
+        f" (from {where}).{hint}")
+  return tuple(available[:count])
