@@ -130,14 +130,13 @@ def is_array_dtype(dtype: np.dtype) -> bool:
   return True
 
 
-def lowering_devices(ctx: Any) -> tuple | None:
-  """The device assignment of the jax program a lowering rule runs in, when
-  it is an ordinary (not manual) program; None inside shard_map/pmap or when
-  jax has not fixed the devices."""
+def lowering_num_devices(ctx: Any) -> int | None:
+  """The number of devices of the jax program a lowering rule runs in, when
+  it is an ordinary (not manual) program; None inside shard_map/pmap."""
   from jax._src import sharding_impls
   axis_context = ctx.module_context.axis_context
   if isinstance(axis_context, sharding_impls.ShardingContext):
-    return axis_context.device_assignment
+    return axis_context.num_devices
   return None
 
 

@@ -26,13 +26,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.extend.mlir import ir
 from jax.interpreters import mlir
 
 from partitioner import _compat
+from partitioner._insert import gspmd_constraint, shardy_constraint
 from sharding._constraint import constraint_p, emitting_markers
 from sharding._constraint import lower as marker_lowering
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import tiling
+from sharding._tiling import Tiling, tiling
 
 PARTITION_AXIS_PREFIX = "sharded_jit_p"
 
@@ -85,9 +87,10 @@ def partition_axes(mesh: Any) -> list[tuple[str, int]]:
 
 
 def _constraint_sharding(ctx: Any, spec: PartitionSpec | None, ndim: int,
-                         origin: str) -> jax.sharding.Sharding | None:
-  """The jax sharding a constraint takes in the jax program being lowered;
-  None when it is the identity (a program on one device)."""
+                         origin: str) -> jax.sharding.NamedSharding | Tiling | None:
+  """How a constraint lays its value out in the jax program being lowered:
+  a NamedSharding of partitioner.pmap's mesh, a Tiling over the program's
+  devices, or None when it is the identity (a program on one device)."""
   manual = _compat.lowering_manual_mesh(ctx)
   if manual is not None:
     mesh, _ = manual
@@ -113,28 +116,37 @@ def _constraint_sharding(ctx: Any, spec: PartitionSpec | None, ndim: int,
           " jax.lax.with_sharding_constraint with a NamedSharding of the"
           " shard_map's mesh.")
     return None
-  devices = _compat.lowering_devices(ctx)
-  if devices is None or len(devices) == 1:
+  n = _compat.lowering_num_devices(ctx)
+  if n is None or n == 1:
     return None
-  if spec is not None and len(devices) % spec.total:
+  if spec is not None and n % spec.total:
     raise ValueError(
         f"with_sharding_constraint at {origin}: spec {spec!r} partitions into"
         f" {spec.total} tiles, but the jax program it is part of runs on"
-        f" {len(devices)} devices, which the tiles cannot share equally."
-        " Hint: use counts that multiply to a divisor of"
-        f" {len(devices)}.")
-  return tiling(spec, devices, ndim).named_sharding()
+        f" {n} devices, which the tiles cannot share equally. Hint: use"
+        f" counts that multiply to a divisor of {n}.")
+  # jax lowers before it fixes the devices: the tiling is positional over
+  # the program's device assignment, like sharded_jit's own.
+  return tiling(spec, range(n), ndim)
 
 
 def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
                       origin: str) -> Sequence[Any]:
   if emitting_markers():  # sharded_jit's own program: the partitioner decides
     return marker_lowering(ctx, x, spec=spec, origin=origin)
-  sharding = _constraint_sharding(ctx, spec, ctx.avals_in[0].ndim, origin)
-  if sharding is None:
+  layout = _constraint_sharding(ctx, spec, ctx.avals_in[0].ndim, origin)
+  if layout is None:
     return [x]
-  apply = lambda v: jax.lax.with_sharding_constraint(v, sharding)
-  return mlir.lower_fun(apply, multiple_results=False)(ctx, x)
+  if isinstance(layout, jax.sharding.NamedSharding):  # partitioner.pmap's mesh
+    apply = lambda v: jax.lax.with_sharding_constraint(v, layout)
+    return mlir.lower_fun(apply, multiple_results=False)(ctx, x)
+  rank = len(ir.RankedTensorType(x.type).shape)
+  if rank != len(layout.spec):  # extended dtypes: trailing physical dims stay whole
+    layout = tiling(PartitionSpec(*layout.spec.counts, *[1] * (rank - len(layout.spec))),
+                    layout.devices, rank)
+  if jax.config.jax_use_shardy_partitioner:
+    return [shardy_constraint(x, layout, inline_mesh=True)]
+  return [gspmd_constraint(x, layout)]
 
 
 mlir.register_lowering(constraint_p, _lower_constraint)

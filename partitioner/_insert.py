@@ -95,10 +95,10 @@ class ShardingPass:
         ir.InsertionPoint.at_block_begin(self._body()).insert(
             ir.Operation.parse(shardy_mesh_op(num_partitions)))
         arg_attr = lambda t: ("sdy.sharding", ir.Attribute.parse(t.shardy()))
-        rewrite = _shardy_constraint
+        rewrite = shardy_constraint
       else:
         arg_attr = lambda t: ("mhlo.sharding", ir.StringAttr.get(t.gspmd()))
-        rewrite = _gspmd_constraint
+        rewrite = gspmd_constraint
       main = self._main()
       main.arg_attrs = _with_attrs(main.arg_attrs, [arg_attr(t) for t in in_tilings])
       main.result_attrs = _with_attrs(main.result_attrs,
@@ -142,11 +142,14 @@ def _with_attrs(current: ir.ArrayAttr,
   return ir.ArrayAttr.get(merged)
 
 
-def _shardy_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
-  return sdy.ShardingConstraintOp(x, ir.Attribute.parse(tiling.shardy())).result
+def shardy_constraint(x: ir.Value, tiling: Tiling, inline_mesh: bool = False) -> ir.Value:
+  """An ``sdy.sharding_constraint``; ``inline_mesh`` for modules without our
+  ``sdy.mesh`` op (jax's own programs)."""
+  return sdy.ShardingConstraintOp(
+      x, ir.Attribute.parse(tiling.shardy(inline_mesh=inline_mesh))).result
 
 
-def _gspmd_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
+def gspmd_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
   op = hlo.CustomCallOp(
       [x.type], [x],
       call_target_name=ir.StringAttr.get("Sharding"),

@@ -161,9 +161,12 @@ class Tiling:
       pre *= count
     return dims
 
-  def shardy(self) -> str:
-    """The Shardy tensor sharding attribute text."""
-    return f"#sdy.sharding<@{SHARDY_MESH_NAME}, [{', '.join(self.shardy_dims())}]>"
+  def shardy(self, inline_mesh: bool = False) -> str:
+    """The Shardy tensor sharding attribute text: over the module's
+    ``sdy.mesh`` op (:func:`shardy_mesh_op`), or with the mesh inline."""
+    mesh = (f'mesh<["{SHARDY_AXIS}"={self.num_devices}]>' if inline_mesh
+            else f"@{SHARDY_MESH_NAME}")
+    return f"#sdy.sharding<{mesh}, [{', '.join(self.shardy_dims())}]>"
 
   def named_sharding(self) -> jax.sharding.NamedSharding:
     """A ``NamedSharding`` with the same layout, for the arrays users see."""
