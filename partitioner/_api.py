@@ -19,6 +19,7 @@ from partitioner import _check, _compose, _distributed, _partition
 from partitioner._args import (ArgumentLayout, NotAnArray, abstract_signature,
                                reject_kwargs, signature)
 from partitioner._config import config
+from partitioner._pmap import PmapFunction
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
 from sharding._constraint import caller, constrain, emitting_markers
@@ -332,7 +333,8 @@ class ShardedJitFunction:
 
 
 def explain(fun: ShardedJitFunction, *args) -> Any:
-  """``fun.lower(*args).compile().explain()``: what the partitioner did.
+  """``fun.lower(*args).compile().explain()``: what the partitioner did
+  (for a :func:`partitioner.pmap` function, ``fun.explain(*args)``).
 
   Example:
     >>> import numpy as np
@@ -343,9 +345,12 @@ def explain(fun: ShardedJitFunction, *args) -> Any:
     >>> report.collective_totals()["all-reduce"]
     (1, 128)
   """
+  if isinstance(fun, PmapFunction):
+    return fun.explain(*args)
   if not isinstance(fun, ShardedJitFunction):
-    raise TypeError(f"explain expects a sharded_jit function, got {fun!r}. Hint:"
-                    " wrap it with sharded_jit(fun, in_parts, out_parts) first.")
+    raise TypeError(f"explain expects a sharded_jit or partitioner.pmap function, got"
+                    f" {fun!r}. Hint: wrap it with sharded_jit(fun, in_parts,"
+                    " out_parts) first.")
   return fun.lower(*args).compile().explain()
 
 

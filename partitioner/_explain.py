@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,8 @@ class Explanation:
       - aliased).
     guards: ops sharded_jit kept unsplit (or whose start it clamped) because
       XLA's partitioner computes them wrongly when split, with source lines.
+    replicas: R for a :func:`partitioner.pmap` program (which runs on R x N
+      devices), else 1.
   """
   name: str
   partitioner: str
@@ -93,6 +96,7 @@ class Explanation:
   flops: float
   memory: dict[str, int]
   guards: tuple[str, ...] = ()
+  replicas: int = 1
 
   def collective_totals(self) -> dict[str, tuple[int, int]]:
     """kind -> (count, total per-device bytes), for every kind (zeros included)."""
@@ -103,7 +107,10 @@ class Explanation:
     return totals
 
   def __str__(self) -> str:
-    out = [f"{self.name}: {self.num_partitions} partition(s) ({self.partitioner}) on"
+    count = f"{self.num_partitions} partition(s)"
+    if self.replicas > 1:
+      count = f"{self.replicas} replica(s) x {count}"
+    out = [f"{self.name}: {count} ({self.partitioner}) on"
            f" {', '.join(self.devices)}", "", "Arguments:"]
     out += [f"  {a}" for a in self.arguments] or ["  (none)"]
     out += ["", "Outputs:"]
@@ -131,6 +138,32 @@ def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling) -> 
   spec = "replicated" if tiling.replicated else repr(tiling.spec)
   return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
                      math.prod(shard) * itemsize, tiling.picture())
+
+
+def layout_of(name: str, shape: Sequence[int], dtype: np.dtype,
+              sharding: Any) -> ValueLayout:
+  """The :class:`ValueLayout` of a value with a jax ``Sharding``; the
+  picture lists which devices hold each block."""
+  shard = tuple(sharding.shard_shape(tuple(shape)))
+  holders: dict[tuple, list[str]] = {}
+  for device, index in sharding.devices_indices_map(tuple(shape)).items():
+    block = tuple((i.start or 0) // max(t, 1) for i, t in zip(index, shard))
+    holders.setdefault(block, []).append(str(device.id))
+  lines = [f"block {list(b)}: devices {', '.join(d)}" for b, d in sorted(holders.items())]
+  spec = str(getattr(sharding, "spec", sharding))
+  return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
+                     math.prod(shard) * np.dtype(dtype).itemsize, "\n".join(lines))
+
+
+def memory(stats: Any) -> dict[str, int]:
+  """Per-device bytes from XLA's memory statistics (see Explanation)."""
+  out = {"arguments": stats.argument_size_in_bytes,
+         "outputs": stats.output_size_in_bytes,
+         "temporaries": stats.temp_size_in_bytes,
+         "aliased": stats.alias_size_in_bytes}
+  out["peak_estimate"] = (out["arguments"] + out["outputs"] +
+                          out["temporaries"] - out["aliased"])
+  return out
 
 
 def collectives(hlo_text: str) -> list[Collective]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partitioner import _compose, _plan
+from partitioner import _compose, _explain, _plan
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
 from sharding._constraint import emit_markers
@@ -132,6 +132,45 @@ class PmapFunction:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
+    program, leaves = self._program(args, kwargs)
+    return program(leaves)
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    """jax's ``Lowered`` of the one program these arguments run (its
+    ``.compile().as_text()`` is the partitioned HLO)."""
+    program, leaves = self._program(args, {})
+    return program.run(program.lower, *program.place(leaves))
+
+  def explain(self, *args) -> _explain.Explanation:
+    """What XLA did with the program for these arguments: the layout of
+    every input and output, the collectives (within and across replicas),
+    per-device FLOPs and memory; see :class:`partitioner.Explanation`."""
+    program, leaves = self._program(args, {})
+    compiled = program.run(program.lower, *program.place(leaves)).compile()
+    names = self._layout.leaf_names(self._layout.signature(
+        len(args), self._layout.split(args)[1], leaves,
+        jax.tree_util.tree_structure(self._layout.split(args)[0]),
+        tuple(abstract_signature(x) for x in leaves)))
+    in_shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
+    out_shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
+    outs = jax.tree_util.tree_leaves(compiled.out_info)
+    return _explain.Explanation(
+        name=f"pmap({self._name})",
+        partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
+        num_partitions=program.num_partitions,
+        devices=tuple(str(d) for d in program.devices),
+        arguments=tuple(_explain.layout_of(n, x.shape, x.dtype, sh)
+                        for n, x, sh in zip(names, leaves, in_shardings)),
+        outputs=tuple(_explain.layout_of(f"output {i}", o.shape, o.dtype, sh)
+                      for i, (o, sh) in enumerate(zip(outs, out_shardings))),
+        collectives=tuple(_explain.collectives(compiled.as_text())),
+        flops=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
+        memory=_explain.memory(compiled.memory_analysis()),
+        replicas=len(program.devices) // program.num_partitions)
+
+  def _program(self, args: tuple, kwargs: dict) -> tuple[_Program, list]:
+    """The program for these arguments (built on first use) and the flat
+    dynamic inputs."""
     reject_kwargs(self._name, kwargs)
     dyn, static_values = self._layout.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
@@ -155,7 +194,7 @@ class PmapFunction:
     if program is None:
       program = self._programs[key] = _Program.build(
           self, nargs, static_values, leaves, treedef, axes, replicas)
-    return program(leaves)
+    return program, leaves
 
   def _replicas(self, leaves: Sequence[Any], axes: Sequence[int | None],
                 names: Sequence[str]) -> int:
@@ -192,18 +231,35 @@ class PmapFunction:
 class _Program:
   """The jax.jit(shard_map(...)) for one input signature."""
 
-  def __init__(self, jitted, axes_context, num_partitions, devices, mesh):
+  def __init__(self, jitted, axes_context, num_partitions, devices, mesh, placements):
     self._jitted = jitted
     self._axes_context = axes_context
     self.num_partitions = num_partitions
     self.devices = devices
     self.mesh = mesh
+    self._placements = placements  # per input: where a fresh value goes
+    self._device_set = frozenset(devices)
+
+  def place(self, leaves: Sequence[Any]) -> list[Any]:
+    """Inputs already on this program's devices stay as they are (e.g. the
+    last step's outputs, tiled over the partitions); others are put there:
+    mapped axis split over the replicas, whole on each replica's devices."""
+    return [x if isinstance(x, jax.Array) and x.sharding.device_set == self._device_set
+            else jax.device_put(x, s) for x, s in zip(leaves, self._placements)]
 
   def __call__(self, leaves: Sequence[Any]) -> Any:
+    return self.run(self._jitted, *self.place(leaves))
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    return self._jitted.lower(*args)
+
+  def run(self, fn: Callable, *args) -> Any:
+    """``fn(*args)`` with partitioner.pmap's context set (jax traces there:
+    the sharded_jit functions inside inline as constraints)."""
     context = _compose.pmap_context
     saved, context.axes = context.axes, self._axes_context
-    try:  # jax traces on the first call: inner sharded_jits inline
-      return self._jitted(*leaves)
+    try:
+      return fn(*args)
     finally:
       context.axes = saved
 
@@ -254,16 +310,16 @@ class _Program:
       return jax.tree_util.tree_unflatten(out_tree, outs)
 
     program.__name__ = program.__qualname__ = f"pmap_{pm._name}"
-    in_shardings = tuple(
+    placements = tuple(
         jax.sharding.NamedSharding(mesh, P() if ax is None else
                                    P(*([None] * (ax % x.ndim)), rep))
         for x, ax in zip(leaves, axes))
     donated = tuple(i for i, path in enumerate(_paths(treedef))
                     if pm._layout.dynamic_positions(nargs)[path] in
                     {d % nargs for d in pm._layout.donate_argnums})
-    jitted = jax.jit(program, in_shardings=in_shardings, donate_argnums=donated)
+    jitted = jax.jit(program, donate_argnums=donated)
     axes_context = [(name, mesh.shape[name]) for name in names[1:]]
-    return cls(jitted, axes_context, n, devices, mesh)
+    return cls(jitted, axes_context, n, devices, mesh, placements)
 
 
 def _paths(treedef: Any) -> list[int]:

@@ -165,13 +165,7 @@ class Compiled:
     ``print(compiled.explain())`` shows it; its fields are data too.
     """
     low, p, t = self.lowered, self.lowered.placement, self.lowered.traced
-    stats = self.memory_analysis()
-    memory = {"arguments": stats.argument_size_in_bytes,
-              "outputs": stats.output_size_in_bytes,
-              "temporaries": stats.temp_size_in_bytes,
-              "aliased": stats.alias_size_in_bytes}
-    memory["peak_estimate"] = (memory["arguments"] + memory["outputs"] +
-                               memory["temporaries"] - memory["aliased"])
+    memory = _explain.memory(self.memory_analysis())
     return _explain.Explanation(
         name=low.name, partitioner=low.partitioner,
         num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),

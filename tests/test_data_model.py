@@ -331,10 +331,12 @@ def test_pmap_is_one_program_on_replicas_x_partitions():
   pm = partitioner.pmap(f)
   x = np.ones((2, 8, 8), np.float32)
   pm(x)
-  (program,) = pm._programs.values()
-  assert program.num_partitions == 4 and len(program.devices) == 8
-  hlo = program._jitted.lower(x).compile().as_text()
-  assert "num_partitions=8" in hlo
+  assert "num_partitions=8" in pm.lower(x).compile().as_text()
+  report = partitioner.explain(pm, x)
+  assert (report.replicas, report.num_partitions, len(report.devices)) == (2, 4, 8)
+  assert str(report).startswith("pmap(<lambda>): 2 replica(s) x 4 partition(s)")
+  assert report.arguments[0].shard_shape == (1, 8, 8)  # whole on each replica's devices
+  assert report.outputs[0].shard_shape == (1, 2, 8)  # split over the partitions
 
 
 def test_pmap_axes_static_and_donation():
