@@ -1,17 +1,19 @@
-"""A small decoder-only transformer language model, trained sharded 2-D.
+"""A small decoder-only transformer language model, trained data x model parallel.
 
 The model learns to write Python documentation one character at a time: the
 corpus is the help text that ships with CPython (``pydoc_data.topics``,
 ~460k characters), so nothing is downloaded.
 
-Sharding over 8 simulated CPU devices, as data x model = 2 x 4:
-- activations [batch, seq, ...] are split 2 ways over the batch and 4 ways
-  over the model dimension: attention heads, MLP hidden units, the residual
-  stream's features (constraints inside every layer);
-- weights are split 4 ways over heads / hidden units (tensor parallel) and 2
-  ways over their other dimension (so each data group keeps half of them,
-  FSDP style; XLA gathers what it needs);
-- the token batch comes in split over all 8 devices.
+Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
+- data parallel: ``partitioner.pmap`` runs 2 replicas, each on its own half
+  of the batch; gradients are averaged over replicas with ``lax.pmean``;
+- tensor (model) parallel inside each replica: the sharded_jit functions
+  split every weight 4 ways over the model dimension only, column then row
+  (attention: query/key/value by heads, output projection by heads; MLP: the
+  first matrix by hidden units, the second by its rows; the unembedding by
+  vocabulary); the residual stream stays whole on the 4 model devices.
+  Each device holds a quarter of the weights; a layer costs one all-reduce
+  after attention and one after the MLP, as in Megatron-LM.
 
   python examples/transformer.py                 # ~1 minute on 2 CPU cores
   python examples/transformer.py --steps 500 --layers 4 --data 2 --model 4
@@ -48,17 +50,26 @@ _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 
 
 class Model:
-  """The transformer, its Adam train step and how every array is split.
+  """The transformer for one data replica, Megatron-split over ``mp`` model
+  partitions, with its Adam update.
 
   Args:
-    dp, mp: devices along the data and the model dimension.
+    mp: devices along the model dimension.
     width, heads, layers, seq, vocab: the model's size.
     lr: Adam learning rate.
-    constrain: ``constrain(x, spec)`` applied to activations; by default
-      sharding.with_sharding_constraint (the benchmark passes jax's own).
+    constrain: ``constrain(x, spec)`` applied to activations (specs count
+      model partitions; the batch dimension is never split inside a
+      replica); by default sharding.with_sharding_constraint (the benchmark
+      passes jax's own over a ('data', 'model') mesh).
+
+  Attributes:
+    param_parts, opt_parts: how each weight (and its Adam moments) is split.
+    grads: ``(params, seqs) -> (loss, grads)``.
+    update: ``(params, opt, grads) -> (params, opt)``: one Adam step.
+    step: ``(params, opt, seqs) -> (params, opt, loss)``: both, unsplit.
   """
 
-  def __init__(self, dp, mp, *, width, heads, layers, seq, vocab, lr, constrain=None):
+  def __init__(self, mp, *, width, heads, layers, seq, vocab, lr, constrain=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -67,10 +78,11 @@ class Model:
     from sharding import with_sharding_constraint
 
     wsc = constrain or with_sharding_constraint
-    n, d, h, t = dp * mp, width, heads, seq
+    d, h, t = width, heads, seq
     dh, f = d // h, 4 * d
-    act = P(dp, 1, mp)          # [batch, seq, features]
-    head_split = P(dp, 1, mp, 1)  # [batch, seq, heads, head_dim]
+    resid = None               # [batch, seq, width]: whole on every model device
+    by_head = P(1, 1, mp, 1)   # [batch, seq, heads, head_dim]
+    by_unit = P(1, 1, mp)      # [batch, seq, hidden units or vocabulary]
 
     def norm(x, scale):
       x = x - x.mean(-1, keepdims=True)
@@ -78,37 +90,40 @@ class Model:
 
     def block(x, p):
       y = norm(x, p["ln1"])
-      q, k, v = (wsc(jnp.einsum("btd,dhk->bthk", y, p[w]), head_split)
+      q, k, v = (wsc(jnp.einsum("btd,dhk->bthk", y, p[w]), by_head)  # column parallel
                  for w in ("wq", "wk", "wv"))
       scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(dh)
       causal = jnp.tril(jnp.ones((t, t), bool))
       attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-      o = wsc(jnp.einsum("bhqs,bshk->bqhk", attn, v), head_split)
-      x = wsc(x + jnp.einsum("bthk,hkd->btd", o, p["wo"]), act)
+      o = wsc(jnp.einsum("bhqs,bshk->bqhk", attn, v), by_head)
+      x = wsc(x + jnp.einsum("bthk,hkd->btd", o, p["wo"]), resid)  # row parallel: all-reduce
       y = norm(x, p["ln2"])
-      hidden = wsc(jax.nn.gelu(y @ p["w1"]), act)  # MLP units split over the model dim
-      return wsc(x + hidden @ p["w2"], act)
+      hidden = wsc(jax.nn.gelu(y @ p["w1"]), by_unit)  # column parallel
+      return wsc(x + hidden @ p["w2"], resid)  # row parallel: all-reduce
 
     def forward(params, tokens):
-      x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], act)
+      x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], resid)
       for p in params["blocks"]:
         x = block(x, p)
-      return wsc(norm(x, params["ln"]) @ params["unembed"], act)  # [b, t, vocab]
+      return wsc(norm(x, params["ln"]) @ params["unembed"], by_unit)  # [b, t, vocab]
 
     def loss_fn(params, seqs):
       logits = forward(params, seqs[:, :-1])
       logp = jax.nn.log_softmax(logits, axis=-1)
       return -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1).mean()
 
-    def adam_step(params, opt, seqs):
-      loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
+    def update(params, opt, grads):
       step = opt["step"] + 1
       m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
       v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
       rate = lr * jnp.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
       params = jax.tree_util.tree_map(lambda p, m, v: p - rate * m / (jnp.sqrt(v) + 1e-8),
                                       params, m, v)
-      return params, {"step": step, "m": m, "v": v}, loss
+      return params, {"step": step, "m": m, "v": v}
+
+    def step(params, opt, seqs):
+      loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
+      return (*update(params, opt, grads), loss)
 
     def init(key):
       def normal(key, shape, scale):
@@ -132,16 +147,42 @@ class Model:
       zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
       return params, {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": zeros}
 
-    # How each weight is split: heads / hidden units over the model dimension,
-    # the other dimension over the data dimension.
-    block_parts = {"ln1": None, "ln2": None, "wq": P(dp, mp, 1), "wk": P(dp, mp, 1),
-                   "wv": P(dp, mp, 1), "wo": P(mp, 1, dp), "w1": P(dp, mp),
-                   "w2": P(mp, dp)}
-    self.param_parts = {"embed": P(1, n), "pos": P(1, n), "ln": None,
-                        "unembed": P(dp, mp), "blocks": [block_parts] * layers}
+    # Megatron: column-parallel weights split their output dimension (heads,
+    # hidden units, vocabulary), row-parallel ones their input dimension.
+    block_parts = {"ln1": None, "ln2": None, "wq": P(1, mp, 1), "wk": P(1, mp, 1),
+                   "wv": P(1, mp, 1), "wo": P(mp, 1, 1), "w1": P(1, mp),
+                   "w2": P(mp, 1)}
+    self.param_parts = {"embed": None, "pos": None, "ln": None,
+                        "unembed": P(1, mp), "blocks": [block_parts] * layers}
     self.opt_parts = {"step": None, "m": self.param_parts, "v": self.param_parts}
-    self.batch_parts = P(n, 1)
-    self.init, self.step, self.forward = init, adam_step, forward
+    self.init, self.forward, self.step, self.update = init, forward, step, update
+    self.grads = jax.value_and_grad(loss_fn)
+
+
+def train_step(model: Model):
+  """The data x model train step: ``partitioner.pmap`` over the replicas
+  (axis "data") of sharded_jit functions over the model partitions. Takes
+  (params, opt, seqs of shape [replicas, batch / replicas, seq + 1])."""
+  from jax import lax
+
+  import partitioner
+  from partitioner import sharded_jit
+
+  grads = sharded_jit(model.grads, in_parts=(model.param_parts, None),
+                      out_parts=(None, model.param_parts))
+  update = sharded_jit(model.update,
+                       in_parts=(model.param_parts, model.opt_parts, model.param_parts),
+                       out_parts=(model.param_parts, model.opt_parts))
+
+  def replica_step(params, opt, seqs):
+    loss, g = grads(params, seqs)
+    loss, g = lax.pmean((loss, g), "data")  # data parallel: average over replicas
+    return (*update(params, opt, g), loss)
+
+  # Parameters and the optimizer state are the same on every replica
+  # (in_axes/out_axes None), split over the model partitions by the specs.
+  return partitioner.pmap(replica_step, "data", in_axes=(None, None, 0), out_axes=None,
+                          donate_argnums=(0, 1))
 
 
 def main(argv):
@@ -156,20 +197,19 @@ def main(argv):
   from pydoc_data import topics
 
   import partitioner
-  from partitioner import sharded_jit
 
   if _PARTITIONER.value:
     partitioner.config.partitioner = _PARTITIONER.value
   dp, mp = _DATA.value, _MODEL.value
   d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
-  for what, size, by in (("heads", h, mp), ("width", d, mp * dp), ("batch", b, n)):
+  for what, size, by in (("heads", h, mp), ("batch", b, dp)):
     if size % by:
       raise app.UsageError(f"--{what}={size} must be divisible by {by}")
 
   # --- data: Python's own documentation, character by character -----------
   text = "\n".join(topics.topics.values())
   chars = sorted(set(text))
-  vocab = -(-len(chars) // n) * n  # padded so the logits split evenly
+  vocab = -(-len(chars) // mp) * mp  # padded so the logits split evenly
   index = {c: i for i, c in enumerate(chars)}
   corpus = np.array([index[c] for c in text], dtype=np.int32)
   rng = np.random.default_rng(_SEED.value)
@@ -178,10 +218,9 @@ def main(argv):
     starts = rng.integers(0, len(corpus) - t - 1, size=b)
     return np.stack([corpus[s:s + t + 1] for s in starts])
 
-  model = Model(dp, mp, width=d, heads=h, layers=layers, seq=t, vocab=vocab, lr=_LR.value)
-  train_step = sharded_jit(
-      model.step, in_parts=(model.param_parts, model.opt_parts, model.batch_parts),
-      out_parts=(model.param_parts, model.opt_parts, None), donate_argnums=(0, 1))
+  model = Model(mp, width=d, heads=h, layers=layers, seq=t, vocab=vocab, lr=_LR.value)
+  step_fn = train_step(model)
+  split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
 
   params0, opt0 = model.init(jax.random.PRNGKey(_SEED.value))
   size = sum(x.size for x in jax.tree_util.tree_leaves(params0))
@@ -195,7 +234,7 @@ def main(argv):
   start = time.perf_counter()
   tokens = 0
   for i, seqs in enumerate(seen):
-    params, opt, loss = train_step(params, opt, seqs)
+    params, opt, loss = step_fn(params, opt, split(seqs))
     losses.append(float(loss))
     tokens += b * t
     if i == 0:
@@ -213,10 +252,10 @@ def main(argv):
   if live:
     print()
   print(f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (mean of the last 10 steps)")
-  print(explain_line(train_step, params, opt, seen[0]))
+  print(explain_line(step_fn, params, opt, split(seen[0])))
 
-  # The same first steps unsharded (constraints are the identity outside
-  # sharded_jit): the losses must match.
+  # The same first steps unsharded, on the whole batch (constraints are the
+  # identity in a program on one device): the losses must match.
   if _CHECK.value:
     plain = jax.jit(model.step)
     p, o, ref = params0, opt0, []
@@ -240,7 +279,8 @@ def main(argv):
 
 
 def explain_line(step_fn, params, opt, seqs) -> str:
-  totals = step_fn.lower(params, opt, seqs).compile().explain().collective_totals()
+  import partitioner
+  totals = partitioner.explain(step_fn, params, opt, seqs).collective_totals()
   used = ", ".join(f"{n} {k}" for k, (n, _) in totals.items() if n)
   return f"collectives per step (partitioner.explain): {used or 'none'}"
 
@@ -273,7 +313,7 @@ def save_plot(losses, path) -> None:
   ax.plot(losses)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/char)")
-  ax.set_title("transformer, sharded_jit over data x model")
+  ax.set_title("transformer, partitioner.pmap (data) x sharded_jit (model)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   print(f"loss curve saved to {path}")

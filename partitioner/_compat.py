@@ -148,3 +148,9 @@ def lowering_manual_mesh(ctx: Any) -> tuple[Any, frozenset] | None:
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     return axis_context.mesh, frozenset(axis_context.manual_axes)
   return None
+
+
+def jax_partitioner(mode: str) -> Any:
+  """A context in which jax lowers with Shardy (``"shardy"``) or GSPMD."""
+  from jax._src import config as jax_config
+  return jax_config.use_shardy_partitioner(mode == "shardy")

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partitioner import _compose, _explain, _plan
+from partitioner import _compat, _compose, _explain, _plan
+from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
 from sharding._constraint import emit_markers
@@ -139,14 +140,17 @@ class PmapFunction:
     """jax's ``Lowered`` of the one program these arguments run (its
     ``.compile().as_text()`` is the partitioned HLO)."""
     program, leaves = self._program(args, {})
-    return program.run(program.lower, *program.place(leaves))
+    lowered = program.run(program.lower, *program.place(leaves))
+    if config.partitioner == "gspmd":
+      program.check_gspmd(lowered.as_text())
+    return lowered
 
   def explain(self, *args) -> _explain.Explanation:
     """What XLA did with the program for these arguments: the layout of
     every input and output, the collectives (within and across replicas),
     per-device FLOPs and memory; see :class:`partitioner.Explanation`."""
     program, leaves = self._program(args, {})
-    compiled = program.run(program.lower, *program.place(leaves)).compile()
+    compiled = self.lower(*args).compile()
     names = self._layout.leaf_names(self._layout.signature(
         len(args), self._layout.split(args)[1], leaves,
         jax.tree_util.tree_structure(self._layout.split(args)[0]),
@@ -156,7 +160,7 @@ class PmapFunction:
     outs = jax.tree_util.tree_leaves(compiled.out_info)
     return _explain.Explanation(
         name=f"pmap({self._name})",
-        partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
+        partitioner=config.partitioner,
         num_partitions=program.num_partitions,
         devices=tuple(str(d) for d in program.devices),
         arguments=tuple(_explain.layout_of(n, x.shape, x.dtype, sh)
@@ -231,7 +235,7 @@ class PmapFunction:
 class _Program:
   """The jax.jit(shard_map(...)) for one input signature."""
 
-  def __init__(self, jitted, axes_context, num_partitions, devices, mesh, placements):
+  def __init__(self, name, jitted, axes_context, num_partitions, devices, mesh, placements):
     self._jitted = jitted
     self._axes_context = axes_context
     self.num_partitions = num_partitions
@@ -239,6 +243,8 @@ class _Program:
     self.mesh = mesh
     self._placements = placements  # per input: where a fresh value goes
     self._device_set = frozenset(devices)
+    self._gspmd_checked = False
+    self.name = name
 
   def place(self, leaves: Sequence[Any]) -> list[Any]:
     """Inputs already on this program's devices stay as they are (e.g. the
@@ -248,18 +254,39 @@ class _Program:
             else jax.device_put(x, s) for x, s in zip(leaves, self._placements)]
 
   def __call__(self, leaves: Sequence[Any]) -> Any:
-    return self.run(self._jitted, *self.place(leaves))
+    placed = self.place(leaves)
+    if config.partitioner == "gspmd" and not self._gspmd_checked:
+      self.check_gspmd(self.run(self._jitted.lower, *placed).as_text())
+    return self.run(self._jitted, *placed)
+
+  def check_gspmd(self, module_text: str) -> None:
+    """XLA's GSPMD partitioner aborts the process (a failed CHECK in
+    hlo_sharding_util) on an all_gather or all_to_all over the manual
+    replica axis when the partitions are automatic; jax.shard_map hits it
+    too. Raise instead."""
+    for op, name in (("stablehlo.all_gather", "lax.all_gather"),
+                     ("stablehlo.all_to_all", "lax.all_to_all")):
+      if op in module_text:
+        raise NotImplementedError(
+            f"partitioner.pmap({self.name}) uses {name} across replicas, on"
+            " which XLA's GSPMD partitioner aborts the process when the"
+            " replicas are also partitioned (jax.shard_map has the same"
+            " failure). Hint: use Shardy, the default (partitioner.config."
+            "partitioner = 'shardy'), or a psum-based equivalent.")
+    self._gspmd_checked = True
 
   def lower(self, *args) -> jax.stages.Lowered:
     return self._jitted.lower(*args)
 
   def run(self, fn: Callable, *args) -> Any:
     """``fn(*args)`` with partitioner.pmap's context set (jax traces there:
-    the sharded_jit functions inside inline as constraints)."""
+    the sharded_jit functions inside inline as constraints) and jax's
+    partitioner set to ``config.partitioner``."""
     context = _compose.pmap_context
     saved, context.axes = context.axes, self._axes_context
     try:
-      return fn(*args)
+      with _compat.jax_partitioner(config.partitioner):
+        return fn(*args)
     finally:
       context.axes = saved
 
@@ -319,7 +346,7 @@ class _Program:
                     {d % nargs for d in pm._layout.donate_argnums})
     jitted = jax.jit(program, donate_argnums=donated)
     axes_context = [(name, mesh.shape[name]) for name in names[1:]]
-    return cls(jitted, axes_context, n, devices, mesh, placements)
+    return cls(pm._name, jitted, axes_context, n, devices, mesh, placements)
 
 
 def _paths(treedef: Any) -> list[int]:

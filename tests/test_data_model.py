@@ -302,7 +302,7 @@ def test_pmap_in_axes_none():
 
 # --- partitioner.pmap: layout, collectives, axes, errors ----------------------------------------
 
-def test_pmap_layout_is_replica_major_partition_minor():
+def test_pmap_layout_is_replica_major_partition_minor(mode):
   f = sharded_jit(lambda x: x * 2, in_parts=P(2, 2), out_parts=P(2, 2))
   x = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
   out = partitioner.pmap(f)(x)
@@ -310,20 +310,32 @@ def test_pmap_layout_is_replica_major_partition_minor():
   want = {r * 4 + p: ((r, r + 1), (2 * (p // 2), 2 * (p // 2) + 2), (2 * (p % 2), 2 * (p % 2) + 2))
           for r in range(2) for p in range(4)}
   assert with_stops(out, out.shape) == want
+  assert partitioner.explain(partitioner.pmap(f), x).partitioner == mode
 
 
-def test_pmap_collectives_over_the_replica_axis():
+def _collectives(y):
+  return (lax.pmean(y, "data"), lax.psum(y.sum(), "data"), lax.pmax(y, "data"),
+          lax.axis_index("data"), lax.ppermute(y, "data", [(0, 1), (1, 0)]),
+          lax.psum_scatter(y, "data", tiled=True))
+
+
+def test_pmap_collectives_over_the_replica_axis(mode):
   f = sharded_jit(lambda x: jnp.tanh(x), in_parts=P(2, 1), out_parts=P(2, 1))
-  def step(x):
-    y = f(x)
-    return (lax.pmean(y, "data"), lax.psum(y.sum(), "data"), lax.axis_index("data"),
-            lax.all_gather(y.sum(), "data"), lax.ppermute(y, "data", [(0, 1), (1, 0)]))
-  def want(x):
-    y = jnp.tanh(x)
-    return (lax.pmean(y, "data"), lax.psum(y.sum(), "data"), lax.axis_index("data"),
-            lax.all_gather(y.sum(), "data"), lax.ppermute(y, "data", [(0, 1), (1, 0)]))
   x = np.random.RandomState(0).randn(2, 4, 6).astype(np.float32)
-  _check(partitioner.pmap(step, "data")(x), jax.pmap(want, "data")(x), 4)
+  ours = partitioner.pmap(lambda x: _collectives(f(x)), "data")(x)
+  _check(ours, jax.pmap(lambda x: _collectives(jnp.tanh(x)), "data")(x), 4)
+
+
+def test_pmap_all_gather_and_all_to_all(mode):
+  f = sharded_jit(lambda x: jnp.tanh(x), in_parts=P(2, 1), out_parts=P(2, 1))
+  step = lambda g: lambda x: (lax.all_gather(g(x).sum(), "data"),
+                              lax.all_to_all(g(x), "data", 0, 0, tiled=True))
+  x = np.random.RandomState(0).randn(2, 4, 6).astype(np.float32)
+  if mode == "gspmd":  # XLA's GSPMD aborts the process here: an error instead
+    with pytest.raises(NotImplementedError, match=r"lax.all_gather across replicas.*Hint: use Shardy"):
+      partitioner.pmap(step(f), "data")(x)
+    return
+  _check(partitioner.pmap(step(f), "data")(x), jax.pmap(step(jnp.tanh), "data")(x), 4)
 
 
 def test_pmap_is_one_program_on_replicas_x_partitions():
