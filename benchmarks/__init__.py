@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|startup|multiprocess|scaling]
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 Sections (one module each):
@@ -19,8 +19,12 @@ Sections (one module each):
             compiles), and steady-state train steps/s. Each rank is
             ``python -m benchmarks.multiprocess_child``.
   scaling   steps/s of the transformer example's train step on 1, 2, 4, 8
-            devices (data x model), against jax.jit running the same
+            devices (tensor parallel), against jax.jit running the same
             program (same in/out shardings and constraints as NamedShardings).
+  layout    each system at its best on the same model: the transformer on
+            2 x 4 (data x model, Megatron), ours partitioner.pmap x
+            sharded_jit against jax.jit on a ('data', 'model') mesh:
+            collectives, bytes, parameter bytes per device, steps/s.
 
 Unless --no-write, results go to benchmarks/results.json, the tables into
 BENCHMARKS.md (between its "generated" markers) and, when matplotlib is

@@ -10,10 +10,10 @@ import sys
 import time
 
 import benchmarks
-from benchmarks import dispatch, multiprocess, report, scaling, startup
+from benchmarks import dispatch, layout, multiprocess, report, scaling, startup
 
-SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "startup": startup.run,
-            "multiprocess": multiprocess.run}
+SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
+            "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,9 +25,9 @@ def parser() -> argparse.ArgumentParser:
                  help="fresh functions traced and compiled per case")
   p.add_argument("--startup-runs", type=int, default=3,
                  help="cold and warm processes per startup case (medians)")
-  p.add_argument("--only", choices=["dispatch", "startup", "multiprocess", "scaling"])
+  p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
-  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess and scaling)")
+  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout)")
   p.add_argument("--json", help="also write the results here")
   return p
 

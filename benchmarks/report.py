@@ -27,6 +27,13 @@ def tables(results: dict) -> str:
             *ratio_header]
     out += [f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']}"
             f" | {c['ratio']:.2f} |" for c in results["scaling"]]
+  if results.get("layout"):
+    out += ["", "Each system's best layout, same model (collectives, bytes, parameter"
+            " bytes: lower is better, target <= 1.0; steps/s: higher is better,"
+            " target >= 0.95):", "", *ratio_header]
+    out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
+            f" | {c['ratio']:.2f} |" for c in results["layout"]]
+    out += [f"({c['detail']})" for c in results["layout"] if c.get("detail")]
   if "startup" in results:
     out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
             "|---|---|---|---|"]
@@ -95,7 +102,7 @@ def write(results: dict, command: str) -> None:
     with open(path) as f:
       merged = json.load(f)
   commands = merged.get("commands", {})
-  for name in ("dispatch", "scaling", "startup", "multiprocess"):
+  for name in ("dispatch", "scaling", "layout", "startup", "multiprocess"):
     if name in results:
       commands[name] = f"{command} ({results['date']})"
   merged.update(results)

@@ -144,8 +144,8 @@ class Model:
                 "ln": jnp.ones(d),
                 "unembed": normal(next(keys), (d, vocab), d ** -0.5),
                 "blocks": blocks}
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-      return params, {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": zeros}
+      zeros = lambda: jax.tree_util.tree_map(jnp.zeros_like, params)  # distinct buffers
+      return params, {"step": jnp.zeros((), jnp.int32), "m": zeros(), "v": zeros()}
 
     # Megatron: column-parallel weights split their output dimension (heads,
     # hidden units, vocabulary), row-parallel ones their input dimension.

@@ -184,18 +184,17 @@ class PmapFunction:
           " (jax.jit, grad, vmap, ...), which it does not support yet. Hint:"
           " put the transformation inside the mapped function (e.g. compute"
           " jax.grad per replica and average it with lax.pmean).")
-    leaves = [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
-    nargs = len(args)
-    axes = _broadcast_axes(self._layout.dynamic_parts(self._in_axes, nargs),
-                           jax.tree_util.tree_unflatten(treedef, leaves), "in_axes")
-    names = self._layout.leaf_names(self._layout.signature(
-        nargs, static_values, leaves, treedef,
-        tuple(abstract_signature(x) for x in leaves)))
-    replicas = self._replicas(leaves, axes, names)
-    key = (treedef, static_values, replicas, tuple(axes),
-           *[abstract_signature(x) for x in leaves])
+    leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x) for x in leaves]
+    sigs = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
+    key = (treedef, static_values, len(args), sigs)
     program = self._programs.get(key)
     if program is None:
+      nargs = len(args)
+      axes = _broadcast_axes(self._layout.dynamic_parts(self._in_axes, nargs),
+                             jax.tree_util.tree_unflatten(treedef, leaves), "in_axes")
+      names = self._layout.leaf_names(
+          self._layout.signature(nargs, static_values, leaves, treedef, sigs))
+      replicas = self._replicas(leaves, axes, names)
       program = self._programs[key] = _Program.build(
           self, nargs, static_values, leaves, treedef, axes, replicas)
     return program, leaves
@@ -243,6 +242,7 @@ class _Program:
     self.mesh = mesh
     self._placements = placements  # per input: where a fresh value goes
     self._device_set = frozenset(devices)
+    self._on_devices: set[jax.sharding.Sharding] = set()  # shardings seen there
     self._gspmd_checked = False
     self.name = name
 
@@ -250,8 +250,19 @@ class _Program:
     """Inputs already on this program's devices stay as they are (e.g. the
     last step's outputs, tiled over the partitions); others are put there:
     mapped axis split over the replicas, whole on each replica's devices."""
-    return [x if isinstance(x, jax.Array) and x.sharding.device_set == self._device_set
-            else jax.device_put(x, s) for x, s in zip(leaves, self._placements)]
+    out = []
+    for x, placement in zip(leaves, self._placements):
+      if isinstance(x, jax.Array):
+        sharding = x.sharding
+        if sharding in self._on_devices:
+          out.append(x)
+          continue
+        if sharding.device_set == self._device_set:
+          self._on_devices.add(sharding)
+          out.append(x)
+          continue
+      out.append(jax.device_put(x, placement))
+    return out
 
   def __call__(self, leaves: Sequence[Any]) -> Any:
     placed = self.place(leaves)
