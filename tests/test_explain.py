@@ -57,5 +57,5 @@ def test_picture_shows_which_device_holds_which_block(devices):
 
 
 def test_explain_rejects_plain_functions():
-  with pytest.raises(TypeError, match="sharded_jit function"):
+  with pytest.raises(TypeError, match="expects a sharded_jit or partitioner.pmap function"):
     explain(matmul, X, W)
