@@ -30,6 +30,7 @@ from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
 from sharding._constraint import emit_markers
+from sharding._spec_tree import broadcast_prefix
 
 _DEFAULT_AXIS = "pmap_replicas"
 
@@ -96,18 +97,8 @@ def _check_axes(tree: Any, what: str) -> Any:
 def _broadcast_axes(axes: Any, tree: Any, what: str) -> list[int | None]:
   """One axis (or None) per leaf of ``tree`` from a prefix tree of axes."""
   leaves, axes_def = jax.tree_util.tree_flatten(axes, is_leaf=lambda x: x is None)
-  try:
-    subtrees = axes_def.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        f"{what} does not match the structure it describes: {what} is"
-        f" {axes!r} but the values have structure"
-        f" {jax.tree_util.tree_structure(tree)}. Hint: give an int or None"
-        f" per value, or one for a whole subtree. Details: {e}") from None
-  out = []
-  for ax, sub in zip(leaves, subtrees):
-    out.extend([ax] * len(jax.tree_util.tree_leaves(sub)))
-  return out
+  return broadcast_prefix(leaves, axes_def, tree, what,
+                          "give an int or None per value, or one for a whole subtree")
 
 
 class PmapFunction:

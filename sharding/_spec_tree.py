@@ -63,16 +63,29 @@ def broadcast_specs(specs: Any, tree: Any, what: str = "specs") -> list[Spec]:
     [PartitionSpec(2, 1), PartitionSpec(2, 1), None]
   """
   spec_leaves, spec_def = check_specs(specs, what)
+  return broadcast_prefix(spec_leaves, spec_def, tree, what,
+                          "give one spec per value, or a single spec (or None)"
+                          " for a whole subtree")
+
+
+def broadcast_prefix(leaves: list, prefix_def: Any, tree: Any, what: str,
+                     hint: str) -> list:
+  """One entry per leaf of ``tree``: each of ``leaves`` (the leaves of a
+  prefix tree of structure ``prefix_def``) repeated over its subtree.
+
+  Raises:
+    ValueError: the prefix does not match ``tree``, naming ``what``.
+  """
   try:
-    subtrees = spec_def.flatten_up_to(tree)
+    subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
     raise ValueError(
         f"{what} does not match the structure it describes: {what} is"
-        f" {specs!r} (structure {spec_def}) but the values have structure"
-        f" {jax.tree_util.tree_structure(tree)}. Hint: give one spec per"
-        f" value, or a single spec (or None) for a whole subtree. Details:"
+        f" {jax.tree_util.tree_unflatten(prefix_def, leaves)!r} (structure"
+        f" {prefix_def}) but the values have structure"
+        f" {jax.tree_util.tree_structure(tree)}. Hint: {hint}. Details:"
         f" {e}") from None
-  out: list[Spec] = []
-  for spec, sub in zip(spec_leaves, subtrees):
-    out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
+  out = []
+  for leaf, sub in zip(leaves, subtrees):
+    out.extend([leaf] * len(jax.tree_util.tree_leaves(sub)))
   return out

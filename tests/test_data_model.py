@@ -394,7 +394,14 @@ def jax_gspmd():
   jax.config.update("jax_use_shardy_partitioner", True)
 
 
-def test_composition_when_jax_uses_gspmd(jax_gspmd):
+def test_composition_refuses_a_partitioner_setting_it_cannot_honour(monkeypatch):
+  monkeypatch.setattr(config, "partitioner", "gspmd")
+  with pytest.raises(ValueError, match=r"jax_use_shardy_partitioner = True.*disagrees with partitioner.config.partitioner = 'gspmd'.*Hint"):
+    jax.jit(F)(X, W)
+
+
+def test_composition_when_jax_uses_gspmd(jax_gspmd, monkeypatch):
+  monkeypatch.setattr(config, "partitioner", "gspmd")
   g = jax.jit(jax.grad(lambda x, w: jnp.sum(F(x, w) ** 2), argnums=1))
   want = jax.grad(lambda x, w: jnp.sum(ref(x, w) ** 2), argnums=1)(X, W)
   out = g(X, W)
