@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partitioner import _compat, _compose, _explain, _plan
+from partitioner import _compat, _compose, _distributed, _explain, _plan
 from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
@@ -175,6 +175,12 @@ class PmapFunction:
           " (jax.jit, grad, vmap, ...), which it does not support yet. Hint:"
           " put the transformation inside the mapped function (e.g. compute"
           " jax.grad per replica and average it with lax.pmean).")
+    if _distributed.world().size > 1:
+      raise NotImplementedError(
+          f"partitioner.pmap({self._name}) runs in one process only for now;"
+          f" this run has {_distributed.world().size} processes. Hint: use"
+          " sharded_jit with local_in_parts/local_out_parts across processes"
+          " (examples/multiprocess_train.py).")
     leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x) for x in leaves]
     sigs = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
     key = (treedef, static_values, len(args), sigs)

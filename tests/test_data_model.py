@@ -410,3 +410,10 @@ def test_composition_when_jax_uses_gspmd(jax_gspmd, monkeypatch):
   mesh = Mesh(np.array(D[:4]), ("a",))
   h = jax.jit(lambda x: wsc(x * 2, P(1, 4)), in_shardings=NamedSharding(mesh, JP("a", None)))
   assert same_tiling(h(X), P(1, 4))
+
+
+def test_pmap_over_several_processes_is_refused(monkeypatch):
+  from partitioner import _distributed
+  monkeypatch.setattr(_distributed, "world", lambda: partitioner.World(rank=0, size=2))
+  with pytest.raises(NotImplementedError, match=r"runs in one process only for now; this run has 2 processes.*Hint"):
+    partitioner.pmap(lambda x: x)(np.ones((2, 2)))
