@@ -142,10 +142,6 @@ class PmapFunction:
     per-device FLOPs and memory; see :class:`partitioner.Explanation`."""
     program, leaves = self._program(args, {})
     compiled = self.lower(*args).compile()
-    names = self._layout.leaf_names(self._layout.signature(
-        len(args), self._layout.split(args)[1], leaves,
-        jax.tree_util.tree_structure(self._layout.split(args)[0]),
-        tuple(abstract_signature(x) for x in leaves)))
     in_shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
     out_shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
     outs = jax.tree_util.tree_leaves(compiled.out_info)
@@ -155,7 +151,7 @@ class PmapFunction:
         num_partitions=program.num_partitions,
         devices=tuple(str(d) for d in program.devices),
         arguments=tuple(_explain.layout_of(n, x.shape, x.dtype, sh)
-                        for n, x, sh in zip(names, leaves, in_shardings)),
+                        for n, x, sh in zip(program.in_names, leaves, in_shardings)),
         outputs=tuple(_explain.layout_of(f"output {i}", o.shape, o.dtype, sh)
                       for i, (o, sh) in enumerate(zip(outs, out_shardings))),
         collectives=tuple(_explain.collectives(compiled.as_text())),
@@ -194,6 +190,7 @@ class PmapFunction:
       replicas = self._replicas(leaves, axes, names)
       program = self._programs[key] = _Program.build(
           self, nargs, static_values, leaves, treedef, axes, replicas)
+      program.in_names = tuple(names)
     return program, leaves
 
   def _replicas(self, leaves: Sequence[Any], axes: Sequence[int | None],
@@ -242,6 +239,7 @@ class _Program:
     self._on_devices: set[jax.sharding.Sharding] = set()  # shardings seen there
     self._gspmd_checked = False
     self.name = name
+    self.in_names: tuple[str, ...] = ()  # each flat input's name, for explain()
 
   def place(self, leaves: Sequence[Any]) -> list[Any]:
     """Inputs already on this program's devices stay as they are (e.g. the
