@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from partitioner import _compat, _compose, _distributed, _explain, _plan
+from partitioner._distributed import _mapped
 from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
@@ -131,27 +132,28 @@ class PmapFunction:
     """jax's ``Lowered`` of the one program these arguments run (its
     ``.compile().as_text()`` is the partitioned HLO)."""
     program, leaves = self._program(args, {})
-    lowered = program.run(program.lower, *program.place(leaves))
-    if config.partitioner == "gspmd":
-      program.check_gspmd(lowered.as_text())
-    return lowered
+    return program.lower(program.place(leaves))
 
   def explain(self, *args) -> _explain.Explanation:
     """What XLA did with the program for these arguments: the layout of
     every input and output, the collectives (within and across replicas),
     per-device FLOPs and memory; see :class:`partitioner.Explanation`."""
     program, leaves = self._program(args, {})
-    compiled = self.lower(*args).compile()
+    placed = program.place(leaves)
+    compiled = program.lower(placed).compile()
+    out_shardings, outs = compiled.output_shardings, compiled.out_info
+    if program.ranks is not None:  # leave out the completion token
+      out_shardings, outs = out_shardings[0], outs[0]
     in_shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
-    out_shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
-    outs = jax.tree_util.tree_leaves(compiled.out_info)
+    out_shardings = jax.tree_util.tree_leaves(out_shardings)
+    outs = jax.tree_util.tree_leaves(outs)
     return _explain.Explanation(
         name=f"pmap({self._name})",
         partitioner=config.partitioner,
         num_partitions=program.num_partitions,
         devices=tuple(str(d) for d in program.devices),
         arguments=tuple(_explain.layout_of(n, x.shape, x.dtype, sh)
-                        for n, x, sh in zip(program.in_names, leaves, in_shardings)),
+                        for n, x, sh in zip(program.in_names, placed, in_shardings)),
         outputs=tuple(_explain.layout_of(f"output {i}", o.shape, o.dtype, sh)
                       for i, (o, sh) in enumerate(zip(outs, out_shardings))),
         collectives=tuple(_explain.collectives(compiled.as_text())),
@@ -171,15 +173,10 @@ class PmapFunction:
           " (jax.jit, grad, vmap, ...), which it does not support yet. Hint:"
           " put the transformation inside the mapped function (e.g. compute"
           " jax.grad per replica and average it with lax.pmean).")
-    if _distributed.world().size > 1:
-      raise NotImplementedError(
-          f"partitioner.pmap({self._name}) runs in one process only for now;"
-          f" this run has {_distributed.world().size} processes. Hint: use"
-          " sharded_jit with local_in_parts/local_out_parts across processes"
-          " (examples/multiprocess_train.py).")
     leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x) for x in leaves]
     sigs = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
-    key = (treedef, static_values, len(args), sigs)
+    key = (treedef, static_values, len(args), sigs, config.partitioner,
+           _compiler_options())
     program = self._programs.get(key)
     if program is None:
       nargs = len(args)
@@ -189,8 +186,7 @@ class PmapFunction:
           self._layout.signature(nargs, static_values, leaves, treedef, sigs))
       replicas = self._replicas(leaves, axes, names)
       program = self._programs[key] = _Program.build(
-          self, nargs, static_values, leaves, treedef, axes, replicas)
-      program.in_names = tuple(names)
+          self, nargs, static_values, leaves, treedef, axes, replicas, tuple(names))
     return program, leaves
 
   def _replicas(self, leaves: Sequence[Any], axes: Sequence[int | None],
@@ -228,7 +224,8 @@ class PmapFunction:
 class _Program:
   """The jax.jit(shard_map(...)) for one input signature."""
 
-  def __init__(self, name, jitted, axes_context, num_partitions, devices, mesh, placements):
+  def __init__(self, name, jitted, axes_context, num_partitions, devices, mesh,
+               placements, in_names):
     self._jitted = jitted
     self._axes_context = axes_context
     self.num_partitions = num_partitions
@@ -239,12 +236,16 @@ class _Program:
     self._on_devices: set[jax.sharding.Sharding] = set()  # shardings seen there
     self._gspmd_checked = False
     self.name = name
-    self.in_names: tuple[str, ...] = ()  # each flat input's name, for explain()
+    self.in_names = in_names  # each flat input's name, for errors and explain()
+    self.ranks: _mapped.RankPrograms | None = None  # set in a multi-process run
 
   def place(self, leaves: Sequence[Any]) -> list[Any]:
     """Inputs already on this program's devices stay as they are (e.g. the
     last step's outputs, tiled over the partitions); others are put there:
-    mapped axis split over the replicas, whole on each replica's devices."""
+    mapped axis split over the replicas, whole on each replica's devices.
+    In a multi-process run, each rank's pieces become global arrays."""
+    if self.ranks is not None:
+      return self.ranks.globalize(leaves)
     out = []
     for x, placement in zip(leaves, self._placements):
       if isinstance(x, jax.Array):
@@ -260,10 +261,17 @@ class _Program:
     return out
 
   def __call__(self, leaves: Sequence[Any]) -> Any:
-    placed = self.place(leaves)
     if config.partitioner == "gspmd" and not self._gspmd_checked:
-      self.check_gspmd(self.run(self._jitted.lower, *placed).as_text())
-    return self.run(self._jitted, *placed)
+      self.lower(self.place(leaves))
+    if self.ranks is not None:
+      return self.ranks(leaves)
+    return self.run(self._jitted, *self.place(leaves))
+
+  def lower(self, placed: Sequence[Any]) -> jax.stages.Lowered:
+    lowered = self.run(self._jitted.lower, *placed)
+    if config.partitioner == "gspmd" and not self._gspmd_checked:
+      self.check_gspmd(lowered.as_text())
+    return lowered
 
   def check_gspmd(self, module_text: str) -> None:
     """XLA's GSPMD partitioner aborts the process (a failed CHECK in
@@ -281,9 +289,6 @@ class _Program:
             "partitioner = 'shardy'), or a psum-based equivalent.")
     self._gspmd_checked = True
 
-  def lower(self, *args) -> jax.stages.Lowered:
-    return self._jitted.lower(*args)
-
   def run(self, fn: Callable, *args) -> Any:
     """``fn(*args)`` with partitioner.pmap's context set (jax traces there:
     the sharded_jit functions inside inline as constraints) and jax's
@@ -299,7 +304,10 @@ class _Program:
   @classmethod
   def build(cls, pm: PmapFunction, nargs: int, static_values: tuple,
             leaves: Sequence[Any], treedef: Any, axes: Sequence[int | None],
-            replicas: int) -> _Program:
+            replicas: int, in_names: tuple[str, ...]) -> _Program:
+    """The program; ``replicas`` are this process's (all of them in a
+    single-process run)."""
+    world = _distributed.world()
     rebuild = pm._layout.rebuild(nargs, static_values)
     fun = pm._fun
 
@@ -308,6 +316,7 @@ class _Program:
 
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                   weak_type=abstract_signature(x)[2]) for x in leaves]
+    total = replicas * world.size
     n, out_shape = _discover(per_replica, avals, axes, replicas, pm._axis)
     out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
     out_axes = _broadcast_axes(pm._out_axes, out_shape, "out_axes")
@@ -315,12 +324,15 @@ class _Program:
       if ax is not None and not -(o.ndim + 1) <= ax <= o.ndim:
         raise ValueError(f"partitioner.pmap({pm._name}): out_axes {ax} is out of"
                          f" range for an output of rank {o.ndim}.")
-    devices = _choose_devices(replicas * n, pm._devices, replicas, n)
+    if world.multi:
+      devices = _mapped.choose_devices(world, replicas, n, pm._devices)
+    else:
+      devices = _choose_devices(replicas * n, pm._devices, replicas, n)
     factors = _compose.prime_factors(n)
     names = (pm._axis, *(f"{_compose.PARTITION_AXIS_PREFIX}{i}" for i in range(len(factors))))
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
-    mesh = jax.sharding.Mesh(grid.reshape(replicas, *factors), names)
+    mesh = jax.sharding.Mesh(grid.reshape(total, *factors), names)
     rep = pm._axis
     P = jax.sharding.PartitionSpec
 
@@ -340,7 +352,10 @@ class _Program:
       outs = mapped(*xs)
       outs = [o if ax in (None, 0) else jnp.moveaxis(o, 0, ax % (o.ndim))
               for o, ax in zip(outs, out_axes)]
-      return jax.tree_util.tree_unflatten(out_tree, outs)
+      outs = jax.tree_util.tree_unflatten(out_tree, outs)
+      # Across processes every execution also returns a scalar to wait on:
+      # the outputs themselves may be donated to the next step.
+      return (outs, jnp.zeros((), jnp.int32)) if world.multi else outs
 
     program.__name__ = program.__qualname__ = f"pmap_{pm._name}"
     placements = tuple(
@@ -350,9 +365,25 @@ class _Program:
     donated = tuple(i for i, path in enumerate(_paths(treedef))
                     if pm._layout.dynamic_positions(nargs)[path] in
                     {d % nargs for d in pm._layout.donate_argnums})
-    jitted = jax.jit(program, donate_argnums=donated)
+    options = _compiler_options()
+    jitted = jax.jit(program, donate_argnums=donated, keep_unused=True,
+                     compiler_options=dict(options) or None)
     axes_context = [(name, mesh.shape[name]) for name in names[1:]]
-    return cls(pm._name, jitted, axes_context, n, devices, mesh, placements)
+    built = cls(pm._name, jitted, axes_context, n, devices, mesh, placements, in_names)
+    if world.multi:
+      built.ranks = _mapped.RankPrograms(
+          pm._name, jitted, mesh, placements, world, replicas, built.run,
+          options, config.partitioner, in_names)
+    return built
+
+
+def _compiler_options() -> tuple[tuple[str, Any], ...]:
+  """XLA options from the settings, for jax.jit (hashable, sorted)."""
+  options = dict(config.xla_options or {})
+  if config.disable_most_optimizations:
+    options.update(xla_backend_optimization_level=0,
+                   xla_llvm_disable_expensive_passes=True)
+  return tuple(sorted(options.items()))
 
 
 def _paths(treedef: Any) -> list[int]:

@@ -363,6 +363,18 @@ def test_pmap_axes_static_and_donation():
   np.testing.assert_array_equal(out, np.full((2, 4, 4), 2.0))
 
 
+def test_pmap_compiles_with_the_xla_settings(monkeypatch):
+  f = partitioner.pmap(sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1)))
+  x = np.ones((2, 4, 3), np.float32)
+  np.testing.assert_array_equal(f(x), x * 2)
+  monkeypatch.setattr(config, "disable_most_optimizations", True)
+  np.testing.assert_array_equal(f(x), x * 2)
+  # a new setting is a new program, and the option reaches XLA
+  monkeypatch.setattr(config, "xla_options", {"xla_no_such_option": 1})
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    f(x)
+
+
 def test_pmap_without_sharded_jit_is_jax_pmap():
   x = np.arange(12, dtype=np.float32).reshape(3, 4)
   out = partitioner.pmap(lambda x: lax.psum(x, "i"), "i")(x)
@@ -412,8 +424,3 @@ def test_composition_when_jax_uses_gspmd(jax_gspmd, monkeypatch):
   assert same_tiling(h(X), P(1, 4))
 
 
-def test_pmap_over_several_processes_is_refused(monkeypatch):
-  from partitioner import _distributed
-  monkeypatch.setattr(_distributed, "world", lambda: partitioner.World(rank=0, size=2))
-  with pytest.raises(NotImplementedError, match=r"runs in one process only for now; this run has 2 processes.*Hint"):
-    partitioner.pmap(lambda x: x)(np.ones((2, 2)))

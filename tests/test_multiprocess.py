@@ -23,6 +23,17 @@ def test_global_and_local_specs_train_step_and_binary_sharing():
   assert "OK rank 1 compiles=0" in proc.stdout  # rank 1 compiled nothing
 
 
+def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
+  # 2 ranks x 4 devices: one replica per rank split 4 ways, then 2 per rank
+  # split 2 ways; psum/all_gather across ranks; a donated training loop
+  # without per-step reads matches one process; rank 0 compiles, rank 1
+  # receives; ranks passing different shapes both raise.
+  proc, _ = launch("mp_pmap.py", devices=4)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: pmap ok", proc.stdout) == ["rank 0: pmap ok", "rank 1: pmap ok"]
+  assert "rank 1: compiles 0 received 5" in proc.stdout, proc.stdout
+
+
 def test_only_rank_0_uses_the_persistent_cache(tmp_path):
   def run():
     proc, _ = launch("mp_cache.py", env={"SHARDED_JIT_CACHE_DIR": str(tmp_path)})
