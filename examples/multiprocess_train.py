@@ -7,10 +7,21 @@ or under any MPI launcher:
   python -m partitioner.launch -n 2 --devices-per-process 4 examples/multiprocess_train.py
   mpirun -n 2 python examples/multiprocess_train.py          # with XLA_FLAGS set by you
 
-The global batch is split over all 8 devices (P(8, 1)); each rank passes only
-its half (local_in_parts P(4, 1)) and its half of each weight matrix, and gets
-its half back (local_out_parts). At the end rank 0 checks that the loss curve
-matches the same steps run unsharded in one process.
+Two layouts (--layout):
+
+- data_x_model (default): data parallel across the ranks, tensor parallel
+  inside each rank. partitioner.pmap maps one replica per rank, each rank
+  passing its own rows; inside, sharded_jit splits the MLP over the rank's
+  devices (first weight by columns, second by rows) and the gradients are
+  averaged across ranks with lax.pmean. Only the gradient all-reduce crosses
+  processes.
+- global: one sharded_jit over all 8 devices. The global batch is split
+  P(8, 1) and the hidden units over every device; each rank passes only its
+  half of the rows and of each weight matrix (local_in_parts) and gets its
+  half back (local_out_parts).
+
+At the end rank 0 checks that the loss curve matches the same steps run
+unsharded in one process.
 """
 
 from __future__ import annotations
@@ -29,6 +40,11 @@ _WIDTH = flags.DEFINE_integer("width", 32, "Input/output width.")
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden width.")
 _LR = flags.DEFINE_float("lr", 0.05, "SGD learning rate.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 5, "Print the loss every this many steps.")
+_LAYOUT = flags.DEFINE_enum(
+    "layout", "data_x_model", ["data_x_model", "global"],
+    "data_x_model: data parallel across ranks x tensor parallel inside each rank"
+    " (partitioner.pmap over sharded_jit); global: one sharded_jit over every"
+    " device of every rank, each rank passing its pieces (local_in_parts).")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -51,6 +67,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jax import lax
 
   from partitioner import compilation_stats, sharded_jit
   from sharding import PartitionSpec as P
@@ -59,30 +76,21 @@ def main(argv):
   n = len(jax.devices())
   per = n // world.size
   rank = world.rank
+  d, hdim, b = _WIDTH.value, _HIDDEN.value, _BATCH.value
 
-  def loss_fn(params, x, y):
+  def loss_fn(params, x, y, k):
     h = jax.nn.gelu(x @ params["w1"])
-    h = wsc(h, P(1, n))
+    h = wsc(h, P(1, k))  # hidden units split k ways
     return jnp.mean((h @ params["w2"] - y) ** 2)
 
-  def step(params, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    return jax.tree_util.tree_map(lambda p, g: p - _LR.value * g, params, grads), loss
+  def sgd(params, grads):
+    return jax.tree_util.tree_map(lambda p, g: p - _LR.value * g, params, grads)
 
-  parts = {"w1": P(1, n), "w2": P(n, 1)}
-  local = {"w1": P(1, per), "w2": P(per, 1)}
-  train = sharded_jit(step, in_parts=(parts, P(n, 1), P(n, 1)), out_parts=(parts, None),
-                      local_in_parts=(local, P(per, 1), P(per, 1)),
-                      local_out_parts=(local, None))
-
-  d, hdim, b = _WIDTH.value, _HIDDEN.value, _BATCH.value
   rng = np.random.default_rng(0)  # the same on every rank: each keeps its part
   full = {"w1": rng.normal(0, d ** -0.5, (d, hdim)).astype(np.float32),
           "w2": rng.normal(0, hdim ** -0.5, (hdim, d)).astype(np.float32)}
   teacher = rng.normal(0, d ** -0.5, (d, d)).astype(np.float32)
-  cols = slice(rank * hdim // world.size, (rank + 1) * hdim // world.size)
   rows = slice(rank * b // world.size, (rank + 1) * b // world.size)
-  params = {"w1": full["w1"][:, cols], "w2": full["w2"][cols]}
 
   def rows_of(i, which):
     """Rows ``which`` of step i's batch: a rank makes only its own rows (as a
@@ -91,13 +99,48 @@ def main(argv):
                   range(which.start, which.stop)]).astype(np.float32)
     return x, np.tanh(x @ teacher)
 
+  if _LAYOUT.value == "data_x_model":
+    # Tensor parallel over this rank's devices: the gradient of one replica.
+    parts = {"w1": P(1, per), "w2": P(per, 1)}
+    grads_fn = sharded_jit(jax.value_and_grad(lambda p, x, y: loss_fn(p, x, y, per)),
+                           in_parts=(parts, None, None), out_parts=(None, parts))
+
+    def step(params, x, y):
+      loss, grads = grads_fn(params, x, y)
+      grads = lax.pmean(grads, "data")  # the only traffic between ranks
+      return sgd(params, grads), lax.pmean(loss, "data")
+
+    # Data parallel across ranks: one replica per rank, each passing its rows.
+    train_pmap = partitioner.pmap(step, "data", in_axes=(None, 0, 0), out_axes=None,
+                                  donate_argnums=0)
+    params = full
+
+    def train(params, x, y):
+      return train_pmap(params, x[None], y[None])
+    layout = (f"data parallel over {world.size} ranks x tensor parallel over each"
+              f" rank's {per} devices; each rank passes {b // world.size} of {b} rows")
+  else:
+    parts = {"w1": P(1, n), "w2": P(n, 1)}
+    local = {"w1": P(1, per), "w2": P(per, 1)}
+
+    def step(params, x, y):
+      loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y, n))(params)
+      return sgd(params, grads), loss
+
+    train = sharded_jit(step, in_parts=(parts, P(n, 1), P(n, 1)), out_parts=(parts, None),
+                        local_in_parts=(local, P(per, 1), P(per, 1)),
+                        local_out_parts=(local, None))
+    cols = slice(rank * hdim // world.size, (rank + 1) * hdim // world.size)
+    params = {"w1": full["w1"][:, cols], "w2": full["w2"][cols]}
+    layout = (f"one sharded_jit over {n} devices; each rank passes {b // world.size}"
+              f" of {b} rows and {hdim // world.size} of {hdim} hidden units")
+
   if rank == 0:
-    print(f"{world.size} processes x {per} devices; each rank passes {b // world.size}"
-          f" of {b} rows and {hdim // world.size} of {hdim} hidden units", flush=True)
+    print(f"{world.size} processes x {per} devices: {layout}", flush=True)
   losses = []
   for i in range(_STEPS.value):
     # No per-step read: steps are dispatched ahead while the devices work
-    # (sharded_jit bounds how far, config.max_inflight_steps).
+    # (partitioner bounds how far, config.max_inflight_steps).
     params, loss = train(params, *rows_of(i, rows))
     losses.append(loss)
     if rank == 0 and (i % _LOG_EVERY.value == 0 or i == _STEPS.value - 1):
@@ -109,7 +152,8 @@ def main(argv):
         f" {stats['received_from_rank0']} from rank 0", flush=True)
   if rank == 0:  # the same steps unsharded, in this process only
     ref, plain = full, []
-    ref_step = jax.jit(step)
+    ref_step = jax.jit(lambda p, x, y: (
+        sgd(p, jax.grad(loss_fn)(p, x, y, 1)), loss_fn(p, x, y, 1)))
     for i in range(_STEPS.value):
       ref, loss = ref_step(ref, *rows_of(i, slice(0, b)))
       plain.append(float(loss))

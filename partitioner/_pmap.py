@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from partitioner import _compat, _compose, _distributed, _explain, _plan
+from partitioner._cache import compilation_cache
+from partitioner._cache._key import jax_program_key
 from partitioner._distributed import _mapped
 from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
@@ -225,8 +227,10 @@ class _Program:
   """The jax.jit(shard_map(...)) for one input signature."""
 
   def __init__(self, name, jitted, axes_context, num_partitions, devices, mesh,
-               placements, in_names):
+               placements, in_names, options):
     self._jitted = jitted
+    self._options = options  # the XLA options jitted compiles with
+    self._executables: dict[tuple, jax.stages.Compiled] = {}  # per input layout
     self._axes_context = axes_context
     self.num_partitions = num_partitions
     self.devices = devices
@@ -261,11 +265,26 @@ class _Program:
     return out
 
   def __call__(self, leaves: Sequence[Any]) -> Any:
-    if config.partitioner == "gspmd" and not self._gspmd_checked:
-      self.lower(self.place(leaves))
     if self.ranks is not None:
-      return self.ranks(leaves)
-    return self.run(self._jitted, *self.place(leaves))
+      return self.ranks(self.executable, leaves)
+    placed = self.place(leaves)
+    return self.executable(placed)(*placed)
+
+  def executable(self, placed: Sequence[jax.Array]) -> jax.stages.Compiled:
+    """The compiled program for inputs laid out as ``placed``: from memory,
+    the persistent cache, or compiled (across processes: by rank 0)."""
+    key = tuple((x.sharding, x.shape, x.dtype, x.weak_type) for x in placed)
+    compiled = self._executables.get(key)
+    if compiled is None:
+      lowered = self.lower(placed)
+      devices = tuple(self.mesh.devices.flat)
+      summary = ", ".join(f"{n} {tuple(x.shape)} {_layout_text(x.sharding)}"
+                          for n, x in zip(self.in_names, placed))
+      compiled = self._executables[key] = compilation_cache.load_or_compile_jax(
+          f"partitioner.pmap({self.name})", summary,
+          jax_program_key(lowered.as_text(), config.partitioner, self._options, devices),
+          devices, lowered)
+    return compiled
 
   def lower(self, placed: Sequence[Any]) -> jax.stages.Lowered:
     lowered = self.run(self._jitted.lower, *placed)
@@ -369,12 +388,17 @@ class _Program:
     jitted = jax.jit(program, donate_argnums=donated, keep_unused=True,
                      compiler_options=dict(options) or None)
     axes_context = [(name, mesh.shape[name]) for name in names[1:]]
-    built = cls(pm._name, jitted, axes_context, n, devices, mesh, placements, in_names)
+    built = cls(pm._name, jitted, axes_context, n, devices, mesh, placements, in_names,
+                options)
     if world.multi:
-      built.ranks = _mapped.RankPrograms(
-          pm._name, jitted, mesh, placements, world, replicas, built.run,
-          options, config.partitioner, in_names)
+      built.ranks = _mapped.RankPrograms(pm._name, mesh, placements, world, replicas,
+                                         in_names)
     return built
+
+
+def _layout_text(sharding: jax.sharding.Sharding) -> str:
+  spec = getattr(sharding, "spec", None)
+  return str(spec) if spec is not None else str(sharding)
 
 
 def _compiler_options() -> tuple[tuple[str, Any], ...]:

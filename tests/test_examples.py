@@ -44,12 +44,16 @@ def test_transformer(tmp_path):
 
 
 @pytest.mark.mpi
-def test_multiprocess_train():
+@pytest.mark.parametrize("layout,programs", [
+    ("data_x_model", 2),  # the first step's parameters come from the host
+    ("global", 1)])
+def test_multiprocess_train(layout, programs):
   pytest.importorskip("mpi4py")
-  proc = run("examples/multiprocess_train.py", "--steps", "12", "--hidden", "128")
+  proc = run("examples/multiprocess_train.py", "--steps", "12", "--hidden", "128",
+             "--layout", layout)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "(match)" in proc.stdout
-  assert "rank 1: compiled 0 program(s), received 1 from rank 0" in proc.stdout
+  assert f"rank 1: compiled 0 program(s), received {programs} from rank 0" in proc.stdout
 
 
 @pytest.mark.parametrize("script", ["examples/mlp_tensor_parallel.py",

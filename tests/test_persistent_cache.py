@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import partitioner
 from partitioner import MemoryStore, clear_caches, compilation_stats, config, sharded_jit
 from sharding import PartitionSpec as P
 
@@ -81,6 +82,28 @@ def test_corrupt_entry_warns_and_recompiles(store, caplog, damage):
   assert (d["compiles"], d["persistent_hits"], d["persistent_writes"]) == (1, 0, 1)
   np.testing.assert_array_equal(got, want)
   assert store.entries[key][:4] == b"SJIT"  # rewritten
+
+
+def test_pmap_programs_are_kept_too(store, caplog):
+  def run():  # a new function each time: its program comes from the store
+    f = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))
+    return partitioner.pmap(f, in_axes=(None, 0))(W, np.stack([X, X + 1]))
+
+  before = compilation_stats()
+  first = run()
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_misses"], d["persistent_writes"]) == (1, 1, 1)
+  before = compilation_stats()
+  second = run()
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_hits"]) == (0, 1)
+  np.testing.assert_array_equal(first, second)
+  (key,) = store.entries
+  store.entries[key] = store.entries[key][:100]  # damaged: a warning, a compile
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
+    third = run()
+  assert "Dropping unreadable compilation cache entry" in caplog.text
+  np.testing.assert_array_equal(first, third)
 
 
 def test_entry_of_another_program_under_the_key_is_rejected(store, caplog):

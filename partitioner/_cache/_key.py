@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jaxlib
@@ -43,11 +43,29 @@ def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
   h, add = _hasher()
   add("module", module_text)
   add("compile_options", _compat.serialize_compile_options(options))
+  _add_target(add, mode, devices)
+  return h.hexdigest()
+
+
+def _add_target(add: Callable[[str, str], None], mode: str,
+                devices: Sequence[jax.Device]) -> None:
+  """What a program is compiled for: partitioner, devices, versions."""
   add("partitioner", mode)
   add("device_kinds", ",".join(d.device_kind for d in devices))
   add("device_assignment", ",".join(str(d.id) for d in devices))
   add("versions", f"jax={jax.__version__} jaxlib={jaxlib.__version__}"
                   f" sharded-jit={__version__}")
+
+
+def jax_program_key(module_text: str, mode: str, compiler_options: Sequence[tuple],
+                    devices: Sequence[jax.Device]) -> str:
+  """:func:`program_key` for a program jax lowered and compiles
+  (partitioner.pmap): jax's module text (without locations), the XLA
+  options it compiles with, the partitioner and the device assignment."""
+  h, add = _hasher()
+  add("jax_module", module_text)
+  add("compiler_options", repr(tuple(compiler_options)))
+  _add_target(add, mode, devices)
   return h.hexdigest()
 
 

@@ -18,6 +18,11 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.experimental import serialize_executable
 
 from partitioner import _compat, _compile, _distributed
 from partitioner._cache import _entry
@@ -136,7 +141,11 @@ class CompilationCache:
                        options: _compat.CompileOptions, compression: str) -> _Binary:
     """Persistent store, else compile (and write the store)."""
     store = self.store()
-    binary = self._load(store, key, program, options) if store is not None else None
+    binary = None
+    if store is not None:
+      hit = self._load(store, key, program.name, lambda data: _compat.deserialize_executable(
+          data, program.devices, options))
+      binary = None if hit is None else _Binary(*hit)
     if binary is None:
       binary = self._compile(store, key, program, options, compression)
     return binary
@@ -164,8 +173,9 @@ class CompilationCache:
     stats.add("received_from_rank0")
     return _Binary(loaded, data)
 
-  def _load(self, store: CacheStore, key: str, program: Program,
-            options: _compat.CompileOptions) -> _Binary | None:
+  def _load(self, store: CacheStore, key: str, name: str,
+            load: Callable[[bytes], Any]) -> tuple[Any, bytes] | None:
+    """(the loaded program, its bytes) from the store, or None."""
     try:
       data = store.get(key)
     except OSError as e:
@@ -177,11 +187,11 @@ class CompilationCache:
     start = time.perf_counter()
     try:
       entry = _entry.decode(data, key)
-      loaded = _compat.deserialize_executable(entry.executable, program.devices, options)
+      loaded = load(entry.executable)
     except Exception as e:  # any unreadable entry: warn, drop, recompile
       logger.warning(
           "Dropping unreadable compilation cache entry %s for %s (%s: %s);"
-          " recompiling.", key, program.name, type(e).__name__, e)
+          " recompiling.", key, name, type(e).__name__, e)
       delete = getattr(store, "delete", None)
       if delete is not None:
         try:
@@ -194,8 +204,8 @@ class CompilationCache:
     stats.add("persistent_load_secs", time.perf_counter() - start)
     stats.add("compile_time_saved_secs", entry.compile_time)
     logger.debug("Loaded %s from the compilation cache (saved %.3f s)",
-                 program.name, entry.compile_time)
-    return _Binary(loaded, entry.executable)
+                 name, entry.compile_time)
+    return loaded, entry.executable
 
   def _compile(self, store: CacheStore | None, key: str, program: Program,
                options: _compat.CompileOptions, compression: str) -> _Binary:
@@ -203,23 +213,22 @@ class CompilationCache:
     loaded = _compile.compile_module(program.module, program.devices, options,
                                      program.host_callbacks)
     elapsed = time.perf_counter() - start
-    stats.add("compile_secs", elapsed)
-    logger.log(
-        logging.WARNING if config.log_compiles else logging.DEBUG,
-        "Compiled %s for %d partitions (%s) in %.3f s; arguments: %s",
-        program.name, len(program.devices), program.mode, elapsed, program.summary)
+    _log_compile(program.name, len(program.devices), program.mode, elapsed,
+                 program.summary)
     if store is not None:
-      self._write(store, key, loaded, elapsed, compression)
+      self._write(store, key, lambda: _compat.serialize_executable(loaded),
+                  elapsed, compression)
     return _Binary(loaded)
 
-  def _write(self, store: CacheStore, key: str, loaded: _compat.LoadedExecutable,
+  def _write(self, store: CacheStore, key: str, serialize: Callable[[], bytes | None],
              compile_time: float, compression: str) -> None:
     # Programs with host callbacks never get here (see load_or_compile).
     if compile_time < config.cache_min_compile_secs:
       return
-    data = _entry.encode(
-        _entry.Entry(_compat.serialize_executable(loaded), compile_time),
-        key, compression)
+    executable = serialize()
+    if not executable:
+      return
+    data = _entry.encode(_entry.Entry(executable, compile_time), key, compression)
     if len(data) < config.cache_min_entry_bytes:
       return
     try:
@@ -230,7 +239,80 @@ class CompilationCache:
     stats.add("persistent_writes")
 
 
+  def load_or_compile_jax(self, name: str, summary: str, program_key: str,
+                          devices: Sequence[jax.Device],
+                          lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """The same tiers for a program jax lowered and compiles itself
+    (partitioner.pmap): the persistent store, else jax compiles it (and the
+    store keeps it). Across processes rank 0 alone does either and the
+    other ranks load the binary it broadcasts.
+
+    Args:
+      name: the program's name, for messages.
+      summary: its arguments' shapes and layouts, for messages.
+      program_key: what every rank must agree on (``_key.jax_program_key``).
+      devices: the device assignment.
+      lowered: jax's lowering of the program.
+    """
+    compression = _entry.default_compression()
+    key = cache_key(program_key, devices, compression)
+    all_devices = jax.devices()
+
+    def load(data: bytes) -> jax.stages.Compiled:
+      return serialize_executable.deserialize_and_load(
+          data, lowered.in_tree, lowered.out_tree, execution_devices=all_devices)
+
+    produced: list[jax.stages.Compiled] = []
+
+    def produce() -> bytes:  # rank 0 only in a multi-process run
+      store = self.store()
+      hit = self._load(store, key, name, load) if store is not None else None
+      if hit is not None:
+        produced.append(hit[0])
+        return hit[1]
+      start = time.perf_counter()
+      compiled = lowered.compile()
+      elapsed = time.perf_counter() - start
+      stats.add("compiles")
+      stats.add("compile_secs", elapsed)
+      _log_compile(name, len(devices), config.partitioner, elapsed, summary)
+      produced.append(compiled)
+      try:
+        data = serialize_executable.serialize(compiled)[0]
+      except (ValueError, NotImplementedError) as e:
+        # e.g. constants jax keeps outside the binary: not storable; in a
+        # multi-process run every rank compiles the same program itself.
+        logger.debug("%s cannot be serialized (%s): not cached or shared", name, e)
+        return b""
+      if store is not None:
+        self._write(store, key, lambda: data, elapsed, compression)
+      return data
+
+    world = _distributed.world()
+    if not world.multi:
+      produce()
+      return produced[0]
+    data = _distributed.share_from_rank0(world, name, summary, program_key, False, produce)
+    if produced:
+      return produced[0]
+    if not data:
+      compiled = lowered.compile()
+      stats.add("compiles")
+      return compiled
+    compiled = load(data)
+    stats.add("received_from_rank0")
+    return compiled
+
+
 compilation_cache = CompilationCache()
+
+
+def _log_compile(name: str, num_devices: int, mode: str, elapsed: float,
+                 summary: str) -> None:
+  logger.log(
+      logging.WARNING if config.log_compiles else logging.DEBUG,
+      "Compiled %s for %d partitions (%s) in %.3f s; arguments: %s",
+      name, num_devices, mode, elapsed, summary)
 
 
 def _options(program: Program) -> _compat.CompileOptions:

@@ -8,30 +8,21 @@ every rank; collectives over the replica axis reach all of them.
 
 Per input layout, every rank lowers the program and the ranks agree on its
 key; rank 0 alone compiles it and broadcasts the serialized executable,
-which the others load (``share_from_rank0``, as for sharded_jit). Every
-execution goes through :data:`_steps.steps`, which bounds how many are
-queued and refuses to start one once a peer has left.
+which the others load (``CompilationCache.load_or_compile_jax``, as for
+sharded_jit). Every execution goes through :data:`_steps.steps`, which
+bounds how many are queued and refuses to start one once a peer has left.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
-from jax.experimental import serialize_executable
 
-from partitioner._distributed._share import share_from_rank0
 from partitioner._distributed._steps import steps
 from partitioner._distributed._world import World
-from partitioner._stats import stats
-from partitioner._version import __version__
-
-logger = logging.getLogger(__name__)
 
 NamedSharding = jax.sharding.NamedSharding
 
@@ -77,41 +68,32 @@ def choose_devices(world: World, local_replicas: int, n: int,
 class RankPrograms:
   """Runs one partitioner.pmap program on this rank's replicas.
 
+  The program returns ``(outputs, token)``: the token is a scalar every
+  execution produces, to wait on (the outputs may be donated to the next
+  call).
+
   Args:
     name: the function's name, for messages.
-    jitted: the ``jax.jit`` of the whole program; it returns ``(outputs,
-      token)``, the token being a scalar every execution produces (to wait
-      on it).
     mesh: the global mesh ``(replicas, partition axes...)``.
     placements: per flat input, its global sharding when it comes from the
       host (mapped axis over the replicas, whole on each replica's devices).
     world: the processes.
     local_replicas: replicas per rank.
-    run: calls a function with partitioner.pmap's tracing context set.
-    compiler_options: the XLA options ``jitted`` compiles with (for the key).
-    mode: the partitioner, for the program key.
     in_names: each flat input's name, for errors.
   """
 
-  def __init__(self, name: str, jitted: Any, mesh: jax.sharding.Mesh,
+  def __init__(self, name: str, mesh: jax.sharding.Mesh,
                placements: Sequence[NamedSharding], world: World, local_replicas: int,
-               run: Callable, compiler_options: tuple, mode: str,
                in_names: Sequence[str]):
     self.name = name
-    self._jitted = jitted
     self.mesh = mesh
     self._replica_axis = mesh.axis_names[0]
     self._placements = tuple(placements)
     self._world = world
-    self._local = local_replicas
-    self._run = run
-    self._compiler_options = compiler_options
-    self._mode = mode
     self.in_names = tuple(in_names)
     rank = world.rank
     self.local_mesh = jax.sharding.Mesh(
         mesh.devices[rank * local_replicas:(rank + 1) * local_replicas], mesh.axis_names)
-    self._compiled: dict[tuple, Any] = {}
 
   def _scale(self, shape: Sequence[int], spec: jax.sharding.PartitionSpec,
              up: bool) -> tuple[int, ...]:
@@ -167,61 +149,13 @@ class RankPrograms:
     return jax.make_array_from_single_device_arrays(
         shape, sharding, [by_device[d] for d in sharding.addressable_devices_indices_map(shape)])
 
-  def lower(self, xs: Sequence[jax.Array]) -> jax.stages.Lowered:
-    return self._run(self._jitted.lower, *xs)
-
-  def compiled(self, xs: Sequence[jax.Array]) -> Any:
-    """The executable for these global inputs' layouts: rank 0 compiles it
-    and shares it; the others load it."""
-    key = tuple((x.sharding, x.shape, x.dtype, getattr(x, "weak_type", False)) for x in xs)
-    compiled = self._compiled.get(key)
-    if compiled is not None:
-      return compiled
-    lowered = self.lower(xs)
-    text = lowered.as_text()
-    produced = []
-
-    def produce() -> bytes:  # rank 0 only
-      compiled = lowered.compile()
-      stats.add("compiles")
-      produced.append(compiled)
-      try:
-        return serialize_executable.serialize(compiled)[0]
-      except (ValueError, NotImplementedError) as e:
-        # e.g. constants jax keeps outside the binary: every rank compiles
-        # the same program itself instead.
-        logger.debug("partitioner.pmap(%s): not shared (%s); each rank compiles it",
-                     self.name, e)
-        return b""
-
-    summary = ", ".join(f"{n} {tuple(x.shape)} {x.sharding.spec}"
-                        for n, x in zip(self.in_names, xs))
-    data = share_from_rank0(self._world, f"partitioner.pmap({self.name})", summary,
-                            self._key(text), False, produce)
-    if produced:
-      compiled = produced[0]
-    elif data:
-      compiled = serialize_executable.deserialize_and_load(
-          data, lowered.in_tree, lowered.out_tree, execution_devices=jax.devices())
-      stats.add("received_from_rank0")
-    else:
-      compiled = lowered.compile()
-      stats.add("compiles")
-    self._compiled[key] = compiled
-    return compiled
-
-  def _key(self, module_text: str) -> str:
-    h = hashlib.sha256()
-    for part in (module_text, self._mode, repr(self._compiler_options),
-                 ",".join(str(d.id) for d in self.mesh.devices.flat),
-                 f"jax={jax.__version__} jaxlib={jaxlib.__version__} sharded-jit={__version__}"):
-      h.update(part.encode() + b"\0")
-    return h.hexdigest()
-
-  def __call__(self, leaves: Sequence[Any]) -> Any:
+  def __call__(self, executable: Callable[[Sequence[jax.Array]], Any],
+               leaves: Sequence[Any]) -> Any:
+    """Runs the program on this rank's pieces; ``executable`` gives the
+    compiled program for the global inputs."""
     xs = self.globalize(leaves)
-    compiled = self.compiled(xs)
+    compiled = executable(xs)
     steps.before(self._world.rank, self._world.size)
-    outs, token = self._run(compiled, *xs)
+    outs, token = compiled(*xs)
     steps.add(token)
     return jax.tree_util.tree_map(self.localize, outs)
