@@ -166,6 +166,18 @@ def test_a_rank_that_ends_early_ends_the_job_within_seconds(how):
     assert re.search(re.escape(line).replace(r"\\d\+", r"\d+"), report), report
 
 
+@pytest.mark.parametrize("how", ["late", "raise"])
+def test_a_rank_that_ends_early_under_pmap_ends_the_job_within_seconds(how):
+  code, rank_says, launcher_says = ENDINGS[how]
+  proc, elapsed = launch("mp_end.py", how, timeout=90, env={"MP_END_PMAP": "1"})
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == code, out[-3000:]
+  assert elapsed < 30, (elapsed, out[-3000:])
+  for text in rank_says:
+    assert text in proc.stderr, proc.stderr[-3000:]
+  assert "Check failure" not in out
+
+
 def test_ranks_that_finish_apart_end_together_and_normally():
   proc, _ = launch("mp_end.py", "finish", timeout=90)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

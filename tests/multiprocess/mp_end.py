@@ -7,6 +7,9 @@ kill: SIGKILL to itself; keyboard: KeyboardInterrupt; late: sys.exit(0)
 while rank 0 pauses before its next step, which then finds rank 1 gone); rank 0 keeps dispatching steps (each with an
 all-reduce across the ranks) without reading them. With ``finish`` both ranks run to the end, rank 1 leaving first while
 rank 0 still works on its own for a while: a normal ending.
+
+With MP_END_PMAP=1 the step is a partitioner.pmap (one replica per rank, each
+split over its 2 devices, a pmean across the ranks) instead of a sharded_jit.
 """
 
 import os
@@ -24,12 +27,18 @@ from partitioner import sharded_jit  # noqa: E402
 from sharding import PartitionSpec as P  # noqa: E402
 
 how = sys.argv[1]
-step = sharded_jit(lambda x: x * 0.5 + x.mean() * 0.5 + 0.1, in_parts=P(4, 1), out_parts=P(4, 1),
-                   local_in_parts=P(2, 1), local_out_parts=P(2, 1))
-x = np.ones((4, 2), np.float32)
+if os.environ.get("MP_END_PMAP"):
+  from jax import lax
+  half = sharded_jit(lambda x: x * 0.5 + 0.1, in_parts=P(2, 1), out_parts=P(2, 1))
+  step = partitioner.pmap(lambda x: half(x) + lax.pmean(x.mean(), "r") * 0.5, "r")
+  x = np.ones((1, 4, 2), np.float32)  # this rank's replica
+else:
+  step = sharded_jit(lambda x: x * 0.5 + x.mean() * 0.5 + 0.1, in_parts=P(4, 1),
+                     out_parts=P(4, 1), local_in_parts=P(2, 1), local_out_parts=P(2, 1))
+  x = np.ones((4, 2), np.float32)
 for i in range(10 if how == "finish" else 100_000):
   if how == "late":
-    float(x[0, 0])  # in step: rank 0 is never ahead of rank 1
+    float(np.asarray(x).flat[0])  # in step: rank 0 is never ahead of rank 1
     if world.rank == 0 and i == 6:
       time.sleep(2)
   x = step(x)
@@ -42,7 +51,7 @@ for i in range(10 if how == "finish" else 100_000):
       os.kill(os.getpid(), signal.SIGKILL)
     if how == "keyboard":
       raise KeyboardInterrupt
-print(f"rank {world.rank} done {float(x[0, 0]):.3f}", flush=True)
+print(f"rank {world.rank} done {float(np.asarray(x).flat[0]):.3f}", flush=True)
 if how == "finish" and world.rank == 0:
   time.sleep(3)  # local work after the last collective: rank 1 waits for it
   print("rank 0 finished its local work", flush=True)
