@@ -18,9 +18,14 @@ Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
   python examples/transformer.py                 # ~1 minute on 2 CPU cores
   python examples/transformer.py --steps 500 --layers 4 --data 2 --model 4
 
-It prints progress (step, loss, tokens/s), checks the first steps against an
-unsharded run, prints a sample of generated text and saves a loss curve PNG
-when matplotlib is installed.
+The optimizer (Adam) and the loss (cross-entropy) come from optax; the
+weights' specs come from rules on their names (``sharding.spec_tree``), one
+rule list for the parameters and the optimizer state. It prints progress
+(a tqdm bar on a terminal, plain lines otherwise: step, loss, tokens/s),
+checks the first steps against an unsharded run, prints a sample of
+generated text and saves a loss curve PNG when matplotlib is installed.
+With ``--checkpoint_dir`` it saves the state with orbax every
+``--checkpoint_every`` steps and resumes from the latest checkpoint there.
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ _SAMPLE = flags.DEFINE_integer("sample", 200, "Characters of text to generate at
 _PLOT = flags.DEFINE_string("plot", "transformer_loss.png", "Loss curve PNG (needs matplotlib; '' for none).")
 _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps (without a terminal).")
+_CKPT_DIR = flags.DEFINE_string("checkpoint_dir", "", "Save the state here with orbax and resume from it ('' for none).")
+_CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
 
 
 class Model:
   """The transformer for one data replica, Megatron-split over ``mp`` model
-  partitions, with its Adam update.
+  partitions, with its Adam update (optax).
 
   Args:
     mp: devices along the model dimension.
@@ -73,9 +81,10 @@ class Model:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import optax
 
     from sharding import PartitionSpec as P
-    from sharding import with_sharding_constraint
+    from sharding import spec_tree, with_sharding_constraint
 
     wsc = constrain or with_sharding_constraint
     d, h, t = width, heads, seq
@@ -109,17 +118,13 @@ class Model:
 
     def loss_fn(params, seqs):
       logits = forward(params, seqs[:, :-1])
-      logp = jax.nn.log_softmax(logits, axis=-1)
-      return -jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1).mean()
+      return optax.softmax_cross_entropy_with_integer_labels(logits, seqs[:, 1:]).mean()
+
+    tx = optax.adam(lr)
 
     def update(params, opt, grads):
-      step = opt["step"] + 1
-      m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
-      v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
-      rate = lr * jnp.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
-      params = jax.tree_util.tree_map(lambda p, m, v: p - rate * m / (jnp.sqrt(v) + 1e-8),
-                                      params, m, v)
-      return params, {"step": step, "m": m, "v": v}
+      updates, opt = tx.update(grads, opt, params)
+      return optax.apply_updates(params, updates), opt
 
     def step(params, opt, seqs):
       loss, grads = jax.value_and_grad(loss_fn)(params, seqs)
@@ -144,17 +149,19 @@ class Model:
                 "ln": jnp.ones(d),
                 "unembed": normal(next(keys), (d, vocab), d ** -0.5),
                 "blocks": blocks}
-      zeros = lambda: jax.tree_util.tree_map(jnp.zeros_like, params)  # distinct buffers
-      return params, {"step": jnp.zeros((), jnp.int32), "m": zeros(), "v": zeros()}
+      return params, tx.init(params)
 
     # Megatron: column-parallel weights split their output dimension (heads,
     # hidden units, vocabulary), row-parallel ones their input dimension.
-    block_parts = {"ln1": None, "ln2": None, "wq": P(1, mp, 1), "wk": P(1, mp, 1),
-                   "wv": P(1, mp, 1), "wo": P(mp, 1, 1), "w1": P(1, mp),
-                   "w2": P(mp, 1)}
-    self.param_parts = {"embed": None, "pos": None, "ln": None,
-                        "unembed": P(1, mp), "blocks": [block_parts] * layers}
-    self.opt_parts = {"step": None, "m": self.param_parts, "v": self.param_parts}
+    # The rules match the end of each leaf's path, so they cover the
+    # parameters ("blocks/0/wq") and Adam's moments ("0/mu/blocks/0/wq").
+    self.rules = [(r"(wq|wk|wv)$", P(1, mp, 1)),   # [width, heads, head_dim]
+                  (r"wo$", P(mp, 1, 1)),           # [heads, head_dim, width]
+                  (r"(w1|unembed)$", P(1, mp)),    # [width, hidden or vocabulary]
+                  (r"w2$", P(mp, 1)),              # [hidden, width]
+                  (r".*", None)]                   # norms, embeddings: whole
+    shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+    self.param_parts, self.opt_parts = spec_tree(shapes, self.rules)
     self.init, self.forward, self.step, self.update = init, forward, step, update
     self.grads = jax.value_and_grad(loss_fn)
 
@@ -228,35 +235,34 @@ def main(argv):
         f" {len(chars)} characters; {dp} x {mp} = {n} devices (data x model),"
         f" partitioner {partitioner.config.partitioner}", flush=True)
 
-  seen = [batch() for _ in range(_STEPS.value)]
+  seen = [batch() for _ in range(_STEPS.value)]  # the same batches when resuming
   params, opt = jax.tree_util.tree_map(np.asarray, (params0, opt0))
-  losses, live = [], sys.stdout.isatty()
-  start = time.perf_counter()
-  tokens = 0
-  for i, seqs in enumerate(seen):
-    params, opt, loss = step_fn(params, opt, split(seqs))
+  checkpoints = Checkpoints(_CKPT_DIR.value, _CKPT_EVERY.value) if _CKPT_DIR.value else None
+  first = 0
+  if checkpoints is not None:
+    first, params, opt = checkpoints.restore(params, opt)
+    if first:
+      print(f"resumed from {_CKPT_DIR.value} after step {first - 1}", flush=True)
+  losses = []
+  progress = Progress(first, len(seen), b * t, _LOG_EVERY.value)
+  for i in range(first, len(seen)):
+    params, opt, loss = step_fn(params, opt, split(seen[i]))
     losses.append(float(loss))
-    tokens += b * t
-    if i == 0:
-      print(f"step   0  loss {losses[0]:.3f}  (first step: trace, partition and"
-            f" compile, {time.perf_counter() - start:.1f} s)", flush=True)
-      start, tokens = time.perf_counter(), 0
-      continue
-    rate = tokens / (time.perf_counter() - start)
-    bar = "#" * int(30 * (i + 1) / len(seen))
-    line = f"step {i:3d}/{len(seen)} [{bar:<30}] loss {losses[-1]:.3f}  {rate:,.0f} tokens/s"
-    if live:
-      print("\r" + line, end="", flush=True)
-    elif i % 10 == 0 or i == len(seen) - 1:
-      print(line, flush=True)
-  if live:
-    print()
+    progress.update(i, losses[-1])
+    if checkpoints is not None:
+      checkpoints.maybe_save(i, params, opt, last=i == len(seen) - 1)
+  progress.close()
+  if checkpoints is not None:
+    checkpoints.close()
+  if not losses:
+    print("nothing to do: the checkpoint is already at the last step")
+    return
   print(f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (mean of the last 10 steps)")
   print(explain_line(step_fn, params, opt, split(seen[0])))
 
   # The same first steps unsharded, on the whole batch (constraints are the
   # identity in a program on one device): the losses must match.
-  if _CHECK.value:
+  if _CHECK.value and not first:
     plain = jax.jit(model.step)
     p, o, ref = params0, opt0, []
     for seqs in seen[:_CHECK.value]:
@@ -274,8 +280,77 @@ def main(argv):
                                _SAMPLE.value, _SEED.value))
   if _PLOT.value:
     save_plot(losses, _PLOT.value)
-  if not np.mean(losses[-10:]) < losses[0]:
+  if len(losses) > 20 and not np.mean(losses[-10:]) < losses[0]:
     sys.exit(1)
+
+
+class Progress:
+  """Step, loss and tokens/s: a tqdm bar on a terminal, plain lines
+  otherwise (every ``log_every`` steps, and the first and last)."""
+
+  def __init__(self, first: int, total: int, tokens_per_step: int, log_every: int):
+    self._first, self._total, self._tokens = first, total, tokens_per_step
+    self._log_every = log_every
+    self._start = time.perf_counter()
+    self._bar = None
+    if sys.stdout.isatty():
+      from tqdm import tqdm
+      self._bar = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True)
+
+  def update(self, i: int, loss: float) -> None:
+    now = time.perf_counter()
+    if i == self._first:  # tracing, partitioning and compiling: not a rate
+      note = f"first step: trace, partition and compile, {now - self._start:.1f} s"
+      self._start = now
+    else:
+      rate = (i - self._first) * self._tokens / (now - self._start)
+      note = f"{rate:,.0f} tokens/s"
+    if self._bar is not None:
+      self._bar.set_postfix_str(f"loss {loss:.3f}  {note}", refresh=False)
+      self._bar.update(1)
+    elif i == self._first or i % self._log_every == 0 or i == self._total - 1:
+      print(f"step {i:3d}/{self._total}  loss {loss:.4f}  {note}", flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+
+
+class Checkpoints:
+  """The training state (parameters, optimizer state) saved with orbax.
+
+  The arrays partitioner.pmap returns hold the same values on every
+  replica; orbax saves them once, and the state comes back as host arrays
+  that the next step lays out again.
+  """
+
+  def __init__(self, directory: str, every: int):
+    import orbax.checkpoint as ocp
+    self._ocp, self._every = ocp, every
+    self._manager = ocp.CheckpointManager(
+        os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+  def restore(self, params, opt):
+    """(the first step to run, params, opt): from the latest checkpoint, or
+    the given state when there is none."""
+    import jax
+    import numpy as np
+    latest = self._manager.latest_step()
+    if latest is None:
+      return 0, params, opt
+    target = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), x.dtype),
+                                    {"params": params, "opt": opt})
+    state = self._manager.restore(latest, args=self._ocp.args.StandardRestore(target))
+    return latest + 1, state["params"], state["opt"]
+
+  def maybe_save(self, i: int, params, opt, last: bool) -> None:
+    """Saves after step i every ``every`` steps and after the last one."""
+    if (i + 1) % self._every == 0 or last:
+      self._manager.save(i, args=self._ocp.args.StandardSave({"params": params, "opt": opt}))
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
 
 
 def explain_line(step_fn, params, opt, seqs) -> str:

@@ -25,6 +25,8 @@ from partitioner._distributed import PeerError as PeerError
 from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
 from partitioner._explain import Explanation as Explanation
+from partitioner._global_arrays import to_global as to_global
+from partitioner._global_arrays import to_local as to_local
 from partitioner._pmap import PmapFunction as PmapFunction
 from partitioner._pmap import pmap as pmap
 from partitioner._stages import Compiled as Compiled
@@ -36,7 +38,7 @@ __all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
            "compilation_stats", "config", "explain", "initialize", "pmap",
-           "sharded_jit"]
+           "sharded_jit", "to_global", "to_local"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,

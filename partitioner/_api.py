@@ -17,13 +17,14 @@ import jax
 
 from partitioner import _check, _compose, _distributed, _partition
 from partitioner._args import (ArgumentLayout, NotAnArray, abstract_signature,
-                               reject_kwargs, signature)
+                               lowering_signature, reject_kwargs, signature)
 from partitioner._config import config
 from partitioner._pmap import PmapFunction
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
 from sharding._constraint import caller, constrain, emitting_markers
-from sharding._spec_tree import broadcast_specs, check_specs
+from sharding._partition_spec import AUTO
+from sharding._spec_tree import broadcast_specs, check_specs, reject_auto
 
 _CALL_CACHE_SIZE = 256
 _tree_flatten = jax.tree_util.tree_flatten  # bound once for the per-call path
@@ -250,12 +251,25 @@ class ShardedJitFunction:
     return compiled
 
   def lower(self, *args, **kwargs) -> Lowered:
-    """Traces and partitions for these arguments, without compiling."""
+    """Traces and partitions for these arguments, without compiling.
+
+    As with ``jax.jit``, an argument (or a leaf inside one) may be a
+    ``jax.ShapeDtypeStruct`` instead of an array: lowering needs no data.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from sharding import PartitionSpec as P
+      >>> from partitioner import sharded_jit
+      >>> f = sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+      >>> f.lower(jax.ShapeDtypeStruct((8, 4), jnp.float32)).num_partitions
+      2
+    """
     reject_kwargs(self._name, kwargs)
     dyn, static_values = self._layout.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
     return _partition.lower(
-        self._request, self._layout.signature(len(args), static_values, leaves, treedef))
+        self._request, self._layout.signature(len(args), static_values, leaves, treedef,
+                                              sign=lowering_signature))
 
   def _call_under_jax(self, nargs: int, static_values: tuple, leaves: list,
                       treedef: Any) -> Any:
@@ -324,6 +338,7 @@ class ShardedJitFunction:
     parts = self._layout.dynamic_parts(request.in_parts, nargs)
     in_specs = broadcast_specs(parts, jax.tree_util.tree_unflatten(treedef, leaves),
                                "in_parts")
+    reject_auto(in_specs, [f"input {k}" for k in range(len(leaves))], "in_parts")
     leaves = [x if s is None else constrain(
                   x, s, f"{site}, in_parts of the nested sharded_jit {self._name}")
               for x, s in zip(leaves, in_specs)]
@@ -332,7 +347,7 @@ class ShardedJitFunction:
     out = request.fun(*full)
     out_specs = broadcast_specs(request.out_parts, out, "out_parts")
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_leaves = [x if s is None else constrain(
+    out_leaves = [x if s is None or s is AUTO else constrain(
                       x, s, f"{site}, out_parts of the nested sharded_jit {self._name}")
                   for x, s in zip(out_leaves, out_specs)]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
@@ -344,6 +359,10 @@ class ShardedJitFunction:
 def explain(fun: ShardedJitFunction, *args) -> Any:
   """``fun.lower(*args).compile().explain()``: what the partitioner did
   (for a :func:`partitioner.pmap` function, ``fun.explain(*args)``).
+
+  For a sharded_jit function the arguments may be ``jax.ShapeDtypeStruct``s,
+  as for ``lower``; an argument whose spec came from
+  :func:`sharding.spec_tree` shows the rule that chose it.
 
   Example:
     >>> import numpy as np

@@ -49,6 +49,20 @@ def abstract_signature(x: Any) -> tuple:
   return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 
+def lowering_signature(x: Any) -> tuple:
+  """:func:`signature`, also of a ``jax.ShapeDtypeStruct`` (lowering needs
+  no data; its dtype is canonicalized as an array's would be, its
+  ``.sharding`` is not used: in_parts decide).
+
+  Raises:
+    NotAnArray: ``x`` is neither an array nor a ``jax.ShapeDtypeStruct``.
+  """
+  if isinstance(x, jax.ShapeDtypeStruct):
+    shape, dtype, weak = abstract_signature(x)
+    return (shape, jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True), weak)
+  return signature(x)
+
+
 def _int_fits(x: int, dtype: np.dtype) -> bool:
   info = np.iinfo(dtype)
   return info.min <= x <= info.max
@@ -72,6 +86,11 @@ def why_not(x: Any) -> str:
     kind, hint = _DTYPE_HINTS.get(x.dtype.kind, (str(x.dtype), "pass numbers"))
     return (f"is a numpy array of dtype {x.dtype} ({kind}), which jax cannot"
             f" hold. Hint: {hint}.")
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return (f"is a jax.ShapeDtypeStruct ({describe([abstract_signature(x)])[1:-1]}),"
+            " which describes an array but holds no data. Hint: pass an array"
+            " of that shape and dtype to run, or use .lower(...) (or explain)"
+            " to compile without data.")
   if type(x) is int:
     dtype = jax.dtypes.canonicalize_dtype(np.dtype(int))
     return (f"is the Python int {x}, which does not fit in {dtype.name}, jax's"
@@ -119,8 +138,9 @@ class InputSignature:
     return [to_aval(s) for s in self.signatures]
 
   def skeleton(self) -> Any:
-    """The dynamic arguments' tree with leaf indices in place of arrays."""
-    return jax.tree_util.tree_unflatten(self.treedef, range(len(self.signatures)))
+    """The dynamic arguments' tree with a ``jax.ShapeDtypeStruct`` in place
+    of each array (errors about its structure can name shapes)."""
+    return jax.tree_util.tree_unflatten(self.treedef, self.avals)
 
 
 class ArgumentLayout:
@@ -145,18 +165,21 @@ class ArgumentLayout:
                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
   def signature(self, nargs: int, static_values: tuple, leaves: Sequence[Any],
-                treedef: Any, sigs: tuple[tuple, ...] | None = None) -> InputSignature:
+                treedef: Any, sigs: tuple[tuple, ...] | None = None, *,
+                sign: Callable[[Any], tuple] | None = None) -> InputSignature:
     """The :class:`InputSignature` of already flattened dynamic arguments
-    (``sigs``: their signatures, when already computed).
+    (``sigs``: their signatures, when already computed; else made by
+    ``sign``: :func:`signature` by default, :func:`lowering_signature` to
+    also accept ``jax.ShapeDtypeStruct``).
 
     Raises:
       TypeError: a leaf is not an array (named by its argument and path).
     """
     if sigs is None:
       try:
-        sigs = tuple(map(signature, leaves))
+        sigs = tuple(map(sign or signature, leaves))
       except NotAnArray:
-        self.check_arrays(nargs, jax.tree_util.tree_unflatten(treedef, leaves))
+        self.check_arrays(nargs, jax.tree_util.tree_unflatten(treedef, leaves), sign)
         raise
     paths = tuple(p for p, _ in jax.tree_util.tree_flatten_with_path(
         jax.tree_util.tree_unflatten(treedef, range(len(sigs))))[0])
@@ -256,13 +279,15 @@ class ArgumentLayout:
       return tuple(parts[i] for i in self.dynamic_positions(nargs))
     return parts
 
-  def check_arrays(self, nargs: int, dyn: tuple) -> None:
-    """Raises a TypeError naming the first flat input that is not an array."""
+  def check_arrays(self, nargs: int, dyn: tuple,
+                   sign: Callable[[Any], tuple] | None = None) -> None:
+    """Raises a TypeError naming the first flat input that ``sign`` (by
+    default :func:`signature`) rejects."""
     positions = self.dynamic_positions(nargs)
     for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
       name = self._path_name(positions, path)
       try:
-        signature(leaf)
+        (sign or signature)(leaf)
       except NotAnArray:
         raise TypeError(f"{name} {why_not(leaf)}") from None
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from partitioner import _compat
 from partitioner._stats import stats
-from sharding._tiling import Tiling
+from sharding._partition_spec import PartitionSpec
+from sharding._tiling import Tiling, tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Program:
     devices: the device assignment.
     summary: arguments' shapes and specs, for log messages.
     host_callbacks: Python callbacks the program calls (jax.debug.print...).
+    auto_outputs: per output, whether XLA chooses its tiling (``AUTO``);
+      empty when none does.
   """
   name: str
   module: bytes
@@ -34,6 +37,7 @@ class Program:
   devices: tuple[jax.Device, ...]
   summary: str
   host_callbacks: tuple = ()
+  auto_outputs: tuple[bool, ...] = ()
 
 
 def compile_options(
@@ -43,6 +47,7 @@ def compile_options(
     *,
     xla_options: Mapping[str, Any] | None = None,
     disable_most_optimizations: bool = False,
+    auto_outputs: Sequence[bool] = (),
 ) -> _compat.CompileOptions:
   """Options for one SPMD program of ``num_partitions`` over ``devices``.
 
@@ -56,6 +61,8 @@ def compile_options(
       ``{"xla_cpu_enable_fast_math": False}``.
     disable_most_optimizations: backend optimization level 0, for fast
       debugging compiles.
+    auto_outputs: per output, whether XLA's partitioner may choose its
+      sharding (the module gives it none).
 
   Raises:
     ValueError: the device assignment's shape does not match N.
@@ -74,6 +81,8 @@ def compile_options(
   build.use_shardy_partitioner = mode == "shardy"
   options.device_assignment = _compat.device_assignment(
       [d.id for d in assignment.reshape(-1)])
+  if any(auto_outputs):
+    build.allow_spmd_sharding_propagation_to_output = list(auto_outputs)
   if xla_options:
     options.env_option_overrides = sorted(
         (str(k), v if isinstance(v, (bool, int, float)) else str(v))
@@ -92,6 +101,46 @@ def compile_module(module: bytes, devices: Sequence[jax.Device],
   executable = _compat.compile_and_load(module, devices, options, host_callbacks)
   stats.add("compiles")
   return executable
+
+
+def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Device],
+                   out_tilings: Sequence[Tiling | None], out_shapes: Sequence[tuple],
+                   out_names: Sequence[str]) -> tuple[Tiling, ...]:
+  """Every output's tiling, reading the ones XLA chose (None in
+  ``out_tilings``: ``AUTO``) from the compiled program.
+
+  Raises:
+    NotImplementedError: XLA chose a layout that partition counts cannot
+      express (not row-major over the device assignment).
+  """
+  if all(t is not None for t in out_tilings):
+    return tuple(out_tilings)
+  _, actual = _compat.executable_shardings(loaded)
+  if len(out_tilings) == 1 and len(actual) != 1:  # (a one-element tuple sharding)
+    actual = actual[:1]
+  chosen = []
+  for k, t in enumerate(out_tilings):
+    if t is None:
+      t = _as_tiling(actual[k] if len(devices) > 1 else None, devices,
+                     len(out_shapes[k]), out_names[k])
+    chosen.append(t)
+  return tuple(chosen)
+
+
+def _as_tiling(hlo: Any, devices: Sequence[jax.Device], ndim: int, name: str) -> Tiling:
+  if hlo is None or hlo.is_replicated():
+    return tiling(None, devices, ndim)
+  dims = list(hlo.tile_assignment_dimensions())
+  counts = dims[:-1] if hlo.replicate_on_last_tile_dim() else dims
+  if len(counts) == ndim:  # (anything else is no tiling of ours: the check below)
+    candidate = tiling(PartitionSpec(*counts), devices, ndim)
+    if _compat.hlo_sharding(candidate.gspmd()) == hlo:
+      return candidate
+  raise NotImplementedError(
+      f"out_parts for {name} is AUTO and XLA's partitioner chose the layout"
+      f" {hlo}, which partition counts cannot express (tiles not in row-major"
+      " order over the devices). Hint: give out_parts a PartitionSpec (or"
+      " None) for this output.")
 
 
 def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,

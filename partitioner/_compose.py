@@ -34,20 +34,14 @@ from partitioner._insert import gspmd_constraint, shardy_constraint
 from sharding._constraint import constraint_p, emitting_markers
 from sharding._constraint import lower as marker_lowering
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import Tiling, tiling
+from sharding._tiling import Tiling, axis_runs, factor_axes, tiling
 
 PARTITION_AXIS_PREFIX = "sharded_jit_p"
 
 
 def prime_factors(n: int) -> list[int]:
   """``12 -> [2, 2, 3]``."""
-  out, p = [], 2
-  while n > 1:
-    while n % p == 0:
-      out.append(p)
-      n //= p
-    p += 1
-  return out
+  return [size for _, size in factor_axes(n)]
 
 
 def mesh_spec(spec: PartitionSpec | None, axes: Sequence[tuple[str, int]],
@@ -61,23 +55,17 @@ def mesh_spec(spec: PartitionSpec | None, axes: Sequence[tuple[str, int]],
   """
   if spec is None or not spec.is_partitioned:
     return jax.sharding.PartitionSpec()
-  out, i = [], 0
-  for count in spec.counts:
-    names, size = [], 1
-    while size < count and i < len(axes):
-      names.append(axes[i][0])
-      size *= axes[i][1]
-      i += 1
-    if size != count:
-      sizes = " x ".join(str(s) for _, s in axes)
-      raise ValueError(
-          f"{what}: spec {spec!r} cannot be laid out over the {sizes}"
-          " partition axes of partitioner.pmap (each count must take the next"
-          " prime factors of the number of partitions, in order). Hint: use"
-          " counts that are products of consecutive factors, e.g. split the"
-          " leading dimensions by the smaller factors.")
-    out.append(None if not names else names[0] if len(names) == 1 else tuple(names))
-  return jax.sharding.PartitionSpec(*out)
+  runs = axis_runs(spec.counts, axes)
+  if runs is None:
+    sizes = " x ".join(str(s) for _, s in axes)
+    raise ValueError(
+        f"{what}: spec {spec!r} cannot be laid out over the {sizes}"
+        " partition axes of partitioner.pmap (each count must take the next"
+        " prime factors of the number of partitions, in order). Hint: use"
+        " counts that are products of consecutive factors, e.g. split the"
+        " leading dimensions by the smaller factors.")
+  return jax.sharding.PartitionSpec(
+      *(None if not run else run[0] if len(run) == 1 else run for run in runs))
 
 
 def partition_axes(mesh: Any) -> list[tuple[str, int]]:
@@ -204,7 +192,6 @@ def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any
         " guards for ops XLA's partitioner gets wrong: "
         + "; ".join(lowered.guards) + ". Hint: call it directly (not under"
         " jax.jit/grad/vmap), or keep those dimensions unsplit.", stacklevel=4)
-  out_tree = lowered.traced.out_tree
 
   def flat(*leaves):
     return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, leaves)))
@@ -213,7 +200,6 @@ def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any
   jitted = jax.jit(
       flat,
       in_shardings=tuple(t.named_sharding() for t in placement.in_tilings),
-      out_shardings=jax.tree_util.tree_unflatten(
-          out_tree, [t.named_sharding() for t in placement.out_tilings]),
+      out_shardings=lowered.out_shardings,  # (None for AUTO: jax's partitioner chooses)
       keep_unused=True)
   return Staged(jitted, placement.num_partitions)

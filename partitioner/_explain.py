@@ -35,7 +35,8 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
 
 @dataclasses.dataclass(frozen=True)
 class ValueLayout:
-  """How one argument or output is laid out over the devices."""
+  """How one argument or output is laid out over the devices (``rule``: the
+  rule of ``sharding.spec_tree`` that chose its spec, or ``""``)."""
   name: str
   shape: tuple[int, ...]
   dtype: str
@@ -43,10 +44,13 @@ class ValueLayout:
   shard_shape: tuple[int, ...]
   shard_bytes: int
   picture: str
+  rule: str = ""
 
   def __str__(self) -> str:
     head = (f"{self.name}: {self.dtype}{list(self.shape)}  {self.spec}  ->  "
             f"{self.dtype}{list(self.shard_shape)} per device ({_bytes(self.shard_bytes)})")
+    if self.rule:
+      head += f"  from {self.rule}"
     return head + "\n" + "\n".join("    " + l for l in self.picture.splitlines())
 
 
@@ -131,13 +135,14 @@ class Explanation:
     return "\n".join(out)
 
 
-def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling) -> ValueLayout:
-  """The :class:`ValueLayout` of one value."""
+def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling,
+           rule: str = "") -> ValueLayout:
+  """The :class:`ValueLayout` of one value (``rule``: see there)."""
   shard = tiling.shard_shape(shape)
   itemsize = np.dtype(dtype).itemsize
   spec = "replicated" if tiling.replicated else repr(tiling.spec)
   return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
-                     math.prod(shard) * itemsize, tiling.picture())
+                     math.prod(shard) * itemsize, tiling.picture(), rule)
 
 
 def layout_of(name: str, shape: Sequence[int], dtype: np.dtype,

@@ -24,7 +24,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from partitioner._guard import Guard, guard
 from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import Tiling, shardy_mesh_op
+from sharding._tiling import Tiling, axis_runs, factor_axes, shardy_mesh_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +77,10 @@ class ShardingPass:
     return sites
 
   def insert(self, num_partitions: int, mode: str,
-             in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling],
+             in_tilings: Sequence[Tiling], out_tilings: Sequence[Tiling | None],
              constraint_tilings: Sequence[Tiling]) -> None:
-    """Inserts the shardings (see the module docstring)."""
+    """Inserts the shardings (see the module docstring); an output whose
+    tiling is None gets none: XLA's partitioner chooses it (``AUTO``)."""
     with self._context, ir.Location.unknown():
       i32 = ir.IntegerType.get_signless(32)
       attrs = self._module.attributes
@@ -92,17 +93,25 @@ class ShardingPass:
         self._markers = []
         return
       if mode == "shardy":
+        axes = None
+        if any(t is None for t in out_tilings):
+          # Shardy does not propagate sub-axes of one mesh axis to a result
+          # without a sharding (it comes back replicated): over one axis
+          # per prime factor of N, when every spec fits those, it does.
+          axes = _whole_axes(num_partitions, [*in_tilings, *out_tilings,
+                                              *constraint_tilings])
         ir.InsertionPoint.at_block_begin(self._body()).insert(
-            ir.Operation.parse(shardy_mesh_op(num_partitions)))
-        arg_attr = lambda t: ("sdy.sharding", ir.Attribute.parse(t.shardy()))
-        rewrite = shardy_constraint
+            ir.Operation.parse(shardy_mesh_op(num_partitions, axes)))
+        arg_attr = lambda t: ("sdy.sharding", ir.Attribute.parse(t.shardy(axes=axes)))
+        rewrite = lambda x, t: shardy_constraint(x, t, axes=axes)
       else:
         arg_attr = lambda t: ("mhlo.sharding", ir.StringAttr.get(t.gspmd()))
         rewrite = gspmd_constraint
       main = self._main()
       main.arg_attrs = _with_attrs(main.arg_attrs, [arg_attr(t) for t in in_tilings])
-      main.result_attrs = _with_attrs(main.result_attrs,
-                                      [arg_attr(t) for t in out_tilings])
+      main.result_attrs = _with_attrs(main.result_attrs,  # None: XLA chooses
+                                      [None if t is None else arg_attr(t)
+                                       for t in out_tilings])
       for op, tiling in zip(self._markers, constraint_tilings, strict=True):
         with ir.InsertionPoint(op), op.location:
           new = rewrite(op.operands[0], tiling)
@@ -132,21 +141,33 @@ class ShardingPass:
 
 
 def _with_attrs(current: ir.ArrayAttr,
-                new: Sequence[tuple[str, ir.Attribute]]) -> ir.ArrayAttr:
-  """Merges one (name, attribute) into each argument's attribute dict."""
+                new: Sequence[tuple[str, ir.Attribute] | None]) -> ir.ArrayAttr:
+  """Merges one (name, attribute) into each argument's attribute dict
+  (None: leave that one as it is)."""
   merged = []
-  for old, (name, value) in zip(current, new, strict=True):
+  for old, item in zip(current, new, strict=True):
     d = {a.name: a.attr for a in ir.DictAttr(old)}
-    d[name] = value
+    if item is not None:
+      d[item[0]] = item[1]
     merged.append(ir.DictAttr.get(d))
   return ir.ArrayAttr.get(merged)
 
 
-def shardy_constraint(x: ir.Value, tiling: Tiling, inline_mesh: bool = False) -> ir.Value:
+def shardy_constraint(x: ir.Value, tiling: Tiling, inline_mesh: bool = False,
+                      axes: Sequence[tuple[str, int]] | None = None) -> ir.Value:
   """An ``sdy.sharding_constraint``; ``inline_mesh`` for modules without our
-  ``sdy.mesh`` op (jax's own programs)."""
+  ``sdy.mesh`` op (jax's own programs), ``axes`` for a module whose mesh has
+  them (see :meth:`Tiling.shardy`)."""
   return sdy.ShardingConstraintOp(
-      x, ir.Attribute.parse(tiling.shardy(inline_mesh=inline_mesh))).result
+      x, ir.Attribute.parse(tiling.shardy(inline_mesh=inline_mesh, axes=axes))).result
+
+
+def _whole_axes(n: int, tilings: Sequence[Tiling | None]) -> list[tuple[str, int]] | None:
+  """One mesh axis per prime factor of ``n`` if every tiling fits them."""
+  axes = factor_axes(n)
+  if all(t is None or axis_runs(t.spec.counts, axes) is not None for t in tilings):
+    return axes
+  return None
 
 
 def gspmd_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:

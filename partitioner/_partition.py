@@ -24,7 +24,9 @@ from partitioner._distributed import _local_parts
 from partitioner._insert import ShardingPass
 from partitioner._stages import Lowered
 from partitioner._trace import trace_and_lower
-from sharding._spec_tree import broadcast_specs
+from sharding._partition_spec import AUTO
+from sharding._rules import rule_of
+from sharding._spec_tree import broadcast_specs, reject_auto
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,11 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   in_specs = _arg_specs(request.in_parts, layout, inputs, skeleton, "in_parts")
   avals = inputs.avals
   names = layout.leaf_names(inputs)
+  reject_auto(in_specs, names, "in_parts")
   in_local = None
   if request.local_in_parts is not None:
     given = _arg_specs(request.local_in_parts, layout, inputs, skeleton, "local_in_parts")
+    reject_auto(given, names, "local_in_parts")
     in_local = _local_parts.check_local_specs(in_specs, given, names, world.size, "in")
     avals = _local_parts.global_avals(avals, in_specs, in_local)
   rebuild = layout.rebuild(inputs.nargs, inputs.static_values)
@@ -72,9 +76,22 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")
   out_names = ["output" + jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_flatten_with_path(out_tree_avals)[0]]
+  # AUTO: XLA chooses (not for extended dtypes, whose physical arrays have
+  # trailing dimensions the choice would have to leave whole: replicated).
+  auto = tuple(spec is AUTO and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) is False
+               for spec, a in zip(out_specs, traced.out_avals))
+  out_specs = [None if spec is AUTO else spec for spec in out_specs]
   out_local = None
   if request.local_out_parts is not None:
     given = broadcast_specs(request.local_out_parts, out_tree_avals, "local_out_parts")
+    reject_auto(given, out_names, "local_out_parts")
+    for name, is_auto in zip(out_names, auto):
+      if is_auto:
+        raise ValueError(
+            f"out_parts for {name} is AUTO, but with local_out_parts each"
+            " process gets back its own piece, which needs a tiling known"
+            " before the program runs. Hint: give out_parts a PartitionSpec"
+            " (or None) for it, or drop local_out_parts.")
     out_local = _local_parts.check_local_specs(out_specs, given, out_names,
                                                world.size, "out")
 
@@ -88,7 +105,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
                          request.devices, world.size, request.local_num_partitions)
   mode = config.partitioner
   sharding_pass.insert(placement.num_partitions, mode, placement.in_physical,
-                       placement.out_physical, placement.constraint_tilings)
+                       [None if a else t for t, a in zip(placement.out_physical, auto)],
+                       placement.constraint_tilings)
   for guard in sharding_pass.guards:
     logger.info("sharded_jit(%s): %s, where XLA's partitioner gives wrong values",
                 request.name, guard)
@@ -96,7 +114,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       name=request.name, module=sharding_pass.as_bytecode(),
       module_text=sharding_pass.as_text(), mode=mode,
       devices=placement.devices, summary=_summary(ins, names),
-      host_callbacks=traced.host_callbacks)
+      host_callbacks=traced.host_callbacks,
+      auto_outputs=auto if any(auto) else ())
   return Lowered(
       name=request.name, layout=layout, inputs=inputs, traced=traced,
       placement=placement, program=program, in_names=tuple(names), donated=donated,
@@ -104,7 +123,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       in_local=None if in_local is None else tuple(in_local),
       out_local=None if out_local is None else tuple(out_local),
       process=(world.rank, world.size),
-      guards=tuple(str(g) for g in sharding_pass.guards))
+      guards=tuple(str(g) for g in sharding_pass.guards),
+      in_rules=tuple(map(rule_of, in_specs)), out_rules=tuple(map(rule_of, out_specs)))
 
 
 def _arg_specs(parts: Any, layout: ArgumentLayout, inputs: InputSignature,

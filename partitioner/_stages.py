@@ -40,6 +40,8 @@ class Lowered:
     process: (rank, number of processes).
     guards: ops kept unsplit (or clamped) where XLA's partitioner would give
       wrong values, each with its source line (``_guard``).
+    in_rules, out_rules: for each flat input/output, the rule of
+      :func:`sharding.spec_tree` that chose its spec, or ``""``.
   """
   name: str
   layout: ArgumentLayout
@@ -54,6 +56,8 @@ class Lowered:
   out_local: tuple[PartitionSpec | None, ...] | None
   process: tuple[int, int]
   guards: tuple[str, ...] = ()
+  in_rules: tuple[str, ...] = ()
+  out_rules: tuple[str, ...] = ()
 
   @property
   def num_partitions(self) -> int:
@@ -77,10 +81,13 @@ class Lowered:
 
   @property
   def out_shardings(self) -> Any:
-    """The sharding of each output, in the outputs' tree structure."""
+    """The sharding of each output, in the outputs' tree structure (None
+    for an ``AUTO`` output: XLA chooses it when compiling)."""
+    auto = self.program.auto_outputs or [False] * len(self.placement.out_tilings)
     return jax.tree_util.tree_unflatten(
         self.traced.out_tree,
-        [t.named_sharding() for t in self.placement.out_tilings])
+        [None if a else t.named_sharding()
+         for t, a in zip(self.placement.out_tilings, auto)])
 
   def as_text(self) -> str:
     """The MLIR module after sharding insertion, before XLA partitions it."""
@@ -100,9 +107,15 @@ class Lowered:
     loaded = compilation_cache.load_or_compile(self.program)
     empty = tuple([0 in a.shape for a in avals]
                   for avals in (self.traced.in_avals, self.traced.out_avals))
+    if self.program.auto_outputs:  # AUTO outputs: read what XLA chose
+      chosen = _compile.chosen_tilings(
+          loaded, p.devices,
+          [None if a else t for t, a in zip(p.out_tilings, self.program.auto_outputs)],
+          [a.shape for a in self.traced.out_avals], self.out_names)
+      p = dataclasses.replace(p, out_tilings=chosen, out_physical=chosen)
     _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical,
                               empty)
-    return Compiled(self, Executable(loaded, p, self.traced, self.in_local,
+    return Compiled(self, p, Executable(loaded, p, self.traced, self.in_local,
                                      self.out_local, self.process, self.in_names,
                                      self.donated))
 
@@ -115,8 +128,9 @@ class Compiled:
     executable: the loaded program and its per-call path.
   """
 
-  def __init__(self, lowered: Lowered, executable: Executable):
+  def __init__(self, lowered: Lowered, placement: Placement, executable: Executable):
     self.lowered = lowered
+    self.placement = placement  # the lowered one, with what XLA chose for AUTO outputs
     self.executable = executable
     self.out_tree = lowered.traced.out_tree
 
@@ -164,15 +178,17 @@ class Compiled:
     XLA inserted (kind, bytes, source line); per-device FLOPs and memory.
     ``print(compiled.explain())`` shows it; its fields are data too.
     """
-    low, p, t = self.lowered, self.lowered.placement, self.lowered.traced
+    low, p, t = self.lowered, self.placement, self.lowered.traced
     memory = _explain.memory(self.memory_analysis())
     return _explain.Explanation(
         name=low.name, partitioner=low.partitioner,
         num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),
-        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
-                        in zip(low.in_names, t.in_avals, p.in_tilings)),
-        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl) for n, a, tl
-                      in zip(low.out_names, t.out_avals, p.out_tilings)),
+        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl, r) for n, a, tl, r
+                        in zip(low.in_names, t.in_avals, p.in_tilings,
+                               low.in_rules or ("",) * len(low.in_names))),
+        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl, r) for n, a, tl, r
+                      in zip(low.out_names, t.out_avals, p.out_tilings,
+                             low.out_rules or ("",) * len(low.out_names))),
         collectives=tuple(_explain.collectives(self.as_text())),
         flops=float(self.cost_analysis().get("flops", 0.0)),
         memory=memory, guards=low.guards)

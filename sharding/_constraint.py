@@ -28,7 +28,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import ad, batching, mlir
 
 from sharding._partition_spec import PartitionSpec
-from sharding._spec_tree import broadcast_specs
+from sharding._spec_tree import broadcast_specs, reject_auto
 
 MARKER_TARGET = "sharded_jit.constraint"
 ORIGIN_ATTR = "sharded_jit.origin"
@@ -107,6 +107,8 @@ def constrain(x: Any, spec: Any, origin: str) -> Any:
   it in errors and in explain(), e.g. ``train.py:12 (step)``."""
   specs = broadcast_specs(spec, x, "with_sharding_constraint spec")
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
+  reject_auto(specs, [f"x{jax.tree_util.keystr(p)} at {origin}" for p, _ in path_leaves],
+              "with_sharding_constraint spec")
   out = []
   for (path, leaf), leaf_spec in zip(path_leaves, specs):
     if not isinstance(leaf, jax.Array | jax.core.Tracer):

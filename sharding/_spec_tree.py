@@ -6,18 +6,19 @@ from typing import Any
 
 import jax
 
-from sharding._partition_spec import PartitionSpec
+from sharding._partition_spec import AUTO, PartitionSpec
 
 Spec = PartitionSpec | None
 
 
 def is_spec_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, PartitionSpec)
+  return x is None or x is AUTO or isinstance(x, PartitionSpec)
 
 
 def check_spec(spec: Any, what: str) -> Spec:
-  """Returns ``spec`` if it is a PartitionSpec or None, else a TypeError."""
-  if spec is None or isinstance(spec, PartitionSpec):
+  """Returns ``spec`` if it is a PartitionSpec, None or AUTO (only out_parts
+  accept AUTO: see ``reject_auto``), else a TypeError."""
+  if spec is None or spec is AUTO or isinstance(spec, PartitionSpec):
     return spec
   if isinstance(spec, jax.sharding.PartitionSpec):
     hint = ("this toolkit's sharding.PartitionSpec takes partition counts, e.g."
@@ -39,6 +40,18 @@ def check_specs(specs: Any, what: str) -> tuple[list[Spec], Any]:
   """
   paths, spec_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
   return [check_spec(s, f"{what}{jax.tree_util.keystr(p)}") for p, s in paths], spec_def
+
+
+def reject_auto(specs: Any, names: Any, what: str) -> None:
+  """Raises a ValueError for AUTO in ``specs`` (one per value in ``names``):
+  only out_parts may leave a tiling to the partitioner."""
+  for spec, name in zip(specs, names):
+    if spec is AUTO:
+      raise ValueError(
+          f"{what} for {name} is AUTO, which only out_parts accept: the"
+          " partitioner chooses an output's tiling, but an input's must be"
+          f" known before the program is built. Hint: give {what} a"
+          " PartitionSpec (or None for replicated) for it.")
 
 
 def broadcast_specs(specs: Any, tree: Any, what: str = "specs") -> list[Spec]:
@@ -65,7 +78,9 @@ def broadcast_specs(specs: Any, tree: Any, what: str = "specs") -> list[Spec]:
   spec_leaves, spec_def = check_specs(specs, what)
   return broadcast_prefix(spec_leaves, spec_def, tree, what,
                           "give one spec per value, or a single spec (or None)"
-                          " for a whole subtree")
+                          " for a whole subtree; sharding.spec_tree(values,"
+                          " rules) builds a spec tree of the values' structure"
+                          " from path patterns")
 
 
 def broadcast_prefix(leaves: list, prefix_def: Any, tree: Any, what: str,
@@ -73,19 +88,104 @@ def broadcast_prefix(leaves: list, prefix_def: Any, tree: Any, what: str,
   """One entry per leaf of ``tree``: each of ``leaves`` (the leaves of a
   prefix tree of structure ``prefix_def``) repeated over its subtree.
 
+  A plain dict in the prefix also describes any mapping node with the same
+  keys (a flax ``nnx.State``, a ``FrozenDict``).
+
   Raises:
-    ValueError: the prefix does not match ``tree``, naming ``what``.
+    ValueError: the prefix does not match ``tree``, naming ``what``, the
+      first path where they differ and what each has there (never values).
   """
   try:
     subtrees = prefix_def.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        f"{what} does not match the structure it describes: {what} is"
-        f" {jax.tree_util.tree_unflatten(prefix_def, leaves)!r} (structure"
-        f" {prefix_def}) but the values have structure"
-        f" {jax.tree_util.tree_structure(tree)}. Hint: {hint}. Details:"
-        f" {e}") from None
+  except (ValueError, TypeError):
+    prefix = jax.tree_util.tree_unflatten(prefix_def, leaves)
+    return _match(prefix, prefix_def, leaves, tree, (), (what, hint, prefix))
   out = []
   for leaf, sub in zip(leaves, subtrees):
     out.extend([leaf] * len(jax.tree_util.tree_leaves(sub)))
   return out
+
+
+def describe_leaf(x: Any) -> str:
+  """``float32[8, 4]`` for anything with a shape and dtype, else its type."""
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is not None and dtype is not None:
+    return f"{getattr(dtype, 'name', dtype)}{list(shape)}"
+  return f"a {type(x).__name__}"
+
+
+def _one_level(x: Any) -> tuple[list, list, Any]:
+  """(keys, children, structure) of the top node of ``x`` only."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+  return [p[0] for p, _ in paths if p], [c for _, c in paths], treedef
+
+
+def _is_leaf_def(treedef: Any) -> bool:
+  return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _match(prefix: Any, prefix_def: Any, leaves: list, tree: Any, path: tuple,
+           error: tuple) -> list:
+  """broadcast_prefix, walking both trees node by node (in ``tree``'s order)."""
+  if _is_leaf_def(prefix_def):
+    return leaves * len(jax.tree_util.tree_leaves(tree))
+  p_keys, p_children, p_def = _one_level(prefix)
+  t_keys, t_children, t_def = _one_level(tree)
+  child_defs = prefix_def.children()
+  starts = [0]
+  for d in child_defs:
+    starts.append(starts[-1] + d.num_leaves)
+  parts = [(c, d, leaves[a:b]) for c, d, a, b in
+           zip(p_children, child_defs, starts, starts[1:])]
+  if p_def == t_def:
+    pairs = list(zip(parts, t_keys, t_children))
+  elif (type(prefix) is dict and t_keys and not _is_leaf_def(t_def)
+        and all(isinstance(k, jax.tree_util.DictKey) for k in t_keys)
+        and {k.key for k in t_keys} == set(prefix)):
+    by_key = dict(zip([k.key for k in p_keys], parts))
+    pairs = [(by_key[k.key], k, c) for k, c in zip(t_keys, t_children)]
+  else:
+    raise _mismatch(prefix, p_keys, tree, t_keys, t_def, path, *error)
+  out = []
+  for (child, child_def, child_leaves), key, sub in pairs:
+    out.extend(_match(child, child_def, child_leaves, sub, (*path, key), error))
+  return out
+
+
+def _mismatch(prefix: Any, p_keys: list, tree: Any, t_keys: list, t_def: Any,
+              path: tuple, what: str, hint: str, whole: Any) -> ValueError:
+  where = f"at {what}{jax.tree_util.keystr(path)}" if path else "at the top"
+  found = describe_leaf(tree) if _is_leaf_def(t_def) else _describe_node(tree, t_keys)
+  expected = _describe_node(prefix, p_keys)
+  p_names = [k.key for k in p_keys if isinstance(k, jax.tree_util.DictKey)]
+  t_names = [k.key for k in t_keys if isinstance(k, jax.tree_util.DictKey)]
+  notes = []
+  if p_names and t_names:
+    if missing := [k for k in t_names if k not in p_names]:
+      notes.append(f"missing in {what}: {_short(missing)}")
+    if extra := [k for k in p_names if k not in t_names]:
+      notes.append(f"not in the values: {_short(extra)}")
+  detail = f" ({'; '.join(notes)})" if notes else ""
+  shown = repr(whole)
+  shown = f" {what} is {shown}." if len(shown) <= 200 else ""
+  return ValueError(
+      f"{what} does not match the structure it describes {where}: {what}"
+      f" has {expected} but the values have {found}{detail}.{shown} Hint:"
+      f" {hint}.")
+
+
+def _describe_node(x: Any, keys: list) -> str:
+  """``a dict with keys ['a', 'b']``, ``a tuple of 3 entries``, ``None``."""
+  if x is None:
+    return "None"
+  name = type(x).__name__
+  if keys and all(isinstance(k, jax.tree_util.DictKey) for k in keys):
+    return f"a {name} with keys {_short([k.key for k in keys])}"
+  if keys and all(isinstance(k, jax.tree_util.GetAttrKey) for k in keys):
+    return f"a {name} with fields {_short([k.name for k in keys])}"
+  return f"a {name} of {len(keys)} entr{'y' if len(keys) == 1 else 'ies'}"
+
+
+def _short(names: list) -> str:
+  """A list of names, the first 8 only."""
+  return repr(names) if len(names) <= 8 else f"{repr(names[:8])[:-1]}, ... ({len(names)} in all)]"

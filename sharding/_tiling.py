@@ -161,12 +161,24 @@ class Tiling:
       pre *= count
     return dims
 
-  def shardy(self, inline_mesh: bool = False) -> str:
+  def shardy(self, inline_mesh: bool = False,
+             axes: Sequence[tuple[str, int]] | None = None) -> str:
     """The Shardy tensor sharding attribute text: over the module's
-    ``sdy.mesh`` op (:func:`shardy_mesh_op`), or with the mesh inline."""
+    ``sdy.mesh`` op (:func:`shardy_mesh_op`), or with the mesh inline.
+
+    With ``axes`` (the mesh's (name, size) axes, major to minor, e.g.
+    :func:`factor_axes`), each split dimension takes whole axes instead of
+    sub-axes of ``x``; the spec must fit them (:func:`axis_runs`)."""
     mesh = (f'mesh<["{SHARDY_AXIS}"={self.num_devices}]>' if inline_mesh
             else f"@{SHARDY_MESH_NAME}")
-    return f"#sdy.sharding<{mesh}, [{', '.join(self.shardy_dims())}]>"
+    if axes is None:
+      dims = self.shardy_dims()
+    else:
+      runs = axis_runs(self.spec.counts, axes)
+      if runs is None:
+        raise ValueError(f"{self.spec!r} does not fit the mesh axes {list(axes)}")
+      dims = ["{" + ", ".join(f'"{a}"' for a in run) + "}" for run in runs]
+    return f"#sdy.sharding<{mesh}, [{', '.join(dims)}]>"
 
   def named_sharding(self) -> jax.sharding.NamedSharding:
     """A ``NamedSharding`` with the same layout, for the arrays users see."""
@@ -212,6 +224,41 @@ def tiling(spec: PartitionSpec | None, devices: Sequence, ndim: int) -> Tiling:
   return _cached_tiling(spec, tuple(devices), ndim)
 
 
-def shardy_mesh_op(num_devices: int) -> str:
-  """The ``sdy.mesh`` op every Shardy sharding of this module refers to."""
-  return f'sdy.mesh @{SHARDY_MESH_NAME} = <["{SHARDY_AXIS}"={num_devices}]>'
+def shardy_mesh_op(num_devices: int,
+                   axes: Sequence[tuple[str, int]] | None = None) -> str:
+  """The ``sdy.mesh`` op every Shardy sharding of this module refers to:
+  one axis ``x`` of all devices, or ``axes`` (major to minor)."""
+  if axes is None:
+    axes = [(SHARDY_AXIS, num_devices)]
+  listed = ", ".join(f'"{name}"={size}' for name, size in axes)
+  return f"sdy.mesh @{SHARDY_MESH_NAME} = <[{listed}]>"
+
+
+def factor_axes(n: int, prefix: str = "x") -> list[tuple[str, int]]:
+  """Mesh axes of ``n`` devices, one per prime factor, major to minor:
+  ``12 -> [("x0", 2), ("x1", 2), ("x2", 3)]``."""
+  factors, p = [], 2
+  while n > 1:
+    while n % p == 0:
+      factors.append(p)
+      n //= p
+    p += 1
+  return [(f"{prefix}{i}", f) for i, f in enumerate(factors)]
+
+
+def axis_runs(counts: Sequence[int],
+              axes: Sequence[tuple[str, int]]) -> list[tuple[str, ...]] | None:
+  """Per dimension, the next run of ``axes`` whose sizes multiply to its
+  count (the row-major tiling of the counts over those axes); None when the
+  counts cannot be laid out over the axes in order."""
+  out, i = [], 0
+  for count in counts:
+    names, size = [], 1
+    while size < count and i < len(axes):
+      names.append(axes[i][0])
+      size *= axes[i][1]
+      i += 1
+    if size != count:
+      return None
+    out.append(tuple(names))
+  return out

@@ -167,6 +167,9 @@ CASES = [
     ("compiled with another dtype", lambda: sj().lower(X).compile()(X.astype(np.int32)), (TypeError, r"called with \[int32\[8, 4\]\]")),
     ("compiled with more arguments", lambda: sj().lower(X).compile()(X, X), (TypeError, r"was lowered for arguments")),
     ("lower with keywords", lambda: sj().lower(x=X), (TypeError, "keyword arguments")),
+    ("lower with a ShapeDtypeStruct ok", lambda: sj().lower(jax.ShapeDtypeStruct((8, 4), jnp.float32)).num_partitions, OK(2)),
+    ("call with a ShapeDtypeStruct", lambda: sj()(jax.ShapeDtypeStruct((8, 4), jnp.float32)), (TypeError, NAMED + r" is a jax.ShapeDtypeStruct \(float32\[8, 4\]\), which describes an array but holds no data. Hint: pass an array.*\.lower")),
+    ("in_parts dict for a leaf", lambda: sj(i=({"w": P(2, 1)},))(X), (ValueError, r"in_parts does not match the structure it describes at in_parts\[0\]: in_parts has a dict with keys \['w'\] but the values have float32\[8, 4\]")),
     ("explain a plain function", lambda: explain(lambda x: x, X), (TypeError, "explain")),
     # --- settings -----------------------------------------------------------------------
     ("partitioner unknown", lambda: setting(partitioner="xla"), (ValueError, r"config.partitioner must be one of \('shardy', 'gspmd'\), got 'xla'.*SHARDED_JIT_PARTITIONER")),

@@ -8,6 +8,7 @@ import pytest
 
 from partitioner import sharded_jit
 from sharding import PartitionSpec as P
+from sharding import broadcast_specs
 from sharding import with_sharding_constraint as wsc
 
 X = np.ones((8, 4), np.float32)
@@ -95,6 +96,53 @@ def test_out_parts_tree_does_not_match():
   g = sharded_jit(lambda x: (x, x), in_parts=None, out_parts=(P(2, 1), P(2, 1), None))
   with pytest.raises(ValueError, match="out_parts does not match"):
     g(X)
+
+
+def _nnx_state():
+  from flax import nnx
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(64, 64, rngs=rngs)
+      self.down = nnx.Linear(64, 64, rngs=rngs)
+  return nnx.state(Block(nnx.Rngs(0)), nnx.Param)
+
+
+def test_spec_tree_mismatch_names_the_first_path_and_never_prints_values():
+  state = _nnx_state()
+  g = sharded_jit(lambda s, x: x, in_parts=({"up": {"kernel": P(1, 2)}, "down": None}, None),
+                  out_parts=None)
+  with pytest.raises(ValueError) as info:
+    g(state, X)
+  message = str(info.value)
+  assert re.search(
+      r"in_parts does not match the structure it describes at in_parts\[0\]\['up'\]:"
+      r" in_parts has a dict with keys \['kernel'\] but the values have a dict with"
+      r" keys \['bias', 'kernel'\] \(missing in in_parts: \['bias'\]\)\..*Hint:.*"
+      r"sharding.spec_tree", message), message
+  assert len(message) < 600 and "value=" not in message and "Array(" not in message
+  with pytest.raises(ValueError) as info:  # real values, as with_sharding_constraint sees
+    broadcast_specs({"up": {"kernel": P(1, 2)}, "down": None}, state, "specs")
+  assert "Array(" not in str(info.value) and len(str(info.value)) < 600
+  leaf = sharded_jit(lambda x: x, in_parts=({"w": P(2, 1)},), out_parts=None)
+  with pytest.raises(ValueError, match=r"at in_parts\[0\]: in_parts has a dict with keys"
+                     r" \['w'\] but the values have float32\[8, 4\]"):
+    leaf(X)
+
+
+def test_a_plain_dict_prefix_describes_an_nnx_state():
+  state = _nnx_state()
+  g = sharded_jit(lambda s, x: x @ s["up"]["kernel"][...],
+                  in_parts=({"up": {"kernel": P(1, 2), "bias": P(2)}, "down": None}, None),
+                  out_parts=P(1, 2))
+  y = g(state, np.ones((2, 64), np.float32))
+  np.testing.assert_allclose(y, np.ones((2, 64)) @ np.asarray(state["up"]["kernel"][...]),
+                             rtol=1e-5)
+  lowered = g.lower(state, np.ones((2, 64), np.float32))
+  assert [(name.split("(args[")[1], sh.shard_shape(a.shape)) for name, sh, a in zip(
+      lowered.in_names, lowered.in_shardings, lowered.traced.in_avals)] == [
+          ("0])['down']['bias'].value", (64,)), ("0])['down']['kernel'].value", (64, 64)),
+          ("0])['up']['bias'].value", (32,)), ("0])['up']['kernel'].value", (64, 32)),
+          ("1])", (2, 64))]
 
 
 def test_non_array_argument_not_static():

@@ -1,6 +1,7 @@
 """The examples run end to end at a tiny size: loss goes down and matches the unsharded run."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -35,12 +36,22 @@ def test_transformer(tmp_path):
   assert "tokens/s" in proc.stdout and "(match)" in proc.stdout
   assert "Sample:\nThe " in proc.stdout
   assert "all-reduce" in proc.stdout  # the explain() summary
-  try:
-    import matplotlib  # noqa: F401
-  except ImportError:
-    assert "matplotlib is not installed" in proc.stdout
-  else:
-    assert (tmp_path / "loss.png").stat().st_size > 1000
+  assert (tmp_path / "loss.png").stat().st_size > 1000  # (the examples extra has matplotlib)
+
+
+def test_transformer_resumes_from_its_checkpoint(tmp_path):
+  small = ["--layers", "1", "--width", "64", "--heads", "4", "--batch", "8", "--seq", "32",
+           "--sample", "0", "--plot=", "--check_steps", "0", "--log_every", "1"]
+  losses = lambda out: re.findall(r"step +(\d+)/6 +loss (\S+)", out)
+  whole = run("examples/transformer.py", "--steps", "6", *small)
+  assert whole.returncode == 0, whole.stdout + whole.stderr
+  ckpt = ["--checkpoint_dir", str(tmp_path / "ckpt"), "--checkpoint_every", "2"]
+  first = run("examples/transformer.py", "--steps", "3", *small, *ckpt)
+  assert first.returncode == 0, first.stdout + first.stderr
+  resumed = run("examples/transformer.py", "--steps", "6", *small, *ckpt)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert "resumed from" in resumed.stdout and "after step 2" in resumed.stdout
+  assert losses(resumed.stdout) == losses(whole.stdout)[3:], (resumed.stdout, whole.stdout)
 
 
 @pytest.mark.mpi

@@ -1,3 +1,4 @@
+import jax
 import numpy as np
 import pytest
 
@@ -54,6 +55,13 @@ def test_picture_shows_which_device_holds_which_block(devices):
       [" 0 ", " 1 ", " 2 ", " 3 "], [" 4 ", " 5 ", " 6 ", " 7 "]]
   assert "dimensions 0..1 flattened" in tiling(P(2, 2, 2), devices, 3).picture()
   assert tiling(None, devices[:2], 2).picture().startswith("replicated")
+
+
+def test_explain_without_data():
+  f = sharded_jit(matmul, in_parts=(P(1, 2), P(2, 1)), out_parts=None)
+  report = explain(f, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (X, W)))
+  assert report.collective_totals()["all-reduce"] == (1, 128)
+  assert [a.shard_shape for a in report.arguments] == [(8, 8), (8, 4)]
 
 
 def test_explain_rejects_plain_functions():

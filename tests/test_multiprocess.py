@@ -34,6 +34,34 @@ def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   assert "rank 1: compiles 0 received 5" in proc.stdout, proc.stdout
 
 
+def test_checkpoint_of_per_process_pieces_restores_elsewhere(tmp_path):
+  # 2 ranks save their local_out_parts pieces (to_global + orbax) and
+  # restore them split another way (to_local); then one process restores
+  # the same checkpoint over 4 devices, split yet another way.
+  import orbax.checkpoint as ocp  # (the examples extra)
+  import jax
+  import numpy as np
+
+  from sharding import PartitionSpec as P
+  from sharding import tiling
+
+  path = str(tmp_path / "ckpt")
+  proc, _ = launch("mp_checkpoint.py", path)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: checkpoint ok", proc.stdout) == [
+      "rank 0: checkpoint ok", "rank 1: checkpoint ok"]
+  devices = jax.devices()[:4]
+  abstract = {"w": jax.ShapeDtypeStruct((8, 4), np.float32,
+                                        sharding=tiling(P(2, 2), devices, 2).named_sharding()),
+              "b": jax.ShapeDtypeStruct((4,), np.float32,
+                                        sharding=tiling(None, devices, 1).named_sharding())}
+  restored = ocp.StandardCheckpointer().restore(path, abstract)
+  w = np.arange(32, dtype=np.float32).reshape(8, 4) * 2
+  np.testing.assert_array_equal(np.asarray(restored["w"]), w)
+  np.testing.assert_array_equal(np.asarray(restored["b"]), np.ones(4, np.float32))
+  assert restored["w"].sharding.shard_shape((8, 4)) == (4, 2)
+
+
 def test_only_rank_0_uses_the_persistent_cache(tmp_path):
   def run():
     proc, _ = launch("mp_cache.py", env={"SHARDED_JIT_CACHE_DIR": str(tmp_path)})

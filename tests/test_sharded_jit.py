@@ -312,6 +312,27 @@ def test_lower_and_compile_stages(mode):
     compiled(np.ones((16, 4), np.float32), w)
 
 
+def test_lower_takes_shape_dtype_structs_like_jax_jit():
+  g = sharded_jit(lambda x, p: x @ p["w"] + p["b"], in_parts=(P(2, 1), {"w": None, "b": None}),
+                  out_parts=P(2, 1))
+  x, w, b = np.ones((8, 4), np.float32), np.ones((4, 4), np.float32), np.ones(4, np.float32)
+  abstract = (jax.ShapeDtypeStruct((8, 4), jnp.float32),
+              {"w": jax.ShapeDtypeStruct((4, 4), np.float64), "b": b})  # mixed with data
+  lowered = g.lower(*abstract)
+  assert lowered.num_partitions == 2
+  assert [a.dtype for a in lowered.traced.in_avals] == [np.float32] * 3  # canonicalized
+  assert lowered.as_text() == g.lower(x, {"w": w, "b": b}).as_text()
+  np.testing.assert_array_equal(lowered.compile()(x, {"w": w, "b": b}), 5 * np.ones((8, 4)))
+  keys = jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype)
+  assert sharded_jit(lambda k: k, P(2), P(2)).lower(keys).num_partitions == 2
+  with pytest.raises(TypeError, match=r"argument `x` \(args\[0\]\) is a jax.ShapeDtypeStruct"
+                     r" \(float32\[8, 4\]\), which describes an array but holds no data.*"
+                     r"\.lower\(\.\.\.\)"):
+    g(*abstract)
+  with pytest.raises(TypeError, match=r"argument `p` \(args\[1\]\)\['b'\] is a str"):
+    g.lower(abstract[0], {"w": abstract[1]["w"], "b": "text"})
+
+
 def test_typed_prng_keys_in_and_out(mode):
   """Typed keys are arrays of an extended dtype: XLA sees u32[..., 2]."""
   def step(keys, x):

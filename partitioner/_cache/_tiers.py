@@ -319,7 +319,8 @@ def _options(program: Program) -> _compat.CompileOptions:
   return _compile.compile_options(
       len(program.devices), program.devices, program.mode,
       xla_options=config.xla_options,
-      disable_most_optimizations=config.disable_most_optimizations)
+      disable_most_optimizations=config.disable_most_optimizations,
+      auto_outputs=program.auto_outputs)
 
 
 def clear_caches() -> None:
