@@ -34,6 +34,7 @@ from absl import app, flags
 
 _PROCESSES = flags.DEFINE_integer("processes", 2, "MPI processes to start when not already under MPI.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Simulated CPU devices per process.")
+flags.DEFINE_alias("devices-per-process", "devices_per_process")  # the launcher's spelling
 _STEPS = flags.DEFINE_integer("steps", 20, "Training steps.")
 _BATCH = flags.DEFINE_integer("batch", 64, "Global batch size.")
 _WIDTH = flags.DEFINE_integer("width", 32, "Input/output width.")
@@ -59,9 +60,6 @@ def main(argv):
            *sys.argv[1:]]
     sys.exit(subprocess.call(cmd))
 
-  import logging
-  for name in ("jax._src.xla_bridge", "jax._src.distributed"):
-    logging.getLogger(name).setLevel(logging.WARNING)
   import partitioner
   world = partitioner.initialize()
   import jax
@@ -136,7 +134,7 @@ def main(argv):
               f" of {b} rows and {hdim // world.size} of {hdim} hidden units")
 
   if rank == 0:
-    print(f"{world.size} processes x {per} devices: {layout}", flush=True)
+    print(f"layout: {layout}", flush=True)
   losses = []
   for i in range(_STEPS.value):
     # No per-step read: steps are dispatched ahead while the devices work

@@ -12,6 +12,13 @@ the other processes. The exit code is the job's: non-zero if any rank
 fails, or if a rank did not finish normally (killed, or ``os._exit``) even
 when ``mpiexec`` itself reports success.
 
+The console: rank 0 says ``2 processes x 4 devices ready`` once the
+processes are connected; gloo's ``[Gloo] Rank k is connected to ...`` lines
+and jax's INFO logs about connecting are hidden (``--verbose`` shows them);
+``--prefix-rank`` starts each line with ``[rank r] ``. Each rank's lines
+stay whole when several ranks write at once. Flags may be spelled with
+``-`` or ``_`` (``--devices_per_process``, as absl scripts spell theirs).
+
 :func:`launcher_world` tells a script whether it already runs under an MPI
 launcher (and as which rank) without importing jax or MPI, e.g. to start
 itself through the launcher when it does not.
@@ -20,8 +27,10 @@ itself through the launcher when it does not.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -29,6 +38,7 @@ import sys
 import tempfile
 import threading
 
+from partitioner._distributed import _console
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed._env import launcher_world as launcher_world
 from partitioner._distributed._env import read_marks
@@ -58,11 +68,14 @@ _RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 def command(num_processes: int, target: list[str], module: bool) -> list[str]:
   rank_main = [sys.executable, _RANK_MAIN, *(["-m"] if module else [])]
   mpiexec = find_mpiexec()
-  # MPICH's launcher can tell which rank ended how (see _exit_statuses).
-  report = ["-print-all-exitcodes"] if _is_hydra(mpiexec) else []
-  return [mpiexec, *report, "-n", str(num_processes), *rank_main, *target]
+  # MPICH's launcher can tell which rank ended how (see _exit_statuses), and
+  # mark which rank wrote what (see _console.Demux).
+  hydra = (["-print-all-exitcodes", "-prepend-pattern", _console.MARK_PATTERN]
+           if _is_hydra(mpiexec) else [])
+  return [mpiexec, *hydra, "-n", str(num_processes), *rank_main, *target]
 
 
+@functools.cache
 def _is_hydra(mpiexec: str) -> bool:
   """Whether ``mpiexec`` is MPICH's (Hydra), as the mpich wheel's is."""
   try:
@@ -83,22 +96,33 @@ def with_cpu_device_count(xla_flags: str, count: int) -> str:
   return " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={count}"])
 
 
-def environment(devices_per_process: int | None, marker_dir: str) -> dict[str, str]:
+def environment(devices_per_process: int | None, marker_dir: str,
+                verbose: bool = False) -> dict[str, str]:
   env = dict(os.environ)
   env["SHARDED_JIT_LAUNCH_DIR"] = marker_dir
   if devices_per_process:
     env["XLA_FLAGS"] = with_cpu_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
+  if verbose:
+    env[_console.VERBOSE_ENV] = "1"
   return env
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m partitioner.launch",
-      description="Run a sharded_jit script on several MPI processes.")
-  parser.add_argument("-n", "--num-processes", type=int, required=True,
-                      help="number of processes (MPI ranks)")
-  parser.add_argument("--devices-per-process", type=int, default=None,
-                      help="simulated CPU devices per process")
+      description="Run a sharded_jit script on several MPI processes.",
+      epilog="Flags take - or _ alike (--devices_per_process, as absl scripts"
+             " spell their flags).")
+  parser.add_argument("-n", "--num-processes", "--num_processes", type=int,
+                      required=True, metavar="N", help="number of processes (MPI ranks)")
+  parser.add_argument("--devices-per-process", "--devices_per_process", type=int,
+                      default=None, metavar="K", help="simulated CPU devices per process")
+  parser.add_argument("--prefix-rank", "--prefix_rank", action="store_true",
+                      help="start each line of output with the rank that wrote it:"
+                           " [rank 0] ... (needs MPICH's mpiexec, as the mpi extra brings)")
+  parser.add_argument("--verbose", action="store_true",
+                      help="show everything: gloo's connection lines and jax's INFO"
+                           f" logs about connecting (env: {_console.VERBOSE_ENV}=1)")
   parser.add_argument("--timeout", type=float, default=None,
                       help="end the whole job (exit code 124) after this many seconds")
   parser.add_argument("-m", dest="module", action="store_true",
@@ -110,21 +134,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("give the script to run")
   if args.num_processes < 1:
     parser.error("-n must be at least 1")
+  if args.prefix_rank and not _is_hydra(find_mpiexec()):
+    parser.error(f"--prefix-rank needs MPICH's mpiexec (Hydra), not {find_mpiexec()}."
+                 " Hint: pip install 'sharded-jit[mpi]' (the mpich wheel).")
+  verbose = args.verbose or _console.verbose()
+  hide = [_EXIT_LINE, *([] if verbose else [_console.gloo_connected])]
   cmd = command(args.num_processes, args.target, args.module)
   with tempfile.TemporaryDirectory(prefix="sharded_jit_launch_") as markers:
-    proc = subprocess.Popen(cmd, env=environment(args.devices_per_process, markers),
-                            start_new_session=True, stdout=subprocess.PIPE)
-    output = _Forward(proc.stdout, sys.stdout)
+    proc = subprocess.Popen(cmd, env=environment(args.devices_per_process, markers, verbose),
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)
+    errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     try:
       code = proc.wait(timeout=args.timeout)
       output.join()
+      errors.join()
     except subprocess.TimeoutExpired:
+      _kill(proc)
+      _join(output, errors)
       sys.stderr.write(f"partitioner.launch: the job did not finish within"
                        f" {args.timeout:g} s; ending it.\n")
-      _kill(proc)
       return 124
     except KeyboardInterrupt:
       _kill(proc)
+      _join(output, errors)
       return 130
     marks = read_marks(markers, args.num_processes)
   if all("done" in m for m in marks.values()):
@@ -140,30 +174,62 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Forward(threading.Thread):
-  """Copies the job's stdout to ours as it comes (progress bars included),
-  keeping the end of it: MPICH reports there how each rank ended."""
+  """Copies one of the job's streams to ours as it comes (progress bars
+  included) through a :class:`_console.Console`, keeping the end of it:
+  MPICH reports there how each rank ended."""
 
-  def __init__(self, source, sink):
+  def __init__(self, source, sink, hide, prefix: bool):
     super().__init__(daemon=True)
     self.source, self.sink, self.kept = source, sink, bytearray()
+    self.console = _console.Console(self.write, hide, prefix)
     self.start()
 
   def run(self) -> None:
-    out = getattr(self.sink, "buffer", None)
-    while chunk := os.read(self.source.fileno(), 65536):
+    fd, demux, raw = self.source.fileno(), _console.Demux(), False
+    while True:
+      if self.console.holding and not select.select([fd], [], [], _HOLD_SECS)[0]:
+        self.console.flush()  # a held line start that did not go on
+      chunk = os.read(fd, 65536)
+      if not chunk:
+        break
       self.kept = (self.kept + chunk)[-16384:]
-      chunk = _EXIT_CODES.sub(b"", chunk)  # ours to read, not the user's
-      if out is not None:
-        out.write(chunk)
-      else:
-        self.sink.write(chunk.decode(errors="replace"))
-      self.sink.flush()
+      if raw:
+        self.write(chunk)
+        continue
+      try:
+        for rank, text in demux.feed(chunk):
+          self.console.put(rank, text)
+      except Exception as e:  # never stop draining the ranks' output
+        self.write(f"partitioner.launch: showing the output as it comes ({e!r})\n".encode())
+        self.write(chunk)
+        raw = True
+    if not raw:
+      for rank, text in demux.flush():
+        self.console.put(rank, text)
+      self.console.flush()
+
+  def write(self, data: bytes) -> None:
+    out = getattr(self.sink, "buffer", None)
+    if out is not None:
+      out.write(data)
+    else:
+      self.sink.write(data.decode(errors="replace"))
+    self.sink.flush()
 
   def tail(self) -> bytes:
     return bytes(self.kept)
 
 
+_HOLD_SECS = 0.5  # how long a line start that may be hidden waits for the rest
+
 _EXIT_CODES = re.compile(rb"\[mpiexec@[^\]]*\] Exit codes: (.*)\n?")
+_EXIT_LINE = _console.one_line(b"[mpiexec@", _EXIT_CODES)  # ours to read, not the user's
+
+
+def _join(*threads: threading.Thread) -> None:
+  """Lets the output threads write what the ended job left, briefly."""
+  for thread in threads:
+    thread.join(timeout=2)
 
 
 def _exit_statuses(text: bytes, size: int) -> dict[int, int]:

@@ -14,14 +14,18 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT = 180
 
 
-def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT, cwd=ROOT):
+def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT, cwd=ROOT,
+           flags=()):
   """Runs ``script`` (a file in tests/multiprocess, an absolute path, or
-  ``"-m", module``) on ``n`` ranks; returns (CompletedProcess, seconds)."""
+  ``"-m", module``) on ``n`` ranks with the launcher's ``flags`` (and
+  ``--devices-per-process devices`` unless None); returns
+  (CompletedProcess, seconds)."""
   full_env = {k: v for k, v in os.environ.items()
               if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
   full_env.update(env or {})
-  cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(n),
-         "--devices-per-process", str(devices), "--timeout", str(timeout),
+  devices_flag = [] if devices is None else ["--devices-per-process", str(devices)]
+  cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(n), *devices_flag,
+         *flags, "--timeout", str(timeout),
          script if script == "-m" else os.path.join(HERE, script), *args]
   start = time.monotonic()
   proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True,

@@ -1,13 +1,17 @@
-"""partitioner.launch: the launcher command line, its environment, the per-rank entry."""
+"""partitioner.launch: the launcher command line, its environment, the per-rank
+entry, and the console (partitioner/_distributed/_console.py)."""
 
+import logging
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import mpi_jobs as mp
-from partitioner.launch import launcher_world, with_cpu_device_count
+from partitioner._distributed import _console
+from partitioner.launch import _EXIT_LINE, launcher_world, with_cpu_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +69,145 @@ def test_launcher_help_and_missing_script():
   out = subprocess.run([sys.executable, "-m", "partitioner.launch", "--help"],
                        capture_output=True, text=True, cwd=ROOT)
   assert out.returncode == 0 and "--devices-per-process" in out.stdout
+  assert "--devices_per_process" in out.stdout and "--prefix-rank" in out.stdout
   out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2"],
                        capture_output=True, text=True, cwd=ROOT)
   assert out.returncode != 0 and "give the script" in out.stderr
+
+
+# -- the console ---------------------------------------------------------------
+
+_GLOO = b"[Gloo] Rank %d is connected to %d peer ranks. Expected number of connected peer ranks is : %d\n"
+
+
+def _marked(rank, *writes):
+  """What MPICH's mpiexec writes for ``writes`` of ``rank`` (-prepend-pattern:
+  the mark before each write and after each newline inside it)."""
+  mark = b"\x1f%d\x1e" % rank
+  return b"".join(mark + w[:-1].replace(b"\n", b"\n" + mark) + w[-1:] for w in writes)
+
+
+def _show(stream, hide=(_console.gloo_connected,), prefix=False, step=5):
+  """``stream`` through Demux and Console, read ``step`` bytes at a time."""
+  out, demux = [], _console.Demux()
+  console = _console.Console(out.append, hide, prefix)
+  for i in range(0, len(stream), step):
+    for rank, text in demux.feed(stream[i:i + step]):
+      console.put(rank, text)
+  for rank, text in demux.flush():
+    console.put(rank, text)
+  console.flush()
+  return b"".join(out).decode()
+
+
+def _pieces(line):
+  """gloo's line as its `<<` writes it, one write each (unbuffered C stdio)."""
+  return re.findall(rb"\[Gloo\] Rank |\d+| is connected to | peer ranks\. |Expected[^:]*: |\n", line)
+
+
+def test_console_hides_gloo_lines_even_written_piece_by_piece_by_two_threads():
+  a, b = _pieces(_GLOO % (0, 1, 1)), _pieces(_GLOO % (1, 1, 1))
+  mixed = [p for pair in zip(a, b) for p in pair]  # two threads of rank 0
+  stream = _marked(0, b"before\n", *mixed) + _marked(1, _GLOO % (1, 3, 3), b"hi\n")
+  assert _show(stream) == "before\nhi\n"
+
+
+def test_console_keeps_a_gloo_line_that_misses_a_peer_and_other_text():
+  stream = _marked(0, _GLOO % (0, 2, 3), b"[Gloo] Rank 0 is NOT connected to: [2]\n",
+                   b"[Gloo]ish\n", b"[other\n")
+  assert _show(stream) == ("[Gloo] Rank 0 is connected to 2 peer ranks. Expected number"
+                           " of connected peer ranks is : 3\n[Gloo] Rank 0 is NOT"
+                           " connected to: [2]\n[Gloo]ish\n[other\n")
+
+
+def test_console_verbose_shows_gloo_lines():
+  assert _show(_marked(1, _GLOO % (1, 1, 1)), hide=()) == (_GLOO % (1, 1, 1)).decode()
+
+
+def test_console_prefixes_ranks_and_keeps_their_lines_apart():
+  stream = (_marked(1, b"partial 1 ") + _marked(0, b"partial 0 ") + _marked(1, b"rest 1\nnext 1\n")
+            + _marked(0, b"\n") + b"[mpiexec@host] said\n")
+  assert _show(stream, prefix=True) == (
+      "[rank 1] partial 1 \n[rank 0] partial 0 \n[rank 1] rest 1\n[rank 1] next 1\n"
+      "[mpiexec@host] said\n")
+  assert _show(stream) == "partial 1 \npartial 0 \nrest 1\nnext 1\n[mpiexec@host] said\n"
+
+
+def test_console_passes_progress_bars_at_once():
+  out, demux = [], _console.Demux()
+  console = _console.Console(out.append, [_console.gloo_connected])
+  for rank, text in demux.feed(_marked(0, b"\r 10%") + _marked(0, b"\r 20%")):
+    console.put(rank, text)
+  assert b"".join(out) == b"\r 10%\r 20%"  # nothing held back
+  for rank, text in demux.feed(_marked(0, b"\n[Glo")):
+    console.put(rank, text)
+  assert console.holding  # may become a gloo line: until the launcher's flush
+  console.flush()
+  assert b"".join(out) == b"\r 10%\r 20%\n[Glo"
+
+
+def test_console_hides_mpiexecs_exit_codes_line():
+  stream = _marked(0, b"done\n") + b"[mpiexec@vm] Exit codes: [vm] 0,0\n"
+  assert _show(stream, hide=[_EXIT_LINE, _console.gloo_connected]) == "done\n"
+
+
+@pytest.fixture
+def jax_loggers():
+  names = ["jax", "jax._src.distributed", "jax._src.xla_bridge"]
+  levels = [logging.getLogger(n).level for n in names]
+  for name in names:
+    logging.getLogger(name).setLevel(logging.NOTSET)
+  yield [logging.getLogger(n) for n in names]
+  for name, level in zip(names, levels):
+    logging.getLogger(name).setLevel(level)
+
+
+def test_quiet_jax_loggers_keeps_levels_the_user_set(jax_loggers, monkeypatch):
+  monkeypatch.delenv(_console.VERBOSE_ENV, raising=False)
+  jax, distributed, bridge = jax_loggers
+  bridge.setLevel(logging.DEBUG)  # the user's
+  _console.quiet_jax_loggers()
+  assert (jax.level, distributed.level, bridge.level) == (
+      logging.NOTSET, logging.WARNING, logging.DEBUG)
+
+
+@pytest.mark.parametrize("how", ["jax level", "verbose"])
+def test_quiet_jax_loggers_leaves_them_when_asked(jax_loggers, monkeypatch, how):
+  if how == "verbose":
+    monkeypatch.setenv(_console.VERBOSE_ENV, "1")
+  else:
+    jax_loggers[0].setLevel(logging.INFO)  # JAX_LOGGING_LEVEL=INFO
+  _console.quiet_jax_loggers()
+  assert jax_loggers[1].level == jax_loggers[2].level == logging.NOTSET
+
+
+_ABSL_INFO = re.compile(r"^(\[rank \d\] )?I\d{4} \d\d:\d\d", re.M)  # I1122 05:40:12.57...
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_launcher_console_is_quiet_and_says_ready_once():
+  proc, _ = mp.launch("mp_console.py")
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out
+  assert mp.found(r"rank \d: total 28", proc.stdout) == ["rank 0: total 28", "rank 1: total 28"]
+  assert "[Gloo]" not in out and not _ABSL_INFO.search(out), out
+  assert proc.stdout.startswith("2 processes x 2 devices ready\n"), out
+  assert out.count("devices ready") == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_launcher_prefixes_ranks_and_shows_everything_when_verbose():
+  # (underscore spellings, as absl scripts spell their flags)
+  proc, _ = mp.launch("mp_console.py", devices=None,
+                      flags=["--devices_per_process", "2", "--prefix_rank", "--verbose"])
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out
+  lines = out.splitlines()
+  assert lines and all(re.match(r"\[rank [01]\] ", line) for line in lines), out
+  assert "[rank 0] 2 processes x 2 devices ready\n" in proc.stdout
+  assert "[rank 1] rank 1: total 28\n" in proc.stdout
+  assert re.search(r"^\[rank \d\] \[Gloo\] Rank", proc.stdout, re.M), out
+  assert re.search(r"^\[rank \d\] I\d{4} .*Connecting to JAX distributed service",
+                   proc.stderr, re.M), out

@@ -5,7 +5,9 @@
   from the MPI communicator), MPI collectives with deadlines;
 - ``_share``: rank 0 compiles (or loads) and broadcasts the binary;
 - ``_local_parts``: each process passes and gets back its own pieces;
-- ``_rank_main``: the per-rank entry point of ``partitioner.launch``.
+- ``_rank_main``: the per-rank entry point of ``partitioner.launch``;
+- ``_console``: what a run shows: rank 0's ready line, jax's and gloo's
+  chatter kept quiet, the launcher's per-rank output (prefixes).
 """
 
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV

@@ -7,7 +7,7 @@ is imported before the user's script. It leaves markers in
 killed, or that left through ``os._exit``, leaves no ``done``: MPICH's
 launcher ends the whole job when one rank exits early, and may still report
 success, so the launcher checks the markers (``_ending`` adds how a rank
-failed).
+failed). It also shows rank 0's ready line (``_console.show_ready_line``).
 """
 
 import atexit
@@ -17,18 +17,20 @@ import runpy
 import sys
 
 
-def _env_module():
-  """``_env``, loaded by path: importing the package would import jax before
-  the user's script could set XLA_FLAGS."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_env.py")
-  spec = importlib.util.spec_from_file_location("_sharded_jit_launch_env", path)
-  env = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(env)
-  return env
+def _sibling(name: str):
+  """A module of this package (one that imports only the standard library),
+  loaded by path: importing the package would import jax before the user's
+  script could set XLA_FLAGS."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"partitioner._distributed.{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def main() -> None:
-  env = _env_module()
+  env = _sibling("_env")
+  _sibling("_console").show_ready_line(sys.stdout)
   rank, _ = env.launcher_world()
   env.mark(rank, "started", str(os.getpid()))
   atexit.register(env.mark, rank, "done")

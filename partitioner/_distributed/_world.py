@@ -22,7 +22,7 @@ from typing import Any
 
 from partitioner import _compat
 from partitioner._config import config
-from partitioner._distributed import _ending
+from partitioner._distributed import _console, _ending
 from partitioner._distributed._env import launcher_world, mark
 from partitioner._distributed._errors import PeerError
 from partitioner._distributed._steps import departure_message, steps
@@ -103,8 +103,11 @@ def initialize(coordinator_address: str | None = None) -> World:
   ``python -m partitioner.launch -n N``), before anything touches a jax
   device. With more than one rank it initialises ``jax.distributed``: rank 0
   picks a free port on its host and broadcasts the coordinator address over
-  MPI; process id = rank and process count = size. With one rank, or outside
-  MPI, it only records that this is a single-process run.
+  MPI; process id = rank and process count = size. It then sets up jax's
+  devices, and rank 0 logs ``2 processes x 4 devices ready`` at INFO
+  (``partitioner.launch`` shows that line). jax's INFO logs about connecting
+  are kept quiet (see ``partitioner/_distributed/_console.py``). With one
+  rank, or outside MPI, it only records that this is a single-process run.
 
   Args:
     coordinator_address: ``host:port`` of the coordinator; by default
@@ -147,7 +150,8 @@ def initialize(coordinator_address: str | None = None) -> World:
         address = f"{host}:{_free_port(host)}"
       address = comm.bcast(address, root=0)
     import jax
-    logger.info("rank %d of %d: jax.distributed coordinator at %s", rank, size, address)
+    _console.quiet_jax_loggers()
+    logger.debug("rank %d of %d: jax.distributed coordinator at %s", rank, size, address)
     jax.distributed.initialize(
         address, num_processes=size, process_id=rank,
         heartbeat_timeout_seconds=int(config.heartbeat_timeout_secs),
@@ -156,6 +160,8 @@ def initialize(coordinator_address: str | None = None) -> World:
     _install_termination_message(rank, size)
     _ending.install(rank, size, comm)
     _runtime.world = World(rank, size, comm)
+    # Setting up the devices exchanges every rank's device list: then all are in.
+    _console.announce_ready(rank, size, jax.local_device_count(), jax.device_count())
     return _runtime.world
 
 
