@@ -27,6 +27,18 @@ def test_mlp_tensor_parallel(partitioner):
   assert "step  11" in proc.stdout and "(match)" in proc.stdout
 
 
+def test_flax_optax(tmp_path):
+  proc = run("examples/flax_optax.py", "--steps", "12", "--width", "16", "--hidden", "64",
+             "--batch", "16", "--log_every", "4", f"--checkpoint_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "step  11/12" in proc.stdout and "(match)" in proc.stdout
+  assert "float32[16, 64]  PartitionSpec(1, 4)" in proc.stdout
+  assert "from rules[0] ('linear1/kernel')" in proc.stdout  # explain() names the rule
+  assert ("linear1/kernel saved as (16, 16) tiles, restored as (4, 64) tiles"
+          " (equal to the trained state)") in proc.stdout
+  assert (tmp_path / "step_12").is_dir()
+
+
 def test_transformer(tmp_path):
   proc = run("examples/transformer.py", "--steps", "15", "--layers", "1", "--width", "64",
              "--heads", "4", "--batch", "8", "--seq", "32", "--sample", "20",
@@ -67,7 +79,8 @@ def test_multiprocess_train(layout, programs):
   assert f"rank 1: compiled 0 program(s), received {programs} from rank 0" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["examples/mlp_tensor_parallel.py",
+@pytest.mark.parametrize("script", ["examples/flax_optax.py",
+                                    "examples/mlp_tensor_parallel.py",
                                     "examples/multiprocess_train.py",
                                     "examples/transformer.py"])
 def test_help(script):

@@ -213,6 +213,7 @@ class CompilationCache:
     loaded = _compile.compile_module(program.module, program.devices, options,
                                      program.host_callbacks)
     elapsed = time.perf_counter() - start
+    stats.add("compile_secs", elapsed)
     _log_compile(program.name, len(program.devices), program.mode, elapsed,
                  program.summary)
     if store is not None:
