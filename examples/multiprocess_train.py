@@ -65,6 +65,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
+  import optax
   from jax import lax
 
   from partitioner import compilation_stats, sharded_jit
@@ -79,10 +80,13 @@ def main(argv):
   def loss_fn(params, x, y, k):
     h = jax.nn.gelu(x @ params["w1"])
     h = wsc(h, P(1, k))  # hidden units split k ways
-    return jnp.mean((h @ params["w2"] - y) ** 2)
+    return optax.squared_error(h @ params["w2"], y).mean()
+
+  tx = optax.sgd(_LR.value)  # stateless: no optimizer state to split or carry
 
   def sgd(params, grads):
-    return jax.tree_util.tree_map(lambda p, g: p - _LR.value * g, params, grads)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return optax.apply_updates(params, updates)
 
   rng = np.random.default_rng(0)  # the same on every rank: each keeps its part
   full = {"w1": rng.normal(0, d ** -0.5, (d, hdim)).astype(np.float32),

@@ -8,7 +8,8 @@ partitioner away from ops it gets wrong; ``_check`` compares with an
 unsharded run (``config.check_unsharded``). ``_api`` is the ``sharded_jit``
 wrapper; ``_compose`` stages it into jax's programs (jax.jit, grad, vmap)
 and ``_pmap`` runs replicas x partitions; ``_stages`` holds ``Lowered``/``Compiled``; ``_distributed`` is
-everything multi-process.
+everything multi-process; ``_explain`` is the report of ``explain()`` and
+``_inspect`` makes ``jax.debug.inspect_array_sharding`` report real tilings.
 """
 
 from partitioner._api import ShardedJitFunction as ShardedJitFunction

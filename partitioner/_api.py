@@ -362,7 +362,9 @@ def explain(fun: ShardedJitFunction, *args) -> Any:
 
   For a sharded_jit function the arguments may be ``jax.ShapeDtypeStruct``s,
   as for ``lower``; an argument whose spec came from
-  :func:`sharding.spec_tree` shows the rule that chose it.
+  :func:`sharding.spec_tree` shows the rule that chose it. ``print()`` the
+  :class:`~partitioner.Explanation` for a summary of bounded length, its
+  ``full()`` for every value's picture and every collective.
 
   Example:
     >>> import numpy as np

@@ -63,6 +63,36 @@ def lowering_callbacks(lowered: jax.stages.Lowered) -> tuple[tuple, Any, bool, b
           bool(args.get("unordered_effects")), bool(args.get("ordered_effects")))
 
 
+INSPECT_SHARDING_TARGET = "InspectSharding"  # jax._src.debugging's custom call
+
+
+def inspect_sharding_primitive() -> Any:
+  """The primitive of ``jax.debug.inspect_array_sharding``."""
+  from jax._src import debugging
+  return debugging.inspect_sharding_p
+
+
+def lower_with_rules(traced: Any, rules: Sequence[tuple[Any, Any]]) -> jax.stages.Lowered:
+  """``traced.lower()`` with (primitive, lowering rule) pairs overriding
+  jax's rules for this lowering only."""
+  from jax._src.interpreters import mlir as _mlir
+  return traced.lower(_private_parameters=_mlir.LoweringParameters(
+      override_lowering_rules=tuple(rules)))
+
+
+def encode_inspect_sharding_callback(callback: Any) -> bytes:
+  """The ``backend_config`` of an ``InspectSharding`` custom call: XLA's
+  partitioner calls ``callback`` with the operand's HloSharding (it holds
+  only the address: keep ``callback`` alive)."""
+  return _xc.encode_inspect_sharding_callback(callback)
+
+
+def gspmd_sharding(devices: Sequence[jax.Device], hlo: Any) -> jax.sharding.Sharding:
+  """A jax ``Sharding`` of an HloSharding over ``devices``."""
+  from jax._src import sharding_impls
+  return sharding_impls.GSPMDSharding(tuple(devices), hlo)
+
+
 def record_runtime_token(token: Any, loaded: LoadedExecutable) -> None:
   """Lets ``jax.effects_barrier()`` wait for this execution's side effects."""
   from jax._src import dispatch

@@ -27,6 +27,8 @@ class Program:
     devices: the device assignment.
     summary: arguments' shapes and specs, for log messages.
     host_callbacks: Python callbacks the program calls (jax.debug.print...).
+    inspect_sites: its ``jax.debug.inspect_array_sharding`` calls, which
+      XLA's partitioner reports to while it compiles (``_inspect``).
     auto_outputs: per output, whether XLA chooses its tiling (``AUTO``);
       empty when none does.
   """
@@ -37,6 +39,7 @@ class Program:
   devices: tuple[jax.Device, ...]
   summary: str
   host_callbacks: tuple = ()
+  inspect_sites: tuple = ()
   auto_outputs: tuple[bool, ...] = ()
 
 
@@ -128,19 +131,29 @@ def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Devic
 
 
 def _as_tiling(hlo: Any, devices: Sequence[jax.Device], ndim: int, name: str) -> Tiling:
-  if hlo is None or hlo.is_replicated():
-    return tiling(None, devices, ndim)
-  dims = list(hlo.tile_assignment_dimensions())
-  counts = dims[:-1] if hlo.replicate_on_last_tile_dim() else dims
-  if len(counts) == ndim:  # (anything else is no tiling of ours: the check below)
-    candidate = tiling(PartitionSpec(*counts), devices, ndim)
-    if _compat.hlo_sharding(candidate.gspmd()) == hlo:
-      return candidate
+  found = tiling_of(hlo, devices, ndim)
+  if found is not None:
+    return found
   raise NotImplementedError(
       f"out_parts for {name} is AUTO and XLA's partitioner chose the layout"
       f" {hlo}, which partition counts cannot express (tiles not in row-major"
       " order over the devices). Hint: give out_parts a PartitionSpec (or"
       " None) for this output.")
+
+
+def tiling_of(hlo: Any, devices: Sequence[jax.Device], ndim: int) -> Tiling | None:
+  """The tiling of an HloSharding over ``devices`` (None: replicated), or
+  None when partition counts cannot express it (not row-major over the
+  devices)."""
+  if hlo is None or hlo.is_replicated():
+    return tiling(None, devices, ndim)
+  dims = list(hlo.tile_assignment_dimensions())
+  counts = dims[:-1] if hlo.replicate_on_last_tile_dim() else dims
+  if len(counts) == ndim:
+    candidate = tiling(PartitionSpec(*counts), devices, ndim)
+    if _compat.hlo_sharding(candidate.gspmd()) == hlo:
+      return candidate
+  return None
 
 
 def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,

@@ -7,7 +7,9 @@ Given the device tiling of every argument, result and constraint, it
   constraint marker into ``sdy.sharding_constraint``;
 - GSPMD mode: ``mhlo.sharding`` on the arguments and results, and each marker
   into a ``@Sharding`` custom call;
-- with one partition: markers are removed and nothing else is added;
+- with one partition: markers (and ``inspect_array_sharding``'s custom
+  calls, which only XLA's partitioner implements) are removed and nothing
+  else is added;
 - with several: ops XLA's partitioner gets wrong are guarded (``_guard``).
 """
 
@@ -21,6 +23,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from partitioner._compat import INSPECT_SHARDING_TARGET
 from partitioner._guard import Guard, guard
 from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
 from sharding._partition_spec import PartitionSpec
@@ -53,11 +56,15 @@ class ShardingPass:
     self.guards: list[Guard] = []  # ops kept unsplit where XLA errs (_guard)
 
   def _find_markers(self) -> list[ir.Operation]:
+    return self._custom_calls(MARKER_TARGET)
+
+  def _custom_calls(self, target: str) -> list[ir.Operation]:
+    """Every custom call to ``target`` in the module, nested ones included."""
     found = []
 
     def visit(op):
       if (op.name == "stablehlo.custom_call" and
-          ir.StringAttr(op.attributes["call_target_name"]).value == MARKER_TARGET):
+          ir.StringAttr(op.attributes["call_target_name"]).value == target):
         found.append(op)
       return ir.WalkResult.ADVANCE
 
@@ -86,8 +93,8 @@ class ShardingPass:
       attrs = self._module.attributes
       attrs["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, num_partitions)
       attrs["mhlo.num_replicas"] = ir.IntegerAttr.get(i32, 1)
-      if num_partitions == 1:
-        for op in self._markers:
+      if num_partitions == 1:  # XLA's partitioner does not run
+        for op in self._markers + self._custom_calls(INSPECT_SHARDING_TARGET):
           op.results[0].replace_all_uses_with(op.operands[0])
           op.erase()
         self._markers = []

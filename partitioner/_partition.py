@@ -114,7 +114,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       name=request.name, module=sharding_pass.as_bytecode(),
       module_text=sharding_pass.as_text(), mode=mode,
       devices=placement.devices, summary=_summary(ins, names),
-      host_callbacks=traced.host_callbacks,
+      host_callbacks=traced.host_callbacks, inspect_sites=traced.inspect_sites,
       auto_outputs=auto if any(auto) else ())
   return Lowered(
       name=request.name, layout=layout, inputs=inputs, traced=traced,

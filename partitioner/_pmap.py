@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partitioner import _compat, _compose, _distributed, _explain, _plan
+from partitioner import _compat, _compose, _distributed, _explain, _inspect, _plan
 from partitioner._cache import compilation_cache
 from partitioner._cache._key import jax_program_key
 from partitioner._distributed import _mapped
@@ -139,7 +139,8 @@ class PmapFunction:
   def explain(self, *args) -> _explain.Explanation:
     """What XLA did with the program for these arguments: the layout of
     every input and output, the collectives (within and across replicas),
-    per-device FLOPs and memory; see :class:`partitioner.Explanation`."""
+    per-device FLOPs and memory; see :class:`partitioner.Explanation`
+    (``print()`` it for a summary, ``.full()`` for everything)."""
     program, leaves = self._program(args, {})
     placed = program.place(leaves)
     compiled = program.lower(placed).compile()
@@ -148,7 +149,8 @@ class PmapFunction:
       out_shardings, outs = out_shardings[0], outs[0]
     in_shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
     out_shardings = jax.tree_util.tree_leaves(out_shardings)
-    outs = jax.tree_util.tree_leaves(outs)
+    outs = [("output" + jax.tree_util.keystr(path), o)
+            for path, o in jax.tree_util.tree_flatten_with_path(outs)[0]]
     return _explain.Explanation(
         name=f"pmap({self._name})",
         partitioner=config.partitioner,
@@ -156,8 +158,8 @@ class PmapFunction:
         devices=tuple(str(d) for d in program.devices),
         arguments=tuple(_explain.layout_of(n, x.shape, x.dtype, sh)
                         for n, x, sh in zip(program.in_names, placed, in_shardings)),
-        outputs=tuple(_explain.layout_of(f"output {i}", o.shape, o.dtype, sh)
-                      for i, (o, sh) in enumerate(zip(outs, out_shardings))),
+        outputs=tuple(_explain.layout_of(n, o.shape, o.dtype, sh)
+                      for (n, o), sh in zip(outs, out_shardings)),
         collectives=tuple(_explain.collectives(compiled.as_text())),
         flops=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
         memory=_explain.memory(compiled.memory_analysis()),
@@ -429,8 +431,9 @@ def _discover(per_replica: Callable, avals: Sequence[jax.ShapeDtypeStruct],
     per_replica_shape.append(out)
     return out
 
-  with emit_markers():
-    lowered = jax.jit(run).trace(*avals).lower()
+  with emit_markers():  # (read only: inspect_array_sharding must not report here)
+    lowered = _compat.lower_with_rules(jax.jit(run).trace(*avals),
+                                       _inspect.rules(compiled=False))
   sites = ShardingPass(lowered.compiler_ir("stablehlo")).constraints()
   n = _plan.count_partitions(_plan.constraint_uses(sites), None)
   out_shape = jax.tree_util.tree_map(

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile, _explain
+from partitioner import _compile, _explain, _inspect
 from partitioner._args import ArgumentLayout, InputSignature
 from partitioner._cache import compilation_cache
 from partitioner._compile import Program
@@ -105,6 +105,7 @@ class Lowered:
     """Loads the program from the compilation caches or compiles it."""
     p = self.placement
     loaded = compilation_cache.load_or_compile(self.program)
+    _inspect.deliver(self.program.inspect_sites, p.devices)
     empty = tuple([0 in a.shape for a in avals]
                   for avals in (self.traced.in_avals, self.traced.out_avals))
     if self.program.auto_outputs:  # AUTO outputs: read what XLA chose
@@ -175,8 +176,9 @@ class Compiled:
 
     Per argument and output: global shape, spec, per-device shard shape and
     bytes, and a picture of which device holds which block; the collectives
-    XLA inserted (kind, bytes, source line); per-device FLOPs and memory.
-    ``print(compiled.explain())`` shows it; its fields are data too.
+    XLA inserted (kind, bytes, the user's source line); per-device FLOPs and
+    memory. ``print(compiled.explain())`` shows a summary,
+    ``print(compiled.explain().full())`` everything; its fields are data too.
     """
     low, p, t = self.lowered, self.placement, self.lowered.traced
     memory = _explain.memory(self.memory_analysis())

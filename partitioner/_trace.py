@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.extend.mlir import ir
 
-from partitioner import _compat
+from partitioner import _compat, _inspect
 from sharding._constraint import emit_markers
 
 
@@ -34,6 +34,8 @@ class TracedProgram:
       ``jax.debug.callback``, ``pure_callback``); empty for most programs.
     keepalive: objects the callbacks need alive while the program lives.
     effects: whether the program has side effects to track with tokens.
+    inspect_sites: its ``jax.debug.inspect_array_sharding`` calls
+      (``_inspect``), reported to when XLA compiles the program.
   """
   name: str
   module: ir.Module
@@ -43,6 +45,7 @@ class TracedProgram:
   host_callbacks: tuple = ()
   keepalive: Any = None
   effects: bool = False
+  inspect_sites: tuple = ()
 
 
 def _check_outputs(fun: Callable[..., Any], name: str, out: Any) -> None:
@@ -101,7 +104,8 @@ def trace_and_lower(
   flat_fun.__name__ = flat_fun.__qualname__ = name
   jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
   with emit_markers():
-    lowered = jitted.trace(*in_avals).lower()
+    # inspect_array_sharding asks XLA even though this lowering is on one device.
+    lowered = _compat.lower_with_rules(jitted.trace(*in_avals), _inspect.rules())
   callbacks, keepalive, unordered, ordered = _compat.lowering_callbacks(lowered)
   if ordered:
     raise NotImplementedError(
@@ -122,4 +126,5 @@ def trace_and_lower(
       host_callbacks=callbacks,
       keepalive=keepalive,
       effects=unordered or bool(callbacks),
+      inspect_sites=_inspect.sites(keepalive),
   )

@@ -11,6 +11,7 @@ from sharding._local import local_shape as local_shape
 from sharding._local import local_spec as local_spec
 from sharding._partition_spec import AUTO as AUTO
 from sharding._partition_spec import PartitionSpec as PartitionSpec
+from sharding._picture import picture as picture
 from sharding._rules import spec_tree as spec_tree
 from sharding._spec_tree import broadcast_specs as broadcast_specs
 from sharding._tiling import Tiling as Tiling
@@ -19,5 +20,5 @@ from sharding._tiling import tiling as tiling
 P = PartitionSpec
 
 __all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "global_shape",
-           "local_shape", "local_spec", "spec_tree", "tiling",
+           "local_shape", "local_spec", "picture", "spec_tree", "tiling",
            "with_sharding_constraint"]

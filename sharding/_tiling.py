@@ -15,13 +15,13 @@ users get back.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from sharding._partition_spec import PartitionSpec
+from sharding._picture import grid, replicated_line
 
 # Names used in the MLIR the partitioner emits and in the meshes of outputs.
 SHARDY_MESH_NAME = "sharded_jit_mesh"
@@ -97,7 +97,8 @@ class Tiling:
 
     Rows are the blocks of all dimensions but the last (row-major), columns
     the blocks of the last dimension. A partially replicated block lists
-    every device that holds it (``0,1``).
+    every device that holds it (``0,1``). :func:`sharding.picture` draws the
+    same for any jax array.
 
     Example (with 2 devices):
       >>> import jax
@@ -108,26 +109,11 @@ class Tiling:
       +---+---+
     """
     if self.replicated:
-      ids = ", ".join(str(d.id) for d in self.devices)
-      return f"replicated: every device holds all of it ({ids})"
+      return replicated_line([d.id for d in self.devices])
     c = self.copies
     ids = [",".join(str(d.id) for d in self.devices[t * c:(t + 1) * c])
            for t in range(self.spec.total)]
-    counts = self.spec.counts
-    cols = counts[-1] if counts else 1
-    rows = math.prod(counts[:-1])
-    width = max(len(i) for i in ids) + 2
-    line = "+" + "+".join("-" * width for _ in range(cols)) + "+"
-    out = [line]
-    for r in range(rows):
-      cells = [ids[r * cols + c].center(width) for c in range(cols)]
-      out += ["|" + "|".join(cells) + "|", line]
-    if len(counts) > 2:
-      out.append(f"(rows: dimensions 0..{len(counts) - 2} flattened row-major;"
-                 f" columns: dimension {len(counts) - 1})")
-    if c > 1:
-      out.append(f"(each block is held by {c} devices)")
-    return "\n".join(out)
+    return grid(ids, self.spec.counts, c)
 
   def gspmd(self) -> str:
     """The GSPMD (HloSharding) text, e.g. ``{devices=[2,1]0,1}``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,10 +107,11 @@ class CompilationCache:
 
   def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
     """The loaded executable of ``program``, compiling only when needed."""
-    if program.host_callbacks:
+    if program.host_callbacks or program.inspect_sites:
       # The binary refers to this process's Python callbacks by position: it
       # cannot be stored, shared with other ranks, or reused for another
-      # function whose module text happens to be the same.
+      # function whose module text happens to be the same. (An
+      # inspect_array_sharding call reports only while XLA compiles.)
       return self._compile(None, "", program, _options(program), "").loaded
     pkey, key, options, compression = self.key(program)
     world = _distributed.world()
@@ -280,9 +282,12 @@ class CompilationCache:
       produced.append(compiled)
       try:
         data = serialize_executable.serialize(compiled)[0]
-      except (ValueError, NotImplementedError) as e:
-        # e.g. constants jax keeps outside the binary: not storable; in a
-        # multi-process run every rank compiles the same program itself.
+      except (ValueError, NotImplementedError, TypeError, AttributeError,
+              pickle.PicklingError) as e:
+        # e.g. constants jax keeps outside the binary, or Python objects it
+        # keeps alive that do not pickle (jax.debug.inspect_array_sharding's
+        # callback): not storable; in a multi-process run every rank
+        # compiles the same program itself.
         logger.debug("%s cannot be serialized (%s): not cached or shared", name, e)
         return b""
       if store is not None:
