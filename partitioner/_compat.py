@@ -63,6 +63,26 @@ def lowering_callbacks(lowered: jax.stages.Lowered) -> tuple[tuple, Any, bool, b
           bool(args.get("unordered_effects")), bool(args.get("ordered_effects")))
 
 
+def rewrite_lowered(lowered: jax.stages.Lowered, rewrite: Any) -> None:
+  """Applies ``rewrite`` in place to the module ``lowered.compile()``
+  compiles, unless jax has compiled it already.
+
+  ``compiler_ir("stablehlo")`` returns that very module object in jax 0.10
+  (``MeshComputation._hlo``), and jax hands back the same lowering, with
+  the executable it compiled from it, to every ``lower()`` of the same
+  function and signature. So a rewrite applied before the first
+  ``compile()`` is in every executable; ``rewrite`` must be idempotent.
+  tests/test_pmap.py checks that the compiled program shows the rewrite.
+  """
+  computation = lowered._lowering  # pylint: disable=protected-access
+  if getattr(computation, "_executable", None) is not None:
+    return
+  module = lowered.compiler_ir("stablehlo")
+  if module is not computation.stablehlo():
+    raise RuntimeError("rewrite_lowered: jax's compiler_ir returned a copy")
+  rewrite(module)
+
+
 INSPECT_SHARDING_TARGET = "InspectSharding"  # jax._src.debugging's custom call
 
 

@@ -32,6 +32,7 @@ from partitioner._distributed import _mapped
 from partitioner._config import config
 from partitioner._args import ArgumentLayout, abstract_signature, reject_kwargs
 from partitioner._insert import ShardingPass
+from partitioner._sink import sink_transposes
 from sharding._constraint import emit_markers
 from sharding._spec_tree import broadcast_prefix
 
@@ -290,6 +291,9 @@ class _Program:
 
   def lower(self, placed: Sequence[Any]) -> jax.stages.Lowered:
     lowered = self.run(self._jitted.lower, *placed)
+    # Weight gradients summed over replicas: the sum before jax's transpose,
+    # as jax.jit's partitioner places it (see _sink).
+    _compat.rewrite_lowered(lowered, sink_transposes)
     if config.partitioner == "gspmd" and not self._gspmd_checked:
       self.check_gspmd(lowered.as_text())
     return lowered

@@ -340,6 +340,57 @@ def test_pmap_all_gather_and_all_to_all(mode):
   _check(partitioner.pmap(step(f), "data")(x), jax.pmap(step(jnp.tanh), "data")(x), 4)
 
 
+def test_pmap_sums_over_replicas_before_a_transpose(mode):
+  # psum(x.T) == psum(x).T exactly; pmap moves the sum above the transpose,
+  # where jax.jit's partitioner puts it (see partitioner/_sink.py).
+  f = sharded_jit(jnp.tanh, in_parts=P(2, 1), out_parts=P(2, 1))
+  x = np.random.RandomState(0).randn(2, 4, 6).astype(np.float32)
+  pm = partitioner.pmap(lambda x: lax.psum(f(x).T, "data"), "data")
+  _check(pm(x), jax.pmap(lambda x: lax.psum(jnp.tanh(x).T, "data"), "data")(x), 4)
+  assert "all_reduce\"(%" in pm.lower(x).as_text()
+  sums = [l for l in pm.lower(x).compile().as_text().splitlines() if " all-reduce(" in l]
+  assert len(sums) == 1 and "f32[2,6]" in sums[0], sums  # tanh's tile [2, 6], not [6, 2]
+  # A transpose with another use stays where it is; values still right.
+  both = lambda t: lambda x: (lax.psum(t(x).T, "data"), t(x).T * 2)
+  _check(partitioner.pmap(both(f), "data")(x), jax.pmap(both(jnp.tanh), "data")(x), 4)
+
+
+def test_pmap_grad_step_compiles_like_jax_jit_on_a_2d_mesh():
+  # Data x model MLP gradients averaged over replicas: XLA:CPU must get the
+  # same program as jax.jit's, every dot in a fast matmul fusion. Before
+  # the sum moved above jax's transposes, both weight-gradient dots were
+  # left outside them.
+  rng = np.random.RandomState(0)
+  w1, w2 = rng.randn(32, 128).astype(np.float32), rng.randn(128, 32).astype(np.float32)
+  x = rng.randn(4, 8, 32).astype(np.float32)  # [batch, sequence, features]
+
+  def loss(w1, w2, x, constrain):
+    h = constrain(jnp.tanh(x @ w1))
+    return jnp.mean((h @ w2 - x) ** 2)
+
+  parts = (P(1, 4), P(4, 1))
+  grads = sharded_jit(jax.grad(lambda *a: loss(*a, lambda h: wsc(h, P(1, 1, 4))), argnums=(0, 1)),
+                      in_parts=(*parts, None), out_parts=parts)
+  ours = partitioner.pmap(lambda w1, w2, x: lax.pmean(grads(w1, w2, x), "data"), "data",
+                          in_axes=(None, None, 0), out_axes=None)
+  mesh = Mesh(np.array(D).reshape(2, 4), ("data", "model"))
+  named = lambda *spec: NamedSharding(mesh, JP(*spec))
+  theirs = jax.jit(
+      jax.grad(lambda *a: loss(*a, lambda h: lax.with_sharding_constraint(
+          h, named("data", None, "model"))), argnums=(0, 1)),
+      in_shardings=(named(None, "model"), named("model", None), named("data")),
+      out_shardings=(named(None, "model"), named("model", None)))
+  ours_x = x.reshape(2, 2, 8, 32)
+  _check(ours(w1, w2, ours_x), theirs(w1, w2, x), 8)
+
+  def unfused_dots(compiled):
+    entry = compiled.as_text().split("\nENTRY")[1]
+    return [line for line in entry.splitlines() if re.search(r"= \S+ dot\(", line)]
+
+  assert unfused_dots(ours.lower(w1, w2, ours_x).compile()) == []
+  assert unfused_dots(theirs.lower(w1, w2, x).compile()) == []
+
+
 def test_pmap_is_one_program_on_replicas_x_partitions():
   f = sharded_jit(lambda x: x @ x, in_parts=P(4, 1), out_parts=P(4, 1))
   pm = partitioner.pmap(f)
