@@ -283,15 +283,7 @@ class ShardedJitFunction:
           " which sharded_jit does not compile. Hint: call it directly, or"
           " wrap the transformation inside it (e.g. compute jax.grad inside"
           " the sharded_jit function), or turn check_unsharded off.")
-    if (config.partitioner == "shardy") != bool(jax.config.jax_use_shardy_partitioner):
-      raise ValueError(
-          f"sharded_jit function {self._name} is called under a jax"
-          " transformation (jax.jit, grad, vmap, ...), so jax compiles it with"
-          " jax's partitioner setting (jax_use_shardy_partitioner ="
-          f" {jax.config.jax_use_shardy_partitioner}), which disagrees with"
-          f" partitioner.config.partitioner = {config.partitioner!r}. Hint: set"
-          " both the same way, e.g. jax.config.update("
-          f"'jax_use_shardy_partitioner', {config.partitioner == 'shardy'}).")
+    _compose.check_jax_partitioner(f"sharded_jit function {self._name}")
     sigs = tuple(abstract_signature(x) for x in leaves)
     key = (treedef, static_values, config.partitioner, *sigs)
     staged = self._staged.get(key)

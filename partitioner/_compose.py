@@ -30,6 +30,7 @@ from jax.extend.mlir import ir
 from jax.interpreters import mlir
 
 from partitioner import _compat
+from partitioner._config import config
 from partitioner._insert import gspmd_constraint, shardy_constraint
 from sharding._constraint import constraint_p, emitting_markers
 from sharding._constraint import lower as marker_lowering
@@ -155,6 +156,19 @@ pmap_context = _PmapContext()
 def in_manual_context() -> bool:
   """Whether jax is tracing inside jax.pmap or a shard_map right now."""
   return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def check_jax_partitioner(what: str) -> None:
+  """Under a jax transformation jax compiles ``what`` with its own
+  partitioner setting; refuse one that disagrees with ours."""
+  if (config.partitioner == "shardy") != bool(jax.config.jax_use_shardy_partitioner):
+    raise ValueError(
+        f"{what} is called under a jax transformation (jax.jit, grad, vmap,"
+        " ...), so jax compiles it with jax's partitioner setting"
+        f" (jax_use_shardy_partitioner = {jax.config.jax_use_shardy_partitioner}),"
+        " which disagrees with partitioner.config.partitioner ="
+        f" {config.partitioner!r}. Hint: set both the same way, e.g."
+        f" jax.config.update('jax_use_shardy_partitioner', {config.partitioner == 'shardy'}).")
 
 
 # --- a sharded_jit function staged into jax's program ----------------------------

@@ -129,6 +129,8 @@ class PmapFunction:
 
   def __call__(self, *args, **kwargs):
     program, leaves = self._program(args, kwargs)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return program.staged(leaves)
     return program(leaves)
 
   def lower(self, *args) -> jax.stages.Lowered:
@@ -173,13 +175,10 @@ class PmapFunction:
     dyn, static_values = self._layout.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      raise NotImplementedError(
-          f"partitioner.pmap({self._name}) is called under a jax transformation"
-          " (jax.jit, grad, vmap, ...), which it does not support yet. Hint:"
-          " put the transformation inside the mapped function (e.g. compute"
-          " jax.grad per replica and average it with lax.pmean).")
+      self._check_traceable()
     leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x) for x in leaves]
-    sigs = tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
+    sigs = tuple(abstract_signature(x) if isinstance(x, jax.core.Tracer) else
+                 (x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves)
     key = (treedef, static_values, len(args), sigs, config.partitioner,
            _compiler_options())
     program = self._programs.get(key)
@@ -193,6 +192,26 @@ class PmapFunction:
       program = self._programs[key] = _Program.build(
           self, nargs, static_values, leaves, treedef, axes, replicas, tuple(names))
     return program, leaves
+
+  def _check_traceable(self) -> None:
+    """Called under a jax transformation: refuse what cannot be honoured
+    there."""
+    if _distributed.world().multi:
+      raise NotImplementedError(
+          f"partitioner.pmap({self._name}) is called under a jax transformation"
+          " (jax.jit, grad, vmap, ...) in a multi-process run, which it does"
+          " not support: each rank passes only its own replicas, which jax's"
+          " program cannot take. Hint: put the transformation inside the"
+          " mapped function (e.g. compute jax.grad per replica and average it"
+          " with lax.pmean).")
+    if self._layout.donate_argnums:
+      raise ValueError(
+          f"partitioner.pmap({self._name}) has donate_argnums, which cannot be"
+          " honoured under a jax transformation (jax.jit, grad, vmap, ...): its"
+          " inputs are values inside jax's program, not buffers. Hint: donate"
+          " at the outermost jax.jit instead (jax.jit(..., donate_argnums=...)),"
+          " or map without donate_argnums.")
+    _compose.check_jax_partitioner(f"partitioner.pmap({self._name})")
 
   def _replicas(self, leaves: Sequence[Any], axes: Sequence[int | None],
                 names: Sequence[str]) -> int:
@@ -231,7 +250,7 @@ class _Program:
 
   def __init__(self, name, jitted, axes_context, num_partitions, devices, mesh,
                placements, in_names, options):
-    self._jitted = jitted
+    self.jitted = jitted  # jax.jit of the whole program (flat inputs)
     self._options = options  # the XLA options jitted compiles with
     self._executables: dict[tuple, jax.stages.Compiled] = {}  # per input layout
     self._axes_context = axes_context
@@ -273,6 +292,15 @@ class _Program:
     placed = self.place(leaves)
     return self.executable(placed)(*placed)
 
+  def staged(self, leaves: Sequence[Any]) -> Any:
+    """Under jax.jit, grad, vmap, ...: the same jax.jit(shard_map(...)),
+    staged into jax's program, which differentiates and batches it (and
+    compiles it whole, so without _sink's rewrite)."""
+    if config.partitioner == "gspmd" and not self._gspmd_checked:
+      avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+      self.check_gspmd(self.run(self.jitted.trace, *avals).lower().as_text())
+    return self.run(self.jitted, *leaves)
+
   def executable(self, placed: Sequence[jax.Array]) -> jax.stages.Compiled:
     """The compiled program for inputs laid out as ``placed``: from memory,
     the persistent cache, or compiled (across processes: by rank 0)."""
@@ -290,7 +318,7 @@ class _Program:
     return compiled
 
   def lower(self, placed: Sequence[Any]) -> jax.stages.Lowered:
-    lowered = self.run(self._jitted.lower, *placed)
+    lowered = self.run(self.jitted.lower, *placed)
     # Weight gradients summed over replicas: the sum before jax's transpose,
     # as jax.jit's partitioner places it (see _sink).
     _compat.rewrite_lowered(lowered, sink_transposes)

@@ -336,6 +336,12 @@ def test_pmap_all_gather_and_all_to_all(mode):
   if mode == "gspmd":  # XLA's GSPMD aborts the process here: an error instead
     with pytest.raises(NotImplementedError, match=r"lax.all_gather across replicas.*Hint: use Shardy"):
       partitioner.pmap(step(f), "data")(x)
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:  # under jax.jit too
+      with pytest.raises(NotImplementedError, match=r"lax.all_gather across replicas"):
+        jax.jit(partitioner.pmap(step(f), "data"))(x)
+    finally:
+      jax.config.update("jax_use_shardy_partitioner", True)
     return
   _check(partitioner.pmap(step(f), "data")(x), jax.pmap(step(jnp.tanh), "data")(x), 4)
 
@@ -391,6 +397,58 @@ def test_pmap_grad_step_compiles_like_jax_jit_on_a_2d_mesh():
   assert unfused_dots(theirs.lower(w1, w2, x).compile()) == []
 
 
+def _pmap_pair():
+  """partitioner.pmap of a sharded_jit (2 replicas x 2 partitions) and the
+  same as jax.pmap."""
+  f = sharded_jit(lambda x: jnp.tanh(x) * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+  body = lambda g: lambda x: lax.pmean(g(x), "d") + lax.axis_index("d")
+  return partitioner.pmap(body(f), "d"), jax.pmap(body(lambda x: jnp.tanh(x) * 2), "d")
+
+
+def _replicas_x_partitions(array, split_axis):
+  """Every device holds 1 replica and half of ``split_axis``, as pmap's outputs."""
+  want = {r * 2 + p: (r, p) for r in range(2) for p in range(2)}
+  got = {}
+  for shard in array.addressable_shards:
+    ix = shard.index
+    half = array.shape[split_axis] // 2
+    got[shard.device.id] = (ix[0].start or 0, (ix[split_axis].start or 0) // half)
+  return got == want
+
+
+@pytest.mark.parametrize("how", ["jit", "grad", "jit_grad", "vmap", "scan"])
+def test_pmap_under_jax_transformations(mode, how, monkeypatch):
+  monkeypatch.setattr(config, "partitioner", mode)
+  jax.config.update("jax_use_shardy_partitioner", mode == "shardy")
+  try:
+    ours, theirs = _pmap_pair()
+    x = np.random.RandomState(0).randn(2, 4, 6).astype(np.float32)
+    xs = np.stack([x, x + 1], 1)  # vmap and scan over axis 1
+    run = {
+        "jit": lambda f: jax.jit(lambda x: f(x) + 1)(x),
+        "grad": lambda f: jax.grad(lambda x: jnp.sum(f(x) ** 2))(x),
+        "jit_grad": lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x),
+        "vmap": lambda f: jax.vmap(f, in_axes=1, out_axes=1)(xs),
+        "scan": lambda f: jax.lax.scan(lambda c, x: (c + f(x), None),
+                                       jnp.zeros_like(x), jnp.moveaxis(xs, 1, 0))[0],
+    }[how]
+    out, want = run(ours), run(theirs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+    if how != "scan":  # (scan's carry is laid out by jax's propagation)
+      assert _replicas_x_partitions(out, 2 if how == "vmap" else 1), out.sharding
+    if how == "jit":
+      text = jax.jit(lambda x: ours(x) + 1).lower(x).compile().as_text()
+      assert "num_partitions=4" in text
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", True)
+
+
+def test_pmap_under_jax_refuses_a_partitioner_setting_it_cannot_honour(monkeypatch):
+  monkeypatch.setattr(config, "partitioner", "gspmd")
+  with pytest.raises(ValueError, match=r"partitioner.pmap\(<lambda>\) is called under a jax transformation.*disagrees"):
+    jax.jit(_pmap_pair()[0])(np.ones((2, 4, 6), np.float32))
+
+
 def test_pmap_is_one_program_on_replicas_x_partitions():
   f = sharded_jit(lambda x: x @ x, in_parts=P(4, 1), out_parts=P(4, 1))
   pm = partitioner.pmap(f)
@@ -443,7 +501,8 @@ def test_pmap_without_sharded_jit_is_jax_pmap():
     (lambda: partitioner.pmap(lambda x: x, in_axes=None)(np.ones(2)), r"no argument is mapped"),
     (lambda: partitioner.pmap(lambda x: x, in_axes=2)(np.ones((2, 2))), r"in_axes is 2 for argument `x`.*rank 2"),
     (lambda: partitioner.pmap(lambda x: x)(np.ones(2), y=1), r"keyword arguments"),
-    (lambda: jax.jit(partitioner.pmap(lambda x: x))(np.ones((2, 2))), r"under a jax transformation"),
+    (lambda: jax.jit(partitioner.pmap(lambda x: x, donate_argnums=0))(np.ones((2, 2))),
+     r"pmap\(<lambda>\) has donate_argnums, which cannot be honoured under a jax transformation.*Hint: donate at the outermost jax.jit"),
     (lambda: partitioner.pmap(lambda x: wsc(x, P(3, 2)))(np.ones((1, 6, 4))),
      r"with_sharding_constraint at .*: spec PartitionSpec\(3, 2\) cannot be laid out over the 2 x 3 partition axes"),
 ])

@@ -114,4 +114,11 @@ except partitioner.PeerError as e:
   assert "traced different programs" in str(e), e
 else:
   raise AssertionError("different shapes per rank were not refused")
+# 7. Under a jax transformation: a clear error (each rank's replicas only).
+try:
+  jax.jit(f)(W1, W2, X[rank:rank + 1])
+except NotImplementedError as e:
+  assert "under a jax transformation (jax.jit, grad, vmap, ...) in a multi-process run" in str(e), e
+else:
+  raise AssertionError("pmap under jax.jit on 2 ranks was not refused")
 print(f"rank {rank}: pmap ok", flush=True)
