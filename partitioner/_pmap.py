@@ -266,10 +266,14 @@ class _Program:
     self.ranks: _mapped.RankPrograms | None = None  # set in a multi-process run
 
   def place(self, leaves: Sequence[Any]) -> list[Any]:
-    """Inputs already on this program's devices stay as they are (e.g. the
-    last step's outputs, tiled over the partitions); others are put there:
-    mapped axis split over the replicas, whole on each replica's devices.
-    In a multi-process run, each rank's pieces become global arrays."""
+    """What the program is lowered for and called on. An input already on
+    its devices stays as it is (e.g. the last step's outputs, tiled over the
+    partitions); a mapped value from elsewhere is put there, its mapped axis
+    split over the replicas. An ``in_axes=None`` value from elsewhere (e.g.
+    numpy parameters) becomes a ShapeDtypeStruct without a sharding: XLA
+    lays it out as the specs inside want and :meth:`fill` puts it there, so
+    the outputs fed back next call find this same program. In a
+    multi-process run, each rank's pieces become global arrays."""
     if self.ranks is not None:
       return self.ranks.globalize(leaves)
     out = []
@@ -283,14 +287,30 @@ class _Program:
           self._on_devices.add(sharding)
           out.append(x)
           continue
-      out.append(jax.device_put(x, placement))
+      if placement.spec == jax.sharding.PartitionSpec():  # in_axes=None
+        out.append(_mapped.for_xla(x))
+      else:
+        out.append(jax.device_put(x, placement))
     return out
 
+  def fill(self, placed: Sequence[Any], leaves: Sequence[Any],
+           compiled: jax.stages.Compiled) -> list[Any]:
+    """``placed`` with the inputs left to XLA put where ``compiled`` wants
+    them."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in placed):
+      return list(placed)
+    shardings = compiled.input_shardings[0]
+    put = jax.device_put if self.ranks is None else _mapped.from_host
+    return [put(leaf, sharding) if isinstance(x, jax.ShapeDtypeStruct) else x
+            for x, leaf, sharding in zip(placed, leaves, shardings)]
+
   def __call__(self, leaves: Sequence[Any]) -> Any:
-    if self.ranks is not None:
-      return self.ranks(self.executable, leaves)
     placed = self.place(leaves)
-    return self.executable(placed)(*placed)
+    compiled = self.executable(placed)
+    placed = self.fill(placed, leaves, compiled)
+    if self.ranks is not None:
+      return self.ranks.run(compiled, placed)
+    return compiled(*placed)
 
   def staged(self, leaves: Sequence[Any]) -> Any:
     """Under jax.jit, grad, vmap, ...: the same jax.jit(shard_map(...)),
@@ -304,7 +324,7 @@ class _Program:
   def executable(self, placed: Sequence[jax.Array]) -> jax.stages.Compiled:
     """The compiled program for inputs laid out as ``placed``: from memory,
     the persistent cache, or compiled (across processes: by rank 0)."""
-    key = tuple((x.sharding, x.shape, x.dtype, x.weak_type) for x in placed)
+    key = _layout_key(placed)
     compiled = self._executables.get(key)
     if compiled is None:
       lowered = self.lower(placed)
@@ -315,6 +335,11 @@ class _Program:
           f"partitioner.pmap({self.name})", summary,
           jax_program_key(lowered.as_text(), config.partitioner, self._options, devices),
           devices, lowered)
+      # Inputs laid out by XLA: the same program serves them once placed.
+      chosen = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type)
+                if isinstance(x, jax.ShapeDtypeStruct) else x
+                for x, s in zip(placed, compiled.input_shardings[0])]
+      self._executables.setdefault(_layout_key(chosen), compiled)
     return compiled
 
   def lower(self, placed: Sequence[Any]) -> jax.stages.Lowered:
@@ -430,7 +455,15 @@ class _Program:
     return built
 
 
-def _layout_text(sharding: jax.sharding.Sharding) -> str:
+def _layout_key(placed: Sequence[Any]) -> tuple:
+  """How the program's inputs are laid out (a ShapeDtypeStruct's sharding
+  is None while XLA is to choose it)."""
+  return tuple((x.sharding, x.shape, x.dtype, x.weak_type) for x in placed)
+
+
+def _layout_text(sharding: jax.sharding.Sharding | None) -> str:
+  if sharding is None:
+    return "(laid out by XLA)"
   spec = getattr(sharding, "spec", None)
   return str(spec) if spec is not None else str(sharding)
 

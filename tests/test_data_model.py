@@ -474,6 +474,34 @@ def test_pmap_axes_static_and_donation():
   np.testing.assert_array_equal(out, np.full((2, 4, 4), 2.0))
 
 
+def test_pmap_numpy_parameters_and_the_returned_ones_share_one_program():
+  # in_axes=None numpy parameters are laid out as the specs inside want
+  # (XLA chooses), so the tiled parameters a step returns reuse its program.
+  parts = {"w1": P(1, 4), "w2": P(4, 1)}
+  loss = lambda p, x: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+  grads = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
+
+  def step(params, x):
+    value, g = lax.pmean(grads(params, x), "data")
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, g), value
+
+  train = partitioner.pmap(step, "data", in_axes=(None, 0), out_axes=None, donate_argnums=0)
+  rng = np.random.RandomState(0)
+  params = {"w1": rng.randn(8, 32).astype(np.float32), "w2": rng.randn(32, 8).astype(np.float32)}
+  x = rng.randn(2, 16, 8).astype(np.float32)
+  report = partitioner.explain(train, params, x)
+  assert [a.spec for a in report.arguments[:2]] == ["PartitionSpec(1, 4)", "PartitionSpec(4, 1)"]
+  before = partitioner.compilation_stats()["compiles"]
+  want = params
+  for _ in range(3):
+    params, value = train(params, x)
+    want = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, want,
+                                  jax.grad(loss)(want, x.reshape(32, 8)))
+  assert partitioner.compilation_stats()["compiles"] - before == 1
+  np.testing.assert_allclose(params["w1"], want["w1"], rtol=1e-4, atol=1e-5)
+  assert params["w1"].sharding.shard_shape((8, 32)) == (8, 8)  # split over the partitions
+
+
 def test_pmap_compiles_with_the_xla_settings(monkeypatch):
   f = partitioner.pmap(sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1)))
   x = np.ones((2, 4, 3), np.float32)

@@ -68,7 +68,7 @@ def test_transformer_resumes_from_its_checkpoint(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout,programs", [
-    ("data_x_model", 2),  # the first step's parameters come from the host
+    ("data_x_model", 1),  # host parameters are laid out as the returned ones
     ("global", 1)])
 def test_multiprocess_train(layout, programs):
   pytest.importorskip("mpi4py")

@@ -31,7 +31,10 @@ def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   proc, _ = launch("mp_pmap.py", devices=4)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert found(r"rank \d: pmap ok", proc.stdout) == ["rank 0: pmap ok", "rank 1: pmap ok"]
-  assert "rank 1: compiles 0 received 5" in proc.stdout, proc.stdout
+  # One program per function: the training loop's numpy parameters are laid
+  # out as XLA chose, so the parameters fed back reuse the first program.
+  assert "rank 0: compiles 4 received 0" in proc.stdout, proc.stdout
+  assert "rank 1: compiles 0 received 4" in proc.stdout, proc.stdout
 
 
 def test_checkpoint_of_per_process_pieces_restores_elsewhere(tmp_path):

@@ -65,6 +65,18 @@ def choose_devices(world: World, local_replicas: int, n: int,
   return devices
 
 
+def for_xla(x: Any) -> jax.ShapeDtypeStruct:
+  """A host value whose layout XLA is to choose, for lowering."""
+  return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A value every rank holds whole, as a global array laid out as
+  ``sharding`` (each rank fills its own devices' pieces)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 class RankPrograms:
   """Runs one partitioner.pmap program on this rank's replicas.
 
@@ -76,7 +88,8 @@ class RankPrograms:
     name: the function's name, for messages.
     mesh: the global mesh ``(replicas, partition axes...)``.
     placements: per flat input, its global sharding when it comes from the
-      host (mapped axis over the replicas, whole on each replica's devices).
+      host (mapped axis over the replicas, whole on each replica's devices;
+      with in_axes=None, P(): XLA lays those out, see ``for_xla``).
     world: the processes.
     local_replicas: replicas per rank.
     in_names: each flat input's name, for errors.
@@ -135,6 +148,9 @@ class RankPrograms:
               [by_device[d] for d in target.addressable_devices_indices_map(
                   self._scale(x.shape, spec, up=True))]))
           continue
+      if placement.spec == jax.sharding.PartitionSpec():  # in_axes=None: XLA lays it out
+        out.append(for_xla(x))
+        continue
       x = np.asarray(x)  # (a jax.Array: waits for it; runs nothing on the devices)
       out.append(jax.make_array_from_process_local_data(
           placement, x, self._scale(x.shape, placement.spec, up=True)))
@@ -149,12 +165,9 @@ class RankPrograms:
     return jax.make_array_from_single_device_arrays(
         shape, sharding, [by_device[d] for d in sharding.addressable_devices_indices_map(shape)])
 
-  def __call__(self, executable: Callable[[Sequence[jax.Array]], Any],
-               leaves: Sequence[Any]) -> Any:
-    """Runs the program on this rank's pieces; ``executable`` gives the
-    compiled program for the global inputs."""
-    xs = self.globalize(leaves)
-    compiled = executable(xs)
+  def run(self, compiled: Callable[..., Any], xs: Sequence[jax.Array]) -> Any:
+    """Runs the compiled program on the global inputs; returns this rank's
+    replicas of its outputs."""
     steps.before(self._world.rank, self._world.size)
     outs, token = compiled(*xs)
     steps.add(token)
