@@ -48,25 +48,47 @@ def prime_factors(n: int) -> list[int]:
 def mesh_spec(spec: PartitionSpec | None, axes: Sequence[tuple[str, int]],
               what: str) -> jax.sharding.PartitionSpec:
   """A partition count spec as a jax spec over the partition axes
-  ``axes`` ((name, size), major to minor): each split dimension takes the
-  next run of axes whose sizes multiply to its count.
+  ``axes`` ((name, size), major to minor, each a prime): each split
+  dimension takes the next run of axes whose sizes multiply to its count
+  (tile order = device order, as in sharded_jit) or, when the counts do not
+  come in that order (``P(3, 2)`` over axes 2 x 3), any unused axes of the
+  sizes it needs: the same tiles, on other devices of the replica.
 
   Raises:
-    ValueError: the counts cannot be laid out over these axes in order.
+    ValueError: the counts' primes are not among the axes (their product
+      does not divide the number of partitions).
   """
   if spec is None or not spec.is_partitioned:
     return jax.sharding.PartitionSpec()
   runs = axis_runs(spec.counts, axes)
   if runs is None:
+    runs = _any_axes(spec.counts, axes)
+  if runs is None:
     sizes = " x ".join(str(s) for _, s in axes)
     raise ValueError(
         f"{what}: spec {spec!r} cannot be laid out over the {sizes}"
-        " partition axes of partitioner.pmap (each count must take the next"
-        " prime factors of the number of partitions, in order). Hint: use"
-        " counts that are products of consecutive factors, e.g. split the"
-        " leading dimensions by the smaller factors.")
+        " partition axes of partitioner.pmap. Hint: use counts that multiply"
+        " to a divisor of the number of partitions.")
   return jax.sharding.PartitionSpec(
       *(None if not run else run[0] if len(run) == 1 else run for run in runs))
+
+
+def _any_axes(counts: Sequence[int],
+              axes: Sequence[tuple[str, int]]) -> list[tuple[str, ...]] | None:
+  """Per dimension, unused prime-sized ``axes`` (earliest first) whose sizes
+  multiply to its count; None when they run out."""
+  free = list(axes)
+  out = []
+  for count in counts:
+    names = []
+    for prime in prime_factors(count) if count > 1 else []:
+      match = next((a for a in free if a[1] == prime), None)
+      if match is None:
+        return None
+      free.remove(match)
+      names.append(match)
+    out.append(tuple(name for name, _ in sorted(names, key=axes.index)))
+  return out
 
 
 def partition_axes(mesh: Any) -> list[tuple[str, int]]:

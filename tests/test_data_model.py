@@ -449,6 +449,23 @@ def test_pmap_under_jax_refuses_a_partitioner_setting_it_cannot_honour(monkeypat
     jax.jit(_pmap_pair()[0])(np.ones((2, 4, 6), np.float32))
 
 
+@pytest.mark.parametrize("specs", [
+    (P(3, 2),),                 # the counts in the other order than N's factors 2 x 3
+    (P(2, 3), P(3, 2)),         # both orders in one function
+    (P(3, 1), P(1, 2)),         # partial replication: 3 and 2 tiles of 6
+])
+def test_pmap_specs_in_any_factor_order(mode, specs):
+  def f(x):
+    for spec in specs:
+      x = jnp.sin(wsc(x, spec))
+    return wsc(x * 2, P(2, 3))  # N = 6
+  x = np.random.RandomState(0).randn(1, 6, 6).astype(np.float32)  # 1 replica x 6
+  out = partitioner.pmap(f)(x)
+  np.testing.assert_allclose(out, jax.pmap(lambda x: jnp.sin(x) * 2 if len(specs) == 1
+                                           else jnp.sin(jnp.sin(x)) * 2)(x), rtol=1e-6)
+  assert len(out.addressable_shards) == 6
+
+
 def test_pmap_is_one_program_on_replicas_x_partitions():
   f = sharded_jit(lambda x: x @ x, in_parts=P(4, 1), out_parts=P(4, 1))
   pm = partitioner.pmap(f)
@@ -531,8 +548,8 @@ def test_pmap_without_sharded_jit_is_jax_pmap():
     (lambda: partitioner.pmap(lambda x: x)(np.ones(2), y=1), r"keyword arguments"),
     (lambda: jax.jit(partitioner.pmap(lambda x: x, donate_argnums=0))(np.ones((2, 2))),
      r"pmap\(<lambda>\) has donate_argnums, which cannot be honoured under a jax transformation.*Hint: donate at the outermost jax.jit"),
-    (lambda: partitioner.pmap(lambda x: wsc(x, P(3, 2)))(np.ones((1, 6, 4))),
-     r"with_sharding_constraint at .*: spec PartitionSpec\(3, 2\) cannot be laid out over the 2 x 3 partition axes"),
+    (lambda: partitioner.pmap(lambda x: wsc(wsc(x, P(2, 3)), P(4, 1)))(np.ones((1, 8, 6))),
+     r"spec PartitionSpec\(1, 4, 1\) partitions into 4 tiles, which do not divide the 6 partitions"),
 ])
 def test_pmap_errors(call, error):
   with pytest.raises((ValueError, TypeError, NotImplementedError), match=error):
