@@ -299,13 +299,16 @@ class ShardedJitFunction:
             " without donate_argnums.")
       inputs = self._layout.signature(nargs, static_values, leaves, treedef, sigs)
       lowered = _partition.lower(request, inputs)
-      if lowered.process[1] > 1:
-        raise NotImplementedError(
-            f"sharded_jit function {self._name} is called under a jax"
-            " transformation in a multi-process run, which sharded_jit does"
-            " not support yet. Hint: call it directly (compute jax.grad inside"
-            " the sharded_jit function), or use partitioner.pmap for data"
-            " parallelism across processes.")
+      if lowered.process[1] > 1 and (request.local_in_parts is not None or
+                                     request.local_out_parts is not None):
+        raise ValueError(
+            f"sharded_jit function {self._name} has local_in_parts or"
+            " local_out_parts, which cannot be honoured under a jax"
+            " transformation (jax.jit, grad, vmap, ...): jax's values there"
+            " are global arrays, not this process's pieces. Hint: pass global"
+            " arrays (partitioner.to_global(pieces, parts)) and build a"
+            " sharded_jit without local_in_parts/local_out_parts for use under"
+            " jax.jit, or call this one directly.")
       staged = _compose.stage(lowered, request.fun,
                               self._layout.rebuild(nargs, static_values),
                               treedef, self._name)
@@ -320,7 +323,7 @@ class ShardedJitFunction:
           " program: its partitions would be lost. Hint: use"
           " partitioner.pmap(f), which runs replicas x partitions as one"
           " program (replica r, partition p on devices[r * N + p]).")
-    return staged.jitted(*leaves)
+    return staged(leaves)
 
   def _call_inline(self, nargs: int, static_values: tuple, leaves: list,
                    treedef: Any) -> Any:

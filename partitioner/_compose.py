@@ -31,6 +31,7 @@ from jax.interpreters import mlir
 
 from partitioner import _compat
 from partitioner._config import config
+from partitioner._distributed._mapped import from_host
 from partitioner._insert import gspmd_constraint, shardy_constraint
 from sharding._constraint import constraint_p, emitting_markers
 from sharding._constraint import lower as marker_lowering
@@ -203,9 +204,25 @@ class Staged:
   Attributes:
     jitted: the jax.jit to call on the flat dynamic inputs.
     num_partitions: N.
+    in_shardings: per flat input, its tiling as a jax sharding.
+    multi_process: whether the devices span several processes.
   """
   jitted: Callable[..., Any]
   num_partitions: int
+  in_shardings: tuple[jax.sharding.Sharding, ...] = ()
+  multi_process: bool = False
+
+  def __call__(self, leaves: Sequence[Any]) -> Any:
+    """Calls ``jitted``. Across processes, an input that is neither a
+    tracer nor a global array is a value every rank holds whole (as in a
+    direct call of the sharded_jit function): each rank fills its own
+    devices' tiles of it (jax would refuse it)."""
+    if self.multi_process:
+      leaves = [x if isinstance(x, jax.core.Tracer) or
+                (isinstance(x, jax.Array) and not x.is_fully_addressable)
+                else from_host(x, sharding)
+                for x, sharding in zip(leaves, self.in_shardings)]
+    return self.jitted(*leaves)
 
 
 def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any,
@@ -233,9 +250,11 @@ def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any
     return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, leaves)))
 
   flat.__name__ = flat.__qualname__ = name
+  in_shardings = tuple(t.named_sharding() for t in placement.in_tilings)
   jitted = jax.jit(
       flat,
-      in_shardings=tuple(t.named_sharding() for t in placement.in_tilings),
+      in_shardings=in_shardings,
       out_shardings=lowered.out_shardings,  # (None for AUTO: jax's partitioner chooses)
       keep_unused=True)
-  return Staged(jitted, placement.num_partitions)
+  return Staged(jitted, placement.num_partitions, in_shardings, lowered.process[1] > 1)
+

@@ -23,6 +23,15 @@ def test_global_and_local_specs_train_step_and_binary_sharing():
   assert "OK rank 1 compiles=0" in proc.stdout  # rank 1 compiled nothing
 
 
+def test_sharded_jit_under_jit_and_grad_across_ranks():
+  # jax.jit and jax.grad (eager and jitted) of a sharded_jit function over
+  # both ranks' devices, fed global arrays or values every rank holds
+  # whole; local_in_parts there is refused.
+  proc, _ = launch("mp_compose.py", devices=4)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: compose ok", proc.stdout) == ["rank 0: compose ok", "rank 1: compose ok"]
+
+
 def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   # 2 ranks x 4 devices: one replica per rank split 4 ways, then 2 per rank
   # split 2 ways; psum/all_gather across ranks; a donated training loop
