@@ -257,4 +257,3 @@ def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any
       out_shardings=lowered.out_shardings,  # (None for AUTO: jax's partitioner chooses)
       keep_unused=True)
   return Staged(jitted, placement.num_partitions, in_shardings, lowered.process[1] > 1)
-
