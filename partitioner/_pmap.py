@@ -128,15 +128,13 @@ class PmapFunction:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    program, leaves = self._program(args, kwargs)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return program.staged(leaves)
-    return program(leaves)
+    program, leaves, traced = self._program(args, kwargs)
+    return program.staged(leaves) if traced else program(leaves)
 
   def lower(self, *args) -> jax.stages.Lowered:
     """jax's ``Lowered`` of the one program these arguments run (its
     ``.compile().as_text()`` is the partitioned HLO)."""
-    program, leaves = self._program(args, {})
+    program, leaves, _ = self._program(args, {})
     return program.lower(program.place(leaves))
 
   def explain(self, *args) -> _explain.Explanation:
@@ -144,7 +142,7 @@ class PmapFunction:
     every input and output, the collectives (within and across replicas),
     per-device FLOPs and memory; see :class:`partitioner.Explanation`
     (``print()`` it for a summary, ``.full()`` for everything)."""
-    program, leaves = self._program(args, {})
+    program, leaves, _ = self._program(args, {})
     placed = program.place(leaves)
     compiled = program.lower(placed).compile()
     out_shardings, outs = compiled.output_shardings, compiled.out_info
@@ -168,13 +166,14 @@ class PmapFunction:
         memory=_explain.memory(compiled.memory_analysis()),
         replicas=len(program.devices) // program.num_partitions)
 
-  def _program(self, args: tuple, kwargs: dict) -> tuple[_Program, list]:
-    """The program for these arguments (built on first use) and the flat
-    dynamic inputs."""
+  def _program(self, args: tuple, kwargs: dict) -> tuple[_Program, list, bool]:
+    """The program for these arguments (built on first use), the flat
+    dynamic inputs, and whether they are tracers (a jax transformation)."""
     reject_kwargs(self._name, kwargs)
     dyn, static_values = self._layout.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if traced:
       self._check_traceable()
     leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x) for x in leaves]
     sigs = tuple(abstract_signature(x) if isinstance(x, jax.core.Tracer) else
@@ -191,7 +190,7 @@ class PmapFunction:
       replicas = self._replicas(leaves, axes, names)
       program = self._programs[key] = _Program.build(
           self, nargs, static_values, leaves, treedef, axes, replicas, tuple(names))
-    return program, leaves
+    return program, leaves, traced
 
   def _check_traceable(self) -> None:
     """Called under a jax transformation: refuse what cannot be honoured
