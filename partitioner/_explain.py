@@ -1,11 +1,10 @@
-"""explain(): what the partitioner did, in a form people read.
+"""explain(): what the partitioner did, gathered from the compiled program.
 
-Built from the compiled program: the tiling of every argument and output
-(with a small picture of which device holds which block), the collectives
-XLA's SPMD partitioner inserted (read from the partitioned HLO, with the
-line of user code that caused each where XLA recorded its call stack), and
-XLA's per-device cost and memory analyses. ``str()`` is a summary of
-bounded length; ``Explanation.full()`` has everything.
+The tiling of every argument and output (with a picture of which device
+holds which block), the collectives XLA's SPMD partitioner inserted (from
+the partitioned HLO, with the user's line behind each where XLA recorded
+its call stack), and XLA's per-device cost and memory analyses. How the
+report prints (the classes' ``str()``, ``summary()``...) is ``_report``'s.
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from partitioner import _report
 from sharding._partition_spec import PartitionSpec
 from sharding._picture import picture
 from sharding._tiling import Tiling
 
-SUMMARY_ROWS = 20  # arguments (and outputs) listed by the summary
-LARGEST = 10  # collectives listed by the summary
 # Frames in these packages are not "the user's line" of a collective.
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
 _LIBRARY_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:jax|jaxlib|flax|optax|orbax"
@@ -43,7 +41,6 @@ _OP = re.compile(
     r"(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
                     r"\[([\d,]*)\]")
-_ARRAY_TEXT = re.compile(r"\b[a-z]\w*\[[\d,]*\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
          "s32": 32, "u32": 32, "s64": 64, "u64": 64, "bf16": 16, "f16": 16,
          "f32": 32, "f64": 64, "c64": 64, "c128": 128}
@@ -62,14 +59,8 @@ class ValueLayout:
   picture: str
   rule: str = ""
 
-  def head(self) -> str:
-    """One line: name, global shape, spec, per-device shard and bytes, rule."""
-    head = (f"{self.name}: {self.dtype}{list(self.shape)}  {self.spec}  ->  "
-            f"{self.dtype}{list(self.shard_shape)} per device ({_bytes(self.shard_bytes)})")
-    return head + (f"  from {self.rule}" if self.rule else "")
-
-  def __str__(self) -> str:
-    return self.head() + "\n" + "\n".join("    " + l for l in self.picture.splitlines())
+  head = _report.value_head
+  __str__ = _report.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,30 +79,17 @@ class Collective:
   source: str
   via: str = ""
 
-  def __str__(self) -> str:
-    where = f"  at {_short_path(self.source)}" if self.source else ""
-    if self.via:
-      where += f" via {_short_path(self.via)}"
-    return f"{self.kind:<18} {_bytes(self.bytes):>10}  {self.shape}  ({self.op_name}){where}"
-
-  def brief(self) -> str:
-    """One short line: kind, bytes, shape (layouts dropped), the jax
-    operation(s) it serves (``backward`` for a gradient's), source line."""
-    where = f"  at {_short_path(self.source)}" if self.source else ""
-    return (f"{self.kind:<18} {_bytes(self.bytes):>10}  {_short_shape(self.shape)}"
-            f"{_short_op(self.op_name)}{where}")
+  __str__ = _report.collective
+  brief = _report.brief
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
   """The report of :meth:`Compiled.explain`.
 
-  ``str(report)`` (and ``print(report)``) is a summary of bounded length:
-  the arguments and outputs (the first 20 of each, one line each), the
-  collectives' totals per kind, the largest collectives (10 lines, alike
-  ones counted on one line) with the line of user code that needs each,
-  and per-device FLOPs and memory. :meth:`full` adds each value's picture
-  of which device holds which block, and every collective.
+  ``str(report)`` (and ``print(report)``) is :meth:`summary`, of bounded
+  length; :meth:`full` adds each value's picture of which device holds
+  which block, and every collective.
 
   Attributes:
     name: the function's name.
@@ -166,86 +144,14 @@ class Explanation:
     """The bytes all collectives produce per device (static occurrences)."""
     return sum(c.bytes for c in self.collectives)
 
-  def largest_collectives(self, n: int | None = LARGEST) -> tuple[Collective, ...]:
+  def largest_collectives(self, n: int | None = _report.LARGEST) -> tuple[Collective, ...]:
     """The ``n`` (None: all) collectives with the most bytes per device,
     largest first (in program order among equals)."""
     return tuple(sorted(self.collectives, key=lambda c: -c.bytes)[:n])
 
-  def summary(self) -> str:
-    """The bounded report ``str()`` gives (see the class docstring)."""
-    out = [self._header(full=False)]
-    for title, values in (("Arguments", self.arguments), ("Outputs", self.outputs)):
-      out.append("")
-      out.append(f"{title}:" if len(values) <= SUMMARY_ROWS else
-                 f"{title} ({len(values)}; the first {SUMMARY_ROWS}):")
-      out += [f"  {v.head()}" for v in values[:SUMMARY_ROWS]] or ["  (none)"]
-      if len(values) > SUMMARY_ROWS:
-        out.append(f"  ... {len(values) - SUMMARY_ROWS} more (report.full() lists every one)")
-    out += ["", *self._totals()]
-    if self.collectives:
-      # Alike ops (same kind, size, op and line: e.g. one per layer) share a line.
-      alike = collections.Counter(c.brief() for c in self.largest_collectives(None))
-      shown = list(alike.items())[:LARGEST]
-      out += ["", "Largest collectives per device (xN: N alike) and the user's line behind each:"]
-      out += [f"  {line}" + (f"  x{n}" if n > 1 else "") for line, n in shown]
-      rest = len(self.collectives) - sum(n for _, n in shown)
-      if rest:
-        out.append(f"  ... {rest} more (report.full() lists every one)")
-    out += self._guards(limit=LARGEST)
-    out += ["", self._per_device(),
-            "(print(report.full()) adds each value's device picture and every collective)"]
-    return "\n".join(out)
-
-  def full(self) -> str:
-    """The whole report: every argument and output with its picture of which
-    device holds which block, and every collective with its source line."""
-    out = [self._header(full=True), "", "Arguments:"]
-    out += [f"  {a}" for a in self.arguments] or ["  (none)"]
-    out += ["", "Outputs:"]
-    out += [f"  {o}" for o in self.outputs] or ["  (none)"]
-    out += ["", *self._totals()]
-    if self.collectives:
-      out += ["", "  Each one:"] + [f"    {c}" for c in self.collectives]
-    out += self._guards(limit=None)
-    out += ["", self._per_device()]
-    return "\n".join(out)
-
-  def __str__(self) -> str:
-    return self.summary()
-
-  def _header(self, full: bool) -> str:
-    count = f"{self.num_partitions} partition(s)"
-    if self.replicas > 1:
-      count = f"{self.replicas} replica(s) x {count}"
-    devices = list(self.devices)
-    if not full and len(devices) > 8:
-      devices = [*devices[:4], "...", devices[-1], f"({len(self.devices)} devices)"]
-    return f"{self.name}: {count} ({self.partitioner}) on {', '.join(devices)}"
-
-  def _totals(self) -> list[str]:
-    out = ["Collectives inserted by XLA's partitioner (per device):"]
-    out += [f"  {k:<18} {n:3d} op(s) {_bytes(b):>10}"
-            for k, (n, b) in self.collective_totals().items()]
-    out.append(f"  {'total':<18} {len(self.collectives):3d} op(s)"
-               f" {_bytes(self.total_bytes()):>10}")
-    return out
-
-  def _guards(self, limit: int | None) -> list[str]:
-    if not self.guards:
-      return []
-    shown = self.guards if limit is None else self.guards[:limit]
-    out = ["", "Ops kept unsplit because XLA's partitioner gets them wrong when split:"]
-    out += [f"  {g}" for g in shown]
-    if len(shown) < len(self.guards):
-      out.append(f"  ... {len(self.guards) - len(shown)} more (report.full() lists every one)")
-    return out
-
-  def _per_device(self) -> str:
-    m = self.memory
-    return (f"Per device: {self.flops:,.0f} FLOPs; memory: arguments"
-            f" {_bytes(m['arguments'])}, outputs {_bytes(m['outputs'])},"
-            f" temporaries {_bytes(m['temporaries'])}, peak about"
-            f" {_bytes(m['peak_estimate'])}")
+  summary = _report.summary
+  full = _report.full
+  __str__ = _report.summary
 
 
 def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling,
@@ -277,8 +183,7 @@ def memory(stats: Any) -> dict[str, int]:
          "outputs": stats.output_size_in_bytes,
          "temporaries": stats.temp_size_in_bytes,
          "aliased": stats.alias_size_in_bytes}
-  out["peak_estimate"] = (out["arguments"] + out["outputs"] +
-                          out["temporaries"] - out["aliased"])
+  out["peak_estimate"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
   return out
 
 
@@ -392,51 +297,3 @@ def _is_library(path: str) -> bool:
   """Whether a frame's file is library code (or this toolkit), not the user's."""
   return bool(_LIBRARY_PATH.search(path) or _in_toolkit(path)
               or os.path.realpath(path).startswith(_library_dirs()))
-
-
-def _short_path(source: str) -> str:
-  """``file:line (function)`` with the file relative to the working directory
-  when it is below it, or to site-packages for an installed package."""
-  path, sep, rest = source.partition(":")
-  m = re.search(r"[/\\](?:site|dist)-packages[/\\]", path)
-  if m:
-    return path[m.end():] + sep + rest
-  if os.path.isabs(path):
-    try:
-      rel = os.path.relpath(path)
-    except ValueError:  # (another drive)
-      return source
-    if not rel.startswith(".."):
-      return rel + sep + rest
-  return source
-
-
-def _short_shape(shape: str) -> str:
-  """An HLO shape without layouts; a long tuple shortened to its first
-  three arrays and its length."""
-  shape = re.sub(r"/\*index=\d+\*/", "", re.sub(r"\]\{[^}]*\}", "]", shape))
-  arrays = _ARRAY_TEXT.findall(shape)
-  if shape.startswith("(") and len(arrays) > 3:
-    return f"({', '.join(arrays[:3])}, ... {len(arrays)} arrays)"
-  return shape
-
-
-def _short_op(op_name: str) -> str:
-  """``  [dot_general]`` from jax's op name (the last part of each name
-  XLA merged), ``  [backward dot_general]`` for a transposed (VJP) one."""
-  ops = []
-  for part in op_name.split(":"):
-    op = part.rsplit("/", 1)[-1].strip("()")
-    if op and op not in ops:
-      ops.append(op)
-  if not ops:
-    return ""
-  return f"  [{'backward ' if 'transpose(' in op_name else ''}{'+'.join(ops)}]"
-
-
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n} B"
