@@ -4,6 +4,7 @@ same program (same in/out shardings and constraints as NamedShardings)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import statistics
@@ -14,8 +15,10 @@ from benchmarks._common import ROOT, setup_jax
 SIZE = dict(width=128, heads=8, layers=2, seq=64, vocab=104, lr=1e-3)
 
 
+@functools.cache
 def load_example():
-  """examples/transformer.py as a module (examples/ is not a package)."""
+  """examples/transformer.py as a module (examples/ is not a package), loaded
+  once per process: its absl flags cannot be defined twice."""
   spec = importlib.util.spec_from_file_location(
       "transformer_example", os.path.join(ROOT, "examples", "transformer.py"))
   example = importlib.util.module_from_spec(spec)

@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
       prog="python -m partitioner.launch",
       description="Run a sharded_jit script on several MPI processes.",
       epilog="Flags take - or _ alike (--devices_per_process, as absl scripts"
-             " spell their flags).")
+             " spell their flags).",
+      # The script's own flags (--devices, --time...) must not be taken for
+      # abbreviations of ours.
+      allow_abbrev=False)
   parser.add_argument("-n", "--num-processes", "--num_processes", type=int,
                       required=True, metavar="N", help="number of processes (MPI ranks)")
   parser.add_argument("--devices-per-process", "--devices_per_process", type=int,

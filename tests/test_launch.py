@@ -48,11 +48,14 @@ _HELLO = ("import sys, partitioner\n"
 def test_launcher_runs_a_script_or_module_and_passes_arguments(tmp_path, as_module):
   (tmp_path / "hello_mod.py").write_text(_HELLO)
   target = ["-m", "hello_mod"] if as_module else [str(tmp_path / "hello_mod.py")]
-  # A module is found from the working directory, as with `python -m`.
-  proc, _ = mp.launch(*target, "--flag", "x", devices=1, cwd=tmp_path)
+  # A module is found from the working directory, as with `python -m`. The
+  # script's flags reach it even where they begin like the launcher's own
+  # (--devices, --time: not abbreviations of --devices-per-process, --timeout).
+  flags = ["--flag", "x", "--devices", "4", "--time", "1"]
+  proc, _ = mp.launch(*target, *flags, devices=1, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
-  assert mp.found(r"hello \d/2 \['--flag', 'x'\]", proc.stdout) == [
-      "hello 0/2 ['--flag', 'x']", "hello 1/2 ['--flag', 'x']"]
+  assert mp.found(r"hello \d/2 \[.*\]", proc.stdout) == [
+      f"hello {r}/2 {flags}" for r in range(2)]
 
 
 @pytest.mark.mpi
