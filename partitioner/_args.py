@@ -1,4 +1,10 @@
-"""Turning call arguments into flat inputs, cache keys and readable names."""
+"""Stage 0, arguments: positions, static and donated arguments, names.
+
+Every front end (``sharded_jit``, ``partitioner.pmap``, a staged or nested
+sharded_jit) lays its positional arguments out with an
+:class:`ArgumentLayout`: one set of rules and messages, each naming the
+front end the user called; what each value may be is ``_values``.
+"""
 
 from __future__ import annotations
 
@@ -8,109 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from partitioner import _compat
-
-_PY_SCALARS = {bool: False, int: True, float: True, complex: True}
-
-
-class NotAnArray(Exception):
-  """Raised by :func:`signature` for a leaf that is not an array."""
-
-
-def signature(x: Any) -> tuple:
-  """(shape, dtype, weak_type) of a flat input: its part of the cache key.
-
-  Raises:
-    NotAnArray: ``x`` is not an array jax can hold (see :func:`why_not`).
-  """
-  if type(x) is _compat.ArrayImpl:
-    return (x.shape, x.dtype, x.weak_type)
-  if isinstance(x, np.ndarray | np.generic):
-    dtype = x.dtype if x.dtype.isnative else x.dtype.newbyteorder("=")
-    if not _compat.is_array_dtype(dtype):
-      raise NotAnArray(x)
-    return (x.shape, jax.dtypes.canonicalize_dtype(dtype), False)
-  weak = _PY_SCALARS.get(type(x))
-  if weak is not None:
-    dtype = jax.dtypes.canonicalize_dtype(np.dtype(type(x)))
-    if type(x) is int and not _int_fits(x, dtype):
-      raise NotAnArray(x)
-    return ((), dtype, weak)
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    return (x.shape, x.dtype, getattr(x, "weak_type", False))
-  raise NotAnArray(x)
-
-
-def abstract_signature(x: Any) -> tuple:
-  """(shape, dtype, weak_type) of a tracer or ``jax.ShapeDtypeStruct``."""
-  aval = x.aval if isinstance(x, jax.core.Tracer) else x
-  return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
-
-
-def lowering_signature(x: Any) -> tuple:
-  """:func:`signature`, also of a ``jax.ShapeDtypeStruct`` (lowering needs
-  no data; its dtype is canonicalized as an array's would be, its
-  ``.sharding`` is not used: in_parts decide).
-
-  Raises:
-    NotAnArray: ``x`` is neither an array nor a ``jax.ShapeDtypeStruct``.
-  """
-  if isinstance(x, jax.ShapeDtypeStruct):
-    shape, dtype, weak = abstract_signature(x)
-    return (shape, jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True), weak)
-  return signature(x)
-
-
-def _int_fits(x: int, dtype: np.dtype) -> bool:
-  info = np.iinfo(dtype)
-  return info.min <= x <= info.max
-
-
-_DTYPE_HINTS = {  # numpy dtype kind -> (what it is, what to do)
-    "O": ("object", "pass numbers; a ragged nested list becomes an object"
-          " array, so pad it to a rectangle first"),
-    "U": ("str", "encode text as numbers (e.g. token ids), or list the"
-          " argument in static_argnums if it is a setting"),
-    "S": ("bytes", "encode it as numbers, e.g. np.frombuffer(b, np.uint8)"),
-    "V": ("structured", "pass one array per field, e.g. x['a'] and x['b']"),
-    "M": ("datetime64", "convert it to numbers, e.g. x.astype(np.int64)"),
-    "m": ("timedelta64", "convert it to numbers, e.g. x.astype(np.int64)"),
-}
-
-
-def why_not(x: Any) -> str:
-  """Why ``x`` cannot be a sharded_jit input, with a hint."""
-  if isinstance(x, np.ndarray | np.generic):
-    kind, hint = _DTYPE_HINTS.get(x.dtype.kind, (str(x.dtype), "pass numbers"))
-    return (f"is a numpy array of dtype {x.dtype} ({kind}), which jax cannot"
-            f" hold. Hint: {hint}.")
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return (f"is a jax.ShapeDtypeStruct ({describe([abstract_signature(x)])[1:-1]}),"
-            " which describes an array but holds no data. Hint: pass an array"
-            " of that shape and dtype to run, or use .lower(...) (or explain)"
-            " to compile without data.")
-  if type(x) is int:
-    dtype = jax.dtypes.canonicalize_dtype(np.dtype(int))
-    return (f"is the Python int {x}, which does not fit in {dtype.name}, jax's"
-            " integer type" + (" with jax_enable_x64 off" if dtype == np.int32 else "")
-            + ". Hint: pass it as a float, enable 64-bit types"
-            " (jax.config.update('jax_enable_x64', True)), or list its"
-            " position in static_argnums.")
-  return (f"is a {type(x).__name__} ({x!r:.80}), not an array. sharded_jit"
-          " arguments must be arrays (jax or numpy) or Python scalars. Hint: if"
-          " it is a configuration value, list its position in static_argnums.")
-
-
-def to_aval(sig: tuple) -> jax.ShapeDtypeStruct:
-  shape, dtype, weak = sig
-  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-
-
-def describe(sigs: Sequence[tuple]) -> str:
-  """``[float32[4, 2], int32[]]``: signatures for error messages."""
-  return "[" + ", ".join(f"{jax.numpy.dtype(d).name}{list(s)}" for s, d, _ in sigs) + "]"
+from partitioner._values import NotAnArray, describe, signature, to_aval, why_not
+from sharding._spec_tree import check_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,18 +50,32 @@ class InputSignature:
 
 
 class ArgumentLayout:
-  """How a sharded_jit function's positional arguments are laid out.
+  """How a front end's function lays out its positional arguments.
 
   Args:
     fun: the user's function (its parameter names are used in errors).
     static_argnums: positions of static (hashable, compile-time) arguments.
     donate_argnums: positions of arguments whose buffers may be donated.
+    who: the front end and function, for errors (``"sharded_jit function
+      f"``, ``"partitioner.pmap(f)"``).
+    static_name: what the front end calls ``static_argnums``.
+
+  Raises:
+    ValueError: a position is both static and donated.
   """
 
   def __init__(self, fun: Callable[..., Any], static_argnums: Sequence[int],
-               donate_argnums: Sequence[int]):
+               donate_argnums: Sequence[int], who: str = "sharded_jit",
+               static_name: str = "static_argnums"):
     self.static_argnums = tuple(static_argnums)
     self.donate_argnums = tuple(donate_argnums)
+    self.who = who
+    self._static_name = static_name
+    if set(self.static_argnums) & set(self.donate_argnums):
+      raise ValueError(
+          f"{who}: {static_name} {self.static_argnums} and donate_argnums"
+          f" {self.donate_argnums} overlap: a static argument has no buffer to"
+          " donate. Hint: list each position in one of them.")
     self._positions: dict[int, tuple[int, ...]] = {}
     try:
       params = list(inspect.signature(fun).parameters.values())
@@ -185,7 +105,7 @@ class ArgumentLayout:
         jax.tree_util.tree_unflatten(treedef, range(len(sigs))))[0])
     return InputSignature(nargs, static_values, treedef, sigs, paths)
 
-  def check_call(self, expected: InputSignature, name: str, args: tuple,
+  def check_call(self, expected: InputSignature, args: tuple,
                  kwargs: dict) -> list[Any]:
     """The flat dynamic inputs of a call, checked against ``expected``.
 
@@ -193,14 +113,15 @@ class ArgumentLayout:
       TypeError: keyword arguments, a non-array argument, or arguments of
         other shapes, dtypes, structure or static values.
     """
-    reject_kwargs(name, kwargs)
+    if kwargs:
+      reject_kwargs(self.who, kwargs)
     dyn, static_values = self.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
     got = self.signature(len(args), static_values, leaves, treedef)
     if (got.treedef, got.static_values, got.signatures) != (
         expected.treedef, expected.static_values, expected.signatures):
       raise TypeError(
-          f"this compiled {name} was lowered for arguments"
+          f"this compiled {self.who} was lowered for arguments"
           f" {describe(expected.signatures)} (static {expected.static_values!r}),"
           f" but was called with {describe(got.signatures)} (static"
           f" {got.static_values!r}). Hint: call the sharded_jit function itself,"
@@ -219,7 +140,7 @@ class ArgumentLayout:
         hash(args[i])
       except TypeError:
         raise TypeError(
-            f"static argument {self.name(i)} must be hashable, got"
+            f"{self.who}: static argument {self.name(i)} must be hashable, got"
             f" {type(args[i]).__name__}: {args[i]!r:.80}. Hint: pass a tuple"
             " instead of a list, or make it a (non-static) array argument.")
     return dyn, values
@@ -229,7 +150,7 @@ class ArgumentLayout:
     split() runs on every call)."""
     positions = self._positions.get(nargs)
     if positions is None:
-      found = _positions(self.static_argnums, nargs, "static_argnums")
+      found = _positions(self.static_argnums, nargs, self._static_name, self.who)
       positions = self._positions[nargs] = tuple(sorted(found))
     return positions
 
@@ -267,7 +188,7 @@ class ArgumentLayout:
     if not self.donate_argnums:
       return []
     positions = self.dynamic_positions(inputs.nargs)
-    donate = _positions(self.donate_argnums, inputs.nargs, "donate_argnums")
+    donate = _positions(self.donate_argnums, inputs.nargs, "donate_argnums", self.who)
     return [k for k, path in enumerate(inputs.paths)
             if positions[path[0].idx] in donate]
 
@@ -289,10 +210,10 @@ class ArgumentLayout:
       try:
         (sign or signature)(leaf)
       except NotAnArray:
-        raise TypeError(f"{name} {why_not(leaf)}") from None
+        raise TypeError(f"{self.who}: {name} {why_not(leaf, self._static_name)}") from None
 
 
-def _positions(argnums: Sequence[int], nargs: int, what: str) -> set[int]:
+def _positions(argnums: Sequence[int], nargs: int, what: str, who: str) -> set[int]:
   """``static_argnums``/``donate_argnums`` as non-negative positions.
 
   Raises:
@@ -304,17 +225,45 @@ def _positions(argnums: Sequence[int], nargs: int, what: str) -> set[int]:
     j = i + nargs if i < 0 else i
     if not 0 <= j < nargs:
       raise ValueError(
-          f"{what} contains {i}, but the function was called with {nargs}"
+          f"{who}: {what} contains {i}, but the function was called with {nargs}"
           f" positional argument(s). Hint: positions count from 0 over the"
           f" positional arguments, static ones included.")
     found.add(j)
   return found
 
 
-def reject_kwargs(name: str, kwargs: dict) -> None:
+def argnums(value: int | Sequence[int], what: str) -> tuple[int, ...]:
+  """``static_argnums``/``donate_argnums`` as a tuple of ints.
+
+  Raises:
+    TypeError: not an int or a sequence of ints.
+  """
+  values = (value,) if isinstance(value, int) else value
+  if (not isinstance(values, Sequence | set | frozenset) or isinstance(values, str)
+      or any(isinstance(v, bool) or not isinstance(v, int) for v in values)):
+    raise TypeError(f"{what} must be an int or a sequence of ints, got {value!r}")
+  return tuple(values)
+
+
+def check_parts(tree: Any, what: str) -> Any:
+  """A user's spec tree (``in_parts``, ...), validated once, canonical."""
+  if isinstance(tree, list):
+    tree = tuple(tree)
+  check_specs(tree, what)
+  return tree
+
+
+def positive_or_none(value: Any, what: str) -> int | None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                            or value < 1):
+    raise ValueError(f"{what} must be a positive int or None, got {value!r}")
+  return value
+
+
+def reject_kwargs(who: str, kwargs: dict) -> None:
+  """Raises the TypeError every front end gives for keyword arguments."""
   if kwargs:
     raise TypeError(
-        f"sharded_jit function {name} got keyword arguments {sorted(kwargs)};"
-        " sharded_jit takes positional arguments only. Hint: pass them"
-        " positionally, or bind them with functools.partial before calling"
-        " sharded_jit.")
+        f"{who} got keyword arguments {sorted(kwargs)}; it takes positional"
+        " arguments only. Hint: pass them positionally, or bind them with"
+        " functools.partial before wrapping the function.")

@@ -204,3 +204,63 @@ def jax_partitioner(mode: str) -> Any:
   """A context in which jax lowers with Shardy (``"shardy"``) or GSPMD."""
   from jax._src import config as jax_config
   return jax_config.use_shardy_partitioner(mode == "shardy")
+
+
+def sharding_on_mesh(hlo: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.sharding.Sharding:
+  """A jax sharding for an HloSharding XLA chose over ``mesh``'s devices
+  (in ``mesh.devices.flat`` order): a NamedSharding of ``mesh`` when one
+  matches exactly, else a GSPMDSharding of the same layout."""
+  from jax._src import sharding_impls
+  devices = tuple(mesh.devices.flat)
+  try:
+    spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+    named = jax.sharding.NamedSharding(mesh, spec)
+    if named._to_xla_hlo_sharding(ndim) == hlo:  # pylint: disable=protected-access
+      return named
+  except (ValueError, AssertionError, NotImplementedError):
+    pass
+  return sharding_impls.GSPMDSharding(devices, hlo)
+
+
+def cpp_dispatch(name: str, fallback: Any, cache_miss: Any) -> Any:
+  """A callable that dispatches in jax's C++ ``pjit`` fast path.
+
+  Per call signature (argument structure, avals, shardings) the first call
+  goes to ``cache_miss(*args, **kwargs) -> (outputs, fastpath or None)``;
+  when it returns :func:`fastpath` data, later calls with that signature
+  run the executable in C++ (no Python at all), otherwise every call goes
+  to ``cache_miss``. Under ``jax.disable_jit()`` calls go to ``fallback``.
+  ``fallback`` must be a new object per callable: jax keys its executables
+  by it. ``._clear_cache()`` forgets every signature.
+  """
+  from jax._src import tree_util
+  from jax._src.lib import _jax
+
+  def miss(*args, **kwargs):
+    out, fast = cache_miss(*args, **kwargs)
+    return out, fast, False
+
+  return _jax.pjit(name, fallback, miss, [], [], _pxla.JitGlobalCppCacheKeys(),
+                   tree_util.dispatch_registry, _pxla.cc_shard_arg)
+
+
+def fastpath(loaded: LoadedExecutable, outputs: Any,
+             in_shardings: Sequence[jax.sharding.Sharding],
+             out_shardings: Sequence[jax.sharding.Sharding],
+             out_avals: Sequence[Any]) -> Any | None:
+  """What :func:`cpp_dispatch` needs to run ``loaded`` in C++, given the
+  outputs of one Python call of it (None when they are not all arrays).
+
+  Only for programs whose every input was an ArrayImpl with exactly its
+  ``in_shardings`` in that call (an array laid out otherwise on the same
+  devices would reach the executable unconverted), with no effects, no
+  donation and no per-process conversions.
+  """
+  from jax._src import tree_util
+  out_flat, out_tree = tree_util.dispatch_registry.flatten(outputs, None)
+  if not all(type(o) is ArrayImpl for o in out_flat):
+    return None
+  n = len(in_shardings)
+  return _pxla.MeshExecutableFastpathData(
+      loaded, out_tree, list(in_shardings), list(out_shardings), list(out_avals),
+      [True] * len(out_flat), [True] * n, [None] * n, [])

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from partitioner import _compat
-from partitioner._stats import stats
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, tiling
 
@@ -31,6 +30,10 @@ class Program:
       XLA's partitioner reports to while it compiles (``_inspect``).
     auto_outputs: per output, whether XLA chooses its tiling (``AUTO``);
       empty when none does.
+    auto_inputs: the same per input (partitioner.pmap's ``in_axes=None``
+      host values, laid out where the program wants them).
+    front_end: what made it (``"sharded_jit"``, ``"pmap"``), for the counts
+      of :func:`~partitioner.compilation_stats`.
   """
   name: str
   module: bytes
@@ -41,6 +44,8 @@ class Program:
   host_callbacks: tuple = ()
   inspect_sites: tuple = ()
   auto_outputs: tuple[bool, ...] = ()
+  auto_inputs: tuple[bool, ...] = ()
+  front_end: str = "sharded_jit"
 
 
 def compile_options(
@@ -51,6 +56,7 @@ def compile_options(
     xla_options: Mapping[str, Any] | None = None,
     disable_most_optimizations: bool = False,
     auto_outputs: Sequence[bool] = (),
+    auto_inputs: Sequence[bool] = (),
 ) -> _compat.CompileOptions:
   """Options for one SPMD program of ``num_partitions`` over ``devices``.
 
@@ -66,6 +72,7 @@ def compile_options(
       debugging compiles.
     auto_outputs: per output, whether XLA's partitioner may choose its
       sharding (the module gives it none).
+    auto_inputs: the same per input.
 
   Raises:
     ValueError: the device assignment's shape does not match N.
@@ -86,6 +93,8 @@ def compile_options(
       [d.id for d in assignment.reshape(-1)])
   if any(auto_outputs):
     build.allow_spmd_sharding_propagation_to_output = list(auto_outputs)
+  if any(auto_inputs):
+    build.allow_spmd_sharding_propagation_to_parameters = list(auto_inputs)
   if xla_options:
     options.env_option_overrides = sorted(
         (str(k), v if isinstance(v, (bool, int, float)) else str(v))
@@ -100,10 +109,8 @@ def compile_options(
 def compile_module(module: bytes, devices: Sequence[jax.Device],
                    options: _compat.CompileOptions,
                    host_callbacks: Sequence[Any] = ()) -> _compat.LoadedExecutable:
-  """Compiles ``module`` for ``devices``; counted in compilation_stats."""
-  executable = _compat.compile_and_load(module, devices, options, host_callbacks)
-  stats.add("compiles")
-  return executable
+  """Compiles ``module`` for ``devices`` (the caller counts it)."""
+  return _compat.compile_and_load(module, devices, options, host_callbacks)
 
 
 def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Device],

@@ -33,8 +33,7 @@ from partitioner import _compat
 from partitioner._config import config
 from partitioner._distributed._mapped import from_host
 from partitioner._insert import gspmd_constraint, shardy_constraint
-from sharding._constraint import constraint_p, emitting_markers
-from sharding._constraint import lower as marker_lowering
+from sharding._constraint import set_device_lowering
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, axis_runs, factor_axes, tiling
 
@@ -144,8 +143,8 @@ def _constraint_sharding(ctx: Any, spec: PartitionSpec | None, ndim: int,
 
 def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
                       origin: str) -> Sequence[Any]:
-  if emitting_markers():  # sharded_jit's own program: the partitioner decides
-    return marker_lowering(ctx, x, spec=spec, origin=origin)
+  """A constraint in a jax program (not sharded_jit's own: there it is a
+  marker the partitioner rewrites)."""
   layout = _constraint_sharding(ctx, spec, ctx.avals_in[0].ndim, origin)
   if layout is None:
     return [x]
@@ -161,7 +160,7 @@ def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
   return [gspmd_constraint(x, layout)]
 
 
-mlir.register_lowering(constraint_p, _lower_constraint)
+set_device_lowering(_lower_constraint)
 
 
 # --- partitioner.pmap's context -------------------------------------------------
@@ -226,7 +225,7 @@ class Staged:
 
 
 def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any,
-          name: str) -> Staged:
+          who: str) -> Staged:
   """Builds the jax.jit for a sharded_jit call on tracers.
 
   Args:
@@ -235,21 +234,21 @@ def stage(lowered: Any, fun: Callable[..., Any], rebuild: Callable, treedef: Any
     fun: the user's function.
     rebuild: flat dynamic inputs -> ``fun``'s positional arguments.
     treedef: the structure of the dynamic arguments.
-    name: the function's name, for warnings.
+    who: the front end and function, for warnings.
   """
   placement = lowered.placement
   if lowered.guards:
     warnings.warn(
-        f"sharded_jit function {name} is called under a jax transformation, so"
+        f"{who} is called under a jax transformation, so"
         " jax compiles it as part of its own program, without sharded_jit's"
         " guards for ops XLA's partitioner gets wrong: "
         + "; ".join(lowered.guards) + ". Hint: call it directly (not under"
-        " jax.jit/grad/vmap), or keep those dimensions unsplit.", stacklevel=4)
+        " jax.jit/grad/vmap), or keep those dimensions unsplit.", stacklevel=5)
 
   def flat(*leaves):
     return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, leaves)))
 
-  flat.__name__ = flat.__qualname__ = name
+  flat.__name__ = flat.__qualname__ = lowered.name
   in_shardings = tuple(t.named_sharding() for t in placement.in_tilings)
   jitted = jax.jit(
       flat,

@@ -109,6 +109,11 @@ _SETTINGS: dict[str, _Setting] = {
     "cache_min_entry_bytes": _Setting(
         "SHARDED_JIT_CACHE_MIN_ENTRY_BYTES", 0, int, _whole(0),
         "Entries smaller than this are not written."),
+    "memory_cache_entries": _Setting(
+        "SHARDED_JIT_MEMORY_CACHE_ENTRIES", 256, int, _whole(1),
+        "How many compiled programs stay in memory: the bound of the"
+        " in-memory tier and of each function's call cache, for every front"
+        " end (least recently used go first)."),
     "log_compiles": _Setting(
         "SHARDED_JIT_LOG_COMPILES", False, _parse_bool, _check_bool,
         "Log every compilation at WARNING (otherwise at DEBUG)."),
@@ -163,6 +168,9 @@ class Config:
       Env: ``SHARDED_JIT_CACHE_MIN_COMPILE_SECS``.
     cache_min_entry_bytes: do not write smaller entries.
       Env: ``SHARDED_JIT_CACHE_MIN_ENTRY_BYTES``.
+    memory_cache_entries: compiled programs kept in memory, per function
+      and in this process's in-memory tier (default 256). Env:
+      ``SHARDED_JIT_MEMORY_CACHE_ENTRIES``.
     cache_store: a store object with ``get(key)``/``put(key, data)`` used
       instead of ``cache_dir`` (e.g. ``partitioner.MemoryStore()``).
     log_compiles: log each compilation at WARNING. Env:
@@ -202,6 +210,23 @@ class Config:
                            f" Hint: {setting.doc}") from None
       object.__setattr__(self, name, value)  # plain attributes: cheap to read
     object.__setattr__(self, "cache_store", None)
+    object.__setattr__(self, "_listeners", [])
+    self._settings_changed()
+
+  def on_compile_settings_change(self, listener: Callable[[], None]) -> None:
+    """``listener()`` runs whenever :attr:`compile_settings` changes."""
+    self._listeners.append(listener)
+
+  def _settings_changed(self) -> None:
+    # What every call cache keys on: a program compiled under other
+    # settings is another program.
+    old = self.__dict__.get("compile_settings")
+    new = (self.partitioner, repr(sorted(self.xla_options.items(), key=repr)),
+           self.disable_most_optimizations)
+    object.__setattr__(self, "compile_settings", new)
+    if old is not None and old != new:
+      for listener in self._listeners:
+        listener()
 
   def __setattr__(self, name: str, value: Any) -> None:
     if name == "cache_store":
@@ -219,16 +244,17 @@ class Config:
             f" variable {setting.env}).") from None
     else:
       raise AttributeError(
-          f"unknown setting {name!r}; settings: {sorted(self.__dict__)}")
+          f"unknown setting {name!r}; settings: {sorted(_SETTINGS)} and cache_store")
     object.__setattr__(self, name, value)
+    self._settings_changed()
 
   @contextlib.contextmanager
   def override(self, **settings) -> Iterator[Config]:
     """Temporarily changes settings, e.g. ``override(partitioner="gspmd")``."""
     for name in settings:
-      if name not in self.__dict__:
+      if name not in _SETTINGS and name != "cache_store":
         raise AttributeError(
-            f"unknown setting {name!r}; settings: {sorted(self.__dict__)}")
+            f"unknown setting {name!r}; settings: {sorted(_SETTINGS)} and cache_store")
     old = {name: getattr(self, name) for name in settings}
     try:
       for name, value in settings.items():
@@ -237,9 +263,11 @@ class Config:
     finally:
       for name, value in old.items():
         object.__setattr__(self, name, value)
+      self._settings_changed()
 
   def __repr__(self) -> str:
-    items = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+    items = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items()
+                      if k not in ("compile_settings", "_listeners"))
     return f"Config({items})"
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,15 +9,40 @@ import jax
 import numpy as np
 
 from partitioner import _compat
-from partitioner._distributed import _local_parts
+from partitioner._cache._calls import call_caches
 from partitioner._distributed._steps import steps
-from partitioner._plan import Placement
+from partitioner._values import host_copy
 from partitioner._trace import TracedProgram
-from sharding._partition_spec import PartitionSpec
 
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
 _unflatten = jax.tree_util.tree_unflatten
+
+
+class Dispatched:
+  """A front end whose calls go through jax's C++ dispatch.
+
+  Arguments whose signature (structure, avals, shardings) already ran a
+  program that needs no Python per call (see :meth:`Executable.fastpath`)
+  run in C++, as ``jax.jit``'s do; anything else reaches the subclass's
+  ``_cache_miss(*args, **kwargs) -> (outputs, fastpath data or None)``.
+  """
+
+  def start_dispatch(self, who: str) -> None:
+    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss)
+    call_caches.on_clear(self)
+
+  def __call__(self, *args, **kwargs):
+    return self._dispatch(*args, **kwargs)
+
+  def clear_cache(self) -> None:
+    """Forgets the C++ dispatch's programs (``clear_caches()`` calls it, and
+    so does a change of the compile settings)."""
+    self._dispatch._clear_cache()
+
+  def _unjitted(self, *args, **kwargs):
+    """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded."""
+    return self._cache_miss(*args, **kwargs)[0]
 
 
 class Executable:
@@ -31,40 +53,38 @@ class Executable:
 
   Args:
     loaded: jaxlib's loaded executable.
-    placement: every input's and output's tiling.
+    in_shardings, out_shardings: where each flat input and output lives
+      (jax shardings over the program's devices).
     traced: the traced program (avals, effects, what callbacks keep alive).
-    in_local: with local_in_parts, each input piece's spec (else None):
-      each process passes its own piece, made global before running.
-    out_local: with local_out_parts, each output piece's spec (else None):
-      each process gets back its own piece.
+    globalize: multi-process front ends whose processes pass their own
+      pieces: turns the flat inputs into global arrays before running.
+    localize: turns the flat global outputs into this process's pieces.
     process: (rank, number of processes).
     in_names: each flat input's name, for errors.
     donated: flat indices of the donated inputs.
   """
 
-  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers",
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
                "_bounded", "_process", "_names", "_donated", "_empty")
 
-  def __init__(self, loaded: _compat.LoadedExecutable, placement: Placement,
-               traced: TracedProgram,
-               in_local: Sequence[PartitionSpec | None] | None = None,
-               out_local: Sequence[PartitionSpec | None] | None = None,
+  def __init__(self, loaded: _compat.LoadedExecutable,
+               in_shardings: Sequence[jax.sharding.Sharding],
+               out_shardings: Sequence[jax.sharding.Sharding],
+               traced: TracedProgram, *,
+               globalize: Callable[[Sequence[Any]], list] | None = None,
+               localize: Callable[[list], list] | None = None,
                process: tuple[int, int] = (0, 1), in_names: Sequence[str] = (),
                donated: Sequence[int] = ()):
     self.loaded = loaded
     self._names = tuple(in_names)
     self._donated = tuple(donated)
-    self.in_shardings = tuple(t.named_sharding() for t in placement.in_tilings)
-    self.out_shardings = tuple(t.named_sharding() for t in placement.out_tilings)
+    self.in_shardings = tuple(in_shardings)
+    self.out_shardings = tuple(out_shardings)
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
-    # per-process pieces -> global arrays, and global outputs -> pieces
-    self._globalize = None if in_local is None else _local_parts.globalizers(
-        placement.in_tilings, in_local, [a.shape for a in traced.in_avals],
-        placement.devices, *process)
-    self._localize = None if out_local is None else _local_parts.localizers(
-        [t.spec for t in placement.out_tilings], out_local,
-        [a.shape for a in traced.out_avals], placement.devices, *process)
+    self._out_avals = traced.out_avals
+    self._globalize = globalize
+    self._localize = localize
     # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
     unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
               for a in traced.in_avals]
@@ -83,7 +103,7 @@ class Executable:
     if self._donated:
       self.check_deleted(leaves)
     if self._globalize is not None:
-      leaves = [f(x) for f, x in zip(self._globalize, leaves)]
+      leaves = self._globalize(leaves)
     for x, s in zip(leaves, self.in_shardings):
       if type(x) is not _ArrayImpl or x.sharding != s:
         try:
@@ -102,6 +122,19 @@ class Executable:
     return (self._globalize is None and self._unwrap is None and
             all(type(x) is _ArrayImpl and x.sharding == s
                 for x, s in zip(leaves, self.in_shardings)))
+
+  def fastpath(self, outputs: Any) -> Any | None:
+    """What jax's C++ dispatch needs to run this program itself (see
+    ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
+    passed :meth:`runs_as_is`); None when the per-call path needs Python:
+    effects, a multi-process step bound, donation (a deleted donated input
+    must be refused, not run), empty outputs, per-process conversions."""
+    if (self._effects or self._bounded or self._donated or self._empty or
+        self._localize is not None or self._globalize is not None or
+        self._unwrap is not None):
+      return None
+    return _compat.fastpath(self.loaded, outputs, self.in_shardings,
+                            self.out_shardings, self._out_avals)
 
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
@@ -160,7 +193,7 @@ class Executable:
     for k, shape, dtype in self._empty:
       outs[k] = jax.device_put(np.empty(shape, dtype), self.out_shardings[k])
     if self._localize is not None:
-      outs = [f(x) for f, x in zip(self._localize, outs)]
+      outs = self._localize(outs)
     return outs
 
   def place(self, leaves: Sequence[Any]) -> list[jax.Array]:
@@ -172,40 +205,9 @@ class Executable:
     returns, and the caller may change its array at once.
     """
     return [x if type(x) is _compat.ArrayImpl and x.sharding == s
-            else jax.device_put(_host_copy(x, self._name(k)) if isinstance(x, np.ndarray)
+            else jax.device_put(host_copy(x, self._name(k)) if isinstance(x, np.ndarray)
                                 else x, s)
             for k, (x, s) in enumerate(zip(leaves, self.in_shardings))]
 
   def _name(self, k: int) -> str:
     return self._names[k] if k < len(self._names) else f"input {k}"
-
-
-def _host_copy(x: np.ndarray, name: str) -> np.ndarray:
-  """A private copy of a numpy input, in native byte order; warns when
-  64-bit integers will not fit the 32-bit type jax turns them into."""
-  if x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size and not _x64():
-    info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
-    low, high = x.min(), x.max()
-    if low < info.min or high > info.max:
-      warnings.warn(
-          f"{name} is {x.dtype} with values up to {high if high > info.max else low},"
-          f" outside {info.dtype}'s range; with jax_enable_x64 off jax"
-          f" converts it to {info.dtype} and these values wrap around. Hint:"
-          " enable 64-bit types (jax.config.update('jax_enable_x64', True))"
-          " or pass values that fit.", stacklevel=_user_stacklevel())
-  return np.array(x, dtype=x.dtype.newbyteorder("="), copy=True)
-
-
-def _user_stacklevel() -> int:
-  """warnings.warn's stacklevel for the first caller outside this package."""
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-    frame, level = frame.f_back, level + 1
-  return level
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _x64() -> bool:
-  return jax.dtypes.canonicalize_dtype(np.int64) == np.int64

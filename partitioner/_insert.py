@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
@@ -136,6 +137,11 @@ class ShardingPass:
           ir.StringAttr(op.attributes["sym_name"]).value == "main"):
         return op
     raise RuntimeError("the lowered module has no main function")
+
+  def rewrite(self, rewrite: Callable[[ir.Module], Any]) -> Any:
+    """Applies another pass (e.g. ``_sink``'s) to the module, in place."""
+    with self._context:
+      return rewrite(self._module)
 
   def as_bytecode(self) -> bytes:
     out = io.BytesIO()

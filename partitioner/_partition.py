@@ -102,7 +102,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   sharding_pass = ShardingPass(traced.module)
   constraints = _plan.constraint_uses(sharding_pass.constraints())
   placement = _plan.plan(ins, outs, constraints, request.num_partitions,
-                         request.devices, world.size, request.local_num_partitions)
+                         request.devices, world.size, request.local_num_partitions,
+                         layout.who)
   mode = config.partitioner
   sharding_pass.insert(placement.num_partitions, mode, placement.in_physical,
                        [None if a else t for t, a in zip(placement.out_physical, auto)],

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from partitioner import _compat
+from partitioner._devices import choose_devices
 from partitioner._insert import ConstraintSite
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, tiling
@@ -78,7 +79,8 @@ def constraint_uses(sites: Sequence[ConstraintSite]) -> list[SpecUse]:
 def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
          constraints: Sequence[SpecUse], num_partitions: int | None,
          devices: Sequence[jax.Device] | None, num_processes: int = 1,
-         local_num_partitions: int | None = None) -> Placement:
+         local_num_partitions: int | None = None,
+         who: str = "sharded_jit") -> Placement:
   """Checks all specs and lays them out over the chosen devices.
 
   With several processes, N is shared equally: each process contributes
@@ -93,12 +95,11 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
     if use.spec is not None:  # uneven tiles are fine inside (XLA pads)
       use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}",
                            divisible=use.dtype is not None)
-  n = count_partitions(uses, num_partitions)
+  n = count_partitions(uses, num_partitions, who)
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
-                                 num_processes, local_num_partitions)
-  chosen = (_choose_devices(n, devices) if num_processes == 1 else
-            _choose_global_devices(n, devices, num_processes))
+                                 num_processes, local_num_partitions, who)
+  chosen = choose_devices(n // num_processes, devices, num_processes, who)
   lay = lambda u: tiling(u.spec, chosen, len(u.shape))
   in_tilings, out_tilings = tuple(map(lay, ins)), tuple(map(lay, outs))
   return Placement(
@@ -112,7 +113,8 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   )
 
 
-def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int:
+def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None,
+                     who: str = "sharded_jit") -> int:
   """N: ``num_partitions``, else the largest total of any spec. Every spec's
   total must divide N (a smaller total is partially replicated)."""
   split = [u for u in uses if u.spec is not None and u.spec.is_partitioned]
@@ -127,7 +129,7 @@ def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int
     if n % use.spec.total:
       raise ValueError(
           f"{use.what}: spec {use.spec!r} partitions into {use.spec.total}"
-          f" tiles, which do not divide the {n} partitions of this sharded_jit"
+          f" tiles, which do not divide the {n} partitions of {who}"
           f" (from {source}). Hint: every spec that splits an array must split"
           f" it into a number of tiles (the product of its counts) that divides"
           f" {n}; a spec with fewer tiles is partially replicated (each tile on"
@@ -137,7 +139,7 @@ def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None) -> int
 
 
 def _share_between_processes(n: int, fixed: bool, num_processes: int,
-                             local_num_partitions: int | None) -> int:
+                             local_num_partitions: int | None, who: str) -> int:
   if local_num_partitions is not None:
     if not fixed:
       return num_processes * local_num_partitions
@@ -152,53 +154,7 @@ def _share_between_processes(n: int, fixed: bool, num_processes: int,
     return num_processes  # nothing is split: one device per process
   if n % num_processes:
     raise ValueError(
-        f"This sharded_jit partitions into {n} pieces, which {num_processes}"
+        f"{who} partitions into {n} pieces, which {num_processes}"
         " processes cannot share equally. Hint: use a number of partitions"
         f" that is a multiple of {num_processes}.")
   return n
-
-
-def _choose_global_devices(n: int, devices: Sequence[jax.Device] | None,
-                           num_processes: int) -> tuple:
-  """N / P devices of each process, process-major (the layout local specs assume)."""
-  per_process = n // num_processes
-  if devices is not None:
-    chosen = tuple(devices)[:n]
-    owners = [d.process_index for d in chosen]
-    expected = [p for p in range(num_processes) for _ in range(per_process)]
-    if len(chosen) < n or owners != expected:
-      raise ValueError(
-          f"devices= must list {per_process} devices of process 0, then"
-          f" {per_process} of process 1, and so on ({n} in all); got devices of"
-          f" processes {owners}.")
-    return chosen
-  chosen = []
-  for p in range(num_processes):
-    local = [d for d in jax.devices() if d.process_index == p]
-    if len(local) < per_process:
-      raise ValueError(
-          f"This sharded_jit requires {n} devices, but only"
-          f" {len(jax.devices())} devices are available ({num_processes}"
-          f" processes; process {p} has {len(local)}, it needs {per_process})."
-          " Hint: on CPU give each process more simulated devices, e.g."
-          f" python -m partitioner.launch --devices-per-process {per_process}.")
-    chosen.extend(local[:per_process])
-  return tuple(chosen)
-
-
-def _choose_devices(n: int, devices: Sequence[jax.Device] | None) -> tuple:
-  if devices is None:
-    available, where = jax.local_devices(), "jax.local_devices()"
-  else:
-    available, where = list(devices), "devices="
-  if n > len(available):
-    platform = available[0].platform if available else "cpu"
-    hint = (" Hint: on CPU, simulate more devices by setting XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={n} before jax is"
-            " imported." if platform == "cpu" else
-            " Hint: use specs whose counts multiply to at most the device"
-            " count.")
-    raise ValueError(
-        f"This sharded_jit requires {n} devices, but only {len(available)}"
-        f" devices are available (from {where}).{hint}")
-  return tuple(available[:n])

@@ -8,6 +8,7 @@ placement, names, the loaded executable), like jax's own ``Lowered`` and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -16,10 +17,12 @@ from partitioner import _compile, _explain, _inspect
 from partitioner._args import ArgumentLayout, InputSignature
 from partitioner._cache import compilation_cache
 from partitioner._compile import Program
+from partitioner._distributed import _local_parts
 from partitioner._execute import Executable
 from partitioner._plan import Placement
 from partitioner._trace import TracedProgram
 from sharding._partition_spec import PartitionSpec
+from sharding._tiling import Tiling
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,12 +119,69 @@ class Lowered:
       p = dataclasses.replace(p, out_tilings=chosen, out_physical=chosen)
     _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical,
                               empty)
-    return Compiled(self, p, Executable(loaded, p, self.traced, self.in_local,
-                                     self.out_local, self.process, self.in_names,
-                                     self.donated))
+    return Compiled(self, p, Executable(
+        loaded, [t.named_sharding() for t in p.in_tilings],
+        [t.named_sharding() for t in p.out_tilings], self.traced,
+        globalize=self._globalize(p), localize=self._localize(p),
+        process=self.process, in_names=self.in_names, donated=self.donated))
+
+  def _globalize(self, p: Placement) -> Callable[[Sequence[Any]], list] | None:
+    """With local_in_parts: each process's pieces -> the global arrays."""
+    if self.in_local is None:
+      return None
+    each = _local_parts.globalizers(p.in_tilings, self.in_local,
+                                    [a.shape for a in self.traced.in_avals],
+                                    p.devices, *self.process)
+    return lambda leaves: [f(x) for f, x in zip(each, leaves)]
+
+  def _localize(self, p: Placement) -> Callable[[list], list] | None:
+    """With local_out_parts: the global outputs -> this process's pieces."""
+    if self.out_local is None:
+      return None
+    each = _local_parts.localizers([t.spec for t in p.out_tilings], self.out_local,
+                                   [a.shape for a in self.traced.out_avals],
+                                   p.devices, *self.process)
+    return lambda outs: [f(x) for f, x in zip(each, outs)]
 
 
-class Compiled:
+class Analyses:
+  """What XLA says of a compiled program, for every front end's compiled
+  object (which sets ``executable``)."""
+
+  executable: Executable
+
+  def as_text(self) -> str:
+    """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
+    return "\n\n".join(m.to_string() for m in self.executable.loaded.hlo_modules())
+
+  def cost_analysis(self) -> dict[str, float]:
+    """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
+    return dict(self.executable.loaded.cost_analysis() or {})
+
+  def memory_analysis(self) -> Any:
+    """XLA's memory statistics of the per-device program."""
+    return self.executable.loaded.get_compiled_memory_stats()
+
+  def explanation(self, *, name: str, partitioner: str, num_partitions: int,
+                  devices: Sequence[jax.Device], arguments: Sequence[tuple],
+                  outputs: Sequence[tuple], **extra) -> _explain.Explanation:
+    """The report of ``explain()``; ``arguments``/``outputs`` hold (name,
+    aval, Tiling or jax sharding[, rule]) per flat value."""
+    def lay(name, aval, where, rule=""):
+      if isinstance(where, Tiling):
+        return _explain.layout(name, aval.shape, aval.dtype, where, rule)
+      return _explain.layout_of(name, aval.shape, aval.dtype, where)
+    return _explain.Explanation(
+        name=name, partitioner=partitioner, num_partitions=num_partitions,
+        devices=tuple(str(d) for d in devices),
+        arguments=tuple(lay(*a) for a in arguments),
+        outputs=tuple(lay(*o) for o in outputs),
+        collectives=tuple(_explain.collectives(self.as_text())),
+        flops=float(self.cost_analysis().get("flops", 0.0)),
+        memory=_explain.memory(self.memory_analysis()), **extra)
+
+
+class Compiled(Analyses):
   """A compiled sharded program; call it like the original function.
 
   Attributes:
@@ -142,7 +202,7 @@ class Compiled:
 
   def __call__(self, *args, **kwargs):
     lowered = self.lowered
-    leaves = lowered.layout.check_call(lowered.inputs, lowered.name, args, kwargs)
+    leaves = lowered.layout.check_call(lowered.inputs, args, kwargs)
     return self.call_flat(leaves)
 
   def call_flat(self, leaves) -> Any:
@@ -159,18 +219,6 @@ class Compiled:
     return jax.tree_util.tree_unflatten(self.out_tree,
                                         self.executable.out_shardings)
 
-  def as_text(self) -> str:
-    """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
-    return "\n\n".join(m.to_string() for m in self.executable.loaded.hlo_modules())
-
-  def cost_analysis(self) -> dict[str, float]:
-    """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
-    return dict(self.executable.loaded.cost_analysis())
-
-  def memory_analysis(self) -> Any:
-    """XLA's memory statistics of the per-device program."""
-    return self.executable.loaded.get_compiled_memory_stats()
-
   def explain(self) -> _explain.Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.
 
@@ -181,16 +229,10 @@ class Compiled:
     ``print(compiled.explain().full())`` everything; its fields are data too.
     """
     low, p, t = self.lowered, self.placement, self.lowered.traced
-    memory = _explain.memory(self.memory_analysis())
-    return _explain.Explanation(
-        name=low.name, partitioner=low.partitioner,
-        num_partitions=p.num_partitions, devices=tuple(str(d) for d in p.devices),
-        arguments=tuple(_explain.layout(n, a.shape, a.dtype, tl, r) for n, a, tl, r
-                        in zip(low.in_names, t.in_avals, p.in_tilings,
-                               low.in_rules or ("",) * len(low.in_names))),
-        outputs=tuple(_explain.layout(n, a.shape, a.dtype, tl, r) for n, a, tl, r
-                      in zip(low.out_names, t.out_avals, p.out_tilings,
-                             low.out_rules or ("",) * len(low.out_names))),
-        collectives=tuple(_explain.collectives(self.as_text())),
-        flops=float(self.cost_analysis().get("flops", 0.0)),
-        memory=memory, guards=low.guards)
+    rules = low.in_rules or ("",) * len(low.in_names), low.out_rules or ("",) * len(low.out_names)
+    return self.explanation(
+        name=low.name, partitioner=low.partitioner, num_partitions=p.num_partitions,
+        devices=p.devices,
+        arguments=list(zip(low.in_names, t.in_avals, p.in_tilings, rules[0])),
+        outputs=list(zip(low.out_names, t.out_avals, p.out_tilings, rules[1])),
+        guards=low.guards)

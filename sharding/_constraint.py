@@ -14,7 +14,6 @@ on several devices (a sharded_jit function called under ``jax.jit``,
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -33,9 +32,7 @@ from sharding._spec_tree import broadcast_specs, reject_auto
 MARKER_TARGET = "sharded_jit.constraint"
 ORIGIN_ATTR = "sharded_jit.origin"
 _REPLICATED = "replicated"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TOOLKIT_DIRS = {_PACKAGE_DIR, *(os.path.join(os.path.dirname(_PACKAGE_DIR), p)
-                                 for p in ("partitioner", "partitioner/_distributed"))}
+_OWN_PACKAGES = ("sharding", "jax", "jaxlib")  # never "the user's line"
 
 
 class _MarkerMode(threading.local):
@@ -130,12 +127,14 @@ def constrain(x: Any, spec: Any, origin: str) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def caller() -> str:
+def caller(skip: tuple[str, ...] = ()) -> str:
   """The user's call site, for error messages: ``file.py:12 (fn)``: the
-  first frame outside this toolkit's packages."""
+  first frame outside this package, jax, jaxlib and the packages named in
+  ``skip`` (by their module names)."""
+  packages = _OWN_PACKAGES + tuple(skip)
   frame = sys._getframe(1)
-  while frame is not None and os.path.dirname(
-      os.path.abspath(frame.f_code.co_filename)) in _TOOLKIT_DIRS:
+  while frame is not None and str(frame.f_globals.get("__name__", "")).partition(
+      ".")[0] in packages:
     frame = frame.f_back
   if frame is None:
     return "<unknown>"
@@ -169,12 +168,31 @@ def _batch(args, dims, *, spec, origin):
   return constraint_p.bind(x, spec=spec, origin=origin), d
 
 
+class _DeviceLowering:
+  """How a constraint lowers in a jax program that runs on several devices
+  (a sharded_jit function staged into a ``jax.jit``): set by the partitioner
+  with :func:`set_device_lowering`, which knows the program's devices."""
+
+  rule: Any = None
+
+
+_device_lowering = _DeviceLowering()
+
+
+def set_device_lowering(rule: Any) -> None:
+  """Sets ``rule(ctx, x, spec=..., origin=...) -> [value]``, the lowering of
+  a constraint outside the partitioner's own programs (the identity until
+  set, and wherever ``rule`` returns ``x`` itself)."""
+  _device_lowering.rule = rule
+
+
 def lower(ctx, x, *, spec, origin):
-  """The marker while the partitioner lowers a program, else the identity
-  (``partitioner`` registers a rule that also applies the constraint in
-  jax programs that run on several devices)."""
+  """The one lowering of the constraint: the marker while the partitioner
+  lowers a program, else :func:`set_device_lowering`'s rule, else the
+  identity."""
   if not _marker_mode.depth:
-    return [x]
+    rule = _device_lowering.rule
+    return [x] if rule is None else rule(ctx, x, spec=spec, origin=origin)
   op = hlo.CustomCallOp(
       [x.type], [x],
       call_target_name=ir.StringAttr.get(MARKER_TARGET),

@@ -1,7 +1,10 @@
 """Compiled programs, kept: in memory, then on disk, then compile.
 
+- ``_calls``: every front-end function's call caches, bounded by
+  ``config.memory_cache_entries`` and cleared by ``clear_caches()``;
 - ``_tiers``: the :class:`CompilationCache` (memory -> persistent store ->
-  compile; in multi-process runs rank 0 does this and shares the binary);
+  compile; in multi-process runs rank 0 does this and shares the binary),
+  used by every front end;
 - ``_key``: the persistent cache key;
 - ``_entry``: the byte layout of one persistent entry;
 - ``_store``: where entries live (:class:`DiskStore`, :class:`MemoryStore`,

@@ -57,18 +57,6 @@ def _add_target(add: Callable[[str, str], None], mode: str,
                   f" sharded-jit={__version__}")
 
 
-def jax_program_key(module_text: str, mode: str, compiler_options: Sequence[tuple],
-                    devices: Sequence[jax.Device]) -> str:
-  """:func:`program_key` for a program jax lowered and compiles
-  (partitioner.pmap): jax's module text (without locations), the XLA
-  options it compiles with, the partitioner and the device assignment."""
-  h, add = _hasher()
-  add("jax_module", module_text)
-  add("compiler_options", repr(tuple(compiler_options)))
-  _add_target(add, mode, devices)
-  return h.hexdigest()
-
-
 def cache_key(program: str, devices: Sequence[jax.Device], compression: str) -> str:
   """The persistent cache key: the program key plus this machine's specifics.
 

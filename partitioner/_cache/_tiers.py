@@ -1,4 +1,4 @@
-"""The cache tiers: in memory, then on disk, then compile.
+"""The cache tiers: in memory, then on disk, then compile; for every front end.
 
 On a call-cache miss, :meth:`CompilationCache.load_or_compile` looks the
 program up by its persistent cache key in the in-memory executables of this
@@ -16,17 +16,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import jax
-from jax.experimental import serialize_executable
 
 from partitioner import _compat, _compile, _distributed
 from partitioner._cache import _entry
+from partitioner._cache._calls import call_caches
 from partitioner._cache._key import cache_key, program_key
 from partitioner._cache._store import CacheStore, DiskStore
 from partitioner._compile import Program
@@ -34,9 +31,6 @@ from partitioner._config import config
 from partitioner._stats import stats
 
 logger = logging.getLogger(__name__)
-
-_MEMORY_ENTRIES = 256
-
 
 @dataclasses.dataclass(frozen=True)
 class _Binary:
@@ -56,9 +50,8 @@ class _Binary:
 class CompilationCache:
   """The in-memory executables of this process plus the persistent store."""
 
-  def __init__(self, memory_entries: int = _MEMORY_ENTRIES):
+  def __init__(self):
     self._memory: collections.OrderedDict[str, _Binary] = collections.OrderedDict()
-    self._memory_entries = memory_entries
     self._lock = threading.Lock()
     self._disk: DiskStore | None = None
     self._unusable: tuple[str, int] | None = None  # a cache_dir that failed
@@ -120,7 +113,7 @@ class CompilationCache:
     else:
       binary = self._memory_get(key)
       if binary is not None:
-        stats.add("memory_hits")
+        stats.add("memory_hits", front_end=program.front_end)
         return binary.loaded
       binary = self._load_or_compile(program, key, options, compression)
     self._memory_put(key, binary)
@@ -136,7 +129,7 @@ class CompilationCache:
   def _memory_put(self, key: str, binary: _Binary) -> None:
     with self._lock:
       self._memory[key] = binary
-      while len(self._memory) > self._memory_entries:
+      while len(self._memory) > config.memory_cache_entries:
         self._memory.popitem(last=False)
 
   def _load_or_compile(self, program: Program, key: str,
@@ -145,7 +138,7 @@ class CompilationCache:
     store = self.store()
     binary = None
     if store is not None:
-      hit = self._load(store, key, program.name, lambda data: _compat.deserialize_executable(
+      hit = self._load(store, key, program, lambda data: _compat.deserialize_executable(
           data, program.devices, options))
       binary = None if hit is None else _Binary(*hit)
     if binary is None:
@@ -165,17 +158,17 @@ class CompilationCache:
     data = _distributed.share_from_rank0(world, program.name, program.summary,
                                          pkey, mine is not None, produce)
     if data is None:  # every rank had it in memory
-      stats.add("memory_hits")
+      stats.add("memory_hits", front_end=program.front_end)
       return mine
     if produced:
       return _Binary(produced[0].loaded, data)
     if mine is not None:
       return mine
     loaded = _compat.deserialize_executable(data, program.devices, options)
-    stats.add("received_from_rank0")
+    stats.add("received_from_rank0", front_end=program.front_end)
     return _Binary(loaded, data)
 
-  def _load(self, store: CacheStore, key: str, name: str,
+  def _load(self, store: CacheStore, key: str, program: Program,
             load: Callable[[bytes], Any]) -> tuple[Any, bytes] | None:
     """(the loaded program, its bytes) from the store, or None."""
     try:
@@ -193,7 +186,7 @@ class CompilationCache:
     except Exception as e:  # any unreadable entry: warn, drop, recompile
       logger.warning(
           "Dropping unreadable compilation cache entry %s for %s (%s: %s);"
-          " recompiling.", key, name, type(e).__name__, e)
+          " recompiling.", key, program.name, type(e).__name__, e)
       delete = getattr(store, "delete", None)
       if delete is not None:
         try:
@@ -202,11 +195,11 @@ class CompilationCache:
           logger.warning("Could not remove the unreadable entry %s: %s", key, e)
       stats.add("persistent_misses")
       return None
-    stats.add("persistent_hits")
+    stats.add("persistent_hits", front_end=program.front_end)
     stats.add("persistent_load_secs", time.perf_counter() - start)
     stats.add("compile_time_saved_secs", entry.compile_time)
     logger.debug("Loaded %s from the compilation cache (saved %.3f s)",
-                 name, entry.compile_time)
+                 program.name, entry.compile_time)
     return loaded, entry.executable
 
   def _compile(self, store: CacheStore | None, key: str, program: Program,
@@ -215,6 +208,7 @@ class CompilationCache:
     loaded = _compile.compile_module(program.module, program.devices, options,
                                      program.host_callbacks)
     elapsed = time.perf_counter() - start
+    stats.add("compiles", front_end=program.front_end)
     stats.add("compile_secs", elapsed)
     _log_compile(program.name, len(program.devices), program.mode, elapsed,
                  program.summary)
@@ -242,74 +236,6 @@ class CompilationCache:
     stats.add("persistent_writes")
 
 
-  def load_or_compile_jax(self, name: str, summary: str, program_key: str,
-                          devices: Sequence[jax.Device],
-                          lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """The same tiers for a program jax lowered and compiles itself
-    (partitioner.pmap): the persistent store, else jax compiles it (and the
-    store keeps it). Across processes rank 0 alone does either and the
-    other ranks load the binary it broadcasts.
-
-    Args:
-      name: the program's name, for messages.
-      summary: its arguments' shapes and layouts, for messages.
-      program_key: what every rank must agree on (``_key.jax_program_key``).
-      devices: the device assignment.
-      lowered: jax's lowering of the program.
-    """
-    compression = _entry.default_compression()
-    key = cache_key(program_key, devices, compression)
-    all_devices = jax.devices()
-
-    def load(data: bytes) -> jax.stages.Compiled:
-      return serialize_executable.deserialize_and_load(
-          data, lowered.in_tree, lowered.out_tree, execution_devices=all_devices)
-
-    produced: list[jax.stages.Compiled] = []
-
-    def produce() -> bytes:  # rank 0 only in a multi-process run
-      store = self.store()
-      hit = self._load(store, key, name, load) if store is not None else None
-      if hit is not None:
-        produced.append(hit[0])
-        return hit[1]
-      start = time.perf_counter()
-      compiled = lowered.compile()
-      elapsed = time.perf_counter() - start
-      stats.add("compiles")
-      stats.add("compile_secs", elapsed)
-      _log_compile(name, len(devices), config.partitioner, elapsed, summary)
-      produced.append(compiled)
-      try:
-        data = serialize_executable.serialize(compiled)[0]
-      except (ValueError, NotImplementedError, TypeError, AttributeError,
-              pickle.PicklingError) as e:
-        # e.g. constants jax keeps outside the binary, or Python objects it
-        # keeps alive that do not pickle (jax.debug.inspect_array_sharding's
-        # callback): not storable; in a multi-process run every rank
-        # compiles the same program itself.
-        logger.debug("%s cannot be serialized (%s): not cached or shared", name, e)
-        return b""
-      if store is not None:
-        self._write(store, key, lambda: data, elapsed, compression)
-      return data
-
-    world = _distributed.world()
-    if not world.multi:
-      produce()
-      return produced[0]
-    data = _distributed.share_from_rank0(world, name, summary, program_key, False, produce)
-    if produced:
-      return produced[0]
-    if not data:
-      compiled = lowered.compile()
-      stats.add("compiles")
-      return compiled
-    compiled = load(data)
-    stats.add("received_from_rank0")
-    return compiled
-
-
 compilation_cache = CompilationCache()
 
 
@@ -326,14 +252,17 @@ def _options(program: Program) -> _compat.CompileOptions:
       len(program.devices), program.devices, program.mode,
       xla_options=config.xla_options,
       disable_most_optimizations=config.disable_most_optimizations,
-      auto_outputs=program.auto_outputs)
+      auto_outputs=program.auto_outputs, auto_inputs=program.auto_inputs)
 
 
 def clear_caches() -> None:
-  """Forgets this process's in-memory compiled programs.
+  """Forgets this process's in-memory compiled programs: the in-memory tier
+  and the call caches of every ``sharded_jit`` and ``partitioner.pmap``
+  function, so their next calls trace again (and find their programs in the
+  persistent cache, if one is set, or compile them).
 
   The persistent cache is not touched: to clear it, delete the directory
-  ``partitioner.config.cache_dir``. Call caches of existing ``sharded_jit``
-  functions keep their programs until the functions are garbage collected.
+  ``partitioner.config.cache_dir``.
   """
   compilation_cache.clear()
+  call_caches.clear()

@@ -1,0 +1,226 @@
+"""One path for every front end: the same bad input gets the same message
+whether a sharded_jit function is called directly, under partitioner.pmap,
+under jax.jit or nested in another sharded_jit; one cache (with one bound)
+that clear_caches() and compilation_stats() see whole, pmap included."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner import config, sharded_jit
+from sharding import PartitionSpec as P
+
+
+def double(x):
+  return x * 2
+
+
+def _front_ends(fn, shape):
+  """fn called on an array of ``shape`` (per replica under pmap) by each
+  front end."""
+  x = np.ones(shape, np.float32)
+  return {
+      "sharded_jit": lambda: fn(x),
+      "pmap": lambda: partitioner.pmap(fn)(np.stack([x, x])),
+      "jax.jit": lambda: jax.jit(fn)(x),
+      "nested": lambda: sharded_jit(lambda y: fn(y), in_parts=None, out_parts=None)(x),
+  }
+
+
+def _message(call) -> tuple[type, str]:
+  with pytest.raises(Exception) as info:
+    call()
+  return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("parts,shape,error", [
+    # 6 does not divide by 4: pmap used to run it split 2 ways instead.
+    (P(1, 4), (4, 6), r"^in_parts for argument `x` \(args\[0\]\) with shape \(4, 6\): dimension 1"
+                      r" of shape \(4, 6\) has size 6, which is not divisible by its partition count 4"),
+    # The rank: the message names the argument, not a jax-internal frame.
+    (P(2, 1, 1), (4, 6), r"^in_parts for argument `x` \(args\[0\]\) with shape \(4, 6\): spec"
+                         r" PartitionSpec\(2, 1, 1\) has 3 entries but the array has rank 2"),
+])
+def test_a_bad_spec_gets_one_message_from_every_front_end(parts, shape, error):
+  fn = sharded_jit(double, in_parts=parts, out_parts=None)
+  messages = {name: _message(call) for name, call in _front_ends(fn, shape).items()}
+  for name, (kind, text) in messages.items():
+    assert kind is ValueError, (name, kind, text)
+    assert re.search(error, text), (name, text)
+    assert "jax/_src" not in text, (name, text)
+  assert len({text for _, text in messages.values()}) == 1, messages
+
+
+def test_an_output_spec_that_does_not_divide_is_refused_inside_pmap_too():
+  fn = sharded_jit(lambda x: x[:, :6], in_parts=None, out_parts=P(1, 4))
+  direct = _message(lambda: fn(np.ones((4, 8), np.float32)))
+  mapped = _message(lambda: partitioner.pmap(fn)(np.ones((2, 4, 8), np.float32)))
+  assert direct[0] is mapped[0] is ValueError
+  for _, text in (direct, mapped):
+    assert re.search(r"out_parts for output with shape \(4, 6\): dimension 1 of shape \(4, 6\)"
+                     r" has size 6, which is not divisible by its partition count 4", text), text
+
+
+@pytest.mark.parametrize("make,who", [
+    (lambda: sharded_jit(double, in_parts=None, out_parts=None), "sharded_jit function double"),
+    (lambda: partitioner.pmap(double), r"partitioner.pmap\(double\)"),
+])
+def test_argument_errors_name_the_front_end_called(make, who):
+  f = make()
+  x = np.ones((2, 3), np.float32)
+  cases = [
+      (lambda: f(x=x), TypeError, rf"^{who} got keyword arguments \['x'\]; it takes positional"
+                                  " arguments only"),
+      (lambda: f("text"), TypeError, rf"^{who}: argument `x` \(args\[0\]\) is a str \('text'\),"
+                                     " not an array"),
+      (lambda: f(np.array(["a", "b"])), TypeError, rf"^{who}: argument `x` \(args\[0\]\) is a numpy"
+                                                   " array of dtype <U1"),
+  ]
+  for call, kind, error in cases:
+    with pytest.raises(kind, match=error):
+      call()
+
+
+@pytest.mark.parametrize("make,who", [
+    (lambda d: sharded_jit(double, in_parts=None, out_parts=None, donate_argnums=d),
+     "sharded_jit function double"),
+    (lambda d: partitioner.pmap(double, donate_argnums=d), r"partitioner.pmap\(double\)"),
+])
+def test_a_donation_that_cannot_happen_is_an_error_on_every_front_end(make, who):
+  # Positions past the arguments: never ignored silently.
+  with pytest.raises(ValueError, match=rf"^{who}: donate_argnums contains 5, but the function"
+                                       r" was called with 1 positional argument\(s\)"):
+    make(5)(np.ones((2, 3), np.float32))
+
+
+def test_too_few_devices_is_one_rule():
+  direct = sharded_jit(double, in_parts=P(16, 1), out_parts=None)
+  mapped = partitioner.pmap(sharded_jit(double, in_parts=P(4, 1), out_parts=None))
+  with pytest.raises(ValueError, match=r"^sharded_jit function double requires 16 devices,"
+                                       r" but only 8 devices are available \(from"
+                                       r" jax.local_devices\(\)\).*device_count=16"):
+    direct(np.ones((16, 2), np.float32))
+  with pytest.raises(ValueError, match=r"^partitioner.pmap\(double\) requires 16 devices \(4"
+                                       r" replicas x 4 partitions\), but only 8 devices are"
+                                       r" available \(from jax.local_devices\(\)\).*device_count=16"):
+    mapped(np.ones((4, 8, 2), np.float32))
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: sharded_jit(double, in_parts=None, out_parts=None, devices=d),
+    lambda d: partitioner.pmap(double, devices=d),
+])
+def test_devices_are_checked_alike(make):
+  with pytest.raises(ValueError, match=r"devices contains duplicates"):
+    make([jax.devices()[0]] * 2)
+  with pytest.raises(TypeError, match=r"devices must be a sequence of jax.Device"):
+    make(jax.devices()[0])
+
+
+def test_pmap_of_zero_replicas_is_an_error():
+  with pytest.raises(ValueError, match=r"partitioner.pmap\(double\): argument `x` \(args\[0\]\)"
+                                       r" has shape \(0, 3\), size 0 on its mapped axis 0: zero replicas"):
+    partitioner.pmap(double)(np.ones((0, 3), np.float32))
+
+
+def _stats(front_end):
+  return partitioner.compilation_stats()["front_ends"][front_end]
+
+
+def test_pmap_calls_go_through_the_shared_cache():
+  f = partitioner.pmap(sharded_jit(lambda x: x * 3, in_parts=P(2, 1), out_parts=P(2, 1)))
+  x = np.ones((2, 4, 3), np.float32)
+  before = _stats("pmap")
+  f(x)
+  f(x)
+  after = _stats("pmap")
+  assert after["compiles"] - before["compiles"] == 1
+  assert after["cache_hits"] - before["cache_hits"] == 1  # the second call, from memory
+  # Another function with the same program: the in-memory tier has it.
+  g = partitioner.pmap(sharded_jit(lambda x: x * 3, in_parts=P(2, 1), out_parts=P(2, 1)))
+  g(x)
+  assert _stats("pmap")["memory_hits"] - after["memory_hits"] == 1
+  # clear_caches() reaches pmap's programs: the next call compiles again.
+  partitioner.clear_caches()
+  before = _stats("pmap")
+  np.testing.assert_array_equal(f(x), x * 3)
+  assert _stats("pmap")["compiles"] - before["compiles"] == 1
+  totals = partitioner.compilation_stats()
+  assert totals["compiles"] == sum(s["compiles"] for s in totals["front_ends"].values())
+
+
+def test_clear_caches_reaches_every_front_end():
+  direct = sharded_jit(lambda x: x - 1, in_parts=P(2, 1), out_parts=P(2, 1))
+  staged = jax.jit(sharded_jit(lambda x: x - 2, in_parts=P(2, 1), out_parts=P(2, 1)))
+  x = np.ones((4, 3), np.float32)
+  direct(x)
+  staged(x)
+  partitioner.clear_caches()
+  before = partitioner.compilation_stats()["compiles"]
+  direct(x)
+  assert partitioner.compilation_stats()["compiles"] - before == 1
+
+
+def test_one_bound_for_every_call_cache(monkeypatch):
+  monkeypatch.setattr(config, "memory_cache_entries", 1)
+  for f, shape in ((sharded_jit(lambda x: x + 1, in_parts=None, out_parts=None), (3,)),
+                   (partitioner.pmap(lambda x: x + 1), (2, 3))):
+    a, b = np.ones(shape, np.float32), np.ones(shape, np.int32)
+    f(a)
+    f(b)  # evicts a's program from the function's call cache and the tier
+    before = partitioner.compilation_stats()["compiles"]
+    f(a)
+    assert partitioner.compilation_stats()["compiles"] - before == 1, f
+
+
+def test_the_bound_is_a_setting():
+  with pytest.raises(ValueError, match=r"memory_cache_entries must be a whole number >= 1"):
+    config.memory_cache_entries = 0
+
+
+def _placed(fn, *args):
+  """``args`` put where ``fn``'s program wants them."""
+  shardings = fn.lower(*args).compile().input_shardings
+  return [jax.device_put(a, s) for a, s in zip(args, shardings)]
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: sharded_jit(lambda x: x * 5, in_parts=P(8, 1), out_parts=P(8, 1)), (16, 4)),
+    (lambda: partitioner.pmap(sharded_jit(lambda x: x * 5, in_parts=P(4, 1), out_parts=P(4, 1))),
+     (2, 8, 4)),
+])
+def test_placed_inputs_run_in_jaxs_dispatch(make, shape):
+  f = make()
+  x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  (placed,) = _placed(f, x)
+  f(placed)
+  before = partitioner.compilation_stats()
+  for _ in range(3):
+    np.testing.assert_array_equal(f(placed), x * 5)
+  after = partitioner.compilation_stats()
+  # jax's C++ dispatch served them: no Python, so no call-cache hit counted
+  assert (after["compiles"], after["cache_hits"]) == (before["compiles"], before["cache_hits"])
+  for _ in range(2):  # host inputs take the Python path, every time
+    np.testing.assert_array_equal(f(x), x * 5)
+  assert partitioner.compilation_stats()["cache_hits"] - after["cache_hits"] == 2
+  # An array of the same shape laid out otherwise is moved, not misread.
+  other = jax.device_put(x, jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(jax.devices()[:8][::-1]), ("r",)), jax.P()))
+  for _ in range(2):
+    np.testing.assert_array_equal(f(other), x * 5)
+  # clear_caches() and a change of compile settings reach the C++ dispatch.
+  partitioner.clear_caches()
+  before = partitioner.compilation_stats()["compiles"]
+  f(placed)
+  assert partitioner.compilation_stats()["compiles"] - before == 1
+  with config.override(disable_most_optimizations=True):
+    f(placed)
+    assert partitioner.compilation_stats()["compiles"] - before == 2
+  with jax.disable_jit():  # still sharded: jax's dispatch hands the call back
+    assert f(placed).sharding.num_devices == 8
+  placed.delete()
+  with pytest.raises(ValueError, match=r"argument `x` \(args\[0\]\) \(shape .*\) has been deleted"):
+    f(placed)
