@@ -1,5 +1,7 @@
-"""Dispatch section: per-call time (inputs already placed) and first-call
-time (trace + compile), on N devices and on 1 device."""
+"""Dispatch section: per-call time (inputs already placed) of each front end
+(a direct sharded_jit call, partitioner.pmap, a sharded_jit staged in
+jax.jit) against jax.jit with the same shardings, and first-call time
+(trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def run(args) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
+  import partitioner
   from partitioner import clear_caches, sharded_jit
   from sharding import PartitionSpec as P
 
@@ -26,7 +29,8 @@ def run(args) -> list[dict]:
     return layer
 
   def build(n: int):
-    """(ours, theirs, ours' inputs, theirs' inputs) for n devices."""
+    """(ours, theirs, ours' inputs, theirs' inputs) for n devices: a direct
+    sharded_jit call against jax.jit with the same shardings."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 32)).astype(np.float32)
     w = rng.normal(size=(32, 32)).astype(np.float32)
@@ -40,6 +44,45 @@ def run(args) -> list[dict]:
     placed = ours.lower(x, w).in_shardings
     ours_in = (jax.device_put(x, placed[0]), jax.device_put(w, placed[1]))
     theirs_in = (jax.device_put(x, row), jax.device_put(w, rep))
+    return ours, theirs, ours_in, theirs_in
+
+  def build_staged(n: int):
+    """jax.jit of a sharded_jit function against jax.jit of the function
+    with the same shardings."""
+    ours, theirs, ours_in, theirs_in = build(n)
+    return jax.jit(ours), theirs, ours_in, theirs_in
+
+  def build_pmap(n: int):
+    """partitioner.pmap over 2 replicas (1 on one device) of a sharded_jit
+    over n / 2 partitions, against what a jax user writes for it: jax.jit of
+    a shard_map over a ('data', 'model') mesh, manual over 'data', the
+    per-replica value constrained over 'model', with the same in and out
+    shardings."""
+    replicas = min(2, n)
+    parts = n // replicas
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(replicas, 32, 32)).astype(np.float32)
+    w = rng.normal(size=(32, 32)).astype(np.float32)
+    spec = P(parts, 1) if parts > 1 else None
+    ours = partitioner.pmap(sharded_jit(make_fn(), in_parts=(spec, None), out_parts=spec),
+                            in_axes=(0, None))
+    compiled = ours.lower(x, w).compile()
+    ours_in = tuple(jax.device_put(a, s) for a, s in zip((x, w), compiled.input_shardings))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(replicas, parts),
+                             ("data", "model"))
+    rows = jax.P("model", None)  # (inside shard_map: over its mesh)
+    layer = make_fn()
+
+    def per_replica(xs, w):
+      y = jax.lax.with_sharding_constraint(xs[0], rows)
+      return jax.lax.with_sharding_constraint(layer(y, w), rows)[None]
+
+    mapped = jax.shard_map(per_replica, mesh=mesh, in_specs=(jax.P("data"), jax.P()),
+                           out_specs=jax.P("data"), axis_names={"data"})
+    x_in = jax.sharding.NamedSharding(mesh, jax.P("data", "model", None))
+    w_in = jax.sharding.NamedSharding(mesh, jax.P())
+    theirs = jax.jit(mapped, in_shardings=(x_in, w_in), out_shardings=x_in)
+    theirs_in = (jax.device_put(x, x_in), jax.device_put(w, w_in))
     return ours, theirs, ours_in, theirs_in
 
   def warm_up(fn, inputs) -> None:
@@ -61,18 +104,20 @@ def run(args) -> list[dict]:
 
   cases = []
   for n in sorted({args.devices, 1}, reverse=True):
-    ours, theirs, ours_in, theirs_in = build(n)
-    np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5)
-    warm_up(ours, ours_in)
-    warm_up(theirs, theirs_in)
-    # Alternate small batches of the two so that machine noise hits both
-    # alike; report the median batch.
-    a, b = [], []
-    for _ in range(max(1, args.calls // _BATCH)):
-      a.append(batch(ours, ours_in, _BATCH))
-      b.append(batch(theirs, theirs_in, _BATCH))
-    cases.append({"case": f"per-call, {n} device(s)", "unit": "us",
-                  "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6})
+    for front_end, make in (("sharded_jit", build), ("pmap", build_pmap),
+                            ("staged in jax.jit", build_staged)):
+      ours, theirs, ours_in, theirs_in = make(n)
+      np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5, atol=1e-6)
+      warm_up(ours, ours_in)
+      warm_up(theirs, theirs_in)
+      # Alternate small batches of the two so that machine noise hits both
+      # alike; report the median batch.
+      a, b = [], []
+      for _ in range(max(1, args.calls // _BATCH)):
+        a.append(batch(ours, ours_in, _BATCH))
+        b.append(batch(theirs, theirs_in, _BATCH))
+      cases.append({"case": f"per-call, {front_end}, {n} device(s)", "unit": "us",
+                    "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6})
     fa, fb = [], []
     for _ in range(args.first_calls):  # fresh functions: trace + compile each time
       ours, theirs, ours_in, theirs_in = build(n)
