@@ -10,6 +10,7 @@ test_errors.py.
 import math
 import os
 import re
+import threading
 import warnings
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from partitioner import config, explain, sharded_jit
+from partitioner import config, explain, pmap, sharded_jit
 from partitioner._config import Config
 from sharding import PartitionSpec as P
 from sharding import global_shape, local_shape, local_spec, tiling
@@ -258,6 +259,32 @@ def test_int64_values_that_wrap_warn_and_name_the_argument():
   with pytest.warns(UserWarning, match=NAMED + r" is int64 with values up to 1099511627776,"
                     r" outside int32's range.*jax_enable_x64"):
     sj(i=None, o=None)(np.array([1, 2 ** 40]))
+
+
+SIX, EMPTY = np.ones((6, 4), np.float32), np.ones((0, 4), np.float32)
+TOO_FEW = r"requires {} devices.*, but only 8 devices are available"
+HUGE = [  # each fails at once, building nothing per tile (test_partition_spec.py: the hint)
+    ("in_parts 10**9", lambda: sj(i=P(10**9, 1), o=None)(SIX), NAMED + r".*not divisible by its partition count 1000000000"),
+    ("in_parts 2**63", lambda: sj(i=P(2**63), o=None)(np.ones(6, np.float32)), NAMED + r".*count 9223372036854775808"),
+    ("out_parts 2**40", lambda: sj(i=None, o=P(2**40, 1))(SIX), r"out_parts.*count 1099511627776"),
+    ("in_parts 10**9 zero-size", lambda: sj(i=P(10**9, 1), o=None)(EMPTY), TOO_FEW.format(10**9)),
+    ("in_parts 2**63 zero-size", lambda: sj(i=P(2**63, 1), o=None)(EMPTY), TOO_FEW.format(2**63)),
+    ("constraint 2**63", lambda: sj(lambda x: wsc(x, P(2**63, 1)), i=None, o=None)(SIX), TOO_FEW.format(2**63)),
+    ("num_partitions 10**9", lambda: sj(i=None, o=None, num_partitions=10**9)(SIX), TOO_FEW.format(10**9)),
+    ("pmap constraint 10**9", lambda: pmap(lambda x: wsc(x, P(10**9, 1)))(SIX[None]), TOO_FEW.format(10**9)),
+    ("tiling 2**63", lambda: tiling(P(2**63), D, 1), r"PartitionSpec\(9223372036854775808\) partitions into 9223372036854775808 tiles"),
+]
+
+
+@pytest.mark.parametrize("what,call,pattern", HUGE, ids=[c[0] for c in HUGE])
+def test_huge_partition_counts_fail_fast(what, call, pattern):
+  raised = []
+  worker = threading.Thread(target=lambda: raised.append(pytest.raises(ValueError, call)),
+                            daemon=True)  # a hang fails this test, not the run
+  worker.start()
+  worker.join(timeout=10)
+  assert not worker.is_alive() and raised, f"{what}: no ValueError within 10 s"
+  assert re.search(pattern, str(raised[0].value), re.S), f"{what}: {raised[0].value}"
 
 
 def test_numpy_inputs_changed_right_after_the_call_do_not_change_the_result():

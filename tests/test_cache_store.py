@@ -1,10 +1,13 @@
+import logging
 import multiprocessing
 import os
+import re
 import zlib
 
 import pytest
 
 from partitioner import CacheStore, DiskStore, MemoryStore
+from partitioner._cache._store import UntrustedCacheError
 
 K1, K2, K3 = "a" * 64, "b" * 64, "c" * 64
 
@@ -110,12 +113,46 @@ def test_temporary_files_count_towards_the_size_limit(tmp_path):
   assert store.get("aa" * 8) is None and store.get("bb" * 8) == b"b" * 400
 
 
-@pytest.mark.parametrize("directory_mode,entry_mode", [(0o775, 0o664), (0o700, 0o600),
-                                                      (0o755, 0o644)])
-def test_entries_take_the_directory_permissions(tmp_path, directory_mode, entry_mode):
-  """A cache directory shared by a team: entries must be readable by the group."""
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o000, 0o277])
+def test_directories_and_entries_are_owner_only_whatever_the_umask(tmp_path, umask):
+  """Entries are executables we run: no one else may write them (or read
+  them: a cache is not a way to share with a team)."""
+  old = os.umask(umask)
+  try:
+    DiskStore(tmp_path / "new" / "cache").put("cc" * 8, b"data")
+  finally:
+    os.umask(old)
+  for path, mode in [("new", 0o700), ("new/cache", 0o700), ("new/cache/" + "cc" * 8 + ".sjc", 0o600)]:
+    assert os.stat(tmp_path / path).st_mode & 0o777 == mode, path
+
+
+@pytest.mark.parametrize("mode,owner,why", [
+    (0o777, None, r"group and others can write it.*Hint: chmod go-w "),
+    (0o775, None, r"group can write it.*Hint: chmod go-w "),
+    (0o757, None, r"others can write it.*Hint: chmod go-w "),
+    (0o700, 12345, r"it is owned by another user \(uid 12345, not \d+\).*Hint: point partitioner"),
+])
+def test_a_directory_others_can_write_is_refused(tmp_path, mode, owner, why):
   cache = tmp_path / "cache"
   cache.mkdir()
-  os.chmod(cache, directory_mode)
-  DiskStore(cache).put("cc" * 8, b"data")
-  assert os.stat(cache / ("cc" * 8 + ".sjc")).st_mode & 0o777 == entry_mode
+  os.chmod(cache, mode)
+  if owner is not None:
+    os.chown(cache, owner, -1)  # the tests run as root
+  with pytest.raises(UntrustedCacheError, match=rf"cache directory '{re.escape(str(cache))}' \(owner uid"
+                     rf" {owner or os.geteuid()}, mode 0o{mode:03o}\) is not trusted: {why}"):
+    DiskStore(cache)
+  assert issubclass(UntrustedCacheError, PermissionError)
+
+
+@pytest.mark.parametrize("spoil", [lambda p: os.chmod(p, 0o664), lambda p: os.chmod(p, 0o602),
+                                   lambda p: os.chown(p, 12345, -1)])
+def test_an_entry_others_can_write_is_a_miss_with_one_warning(tmp_path, caplog, spoil):
+  store = DiskStore(tmp_path)
+  store.put(K1, b"trusted")
+  spoil(store.path(K1))
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
+    assert store.get(K1) is None and store.get(K1) is None
+  (record,) = caplog.records
+  assert f"Skipping compilation cache entry '{store.path(K1)}'" in record.getMessage()
+  store.put(K1, b"rewritten")  # replaced by an owner-only entry: trusted again
+  assert store.get(K1) == b"rewritten"

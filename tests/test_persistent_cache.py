@@ -253,3 +253,46 @@ def test_a_corrupt_entry_that_cannot_be_removed_is_a_warning(caplog):
       got = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=P(4))(W, X)
   np.testing.assert_array_equal(got, want)
   assert "Could not remove the unreadable entry" in caplog.text
+
+
+def _run_cached(cache_dir, scale=1):
+  with config.override(cache_dir=str(cache_dir)):
+    f = sharded_jit(lambda w, x: mlp(w, x) * scale, in_parts=(P(1, 4), None), out_parts=P(4))
+    return f(W, X)
+
+
+@pytest.mark.parametrize("spoil,fix", [(lambda d: os.chmod(d, 0o777), "chmod go-w "),
+                                       (lambda d: os.chmod(d, 0o770), "chmod go-w "),
+                                       (lambda d: os.chown(d, 12345, -1), "a directory of your own")])
+def test_a_cache_dir_others_can_write_is_refused_with_one_warning(tmp_path, caplog, spoil, fix):
+  cache = tmp_path / "cache"
+  _run_cached(cache)  # an entry written while the directory was ours alone
+  spoil(cache)
+  clear_caches()
+  before = compilation_stats()
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
+    got = [_run_cached(cache), _run_cached(cache, 2)]
+  np.testing.assert_allclose(got, [jax.jit(mlp)(W, X), 2 * jax.jit(mlp)(W, X)], rtol=1e-6)
+  d = _delta(before)
+  assert (d["compiles"], d["persistent_hits"], d["persistent_writes"]) == (2, 0, 0)
+  (warning,) = [r.getMessage() for r in caplog.records]
+  assert f"cache directory '{cache}'" in warning and "is not trusted" in warning, warning
+  assert fix in warning and "SHARDED_JIT_CACHE_DIR" in warning
+  assert len(os.listdir(cache)) == 1  # the entry from before; nothing read or written
+
+
+def test_an_entry_others_can_write_is_not_loaded(tmp_path, caplog):
+  cache = tmp_path / "a" / "cache"  # created: 0o700, entries 0o600
+  want = _run_cached(cache)
+  (entry,) = os.listdir(cache)
+  assert [os.stat(p).st_mode & 0o777 for p in (tmp_path / "a", cache, cache / entry)] == [
+      0o700, 0o700, 0o600]
+  os.chmod(cache / entry, 0o664)
+  clear_caches()
+  before = compilation_stats()
+  with caplog.at_level(logging.WARNING, logger="partitioner"):
+    np.testing.assert_array_equal(_run_cached(cache), want)
+  assert (_delta(before)["compiles"], _delta(before)["persistent_hits"]) == (1, 0)
+  (warning,) = [r.getMessage() for r in caplog.records]
+  assert f"Skipping compilation cache entry '{cache / entry}'" in warning
+  assert os.stat(cache / entry).st_mode & 0o777 == 0o600  # rewritten owner-only

@@ -25,7 +25,7 @@ from partitioner import _compat, _compile, _distributed
 from partitioner._cache import _entry
 from partitioner._cache._calls import call_caches
 from partitioner._cache._key import cache_key, program_key
-from partitioner._cache._store import CacheStore, DiskStore
+from partitioner._cache._store import CacheStore, DiskStore, UntrustedCacheError
 from partitioner._compile import Program
 from partitioner._config import config
 from partitioner._stats import stats
@@ -55,6 +55,7 @@ class CompilationCache:
     self._lock = threading.Lock()
     self._disk: DiskStore | None = None
     self._unusable: tuple[str, int] | None = None  # a cache_dir that failed
+    self._refused: set[str] = set()  # every cache_dir warned about
 
   def clear(self) -> None:
     """Forgets the in-memory executables (the persistent store is kept)."""
@@ -65,30 +66,48 @@ class CompilationCache:
     """The persistent store the settings ask for, or None.
 
     A cache directory that cannot be used (a regular file, under a file, not
-    writable) logs one warning and the programs compile without it: a cache
-    must never fail the user's call.
+    writable) or is not trusted (another user owns it, or group or others
+    can write it: see :class:`DiskStore`) logs one warning per directory
+    and the programs compile without it: a cache must never fail the
+    user's call.
     """
     if config.cache_store is not None:
       return config.cache_store
     if not config.cache_dir:
       return None
     wanted = (config.cache_dir, config.cache_max_bytes)
+    if self._unusable == wanted:
+      return None
     disk = self._disk
-    if disk is None or (disk.directory, disk.max_bytes) != wanted:
-      if self._unusable == wanted:
-        return None
-      try:
+    try:
+      if disk is None or (disk.directory, disk.max_bytes) != wanted:
         disk = DiskStore(*wanted)
-      except OSError as e:
-        self._unusable = wanted
-        logger.warning(
-            "Persistent compilation cache disabled: cannot use cache_dir %r"
-            " (%s: %s); compiling without it. Hint: point"
-            " partitioner.config.cache_dir (SHARDED_JIT_CACHE_DIR) at a"
-            " writable directory.", config.cache_dir, type(e).__name__, e)
-        return None
-      self._disk = disk
+      else:
+        disk.check_directory()  # a few stats: as ssh does, at every use
+    except OSError as e:
+      self._disk, self._unusable = None, wanted
+      self._refuse(config.cache_dir, e)
+      return None
+    self._disk = disk
     return disk
+
+  def _refuse(self, directory: str, error: OSError) -> None:
+    """Warns that ``directory`` is not used: once per directory and process
+    (a directory tried again after another one was set is not repeated)."""
+    with self._lock:
+      first = directory not in self._refused
+      self._refused.add(directory)
+    if not first:
+      logger.debug("Still not using cache_dir %r: %s", directory, error)
+    elif isinstance(error, UntrustedCacheError):
+      logger.warning("Persistent compilation cache disabled, compiling without"
+                     " it: %s", error)
+    else:
+      logger.warning(
+          "Persistent compilation cache disabled: cannot use cache_dir %r"
+          " (%s: %s); compiling without it. Hint: point"
+          " partitioner.config.cache_dir (SHARDED_JIT_CACHE_DIR) at a"
+          " writable directory.", directory, type(error).__name__, error)
 
   def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
     """(program key, cache key, compile options, compression) under the
