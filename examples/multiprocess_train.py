@@ -1,11 +1,15 @@
 """Trains an MLP over 2 MPI processes, each reading only its own data.
 
 Run it directly (it starts the processes itself through partitioner.launch)
-or under any MPI launcher:
+or under any launcher (it then starts nothing itself):
 
   python examples/multiprocess_train.py                     # 2 processes x 4 CPU devices
   python -m partitioner.launch -n 2 --devices-per-process 4 examples/multiprocess_train.py
-  mpirun -n 2 python examples/multiprocess_train.py          # with XLA_FLAGS set by you
+  srun -n 2 python examples/multiprocess_train.py            # Slurm, with or without --mpi
+  mpirun -n 2 python examples/multiprocess_train.py          # mpi4py built for that MPI
+
+Under a launcher each process simulates --devices_per_process CPU devices
+unless XLA_FLAGS already says how many.
 
 Two layouts (--layout):
 
@@ -52,13 +56,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main(argv):
   del argv
-  from partitioner.launch import launcher_world
+  from partitioner.launch import launcher_world, with_cpu_device_count
   if launcher_world()[1] == 1 and _PROCESSES.value > 1:
-    # Not under MPI yet: start the processes and wait for them.
+    # Not under a launcher yet: start the processes and wait for them.
     cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(_PROCESSES.value),
            "--devices-per-process", str(_DEVICES.value), os.path.abspath(__file__),
            *sys.argv[1:]]
     sys.exit(subprocess.call(cmd))
+  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""),
+                                                    _DEVICES.value)
 
   import partitioner
   world = partitioner.initialize()

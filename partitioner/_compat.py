@@ -264,3 +264,13 @@ def fastpath(loaded: LoadedExecutable, outputs: Any,
   return _pxla.MeshExecutableFastpathData(
       loaded, out_tree, list(in_shardings), list(out_shardings), list(out_avals),
       [True] * len(out_flat), [True] * n, [None] * n, [])
+
+
+def distributed_client() -> Any:
+  """jax's coordination-service client of this process (after
+  ``jax.distributed.initialize``): a key-value store shared by all processes."""
+  from jax._src import distributed
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax.distributed is not initialized in this process")
+  return client

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import select
 import shutil
 import signal
@@ -42,6 +41,8 @@ from partitioner._distributed import _console
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed._env import launcher_world as launcher_world
 from partitioner._distributed._env import read_marks
+from partitioner._distributed._job_report import EXIT_LINE as _EXIT_LINE
+from partitioner._distributed._job_report import exit_statuses, how_it_ended
 
 __all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]
@@ -68,22 +69,29 @@ _RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 def command(num_processes: int, target: list[str], module: bool) -> list[str]:
   rank_main = [sys.executable, _RANK_MAIN, *(["-m"] if module else [])]
   mpiexec = find_mpiexec()
-  # MPICH's launcher can tell which rank ended how (see _exit_statuses), and
-  # mark which rank wrote what (see _console.Demux).
-  hydra = (["-print-all-exitcodes", "-prepend-pattern", _console.MARK_PATTERN]
-           if _is_hydra(mpiexec) else [])
-  return [mpiexec, *hydra, "-n", str(num_processes), *rank_main, *target]
+  # MPICH's launcher can tell which rank ended how (see _job_report), and
+  # mark which rank wrote what (see _console.Demux); Open MPI's refuses more
+  # ranks than cores unless told.
+  flavor = _flavor(mpiexec)
+  extra = (["-print-all-exitcodes", "-prepend-pattern", _console.MARK_PATTERN]
+           if flavor == "hydra" else ["--oversubscribe"] if flavor == "openmpi" else [])
+  return [mpiexec, *extra, "-n", str(num_processes), *rank_main, *target]
 
 
 @functools.cache
-def _is_hydra(mpiexec: str) -> bool:
-  """Whether ``mpiexec`` is MPICH's (Hydra), as the mpich wheel's is."""
+def _flavor(mpiexec: str) -> str:
+  """``"hydra"`` (MPICH's, as the mpich wheel's), ``"openmpi"`` or ``""``."""
   try:
     version = subprocess.run([mpiexec, "--version"], capture_output=True,
                              text=True, timeout=10).stdout
   except (OSError, subprocess.SubprocessError):
-    return False
-  return "HYDRA" in version
+    return ""
+  return "hydra" if "HYDRA" in version else "openmpi" if (
+      "Open MPI" in version or "OpenRTE" in version) else ""
+
+
+def _is_hydra(mpiexec: str) -> bool:
+  return _flavor(mpiexec) == "hydra"
 
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -166,11 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     marks = read_marks(markers, args.num_processes)
   if all("done" in m for m in marks.values()):
     return code
-  statuses = _exit_statuses(output.tail(), args.num_processes)
+  if not any("started" in m for m in marks.values()):  # mpiexec's own failure
+    said = (output.tail() + errors.tail()).decode(errors="replace")
+    hint = (" Hint: Open MPI refuses to run as root; if you mean to, set"
+            " OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1."
+            if "allow-run-as-root" in said else "")
+    sys.stderr.write(f"partitioner.launch: {cmd[0]} did not start the"
+                     f" {args.num_processes} processes (exit code {code}); its"
+                     f" own message is above.{hint}\n")
+    return code or 1
+  statuses = exit_statuses(output.tail(), args.num_processes)
   cause_known = any(statuses.values()) or any(
       "failed" in m or "ended" in m for m in marks.values())
   endings = sorted((order, r, text) for r, m in marks.items()
-                   for order, text in [_how_it_ended(m, statuses.get(r), cause_known)])
+                   for order, text in [how_it_ended(m, statuses.get(r), cause_known)])
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
   return code or 1
@@ -225,52 +242,10 @@ class _Forward(threading.Thread):
 
 _HOLD_SECS = 0.5  # how long a line start that may be hidden waits for the rest
 
-_EXIT_CODES = re.compile(rb"\[mpiexec@[^\]]*\] Exit codes: (.*)\n?")
-_EXIT_LINE = _console.one_line(b"[mpiexec@", _EXIT_CODES)  # ours to read, not the user's
-
-
 def _join(*threads: threading.Thread) -> None:
   """Lets the output threads write what the ended job left, briefly."""
   for thread in threads:
     thread.join(timeout=2)
-
-
-def _exit_statuses(text: bytes, size: int) -> dict[int, int]:
-  """rank -> wait status, from MPICH's ``-print-all-exitcodes`` line
-  (``[mpiexec@host] Exit codes: [host] 0,768``, ranks in order). A rank the
-  launcher killed after a peer died shows 0."""
-  found = _EXIT_CODES.search(text)
-  if found is None:
-    return {}
-  codes = re.findall(rb"\d+", re.sub(rb"\[[^\]]*\]", b"", found.group(1)))
-  return dict(enumerate(int(c) for c in codes[:size]))
-
-
-def _how_it_ended(marks: dict[str, str], status: int | None,
-                  cause_known: bool) -> tuple[int, str]:
-  """One rank's ending, from the markers it left (``_env.mark``) and its
-  wait status from MPICH: (0 if it caused the job's end, else 1, what
-  happened). ``cause_known``: some rank caused the end."""
-  pid = marks.get("started", "")
-  if "failed" in marks:
-    if marks["failed"] == "interrupted":
-      return 0, "was interrupted (Ctrl-C)"
-    return 0, f"raised {marks['failed'].rstrip('.')}; its traceback is above"
-  if status and not marks.keys() & {"done", "failed", "ended", "left"}:
-    how = (f"exit code {status >> 8}" if status > 255 else f"signal {status & 0x7F}")
-    return -1, (f"died first (PID {pid}, {how}) without a Python exit: killed by"
-                " a signal, crashed in native code, or called os._exit")
-  if "done" in marks:
-    return 1, "finished normally"
-  if "left" in marks:
-    return 0, (f"its script ended after {marks['left']} multi-process steps,"
-               " while a peer still needed it")
-  if "ended" in marks:
-    return 1, f"ended because of a peer: {marks['ended']}"
-  if "stopped" in marks or cause_known:
-    return 1, "was stopped by the launcher after a peer failed"
-  return 0, (f"ended without a Python exit (PID {pid or '?'}): killed by a"
-             " signal, crashed in native code, or called os._exit")
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -1,4 +1,5 @@
-"""Running a script under `python -m partitioner.launch` for the mpi tests.
+"""Running a script under `python -m partitioner.launch` (or as plain srun
+starts it) for the multi-process tests.
 
 Each job runs with a timeout, so a hang fails the test instead of stalling CI.
 """
@@ -36,3 +37,39 @@ def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT, cwd=ROOT,
 def found(pattern, text):
   """Sorted matches: the ranks' output may interleave on one line."""
   return sorted(re.findall(pattern, text))
+
+
+_job_ids = iter(range(1000, 100_000))
+
+
+def srun(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT):
+  """Runs ``script`` as ``n`` tasks the way Slurm's plain ``srun -n N``
+  starts them: separate processes with Slurm's variables and no MPI
+  (no PMI) at all. Returns (per-task CompletedProcess-like list, seconds);
+  a task still running at ``timeout`` is killed (return code 124)."""
+  base = {k: v for k, v in os.environ.items()
+          if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS", "PMI_", "OMPI_", "SLURM_"))}
+  base.update(env or {})
+  base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  job = str(os.getpid() * 10 + next(_job_ids))
+  procs = []
+  for task in range(n):
+    task_env = dict(base, SLURM_JOB_ID=job, SLURM_STEP_ID="0", SLURM_PROCID=str(task),
+                    SLURM_STEP_NUM_TASKS=str(n), SLURM_NTASKS=str(n),
+                    SLURM_LOCALID=str(task), SLURM_NODEID="0",
+                    SLURM_STEP_TASKS_PER_NODE=str(n), SLURM_STEP_NODELIST="localhost")
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(HERE, script), *args], cwd=ROOT, env=task_env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  start = time.monotonic()
+  done = []
+  for p in procs:
+    try:
+      out, err = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+      code = p.returncode
+    except subprocess.TimeoutExpired:
+      p.kill()
+      out, err = p.communicate()
+      code = 124
+    done.append(subprocess.CompletedProcess(p.args, code, out, err))
+  return done, time.monotonic() - start

@@ -6,7 +6,10 @@ until jax's shutdown timeout aborts them with a C++ stack:
 
 - An unhandled exception (or Ctrl-C): the rank prints which rank failed and
   its traceback, once, then calls ``MPI_Abort``; the launcher ends every
-  rank within about a second, with a non-zero exit code.
+  rank within about a second, with a non-zero exit code. Without MPI (plain
+  ``srun``) it leaves its reason in jax's coordination service and exits;
+  every peer's watcher reads it within 0.1 s, says which rank failed and
+  exits too.
 - Its script returns or calls ``sys.exit``: the rank waits for its own
   executions, tells every peer how many multi-process steps it ran, and
   waits until every peer has ended the same way (ranks finish together, as
@@ -15,7 +18,11 @@ until jax's shutdown timeout aborts them with a C++ stack:
   and names the rank that left. A peer that starts a step, or a
   compilation, later gets a :class:`PeerError` instead.
 - It is killed or crashes: MPICH's launcher sees the process die and ends
-  the others at once.
+  the others at once (without MPI: jax's heartbeat, after
+  ``config.heartbeat_timeout_secs``).
+
+The notices travel as MPI messages (:class:`MpiNotices`) or as keys of
+jax's coordination service (:class:`KvNotices`), whichever the run has.
 
 Under ``partitioner.launch`` each rank also leaves a marker saying how it
 ended, so the launcher can name the failing rank (``_env.mark``).
@@ -24,12 +31,15 @@ ended, so the launcher can name the failing rank (``_env.mark``).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
+from partitioner._distributed import _quiet
 from partitioner._distributed._env import mark
 from partitioner._distributed._steps import steps
 
@@ -41,10 +51,8 @@ _PATIENCE_SECS = 10.0   # a finished rank says whom it waits for after this long
 class _Ending:
   """This rank's side of the protocol; see the module docstring."""
 
-  def __init__(self, rank: int, size: int, comm: Any):
-    from mpi4py import MPI
-    self.rank, self.size, self.mpi = rank, size, MPI
-    self.comm = comm.Dup()  # the notices never meet anyone else's messages
+  def __init__(self, rank: int, size: int, notices: Any):
+    self.rank, self.size, self.notices = rank, size, notices
     self.exiting = False
     self.lock = threading.Lock()
     self.stop = threading.Event()
@@ -54,7 +62,7 @@ class _Ending:
     previous = sys.excepthook
     sys.excepthook = lambda kind, value, tb: self.fail(kind, value, tb, previous)
     atexit.register(self.finish)  # after jax's own atexit: runs before it
-    if self.mpi.Query_thread() == self.mpi.THREAD_MULTIPLE:
+    if self.notices.can_watch():
       self.watcher = threading.Thread(target=self.watch, daemon=True,
                                       name="sharded_jit peer watcher")
       self.watcher.start()
@@ -85,7 +93,7 @@ class _Ending:
       sys.stdout.flush()
       sys.stderr.flush()
     finally:
-      self.comm.Abort(130 if interrupted else 1)
+      self.notices.abort(130 if interrupted else 1)
 
   # -- the script ended --------------------------------------------------------
 
@@ -100,8 +108,7 @@ class _Ending:
       self.exiting = True
     count = steps.count
     mark(self.rank, "left", str(count))
-    sent = [self.comm.isend(count, dest=peer, tag=_TAG)
-            for peer in range(self.size) if peer != self.rank]
+    sent = self.notices.send_left(count)
     start, told = time.monotonic(), False
     while True:
       self.receive()
@@ -116,18 +123,26 @@ class _Ending:
         sys.stderr.flush()
         told = True
       time.sleep(0.05)
-    self.mpi.Request.waitall(sent)
+    self.notices.wait_sent(sent)
     self.stop.set()
     if self.watcher is not None:
       self.watcher.join()
 
   def receive(self) -> None:
-    """Records the notices of peers whose script has ended."""
-    status = self.mpi.Status()
+    """Records the notices of peers whose script has ended; ends this rank
+    at once when a peer failed (the MPI launcher does that by itself)."""
     with self.lock:
-      while self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=_TAG, status=status):
-        peer = status.Get_source()
-        steps.departed[peer] = self.comm.recv(source=peer, tag=_TAG)
+      left, failed = self.notices.receive()
+      steps.departed.update(left)
+    if failed:  # (finished or not: the job has failed)
+      peer, why = min(failed.items())
+      sys.stderr.write(f"sharded_jit: rank {self.rank} of {self.size}: rank {peer}"
+                       f" failed ({why}); ending this rank too.\n")
+      sys.stdout.flush()
+      sys.stderr.flush()
+      mark(self.rank, "ended", f"rank {peer} failed")
+      _quiet.flush()
+      os._exit(1)
 
   def watch(self) -> None:
     """Ends the job when a peer left while this rank runs steps that need it."""
@@ -150,7 +165,7 @@ class _Ending:
     sys.stdout.flush()
     sys.stderr.flush()
     mark(self.rank, "ended", f"{peers} while this rank had started {steps.count}")
-    self.comm.Abort(1)
+    self.notices.abort(1)
 
 
 def _lost_a_peer(error: BaseException) -> bool:
@@ -176,6 +191,72 @@ def _from_user_code(tb: Any) -> Any:
   return tb
 
 
-def install(rank: int, size: int, comm: Any) -> None:
+class MpiNotices:
+  """The notices over MPI: point-to-point messages, ``MPI_Abort``."""
+
+  def __init__(self, comm: Any):
+    from mpi4py import MPI
+    self.mpi = MPI
+    self.comm = comm.Dup()  # the notices never meet anyone else's messages
+
+  def can_watch(self) -> bool:  # a second thread may call MPI only then
+    return self.mpi.Query_thread() == self.mpi.THREAD_MULTIPLE
+
+  def send_left(self, count: int) -> list:
+    return [self.comm.isend(count, dest=peer, tag=_TAG)
+            for peer in range(self.comm.Get_size()) if peer != self.comm.Get_rank()]
+
+  def wait_sent(self, sent: list) -> None:
+    self.mpi.Request.waitall(sent)
+
+  def receive(self) -> tuple[dict[int, int], dict[int, str]]:
+    left, status = {}, self.mpi.Status()
+    while self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=_TAG, status=status):
+      peer = status.Get_source()
+      left[peer] = self.comm.recv(source=peer, tag=_TAG)
+    return left, {}
+
+  def abort(self, code: int) -> None:
+    _quiet.flush()
+    self.comm.Abort(code)
+
+
+class KvNotices:
+  """The notices in jax's coordination service (no MPI): keys under
+  ``sharded_jit/end/``; a failing rank leaves its reason there and exits,
+  and the others' watchers end them at once."""
+
+  def __init__(self, client: Any, rank: int):
+    self.client, self.rank = client, rank
+
+  def can_watch(self) -> bool:
+    return True
+
+  def send_left(self, count: int) -> list:
+    self.client.key_value_set(f"sharded_jit/end/left/{self.rank}", str(count))
+    return []
+
+  def wait_sent(self, sent: list) -> None:
+    del sent  # set synchronously
+
+  def receive(self) -> tuple[dict[int, int], dict[int, str]]:
+    found: dict[str, dict[int, str]] = {"left": {}, "failed": {}}
+    for key, value in self.client.key_value_dir_get("sharded_jit/end/"):
+      kind, peer = key.split("/")[-2:]  # .../<kind>/<rank>
+      if kind in found and peer.isdigit() and int(peer) != self.rank:
+        found[kind][int(peer)] = value
+    return {p: int(v) for p, v in found["left"].items()}, found["failed"]
+
+  def abort(self, code: int) -> None:
+    with contextlib.suppress(Exception):  # the service may be gone already
+      self.client.key_value_set(f"sharded_jit/end/failed/{self.rank}",
+                                f"exit code {code}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _quiet.flush()
+    os._exit(code)
+
+
+def install(rank: int, size: int, notices: MpiNotices | KvNotices) -> None:
   """Sets up the ending protocol for this rank (once, at initialize)."""
-  _Ending(rank, size, comm).install()
+  _Ending(rank, size, notices).install()
