@@ -170,9 +170,10 @@ ENDINGS = {
                   " Its traceback:\nTraceback (most recent call last):\n"
                   '  File "', 'raise ValueError("rank 1 broke at step 5")'],
               ["rank 1: raised ValueError: rank 1 broke at step 5; its traceback is above",
-               # a race, both true: the launcher stops rank 0 first, or rank 0
-               # notices the lost connection first
-               ("rank 0: was stopped by the launcher after a peer failed",
+               # a race, all true: rank 0 reads rank 1's notice, or the
+               # launcher stops it first, or it notices the lost connection first
+               ("rank 0: ended because of a peer: rank 1 failed",
+                "rank 0: was stopped by the launcher after a peer failed",
                 "rank 0: ended because of a peer: lost its connection to a peer")]),
     "keyboard": (130, ["sharded_jit: rank 1 of 2 was interrupted"],
                  ["rank 1: was interrupted (Ctrl-C)"]),

@@ -44,6 +44,8 @@ from partitioner._distributed._env import mark
 from partitioner._distributed._steps import steps
 
 _TAG = 0x5E7            # "this rank's script has ended": payload = its step count
+_FAIL_TAG = 0x5E8       # "this rank failed": payload = its exit code
+_GRACE_SECS = 0.5       # a failing rank 0 lets its peers end first (see abort)
 _POLL_SECS = 0.1        # how often the watcher looks for peers' notices
 _PATIENCE_SECS = 10.0   # a finished rank says whom it waits for after this long
 
@@ -135,14 +137,14 @@ class _Ending:
       left, failed = self.notices.receive()
       steps.departed.update(left)
     if failed:  # (finished or not: the job has failed)
-      peer, why = min(failed.items())
+      peer, code = min(failed.items())
       sys.stderr.write(f"sharded_jit: rank {self.rank} of {self.size}: rank {peer}"
-                       f" failed ({why}); ending this rank too.\n")
+                       f" failed (exit code {code}); ending this rank too.\n")
       sys.stdout.flush()
       sys.stderr.flush()
       mark(self.rank, "ended", f"rank {peer} failed")
       _quiet.flush()
-      os._exit(1)
+      os._exit(code)
 
   def watch(self) -> None:
     """Ends the job when a peer left while this rank runs steps that need it."""
@@ -209,14 +211,24 @@ class MpiNotices:
   def wait_sent(self, sent: list) -> None:
     self.mpi.Request.waitall(sent)
 
-  def receive(self) -> tuple[dict[int, int], dict[int, str]]:
-    left, status = {}, self.mpi.Status()
-    while self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=_TAG, status=status):
-      peer = status.Get_source()
-      left[peer] = self.comm.recv(source=peer, tag=_TAG)
-    return left, {}
+  def receive(self) -> tuple[dict[int, int], dict[int, int]]:
+    found: dict[int, dict[int, int]] = {_TAG: {}, _FAIL_TAG: {}}
+    status = self.mpi.Status()
+    for tag, got in found.items():
+      while self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=tag, status=status):
+        peer = status.Get_source()
+        got[peer] = self.comm.recv(source=peer, tag=tag)
+    return found[_TAG], found[_FAIL_TAG]
 
   def abort(self, code: int) -> None:
+    """Ends the job. Rank 0 hosts jax's coordination service, whose end
+    aborts every peer with a C++ stack: it first tells the peers and lets
+    their watchers end them with our message."""
+    if self.comm.Get_rank() == 0 and self.can_watch():
+      for peer in range(self.comm.Get_size()):
+        if peer != self.comm.Get_rank():
+          self.comm.isend(code, dest=peer, tag=_FAIL_TAG)
+      time.sleep(_GRACE_SECS)
     _quiet.flush()
     self.comm.Abort(code)
 
@@ -239,18 +251,22 @@ class KvNotices:
   def wait_sent(self, sent: list) -> None:
     del sent  # set synchronously
 
-  def receive(self) -> tuple[dict[int, int], dict[int, str]]:
-    found: dict[str, dict[int, str]] = {"left": {}, "failed": {}}
+  def receive(self) -> tuple[dict[int, int], dict[int, int]]:
+    found: dict[str, dict[int, int]] = {"left": {}, "failed": {}}
     for key, value in self.client.key_value_dir_get("sharded_jit/end/"):
       kind, peer = key.split("/")[-2:]  # .../<kind>/<rank>
       if kind in found and peer.isdigit() and int(peer) != self.rank:
-        found[kind][int(peer)] = value
-    return {p: int(v) for p, v in found["left"].items()}, found["failed"]
+        found[kind][int(peer)] = int(value)
+    return found["left"], found["failed"]
 
   def abort(self, code: int) -> None:
+    """Leaves the reason for the peers' watchers and exits. Rank 0 hosts
+    the coordination service, whose end would abort the peers with a C++
+    stack: it lets them end first."""
     with contextlib.suppress(Exception):  # the service may be gone already
-      self.client.key_value_set(f"sharded_jit/end/failed/{self.rank}",
-                                f"exit code {code}")
+      self.client.key_value_set(f"sharded_jit/end/failed/{self.rank}", str(code))
+      if self.rank == 0:
+        time.sleep(_GRACE_SECS)
     sys.stdout.flush()
     sys.stderr.flush()
     _quiet.flush()
