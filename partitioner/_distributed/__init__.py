@@ -1,8 +1,14 @@
-"""Multi-process runs under MPI.
+"""Multi-process runs, under any launcher.
 
-- ``_env``: the launcher environment variables (rank, size) - one list;
+- ``_env``: the launcher environment variables (which launcher, rank, size,
+  local rank, the coordinator under Slurm, the local devices) - one list;
 - ``_world``: the :class:`World` and :func:`initialize` (jax.distributed
-  from the MPI communicator), MPI collectives with deadlines;
+  from MPI or from Slurm's variables), collectives with deadlines;
+- ``_channels``: what those collectives travel over: MPI, or jax's
+  coordination service where there is no MPI world (plain srun);
+- ``_ending``: how a job ends when a rank fails or finishes;
+- ``_quiet``: gloo's lines off the console under plain mpirun/srun;
+- ``_job_report``: which rank ended how, for ``partitioner.launch``;
 - ``_share``: rank 0 compiles (or loads) and broadcasts the binary;
 - ``_local_parts``: each process passes and gets back its own pieces;
 - ``_rank_main``: the per-rank entry point of ``partitioner.launch``;
