@@ -34,7 +34,7 @@ from partitioner._execute import Dispatched
 from partitioner._explain import Explanation
 from partitioner._pmap_program import MappedProgram, discover
 from partitioner._pmap_stages import MappedLowered
-from partitioner._values import abstract_signature
+from partitioner._values import NotAnArray, abstract_signature, signature
 from sharding._spec_tree import broadcast_prefix
 
 _DEFAULT_AXIS = "pmap_replicas"
@@ -153,7 +153,11 @@ class PmapFunction(Dispatched):
       self._check_traceable()
       sigs = tuple(map(abstract_signature, leaves))
     else:
-      sigs = self._layout.signature(len(args), static_values, leaves, treedef).signatures
+      try:  # (per call: the signatures only, not the names and paths)
+        sigs = tuple(map(signature, leaves))
+      except NotAnArray:  # the error that names the argument
+        self._layout.check_arrays(len(args), jax.tree_util.tree_unflatten(treedef, leaves))
+        raise
       leaves = [x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x, d)
                 for x, (_, d, _) in zip(leaves, sigs)]
     key = (treedef, static_values, len(args), sigs, config.compile_settings)
