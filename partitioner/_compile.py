@@ -10,7 +10,8 @@ import jax
 import numpy as np
 
 from partitioner import _compat
-from sharding._partition_spec import PartitionSpec
+from sharding import _layout
+from sharding._partition_spec import with_layout
 from sharding._tiling import Tiling, tiling
 
 
@@ -143,24 +144,27 @@ def _as_tiling(hlo: Any, devices: Sequence[jax.Device], ndim: int, name: str) ->
     return found
   raise NotImplementedError(
       f"out_parts for {name} is AUTO and XLA's partitioner chose the layout"
-      f" {hlo}, which partition counts cannot express (tiles not in row-major"
-      " order over the devices). Hint: give out_parts a PartitionSpec (or"
+      f" {hlo}, which partition counts cannot express (its devices are no"
+      " grid). Hint: give out_parts a PartitionSpec (or"
       " None) for this output.")
 
 
 def tiling_of(hlo: Any, devices: Sequence[jax.Device], ndim: int) -> Tiling | None:
   """The tiling of an HloSharding over ``devices`` (None: replicated), or
-  None when partition counts cannot express it (not row-major over the
-  devices)."""
+  None when partition counts cannot express it (its devices are no grid)."""
   if hlo is None or hlo.is_replicated():
     return tiling(None, devices, ndim)
   dims = list(hlo.tile_assignment_dimensions())
   counts = dims[:-1] if hlo.replicate_on_last_tile_dim() else dims
-  if len(counts) == ndim:
-    candidate = tiling(PartitionSpec(*counts), devices, ndim)
-    if _compat.hlo_sharding(candidate.gspmd()) == hlo:
-      return candidate
-  return None
+  if len(counts) != ndim:
+    return None
+  positions = np.asarray(hlo.tile_assignment_devices()).reshape(dims)
+  layout = _layout.from_positions(positions, [(d,) for d in range(ndim)])
+  if layout is None:
+    return None
+  order = None if _layout.is_row_major(layout) else layout
+  candidate = tiling(with_layout(counts, order), devices, ndim)
+  return candidate if _compat.hlo_sharding(candidate.gspmd()) == hlo else None
 
 
 def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,

@@ -20,6 +20,7 @@ runs of them, which keeps the row-major tiling of a partition count spec.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from partitioner._distributed._mapped import from_host
 from partitioner._insert import gspmd_constraint, shardy_constraint
 from sharding._constraint import set_device_lowering
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import Tiling, axis_runs, factor_axes, tiling
+from sharding._tiling import Tiling, factor_axes, tiling
 
 PARTITION_AXIS_PREFIX = "sharded_jit_p"
 
@@ -60,15 +61,19 @@ def mesh_spec(spec: PartitionSpec | None, axes: Sequence[tuple[str, int]],
   """
   if spec is None or not spec.is_partitioned:
     return jax.sharding.PartitionSpec()
-  runs = axis_runs(spec.counts, axes)
-  if runs is None:
+  n = math.prod(size for _, size in axes)
+  runs = None
+  if spec.layout is None or spec.layout.total == n:
+    runs = tiling(spec, range(n), len(spec)).axis_runs(axes)
+  if runs is None and spec.layout is None:
     runs = _any_axes(spec.counts, axes)
   if runs is None:
     sizes = " x ".join(str(s) for _, s in axes)
     raise ValueError(
         f"{what}: spec {spec!r} cannot be laid out over the {sizes}"
         " partition axes of partitioner.pmap. Hint: use counts that multiply"
-        " to a divisor of the number of partitions.")
+        " to a divisor of the number of partitions, and a grid= of all the"
+        f" {n} partitions whose sizes are runs of those axes.")
   return jax.sharding.PartitionSpec(
       *(None if not run else run[0] if len(run) == 1 else run for run in runs))
 
@@ -153,7 +158,7 @@ def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
     return mlir.lower_fun(apply, multiple_results=False)(ctx, x)
   rank = len(ir.RankedTensorType(x.type).shape)
   if rank != len(layout.spec):  # extended dtypes: trailing physical dims stay whole
-    layout = tiling(PartitionSpec(*layout.spec.counts, *[1] * (rank - len(layout.spec))),
+    layout = tiling(layout.spec.extend(rank - len(layout.spec)),
                     layout.devices, rank)
   if jax.config.jax_use_shardy_partitioner:
     return [shardy_constraint(x, layout, inline_mesh=True)]

@@ -28,7 +28,7 @@ from partitioner._compat import INSPECT_SHARDING_TARGET
 from partitioner._guard import Guard, guard
 from sharding._constraint import MARKER_TARGET, ORIGIN_ATTR, decode_spec
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import Tiling, axis_runs, factor_axes, shardy_mesh_op
+from sharding._tiling import Tiling, factor_axes, shardy_mesh_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ def shardy_constraint(x: ir.Value, tiling: Tiling, inline_mesh: bool = False,
 def _whole_axes(n: int, tilings: Sequence[Tiling | None]) -> list[tuple[str, int]] | None:
   """One mesh axis per prime factor of ``n`` if every tiling fits them."""
   axes = factor_axes(n)
-  if all(t is None or axis_runs(t.spec.counts, axes) is not None for t in tilings):
+  if all(t is None or t.axis_runs(axes) is not None for t in tilings):
     return axes
   return None
 

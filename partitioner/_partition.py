@@ -24,7 +24,7 @@ from partitioner._distributed import _local_parts
 from partitioner._insert import ShardingPass
 from partitioner._stages import Lowered
 from partitioner._trace import trace_and_lower
-from sharding._partition_spec import AUTO
+from sharding._auto import AUTO
 from sharding._rules import rule_of
 from sharding._spec_tree import broadcast_specs, reject_auto
 

@@ -67,7 +67,7 @@ def _physical(t: Tiling, use: SpecUse) -> Tiling:
   extra = len(_compat.physical_shape(use.shape, use.dtype)) - len(use.shape)
   if not extra:
     return t
-  return tiling(PartitionSpec(*t.spec.counts, *([1] * extra)), t.devices,
+  return tiling(t.spec.extend(extra), t.devices,
                 len(use.shape) + extra)
 
 
@@ -99,7 +99,19 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
                                  num_processes, local_num_partitions, who)
+  named = [u for u in uses if u.spec is not None and u.spec.device_ids is not None]
+  if devices is None and named:
+    by_id = {d.id: d for d in jax.devices()}
+    devices = [by_id[i] for i in named[0].spec.device_ids if i in by_id]
   chosen = choose_devices(n // num_processes, devices, num_processes, who)
+  ids = tuple(d.id for d in chosen)
+  for use in named:
+    if use.spec.device_ids != ids:
+      raise ValueError(
+          f"{use.what}: spec {use.spec!r} was written for the devices"
+          f" {list(use.spec.device_ids)} (its NamedSharding's mesh), but {who}"
+          f" runs on the devices {list(ids)}. Hint: make every sharding of"
+          " the call over one mesh, or pass devices= in the mesh's order.")
   lay = lambda u: tiling(u.spec, chosen, len(u.shape))
   in_tilings, out_tilings = tuple(map(lay, ins)), tuple(map(lay, outs))
   return Placement(
@@ -118,13 +130,23 @@ def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None,
   """N: ``num_partitions``, else the largest total of any spec. Every spec's
   total must divide N (a smaller total is partially replicated)."""
   split = [u for u in uses if u.spec is not None and u.spec.is_partitioned]
+  fixed = [u for u in uses if u.spec is not None and _span(u.spec) is not None]
   if num_partitions is not None:
     n, source = num_partitions, f"num_partitions={num_partitions}"
+  elif fixed:
+    n, source = _span(fixed[0].spec), f"{fixed[0].what} = {fixed[0].spec!r}"
   elif split:
     top = max(split, key=lambda u: u.spec.total)
     n, source = top.spec.total, f"{top.what} = {top.spec!r}"
   else:
     return 1
+  for use in fixed:
+    if _span(use.spec) != n:
+      raise ValueError(
+          f"{use.what} with shape {use.shape}: spec {use.spec!r} lays its tiles over"
+          f" {_span(use.spec)} devices, but {who} runs on {n} partitions (from"
+          f" {source}). Hint: a spec's grid= (or its NamedSharding's mesh)"
+          " must cover all the partitions of the call.")
   for use in split:
     if n % use.spec.total:
       raise ValueError(
@@ -136,6 +158,13 @@ def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None,
           f" {n} / tiles devices). Use e.g. counts that multiply to {n} or one"
           f" of its divisors, None to replicate, or num_partitions= to set N.")
   return n
+
+
+def _span(spec: PartitionSpec) -> int | None:
+  """The number of devices a spec with a device order is laid over."""
+  if spec.layout is not None:
+    return spec.layout.total
+  return None if spec.device_ids is None else len(spec.device_ids)
 
 
 def _share_between_processes(n: int, fixed: bool, num_processes: int,

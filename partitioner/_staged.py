@@ -24,7 +24,7 @@ from partitioner._config import config
 from partitioner._stats import stats
 from partitioner._values import abstract_signature
 from sharding._constraint import caller, constrain, emitting_markers
-from sharding._partition_spec import AUTO
+from sharding._auto import AUTO
 from sharding._spec_tree import broadcast_specs, reject_auto
 
 _PACKAGE = __name__.partition(".")[0]  # frames of this package are not the user's

@@ -9,7 +9,8 @@ from sharding._constraint import (
 from sharding._local import global_shape as global_shape
 from sharding._local import local_shape as local_shape
 from sharding._local import local_spec as local_spec
-from sharding._partition_spec import AUTO as AUTO
+from sharding._auto import AUTO as AUTO
+from sharding._named import from_named as from_named
 from sharding._partition_spec import PartitionSpec as PartitionSpec
 from sharding._picture import picture as picture
 from sharding._rules import spec_tree as spec_tree
@@ -19,6 +20,6 @@ from sharding._tiling import tiling as tiling
 
 P = PartitionSpec
 
-__all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "global_shape",
+__all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "global_shape",
            "local_shape", "local_spec", "picture", "spec_tree", "tiling",
            "with_sharding_constraint"]

@@ -61,13 +61,34 @@ def emitting_markers() -> bool:
 
 
 def encode_spec(spec: PartitionSpec | None) -> str:
-  return _REPLICATED if spec is None else ",".join(map(str, spec.counts))
+  """``"4,2"``; with a device order ``"4,2/2.4/1,0"`` (grid sizes, then per
+  dimension its grid axes) and ``/ids`` when the spec names its devices."""
+  if spec is None:
+    return _REPLICATED
+  parts = [",".join(map(str, spec.counts))]
+  if spec.layout is not None or spec.device_ids is not None:
+    layout = spec.layout
+    parts.append("" if layout is None else ".".join(map(str, layout.sizes)))
+    parts.append("" if layout is None else
+                 ",".join(".".join(map(str, a)) for a in layout.dims))
+  if spec.device_ids is not None:
+    parts.append(".".join(map(str, spec.device_ids)))
+  return "/".join(parts)
 
 
 def decode_spec(text: str) -> PartitionSpec | None:
   if text == _REPLICATED:
     return None
-  return PartitionSpec(*(int(c) for c in text.split(",") if c))
+  parts = text.split("/")
+  ints = lambda t, sep: [int(c) for c in t.split(sep) if c]
+  counts = ints(parts[0], ",")
+  kwargs: dict = {}
+  if len(parts) > 1 and parts[1]:
+    kwargs["grid"] = ints(parts[1], ".")
+    kwargs["axes"] = [tuple(ints(a, ".")) for a in parts[2].split(",")][:len(counts)]
+  if len(parts) > 3:
+    kwargs["device_ids"] = ints(parts[3], ".")
+  return PartitionSpec(*counts, **kwargs)
 
 
 def with_sharding_constraint(x: Any, spec: Any) -> Any:

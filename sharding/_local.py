@@ -11,7 +11,10 @@ processes gives each one a ``P(2, 1)`` piece (half the rows, split over its
 
 from __future__ import annotations
 
-from sharding._partition_spec import PartitionSpec
+import math
+
+from sharding._layout import is_row_major
+from sharding._partition_spec import PartitionSpec, with_layout
 
 
 def local_spec(spec: PartitionSpec | None, num_processes: int,
@@ -33,6 +36,8 @@ def local_spec(spec: PartitionSpec | None, num_processes: int,
     raise ValueError(
         f"{what}: spec {spec!r} has {spec.total} tiles, which cannot be shared"
         f" equally by {num_processes} processes.")
+  if spec.layout is not None:
+    return _ordered_local_spec(spec, num_processes, what)
   remaining = spec.total // num_processes
   local = [1] * len(spec)
   for d in reversed(range(len(spec))):
@@ -54,6 +59,25 @@ def local_spec(spec: PartitionSpec | None, num_processes: int,
         " processes, e.g."
         f" {PartitionSpec(spec.total, *([1] * (len(spec) - 1)))!r}.")
   return PartitionSpec(*local)
+
+
+def _ordered_local_spec(spec: PartitionSpec, num_processes: int,
+                        what: str) -> PartitionSpec | None:
+  """local_spec of a spec with a device order: its grid without the major
+  factor ``num_processes`` (the processes own equal runs of devices)."""
+  found = spec.layout.without_major(num_processes)
+  if found is None:
+    raise ValueError(
+        f"{what}: spec {spec!r} over {num_processes} processes does not give"
+        " each process a rectangular piece: the processes own the major"
+        f" {num_processes} of the grid, which must be the major part of the"
+        " dimensions it splits. Hint: put the grid axis that splits across"
+        " processes first in its dimension's axes.")
+  local, split = found
+  counts = [c // s for c, s in zip(spec.counts, split)]
+  if math.prod(counts) == 1:
+    return None
+  return with_layout(counts, None if is_row_major(local) else local)
 
 
 def global_shape(local_shape: tuple[int, ...], spec: PartitionSpec | None,

@@ -6,6 +6,8 @@ import math
 import operator
 from collections.abc import Iterator, Sequence
 
+from sharding import _layout
+
 
 class PartitionSpec:
   """Partition counts, one per array dimension.
@@ -18,13 +20,31 @@ class PartitionSpec:
   Unlike ``jax.sharding.PartitionSpec``, entries are counts, not mesh axis
   names: this is the API of the original ``sharded_jit``.
 
+  By default the tiles are laid over the program's devices row-major, and
+  the copies of a partially replicated tile on consecutive devices. ``grid``
+  and ``axes`` name another device order, the way a ``jax.sharding.Mesh``
+  does: the devices, in the program's order, lie row-major on a grid of
+  axis sizes ``grid``; dimension d is split over the grid axes ``axes[d]``
+  (an int, a tuple of them, major first, or None); axes no dimension uses
+  hold the copies. ``P(4, 2, grid=(2, 4), axes=(1, 0))`` is FSDP x TP's
+  ``W_out`` (``P('tensor', 'fsdp')`` on a ``('fsdp', 'tensor')`` mesh);
+  ``P(1, 4, grid=(2, 4), axes=(None, 1))`` puts tile j on devices j and
+  j + 4. :func:`sharding.from_named` writes one for any NamedSharding.
+
   Args:
     *counts: one positive ``int`` per array dimension. ``PartitionSpec()`` is
       the spec of a scalar.
+    grid: the device grid's axis sizes, major to minor (their product is
+      the number of devices the spec is laid over).
+    axes: per dimension, the grid axis or axes it is split over.
+    device_ids: the ids of the devices, in order, that the grid is over
+      (from :func:`sharding.from_named`); a call on other devices is an
+      error. None: whatever devices the program runs on.
 
   Raises:
     TypeError: an entry is not an int (e.g. a mesh axis name or ``None``).
-    ValueError: an entry is smaller than 1.
+    ValueError: an entry is smaller than 1, or the grid and axes do not
+      match the counts.
 
   Example:
     >>> from sharding import PartitionSpec as P
@@ -34,9 +54,11 @@ class PartitionSpec:
     4
   """
 
-  __slots__ = ("_counts", "_total")
+  __slots__ = ("_counts", "_total", "_layout", "_device_ids")
 
-  def __init__(self, *counts: int):
+  def __init__(self, *counts: int, grid: Sequence[int] | None = None,
+               axes: Sequence[object] | None = None,
+               device_ids: Sequence[int] | None = None):
     canonical = []
     for i, c in enumerate(counts):
       if isinstance(c, bool) or not hasattr(c, "__index__"):
@@ -55,6 +77,20 @@ class PartitionSpec:
       canonical.append(int(c))
     object.__setattr__(self, "_counts", tuple(canonical))
     object.__setattr__(self, "_total", math.prod(canonical))
+    layout = None
+    if grid is not None or axes is not None:
+      layout = _layout.parse(canonical, grid, axes, f"PartitionSpec{tuple(canonical)!r}")
+      if _layout.is_row_major(layout):
+        layout = None
+    if device_ids is not None:
+      device_ids = tuple(operator.index(i) for i in device_ids)
+      n = layout.total if layout is not None else len(device_ids)
+      if len(device_ids) != n or len(set(device_ids)) != n or n % self._total:
+        raise ValueError(
+            f"PartitionSpec{tuple(canonical)!r}: device_ids {device_ids!r} must list"
+            f" {n} distinct devices, a multiple of the {self._total} tiles.")
+    object.__setattr__(self, "_layout", layout)
+    object.__setattr__(self, "_device_ids", device_ids)
 
   def __setattr__(self, name, value):
     raise AttributeError("PartitionSpec is immutable")
@@ -70,6 +106,16 @@ class PartitionSpec:
     return self._total
 
   @property
+  def layout(self) -> _layout.Layout | None:
+    """The device order: None for row-major (the default)."""
+    return self._layout
+
+  @property
+  def device_ids(self) -> tuple[int, ...] | None:
+    """The devices (ids, in order) the spec was written for, or None."""
+    return self._device_ids
+
+  @property
   def is_partitioned(self) -> bool:
     """True when some dimension is split into more than one tile."""
     return self._total > 1
@@ -83,23 +129,50 @@ class PartitionSpec:
   def __getitem__(self, i):
     return self._counts[i]
 
+  def _key(self) -> tuple:
+    return (self._counts, self._layout, self._device_ids)
+
   def __eq__(self, other) -> bool:
-    return isinstance(other, PartitionSpec) and self._counts == other._counts
+    return isinstance(other, PartitionSpec) and self._key() == other._key()
 
   def __hash__(self) -> int:
-    return hash((PartitionSpec, self._counts))
+    return hash((PartitionSpec, self._key()))
+
+  def order_kwargs(self) -> dict:
+    """The keyword arguments that give this spec's device order."""
+    out: dict = {}
+    if self._layout is not None:
+      out["grid"] = self._layout.sizes
+      out["axes"] = tuple(None if not a else a[0] if len(a) == 1 else a
+                          for a in self._layout.dims)
+    if self._device_ids is not None:
+      out["device_ids"] = self._device_ids
+    return out
 
   def __repr__(self) -> str:
-    return f"PartitionSpec({', '.join(map(str, self._counts))})"
+    extra = [f"{k}={v!r}" for k, v in self.order_kwargs().items()]
+    return f"PartitionSpec({', '.join([*map(str, self._counts), *extra])})"
 
   def __reduce__(self):
-    return (PartitionSpec, self._counts)
+    return (_rebuild, (self._counts, self.order_kwargs()))
 
   def insert(self, dim: int, count: int = 1) -> PartitionSpec:
-    """Returns the spec with ``count`` inserted at dimension ``dim``."""
+    """Returns the spec with ``count`` inserted at dimension ``dim`` (1 only
+    for a spec with a device order)."""
     counts = list(self._counts)
     counts.insert(dim, count)
-    return PartitionSpec(*counts)
+    if self._layout is None:
+      return PartitionSpec(*counts, device_ids=self._device_ids)
+    if count != 1:
+      raise ValueError(f"{self!r}: only an unsplit dimension can be inserted")
+    return with_layout(counts, self._layout.insert(dim), self._device_ids)
+
+  def extend(self, extra: int) -> PartitionSpec:
+    """The spec with ``extra`` unsplit trailing dimensions."""
+    spec = self
+    for _ in range(extra):
+      spec = spec.insert(len(spec))
+    return spec
 
   def check_shape(self, shape: Sequence[int], what: str, *,
                   divisible: bool = True) -> None:
@@ -200,30 +273,14 @@ def _divisors(n: int) -> list[int]:
 PartitionSpec.__module__ = "sharding"
 
 
-class _Auto:
-  """The type of :data:`AUTO`."""
-
-  __slots__ = ()
-  _instance: _Auto | None = None
-
-  def __new__(cls) -> _Auto:
-    if cls._instance is None:
-      cls._instance = super().__new__(cls)
-    return cls._instance
-
-  def __repr__(self) -> str:
-    return "AUTO"
-
-  def __reduce__(self):
-    return (_Auto, ())
+def _rebuild(counts: tuple[int, ...], kwargs: dict) -> PartitionSpec:
+  return PartitionSpec(*counts, **kwargs)
 
 
-AUTO = _Auto()
-"""An ``out_parts`` value: the partitioner chooses the output's tiling.
-
-XLA's partitioner propagates it from the inputs and the constraints inside
-the function, as ``jax.jit`` does for outputs without ``out_shardings``.
-The output's ``.sharding`` and ``explain()`` report what it chose. Give it
-for the whole ``out_parts`` or for single outputs; ``None`` still means
-replicated.
-"""
+def with_layout(counts: Sequence[int], layout: _layout.Layout | None,
+                device_ids: Sequence[int] | None = None) -> PartitionSpec:
+  """The spec of ``counts`` laid out by ``layout`` (None: row-major)."""
+  if layout is None:
+    return PartitionSpec(*counts, device_ids=device_ids)
+  axes = [None if not a else a[0] if len(a) == 1 else a for a in layout.dims]
+  return PartitionSpec(*counts, grid=layout.sizes, axes=axes, device_ids=device_ids)

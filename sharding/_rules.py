@@ -26,8 +26,8 @@ class RuleSpec(PartitionSpec):
 
   __slots__ = ("_rule",)
 
-  def __init__(self, counts: Sequence[int], rule: str):
-    super().__init__(*counts)
+  def __init__(self, spec: PartitionSpec, rule: str):
+    super().__init__(*spec.counts, **spec.order_kwargs())
     object.__setattr__(self, "_rule", rule)
 
   @property
@@ -178,7 +178,7 @@ def _fit(spec: Any, rule: str, name: str, leaf: Any, shape: tuple | None) -> Any
         f" {len(shape)} ({describe_leaf(leaf)}), not {len(spec)}. Hint: make"
         f" the pattern more specific so it only matches rank-{len(spec)} leaves,"
         f" or add an earlier rule for {name!r}.")
-  return RuleSpec(spec.counts, rule)
+  return RuleSpec(spec, rule)
 
 
 def rule_of(spec: Any) -> str:

@@ -6,7 +6,8 @@ from typing import Any
 
 import jax
 
-from sharding._partition_spec import AUTO, PartitionSpec
+from sharding._auto import AUTO
+from sharding._partition_spec import PartitionSpec
 
 Spec = PartitionSpec | None
 

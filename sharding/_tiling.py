@@ -1,6 +1,6 @@
 """Tiling: a PartitionSpec laid out over an ordered list of devices.
 
-The layout is row-major over the device assignment, exactly like GSPMD's
+By default (a spec without ``grid=``) the layout is row-major over the device assignment, exactly like GSPMD's
 ``{devices=[a,b]0,1,...}``: device ``k`` of the assignment holds the tile whose
 block index is ``numpy.unravel_index(k, spec.counts)``. A spec whose total T
 is smaller than the number of devices N (T divides N) is partially
@@ -9,17 +9,20 @@ holds tile ``k // (N / T)`` (GSPMD's ``last_tile_dim_replicate``). The same
 layout is expressed three ways: the GSPMD sharding string, the Shardy
 dimension shardings over a single 1-D mesh axis (using sub-axes where several
 dimensions are split), and a ``jax.sharding.NamedSharding`` for the arrays
-users get back.
+users get back. A spec with a device order (``_layout``) lays its tiles
+over a grid of the devices instead; the three forms follow it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from sharding import _layout
 from sharding._partition_spec import PartitionSpec
 from sharding._picture import grid, replicated_line
 
@@ -45,7 +48,7 @@ class Tiling:
       divide the number of devices.
   """
 
-  __slots__ = ("spec", "devices", "_named_sharding")
+  __slots__ = ("spec", "devices", "layout", "_named_sharding", "_blocks")
 
   def __init__(self, spec: PartitionSpec | None, devices: Sequence, ndim: int):
     if spec is None:
@@ -56,9 +59,20 @@ class Tiling:
       raise ValueError(
           f"spec {spec!r} partitions into {spec.total} tiles, which do not"
           f" share the {len(devices)} devices of the assignment equally")
+    if spec.layout is not None and spec.layout.total != len(devices):
+      raise ValueError(
+          f"spec {spec!r} lays its tiles over a grid of {spec.layout.total}"
+          f" devices, but the program runs on {len(devices)}")
     self.spec = spec
     self.devices = tuple(devices)
+    self.layout = spec.layout or _layout.row_major(spec.counts, len(devices))
     self._named_sharding = None
+    self._blocks = None
+
+  @property
+  def ordered(self) -> bool:
+    """Whether the spec names a device order other than row-major."""
+    return self.spec.layout is not None
 
   @property
   def num_devices(self) -> int:
@@ -77,7 +91,11 @@ class Tiling:
     """The block index (one per dimension) that device ``k`` holds."""
     if self.replicated:
       return (0,) * len(self.spec)
-    return tuple(int(i) for i in np.unravel_index(k // self.copies, self.spec.counts))
+    if not self.ordered:
+      return tuple(int(i) for i in np.unravel_index(k // self.copies, self.spec.counts))
+    if self._blocks is None:
+      self._blocks = self.layout.blocks()
+    return tuple(int(i) for i in self._blocks[k])
 
   def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the piece each device holds."""
@@ -110,17 +128,19 @@ class Tiling:
     """
     if self.replicated:
       return replicated_line([d.id for d in self.devices])
-    c = self.copies
-    ids = [",".join(str(d.id) for d in self.devices[t * c:(t + 1) * c])
-           for t in range(self.spec.total)]
-    return grid(ids, self.spec.counts, c)
+    ids = [",".join(str(self.devices[k].id) for k in holders)
+           for holders in self.layout.tile_devices()]
+    return grid(ids, self.spec.counts, self.copies)
 
   def gspmd(self) -> str:
     """The GSPMD (HloSharding) text, e.g. ``{devices=[2,1]0,1}``."""
     if self.replicated:
       return "{replicated}"
     counts = list(self.spec.counts)
-    ids = ",".join(map(str, range(self.num_devices)))
+    if self.ordered:
+      ids = ",".join(str(k) for holders in self.layout.tile_devices() for k in holders)
+    else:
+      ids = ",".join(map(str, range(self.num_devices)))
     if self.copies == 1:
       return f"{{devices=[{','.join(map(str, counts))}]{ids}}}"
     dims = ",".join(map(str, [*counts, self.copies]))
@@ -129,23 +149,34 @@ class Tiling:
   def shardy_dims(self) -> list[str]:
     """Per-dimension Shardy shardings over the 1-D mesh axis ``x``.
 
-    The first split dimension takes the major part of the axis, the next the
-    following part, and so on: ``P(3, 2)`` on 6 devices is
-    ``[{"x":(1)3}, {"x":(3)2}]``. A partially replicated spec leaves the
-    minor part of the axis unused: ``P(2, 1)`` on 8 devices is
-    ``[{"x":(1)2}, {}]``.
+    Grid axis i of the layout is the sub-axis of ``x`` after the axes
+    before it: ``P(3, 2)`` on 6 devices is ``[{"x":(1)3}, {"x":(3)2}]``. A
+    partially replicated spec leaves the minor part of the axis unused:
+    ``P(2, 1)`` on 8 devices is ``[{"x":(1)2}, {}]``.
     """
-    dims = []
-    pre = 1
-    for count in self.spec.counts:
-      if count == 1:
-        dims.append("{}")
-      elif count == self.num_devices:
-        dims.append(f'{{"{SHARDY_AXIS}"}}')
-      else:
-        dims.append(f'{{"{SHARDY_AXIS}":({pre}){count}}}')
-      pre *= count
-    return dims
+    sizes = self.layout.sizes
+    sub = []
+    for i, size in enumerate(sizes):
+      pre = math.prod(sizes[:i])
+      sub.append(f'"{SHARDY_AXIS}"' if size == self.num_devices
+                 else f'"{SHARDY_AXIS}":({pre}){size}')
+    return ["{" + ", ".join(sub[a] for a in axes) + "}" for axes in self.layout.dims]
+
+  def axis_runs(self, axes: Sequence[tuple[str, int]]) -> list[tuple[str, ...]] | None:
+    """Per dimension, the names of the mesh ``axes`` ((name, size), major
+    to minor) it is split over: each grid axis takes the next run of them
+    whose sizes multiply to its size. None when they do not line up."""
+    runs, i = [], 0
+    for size in self.layout.sizes:
+      names, got = [], 1
+      while got < size and i < len(axes):
+        names.append(axes[i][0])
+        got *= axes[i][1]
+        i += 1
+      if got != size:
+        return None
+      runs.append(names)
+    return [tuple(n for a in dim for n in runs[a]) for dim in self.layout.dims]
 
   def shardy(self, inline_mesh: bool = False,
              axes: Sequence[tuple[str, int]] | None = None) -> str:
@@ -154,13 +185,13 @@ class Tiling:
 
     With ``axes`` (the mesh's (name, size) axes, major to minor, e.g.
     :func:`factor_axes`), each split dimension takes whole axes instead of
-    sub-axes of ``x``; the spec must fit them (:func:`axis_runs`)."""
+    sub-axes of ``x``; the spec must fit them (:meth:`axis_runs`)."""
     mesh = (f'mesh<["{SHARDY_AXIS}"={self.num_devices}]>' if inline_mesh
             else f"@{SHARDY_MESH_NAME}")
     if axes is None:
       dims = self.shardy_dims()
     else:
-      runs = axis_runs(self.spec.counts, axes)
+      runs = self.axis_runs(axes)
       if runs is None:
         raise ValueError(f"{self.spec!r} does not fit the mesh axes {list(axes)}")
       dims = ["{" + ", ".join(f'"{a}"' for a in run) + "}" for run in runs]
@@ -178,14 +209,18 @@ class Tiling:
     if self.replicated:
       mesh = jax.sharding.Mesh(devices, ("replica",))
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = [(d, c) for d, c in enumerate(self.spec.counts) if c > 1]
-    names = tuple(f"d{d}" for d, _ in split)
-    shape = [c for _, c in split]
-    if self.copies > 1:  # the devices holding the same tile: an unused axis
-      names, shape = (*names, "replica"), [*shape, self.copies]
-    mesh = jax.sharding.Mesh(devices.reshape(shape), names)
-    axes = [f"d{d}" if c > 1 else None for d, c in enumerate(self.spec.counts)]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+    names = ["replica"] * len(self.layout.sizes)
+    for d, axes in enumerate(self.layout.dims):
+      for j, a in enumerate(axes):
+        names[a] = f"d{d}" if len(axes) == 1 else f"d{d}_{j}"
+    unused = [i for i, n in enumerate(names) if n == "replica"]
+    if len(unused) > 1:
+      for j, i in enumerate(unused):
+        names[i] = f"replica{j}"
+    mesh = jax.sharding.Mesh(devices.reshape(self.layout.sizes), tuple(names))
+    spec = [None if not axes else names[axes[0]] if len(axes) == 1
+            else tuple(names[a] for a in axes) for axes in self.layout.dims]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
   def __eq__(self, other) -> bool:
     return (isinstance(other, Tiling) and self.spec == other.spec
@@ -230,21 +265,3 @@ def factor_axes(n: int, prefix: str = "x") -> list[tuple[str, int]]:
       n //= p
     p += 1
   return [(f"{prefix}{i}", f) for i, f in enumerate(factors)]
-
-
-def axis_runs(counts: Sequence[int],
-              axes: Sequence[tuple[str, int]]) -> list[tuple[str, ...]] | None:
-  """Per dimension, the next run of ``axes`` whose sizes multiply to its
-  count (the row-major tiling of the counts over those axes); None when the
-  counts cannot be laid out over the axes in order."""
-  out, i = [], 0
-  for count in counts:
-    names, size = [], 1
-    while size < count and i < len(axes):
-      names.append(axes[i][0])
-      size *= axes[i][1]
-      i += 1
-    if size != count:
-      return None
-    out.append(tuple(names))
-  return out

@@ -1,0 +1,72 @@
+"""from_named: the count spec of a jax NamedSharding, on the same devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from sharding import _layout
+from sharding._partition_spec import PartitionSpec, with_layout
+
+
+def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
+  """The count spec that puts every slice where ``named`` puts it.
+
+  ``sharded_jit(f, in_parts=from_named(ns), out_parts=from_named(ns))``
+  places each block of an argument on the device where
+  ``jax.device_put(x, ns)`` places it, and returns arrays whose
+  ``.sharding`` is equivalent to ``ns``: jax code downstream does not
+  reshard. Any mesh shape and axis order, dimensions split over several
+  mesh axes (``P(('data', 'model'), None)``) and replication over any mesh
+  axes are written with a device order (``grid=``, ``axes=``); the spec
+  names the mesh's devices (``device_ids``), and a call runs on them.
+
+  Args:
+    named: a ``jax.sharding.NamedSharding``.
+    ndim: the rank of the arrays it lays out; by default the length of its
+      ``PartitionSpec`` (jax pads a shorter spec with None).
+
+  Returns:
+    The spec (all 1s when ``named`` replicates the array: on its mesh's
+    devices).
+
+  Raises:
+    TypeError: ``named`` is not a NamedSharding.
+    ValueError: its spec is longer than ``ndim``, has unconstrained
+      entries, or its mesh lists devices in an order no grid of the
+      devices gives.
+  """
+  if not isinstance(named, jax.sharding.NamedSharding):
+    raise TypeError(f"from_named takes a jax.sharding.NamedSharding, got {named!r}."
+                    " Hint: for a jax.Array x, use from_named(x.sharding).")
+  entries = list(named.spec)
+  ndim = len(entries) if ndim is None else ndim
+  if len(entries) > ndim:
+    raise ValueError(f"from_named: {named.spec} has {len(entries)} entries, more than"
+                     f" the array's rank {ndim}. Hint: pass ndim= the array's rank.")
+  mesh = named.mesh
+  names = list(mesh.axis_names)
+  dims = []
+  for d, entry in enumerate([*entries, *[None] * (ndim - len(entries))]):
+    if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+      raise ValueError(f"from_named: dimension {d} of {named.spec} is UNCONSTRAINED,"
+                       " which is no layout. Hint: name its mesh axes, or None.")
+    group = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    dims.append(tuple(names.index(a) for a in group))
+  order = {d: k for k, d in enumerate(jax.devices())}
+  devices = sorted(mesh.devices.flat, key=order.__getitem__)
+  position = {d: k for k, d in enumerate(devices)}
+  positions = np.vectorize(position.__getitem__, otypes=[np.int64])(mesh.devices)
+  layout = _layout.from_positions(positions, dims)
+  if layout is None:
+    raise ValueError(
+        f"from_named: the mesh {dict(mesh.shape)} lists its devices in the order"
+        f" {[d.id for d in mesh.devices.flat]}, which is no grid of the devices"
+        " (a reshape and transpose of them in id order), so no count spec can"
+        " say it. Hint: build the mesh with jax.make_mesh, or over"
+        " np.array(jax.devices()).reshape(...), and reshard to it.")
+  ids = tuple(d.id for d in devices)
+  counts = layout.counts
+  return with_layout(counts, None if _layout.is_row_major(layout) else layout, ids)
