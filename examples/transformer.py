@@ -18,6 +18,16 @@ Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
   python examples/transformer.py                 # ~1 minute on 2 CPU cores
   python examples/transformer.py --steps 500 --layers 4 --data 2 --model 4
 
+``--layout`` picks another layout of the same model on the same devices:
+- ``fsdp``: FSDP / ZeRO-3 over all ``data x model`` devices: one
+  sharded_jit step; every weight and its Adam moments split 8 ways
+  (``sharding.fsdp_specs``), the batch too; each weight is gathered where
+  the step uses it and its gradient reduce-scattered;
+- ``fsdp_tp``: FSDP x tensor parallel on a (fsdp, tensor) = (data, model)
+  grid, MaxText's default: Megatron's splits on the tensor axis and an
+  FSDP split on the other (``sharding.fsdp_tp_specs``; ``W_out`` gets the
+  transposed device order), the batch over fsdp.
+
 The optimizer (Adam) and the loss (cross-entropy) come from optax; the
 weights' specs come from rules on their names (``sharding.spec_tree``), one
 rule list for the parameters and the optimizer state. It prints progress
@@ -50,6 +60,9 @@ _LR = flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
 _CHECK = flags.DEFINE_integer("check_steps", 3, "Steps re-run unsharded to check the losses match.")
 _SAMPLE = flags.DEFINE_integer("sample", 200, "Characters of text to generate at the end (0: none).")
 _PLOT = flags.DEFINE_string("plot", "transformer_loss.png", "Loss curve PNG (needs matplotlib; '' for none).")
+_LAYOUT = flags.DEFINE_enum("layout", "data_model", ["data_model", "fsdp", "fsdp_tp"],
+                            "data_model: pmap x Megatron; fsdp: ZeRO-3 over every device;"
+                            " fsdp_tp: FSDP over --data x tensor parallel over --model.")
 _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps (without a terminal).")
@@ -63,11 +76,12 @@ class Model:
 
   Args:
     mp: devices along the model dimension.
+    batch_split: devices along the batch inside the program (1 for a
+      replica of partitioner.pmap; the FSDP degree for the fsdp layouts).
     width, heads, layers, seq, vocab: the model's size.
     lr: Adam learning rate.
     constrain: ``constrain(x, spec)`` applied to activations (specs count
-      model partitions; the batch dimension is never split inside a
-      replica); by default sharding.with_sharding_constraint (the benchmark
+      batch_split then model partitions); by default sharding.with_sharding_constraint (the benchmark
       passes jax's own over a ('data', 'model') mesh).
 
   Attributes:
@@ -77,7 +91,8 @@ class Model:
     step: ``(params, opt, seqs) -> (params, opt, loss)``: both, unsplit.
   """
 
-  def __init__(self, mp, *, width, heads, layers, seq, vocab, lr, constrain=None):
+  def __init__(self, mp, *, width, heads, layers, seq, vocab, lr, constrain=None,
+               batch_split=1):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,9 +104,10 @@ class Model:
     wsc = constrain or with_sharding_constraint
     d, h, t = width, heads, seq
     dh, f = d // h, 4 * d
-    resid = None               # [batch, seq, width]: whole on every model device
-    by_head = P(1, 1, mp, 1)   # [batch, seq, heads, head_dim]
-    by_unit = P(1, 1, mp)      # [batch, seq, hidden units or vocabulary]
+    bs = batch_split
+    resid = P(bs, 1, 1) if bs > 1 else None  # [batch, seq, width]: whole on model devices
+    by_head = P(bs, 1, mp, 1)  # [batch, seq, heads, head_dim]
+    by_unit = P(bs, 1, mp)     # [batch, seq, hidden units or vocabulary]
 
     def norm(x, scale):
       x = x - x.mean(-1, keepdims=True)
@@ -160,8 +176,8 @@ class Model:
                   (r"(w1|unembed)$", P(1, mp)),    # [width, hidden or vocabulary]
                   (r"w2$", P(mp, 1)),              # [hidden, width]
                   (r".*", None)]                   # norms, embeddings: whole
-    shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
-    self.param_parts, self.opt_parts = spec_tree(shapes, self.rules)
+    self.shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+    self.param_parts, self.opt_parts = spec_tree(self.shapes, self.rules)
     self.init, self.forward, self.step, self.update = init, forward, step, update
     self.grads = jax.value_and_grad(loss_fn)
 
@@ -192,6 +208,25 @@ def train_step(model: Model):
                           donate_argnums=(0, 1))
 
 
+def fsdp_train_step(model: Model, fsdp: int, tensor: int):
+  """The fsdp and fsdp_tp layouts' train step: one sharded_jit over
+  ``fsdp x tensor`` devices. Parameters and Adam moments get FSDP specs
+  (with the model's tensor-parallel rules when ``tensor > 1``); the batch
+  is split ``fsdp`` ways. Takes (params, opt, seqs of shape [batch, seq + 1])."""
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+  from sharding import fsdp_specs, fsdp_tp_specs
+
+  if tensor == 1:
+    model.param_parts, model.opt_parts = fsdp_specs(model.shapes, fsdp)
+  else:
+    model.param_parts, model.opt_parts = fsdp_tp_specs(
+        model.shapes, model.rules, fsdp=fsdp, tensor=tensor)
+  state = (model.param_parts, model.opt_parts)
+  return sharded_jit(model.step, in_parts=(*state, P(fsdp, 1)), out_parts=(*state, None),
+                     donate_argnums=(0, 1))
+
+
 def main(argv):
   del argv
   n = _DATA.value * _MODEL.value
@@ -208,6 +243,9 @@ def main(argv):
   if _PARTITIONER.value:
     partitioner.config.partitioner = _PARTITIONER.value
   dp, mp = _DATA.value, _MODEL.value
+  layout = _LAYOUT.value
+  if layout == "fsdp":  # FSDP over every device, no tensor parallelism
+    dp, mp = n, 1
   d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
   for what, size, by in (("heads", h, mp), ("batch", b, dp)):
     if size % by:
@@ -225,14 +263,21 @@ def main(argv):
     starts = rng.integers(0, len(corpus) - t - 1, size=b)
     return np.stack([corpus[s:s + t + 1] for s in starts])
 
-  model = Model(mp, width=d, heads=h, layers=layers, seq=t, vocab=vocab, lr=_LR.value)
-  step_fn = train_step(model)
-  split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
+  sizes = dict(width=d, heads=h, layers=layers, seq=t, vocab=vocab, lr=_LR.value)
+  if layout == "data_model":
+    model = Model(mp, **sizes)
+    step_fn = train_step(model)
+    split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
+  else:
+    model = Model(mp, batch_split=dp, **sizes)
+    step_fn = fsdp_train_step(model, dp, mp)
+    split = lambda seqs: seqs
 
   params0, opt0 = model.init(jax.random.PRNGKey(_SEED.value))
   size = sum(x.size for x in jax.tree_util.tree_leaves(params0))
   print(f"Transformer: {layers} layers, width {d}, {h} heads, {size / 1e6:.2f}M parameters,"
-        f" {len(chars)} characters; {dp} x {mp} = {n} devices (data x model),"
+        f" {len(chars)} characters; {dp} x {mp} = {n} devices"
+        f" ({ {'data_model': 'data x model', 'fsdp': 'FSDP', 'fsdp_tp': 'FSDP x tensor'}[layout]}),"
         f" partitioner {partitioner.config.partitioner}", flush=True)
 
   seen = [batch() for _ in range(_STEPS.value)]  # the same batches when resuming
@@ -259,6 +304,10 @@ def main(argv):
     return
   print(f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f} (mean of the last 10 steps)")
   print(explain_line(step_fn, params, opt, split(seen[0])))
+  mine = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(params))
+  whole = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  print(f"parameter bytes per device: {mine / 1e6:.3f} MB of {whole / 1e6:.3f} MB"
+        f" (1/{whole / mine:.1f})")
 
   # The same first steps unsharded, on the whole batch (constraints are the
   # identity in a program on one device): the losses must match.

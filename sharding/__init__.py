@@ -6,6 +6,8 @@ No compilation and no execution happens in this package; see ``partitioner``.
 from sharding._constraint import (
     with_sharding_constraint as with_sharding_constraint,
 )
+from sharding._fsdp import fsdp_specs as fsdp_specs
+from sharding._fsdp import fsdp_tp_specs as fsdp_tp_specs
 from sharding._local import global_shape as global_shape
 from sharding._local import local_shape as local_shape
 from sharding._local import local_spec as local_spec
@@ -20,6 +22,7 @@ from sharding._tiling import tiling as tiling
 
 P = PartitionSpec
 
-__all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "global_shape",
+__all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "fsdp_specs",
+           "fsdp_tp_specs", "global_shape",
            "local_shape", "local_spec", "picture", "spec_tree", "tiling",
            "with_sharding_constraint"]
