@@ -9,41 +9,19 @@ report prints (the classes' ``str()``, ``summary()``...) is ``_report``'s.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import importlib.util
 import math
-import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from partitioner import _report
+from partitioner import _hlo, _report
 from sharding._partition_spec import PartitionSpec
 from sharding._picture import picture
 from sharding._tiling import Tiling
 
-# Frames in these packages are not "the user's line" of a collective.
-_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
-_LIBRARY_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:jax|jaxlib|flax|optax|orbax"
-                           r"|partitioner|sharding)[/\\]")
-_TOOLKIT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p)
-                 + os.sep for p in ("partitioner", "sharding"))
-
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                    "collective-permute")
-_OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    r"(?P<start>-start)?\(")
-_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
-                    r"\[([\d,]*)\]")
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-         "s32": 32, "u32": 32, "s64": 64, "u64": 64, "bf16": 16, "f16": 16,
-         "f32": 32, "f64": 64, "c64": 64, "c128": 128}
+COLLECTIVE_KINDS = _hlo.COLLECTIVE_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +86,10 @@ class Explanation:
       XLA's partitioner computes them wrongly when split, with source lines.
     replicas: R for a :func:`partitioner.pmap` program (which runs on R x N
       devices), else 1.
+    temporaries: the largest values the program computes per device
+      (kind, shape, bytes and the user's line, as for collectives): an
+      FSDP step's gathered weights, activations. Their sum is no peak: XLA
+      reuses memory; ``memory["temporaries"]`` is its total.
 
   Example:
     >>> import jax, numpy as np
@@ -131,6 +113,7 @@ class Explanation:
   memory: dict[str, int]
   guards: tuple[str, ...] = ()
   replicas: int = 1
+  temporaries: tuple[Collective, ...] = ()
 
   def collective_totals(self) -> dict[str, tuple[int, int]]:
     """kind -> (count, total per-device bytes), for every kind (zeros included)."""
@@ -189,111 +172,17 @@ def memory(stats: Any) -> dict[str, int]:
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in XLA's partitioned HLO text."""
-  frames = _stack_frames(hlo_text)
-  found = []
-  for line in hlo_text.splitlines():
-    m = _OP.match(line)
-    if m is None:
-      continue
-    arrays = [_array_bytes(t, d) for t, d in _ARRAY.findall(m.group("shape"))]
-    # Async starts return (operands..., results..., context): count the result.
-    size = max(arrays, default=0) if m.group("start") else sum(arrays)
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    source, via = _source(line, frames)
-    found.append(Collective(
-        kind=m.group("kind"), shape=m.group("shape"), bytes=size,
-        op_name=op_name.group(1) if op_name else "", source=source, via=via))
-  return found
+  return [Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes, op_name=op.op_name,
+                     source=op.source, via=op.via)
+          for op in _hlo.instructions(hlo_text) if op.opcode in COLLECTIVE_KINDS]
 
 
-def _array_bytes(dtype: str, dims: str) -> int:
-  n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-  return n * _BITS.get(dtype, 32) // 8
-
-
-@dataclasses.dataclass(frozen=True)
-class _Frame:
-  """One entry of the module's ``StackFrames`` table."""
-  file: str
-  line: str
-  function: str
-  parent: int  # 0: the outermost frame
-
-  def __str__(self) -> str:
-    return f"{self.file}:{self.line}" + (f" ({self.function})" if self.function else "")
-
-
-def _stack_frames(hlo_text: str) -> dict[int, _Frame]:
-  """stack_frame_id -> its frame, from the module's tables."""
-  tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
-  section = None
-  for line in hlo_text.splitlines():
-    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-      section = line
-      continue
-    m = re.match(r"^(\d+) (.*)$", line)
-    if section and m:
-      tables[section][int(m.group(1))] = m.group(2)
-    elif not line.strip():
-      section = None
-  parents = {fid: re.search(r"parent_frame_id=(\d+)", text)
-             for fid, text in tables["StackFrames"].items()}
-  parents = {fid: int(p.group(1)) if p else 0 for fid, p in parents.items()}
-  # XLA's printer writes each parent id one too high (frame 1, always the
-  # outermost, shows parent_frame_id=1); a correct table has no such cycle.
-  shift = 1 if parents.get(1) == 1 else 0
-  frames = {}
-  for fid, text in tables["StackFrames"].items():
-    loc = re.search(r"file_location_id=(\d+)", text)
-    loc_text = tables["FileLocations"].get(int(loc.group(1)), "") if loc else ""
-    f = re.search(r"file_name_id=(\d+)", loc_text)
-    fn = re.search(r"function_name_id=(\d+)", loc_text)
-    ln = re.search(r"\bline=(\d+)", loc_text)
-    if f and ln:
-      frames[fid] = _Frame(
-          file=tables["FileNames"].get(int(f.group(1)), "?").strip('"'),
-          line=ln.group(1),
-          function=tables["FunctionNames"].get(int(fn.group(1)), "").strip('"') if fn else "",
-          parent=max(parents[fid] - shift, 0))
-  return frames
-
-
-def _source(line: str, frames: dict[int, _Frame]) -> tuple[str, str]:
-  """(the first frame in user code, the innermost frame if it is a library
-  line before it) of one HLO instruction."""
-  m = re.search(r"stack_frame_id=(\d+)", line)
-  if m:
-    innermost = frames.get(int(m.group(1)))
-    frame, seen = innermost, set()
-    while frame is not None and id(frame) not in seen:
-      if not _is_library(frame.file):
-        via = "" if frame is innermost or _in_toolkit(innermost.file) else str(innermost)
-        return str(frame), via
-      seen.add(id(frame))
-      frame = frames.get(frame.parent)
-    return (str(innermost), "") if innermost is not None else ("", "")
-  f = re.search(r'source_file="([^"]*)"', line)
-  ln = re.search(r"source_line=(\d+)", line)
-  return (f"{f.group(1)}:{ln.group(1)}", "") if f and ln else ("", "")
-
-
-@functools.lru_cache(maxsize=1)
-def _library_dirs() -> tuple[str, ...]:
-  """The installed directories of jax, jaxlib, flax, optax and orbax."""
-  dirs = []
-  for name in _LIBRARIES:
-    spec = importlib.util.find_spec(name)
-    if spec is not None:
-      dirs += [os.path.realpath(d) + os.sep for d in spec.submodule_search_locations or ()]
-  return tuple(dirs)
-
-
-def _in_toolkit(path: str) -> bool:
-  return path.startswith(_TOOLKIT)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_library(path: str) -> bool:
-  """Whether a frame's file is library code (or this toolkit), not the user's."""
-  return bool(_LIBRARY_PATH.search(path) or _in_toolkit(path)
-              or os.path.realpath(path).startswith(_library_dirs()))
+def temporaries(hlo_text: str, n: int = _report.LARGEST_TEMPORARIES) -> tuple[Collective, ...]:
+  """The ``n`` largest values the program computes per device (not its
+  parameters), largest first: what XLA's temporaries hold at some point."""
+  ops = [op for op in _hlo.instructions(hlo_text, every=True)
+         if op.opcode not in _hlo.NOT_COMPUTED and not op.root]
+  ops.sort(key=lambda op: -op.bytes)
+  return tuple(Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes,
+                          op_name=op.op_name, source=op.source, via=op.via)
+               for op in ops[:n])

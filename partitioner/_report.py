@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 SUMMARY_ROWS = 20  # arguments (and outputs) listed by the summary
 LARGEST = 10  # collectives listed by the summary
+LARGEST_TEMPORARIES = 5  # values listed under memory
 _ARRAY_TEXT = re.compile(r"\b[a-z]\w*\[[\d,]*\]")
 
 
@@ -55,7 +56,9 @@ def summary(e: Explanation) -> str:
   """The bounded report ``str()`` gives: the arguments and outputs (the
   first 20 of each, one line each), the collectives' totals per kind, the
   largest collectives (10 lines, alike ones counted on one line) with the
-  line of user code that needs each, and per-device FLOPs and memory."""
+  line of user code that needs each, and per-device FLOPs and memory: its
+  total and parts, the bytes of each top-level argument (params, optimizer
+  state...) and the 5 largest values computed."""
   out = [_header(e, full=False)]
   for title, values in (("Arguments", e.arguments), ("Outputs", e.outputs)):
     out.append("")
@@ -127,10 +130,29 @@ def _guards(e: Explanation, limit: int | None) -> list[str]:
 
 def _per_device(e: Explanation) -> str:
   m = e.memory
-  return (f"Per device: {e.flops:,.0f} FLOPs; memory: arguments"
-          f" {_bytes(m['arguments'])}, outputs {_bytes(m['outputs'])},"
-          f" temporaries {_bytes(m['temporaries'])}, peak about"
-          f" {_bytes(m['peak_estimate'])}")
+  out = [f"Per device: {e.flops:,.0f} FLOPs; memory (XLA's memory analysis): peak about"
+         f" {_bytes(m['peak_estimate'])} = arguments {_bytes(m['arguments'])} + outputs"
+         f" {_bytes(m['outputs'])} + temporaries {_bytes(m['temporaries'])}"
+         + (f" - aliased {_bytes(m['aliased'])}" if m.get("aliased") else "")]
+  groups = argument_bytes(e)
+  if groups:
+    out.append("  arguments per device: " + ", ".join(f"{name} {_bytes(n)}"
+                                                      for name, n in groups.items()))
+  if e.temporaries:
+    out.append("  largest values computed per device (temporaries and outputs):")
+    out += [f"    {t.brief()}" for t in e.temporaries]
+  return "\n".join(out)
+
+
+def argument_bytes(e: Explanation) -> dict[str, int]:
+  """Per top-level argument (``params``, ``opt``...), the bytes of its
+  pieces on one device."""
+  groups: dict[str, int] = {}
+  for v in e.arguments:
+    m = re.match(r"argument (`[^`]*`)|([^\[(]+)", v.name)
+    name = (m.group(1) or m.group(2)).strip() if m else v.name
+    groups[name] = groups.get(name, 0) + v.shard_bytes
+  return groups
 
 
 def _short_path(source: str) -> str:

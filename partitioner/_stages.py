@@ -177,6 +177,7 @@ class Analyses:
         arguments=tuple(lay(*a) for a in arguments),
         outputs=tuple(lay(*o) for o in outputs),
         collectives=tuple(_explain.collectives(self.as_text())),
+        temporaries=_explain.temporaries(self.as_text()),
         flops=float(self.cost_analysis().get("flops", 0.0)),
         memory=_explain.memory(self.memory_analysis()), **extra)
 

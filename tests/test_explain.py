@@ -106,7 +106,8 @@ def test_summary_is_bounded_and_full_lists_everything():
              for c in report.collectives)
   full = report.full()
   assert len(full.splitlines()) > len(summary.splitlines())
-  assert full.count("    all-reduce ") == 30  # "Each one:" lists all of them
+  each = full.split("  Each one:\n")[1].split("\n\n")[0]
+  assert each.count("    all-reduce ") == 30  # "Each one:" lists all of them
   assert full.count("| 0 |") == 30 and full.count("| 1 |") == 30  # every argument's picture
   assert all(a.head() in full and a.head() in summary for a in report.arguments[:20])
   assert report.arguments[25].head() not in summary
@@ -140,7 +141,7 @@ def test_summary_of_the_transformer_example_is_short():
   params, opt = model.init(jax.random.PRNGKey(0))
   report = explain(example.train_step(model), params, opt, np.zeros((2, 2, 9), np.int32))
   summary = str(report)
-  assert len(summary.splitlines()) <= 75, summary
+  assert len(summary.splitlines()) <= 82, summary  # 75 + memory by argument and 5 largest values
   assert len(report.full().splitlines()) > 400
   assert report.replicas == 2 and report.collective_totals()["all-reduce"][0] >= 8
   # Every collective's line is in the example, not in optax or this toolkit.

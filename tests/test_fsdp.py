@@ -87,3 +87,23 @@ def test_an_fsdp_step_matches_jax_jit_and_holds_an_eighth_per_device(tensor, mod
     assert {s.data.size for s in got[name].addressable_shards} == {params[name].size // 8}
   again = step(got, x)  # placed outputs go back in as they are
   assert again["w_in"].sharding.is_equivalent_to(got["w_in"].sharding, 2)
+
+
+def test_explain_shows_what_fsdp_saves_per_device():
+  rng = np.random.default_rng(0)
+  params = {"w_in": rng.normal(size=(64, 256)).astype(np.float32),
+            "w_out": rng.normal(size=(256, 64)).astype(np.float32)}
+  x = np.zeros((16, 64), np.float32)
+  reports = {}
+  for name, specs in (("fsdp", fsdp_specs(params, 8)), ("replicated", None)):
+    step = sharded_jit(sgd, in_parts=(specs, P(8, 1)), out_parts=specs)
+    reports[name] = step.lower(params, x).compile().explain()
+  fsdp, whole = reports["fsdp"], reports["replicated"]
+  text = str(fsdp)
+  assert "arguments per device: `params` 16.0 KiB, `x` 512 B" in text
+  assert "arguments per device: `params` 128.0 KiB" in str(whole)
+  assert "largest values computed per device" in text
+  assert len(fsdp.temporaries) == 5
+  assert fsdp.temporaries == tuple(sorted(fsdp.temporaries, key=lambda t: -t.bytes))
+  assert fsdp.memory["peak_estimate"] < whole.memory["peak_estimate"]
+  assert "peak about" in text and "XLA's memory analysis" in text
