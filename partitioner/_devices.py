@@ -15,6 +15,15 @@ from collections.abc import Sequence
 import jax
 
 
+ZERO3_HINT = (
+    "To split parameters across the replicas too (ZeRO-3 / FSDP over the data"
+    " axis), use no partitioner.pmap: one sharded_jit over all replicas x"
+    " partitions devices, parameters and optimizer state with"
+    " sharding.fsdp_specs (or fsdp_tp_specs for FSDP x TP) and the batch split"
+    " over the devices, gathers and reduce-scatters them with no collective"
+    " written by hand.")
+
+
 def check_devices_argument(devices: object) -> tuple[jax.Device, ...] | None:
   """Validates a front end's ``devices=`` argument.
 

@@ -28,7 +28,7 @@ from partitioner import _compose, _distributed
 from partitioner._args import ArgumentLayout, argnums, reject_kwargs
 from partitioner._cache._calls import call_caches
 from partitioner._config import config
-from partitioner._devices import check_devices_argument, choose_devices
+from partitioner._devices import ZERO3_HINT, check_devices_argument, choose_devices
 from partitioner._distributed import _mapped
 from partitioner._execute import Dispatched
 from partitioner._explain import Explanation
@@ -245,9 +245,12 @@ class PmapFunction(Dispatched):
       if ax is not None and not -(o.ndim + 1) <= ax <= o.ndim:
         raise ValueError(f"{self._who}: out_axes {ax} is out of"
                          f" range for an output of rank {o.ndim}.")
-    devices = choose_devices(replicas * n, self._devices, world.size, self._who,
-                             f" ({replicas} replicas x {n} partitions"
-                             f"{' per process' if world.multi else ''})")
+    try:
+      devices = choose_devices(replicas * n, self._devices, world.size, self._who,
+                               f" ({replicas} replicas x {n} partitions"
+                               f"{' per process' if world.multi else ''})")
+    except ValueError as e:  # e.g. FSDP specs over every device, inside a replica
+      raise ValueError(f"{e} {ZERO3_HINT}" if replicas > 1 else str(e)) from None
     factors = _compose.prime_factors(n)
     axis_names = (self._axis, *(f"{_compose.PARTITION_AXIS_PREFIX}{i}"
                                 for i in range(len(factors))))

@@ -107,3 +107,14 @@ def test_explain_shows_what_fsdp_saves_per_device():
   assert fsdp.temporaries == tuple(sorted(fsdp.temporaries, key=lambda t: -t.bytes))
   assert fsdp.memory["peak_estimate"] < whole.memory["peak_estimate"]
   assert "peak about" in text and "XLA's memory analysis" in text
+
+
+def test_fsdp_specs_inside_partitioner_pmap_name_the_way_that_works():
+  import partitioner
+  params = {"w_in": np.zeros((64, 256), np.float32), "w_out": np.zeros((256, 64), np.float32)}
+  specs = fsdp_specs(params, 8)
+  inner = sharded_jit(sgd, in_parts=(specs, None), out_parts=specs)
+  step = partitioner.pmap(inner, in_axes=(None, 0), out_axes=None)
+  with pytest.raises(ValueError, match=r"2 replicas x 8 partitions.*ZeRO-3.*one sharded_jit"
+                                       r" over all replicas x partitions.*fsdp_specs"):
+    step(params, np.zeros((2, 8, 64), np.float32))
