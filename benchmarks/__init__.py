@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|startup|multiprocess]
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 Sections (one module each):
@@ -25,6 +25,11 @@ Sections (one module each):
             2 x 4 (data x model, Megatron), ours partitioner.pmap x
             sharded_jit against jax.jit on a ('data', 'model') mesh:
             collectives, bytes, parameter bytes per device, steps/s.
+  fsdp      FSDP over 8 and FSDP x TP 2 x 4 of the transformer at two sizes
+            (the example's, and d_model 1024), ours (fsdp_specs,
+            fsdp_tp_specs) against jax.jit with MaxText's specs on a
+            ('fsdp', 'tensor') mesh: collectives, bytes, peak memory and
+            parameter bytes per device, steps/s.
 
 Unless --no-write, results go to benchmarks/results.json, the tables into
 BENCHMARKS.md (between its "generated" markers) and, when matplotlib is

@@ -10,10 +10,10 @@ import sys
 import time
 
 import benchmarks
-from benchmarks import dispatch, layout, multiprocess, report, scaling, startup
+from benchmarks import dispatch, fsdp, layout, multiprocess, report, scaling, startup
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
-            "startup": startup.run, "multiprocess": multiprocess.run}
+            "fsdp": fsdp.run, "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
                  help="cold and warm processes per startup case (medians)")
   p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
-  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout)")
+  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp)")
   p.add_argument("--json", help="also write the results here")
   return p
 

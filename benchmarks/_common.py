@@ -17,3 +17,11 @@ def setup_jax(devices: int):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   return jax
+
+
+def kinds(ops) -> str:
+  """``"2 all-gather, 1 all-reduce"``: collectives counted by kind."""
+  counts: dict[str, int] = {}
+  for c in ops:
+    counts[c.kind] = counts.get(c.kind, 0) + 1
+  return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))

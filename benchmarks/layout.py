@@ -14,7 +14,7 @@ compiled program's HLO), parameter bytes per device, steps/s."""
 
 from __future__ import annotations
 
-from benchmarks._common import setup_jax
+from benchmarks._common import kinds, setup_jax
 from benchmarks.scaling import SIZE, load_example, race
 
 
@@ -74,12 +74,6 @@ def run(args) -> list[dict]:
   def param_bytes(which):  # device 0's pieces of every parameter
     p = state[which][0]
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(p))
-
-  def kinds(ops):
-    counts = {}
-    for c in ops:
-      counts[c.kind] = counts.get(c.kind, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
 
   where = f"transformer train step, {dp} x {mp} (data x model), Megatron layout"
   rows = [

@@ -34,6 +34,14 @@ def tables(results: dict) -> str:
     out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
             f" | {c['ratio']:.2f} |" for c in results["layout"]]
     out += [f"({c['detail']})" for c in results["layout"] if c.get("detail")]
+  if results.get("fsdp"):
+    out += ["", "FSDP and FSDP x TP against jax.jit with MaxText's specs on a ('fsdp',"
+            " 'tensor') mesh (collectives, bytes, memory: lower is better, target <= 1.0;"
+            " steps/s: higher is better, target >= 0.95):", "", *ratio_header]
+    out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
+            f" | {c['ratio']:.2f} |" for c in results["fsdp"]]
+    out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in results["fsdp"]
+            if c.get("detail")]
   if "startup" in results:
     out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
             "|---|---|---|---|"]

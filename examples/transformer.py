@@ -220,8 +220,10 @@ def fsdp_train_step(model: Model, fsdp: int, tensor: int):
   if tensor == 1:
     model.param_parts, model.opt_parts = fsdp_specs(model.shapes, fsdp)
   else:
+    # MaxText splits the embedding table's vocabulary over tensor too.
+    rules = [(r"(^|/)embed$", P(tensor, 1)), *model.rules]
     model.param_parts, model.opt_parts = fsdp_tp_specs(
-        model.shapes, model.rules, fsdp=fsdp, tensor=tensor)
+        model.shapes, rules, fsdp=fsdp, tensor=tensor)
   state = (model.param_parts, model.opt_parts)
   return sharded_jit(model.step, in_parts=(*state, P(fsdp, 1)), out_parts=(*state, None),
                      donate_argnums=(0, 1))

@@ -25,7 +25,7 @@ from sharding._spec_tree import describe_leaf
 
 # Leaves with fewer elements than this stay whole (replicated): gathering
 # them costs more in latency than their memory is worth.
-DEFAULT_MIN_SIZE = 1024
+DEFAULT_MIN_SIZE = 4096
 
 
 def fsdp_specs(tree: Any, num_devices: int, *, min_size: int = DEFAULT_MIN_SIZE) -> Any:
