@@ -20,7 +20,7 @@ def test_fsdp_splits_the_largest_dimension_that_divides():
   assert specs == {"w_in": P(1, 8), "w_out": P(8, 1), "scale": None,
                    "odd": P(1, 8), "tiny": None}
   assert specs["odd"].rule == "fsdp: dim 1 over 8"
-  assert fsdp_specs({"w": np.zeros((24, 100))}, 8) == {"w": P(8, 1)}  # 100 does not divide
+  assert fsdp_specs({"w": np.zeros((48, 100))}, 8) == {"w": P(8, 1)}  # 100 does not divide
   assert fsdp_specs({"w": np.zeros((6, 10))}, 8, min_size=1) == {"w": None}
   assert fsdp_specs({"w": np.zeros((16, 16))}, 8) == {"w": None}  # under min_size
   assert fsdp_specs({"w": np.zeros((16, 16))}, 8, min_size=256) == {"w": P(8, 1)}

@@ -31,6 +31,14 @@ def test_sharded_jit_under_jit_and_grad_across_ranks():
   assert found(r"rank \d: compose ok", proc.stdout) == ["rank 0: compose ok", "rank 1: compose ok"]
 
 
+def test_device_orders_and_named_shardings_across_ranks():
+  # from_named of a mesh over both ranks, per-process pieces of a spec
+  # with a device order, and an FSDP x TP step with MaxText's specs.
+  proc, _ = launch("mp_order.py")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: order ok", proc.stdout) == ["rank 0: order ok", "rank 1: order ok"]
+
+
 def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   # 2 ranks x 4 devices: one replica per rank split 4 ways, then 2 per rank
   # split 2 ways; psum/all_gather across ranks; a donated training loop
