@@ -51,16 +51,22 @@ from partitioner._global_arrays import to_global as to_global
 from partitioner._global_arrays import to_local as to_local
 from partitioner._pmap import PmapFunction as PmapFunction
 from partitioner._pmap import pmap as pmap
+from partitioner._search import CandidateResult as CandidateResult
+from partitioner._search import Cost as Cost
+from partitioner._search import DeviceModel as DeviceModel
+from partitioner._search import FoundLayout as FoundLayout
+from partitioner._search import search as search
 from partitioner._stages import Compiled as Compiled
 from partitioner._stages import Lowered as Lowered
 from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
-__all__ = ["CacheStore", "Compiled", "Config", "DiskStore", "Explanation",
+__all__ = ["CacheStore", "CandidateResult", "Compiled", "Config", "Cost", "DeviceModel", "DiskStore",
+           "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
            "compilation_stats", "config", "explain", "initialize", "pmap",
-           "sharded_jit", "to_global", "to_local"]
+           "search", "sharded_jit", "to_global", "to_local"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,

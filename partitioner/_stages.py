@@ -162,6 +162,18 @@ class Analyses:
     """XLA's memory statistics of the per-device program."""
     return self.executable.loaded.get_compiled_memory_stats()
 
+  def cost(self, device_model: Any = None) -> Any:
+    """What one call costs per device, as :func:`partitioner.search` scores
+    layouts: flops, collectives and their bytes weighted by algorithm and
+    group size, peak memory, and the estimated time under ``device_model``
+    (a ``partitioner.DeviceModel``, a name such as ``"h100"``, or None for
+    these devices'); a ``partitioner.Cost``."""
+    from partitioner._search import _device_model, _score
+    devices = list(self.lowered.program.devices)  # type: ignore[attr-defined]
+    model = _device_model.resolve(device_model, devices[0].device_kind, devices[0].platform)
+    return _score.score(self.as_text(), self.cost_analysis(), self.memory_analysis(),
+                        [d.process_index for d in devices], model)
+
   def explanation(self, *, name: str, partitioner: str, num_partitions: int,
                   devices: Sequence[jax.Device], arguments: Sequence[tuple],
                   outputs: Sequence[tuple], **extra) -> _explain.Explanation:

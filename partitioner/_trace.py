@@ -7,6 +7,8 @@ with_sharding_constraint emits partitioner markers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -72,6 +74,22 @@ def _where(fun: Callable[..., Any]) -> str:
       f"defined at {code.co_filename}:{code.co_firstlineno}"
 
 
+# Within reusing_traces(): (fun, name, avals, donated) -> TracedProgram.
+_reuse: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "sharded_jit_reuse_traces", default=None)
+
+
+@contextlib.contextmanager
+def reusing_traces():
+  """Within it, tracing the same function on the same inputs again returns
+  the first trace (partitioner.search lowers one function many ways)."""
+  token = _reuse.set({})
+  try:
+    yield
+  finally:
+    _reuse.reset(token)
+
+
 def trace_and_lower(
     fun: Callable[..., Any],
     name: str,
@@ -92,6 +110,16 @@ def trace_and_lower(
   Raises:
     NotImplementedError: the function has ordered side effects.
   """
+  memo = _reuse.get()
+  if memo is not None:
+    key = (fun, name, tuple(in_avals), tuple(donated))
+    if key not in memo:
+      memo[key] = _trace_and_lower(fun, name, rebuild_args, in_avals, donated)
+    return memo[key]
+  return _trace_and_lower(fun, name, rebuild_args, in_avals, donated)
+
+
+def _trace_and_lower(fun, name, rebuild_args, in_avals, donated) -> TracedProgram:
   out_trees = []
 
   def flat_fun(*leaves):

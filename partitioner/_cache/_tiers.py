@@ -112,7 +112,7 @@ class CompilationCache:
   def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
     """(program key, cache key, compile options, compression) under the
     current settings."""
-    options = _options(program)
+    options = program_options(program)
     compression = _entry.default_compression()
     pkey = program_key(program.module_text, options, program.mode, program.devices)
     return pkey, cache_key(pkey, program.devices, compression), options, compression
@@ -124,7 +124,7 @@ class CompilationCache:
       # cannot be stored, shared with other ranks, or reused for another
       # function whose module text happens to be the same. (An
       # inspect_array_sharding call reports only while XLA compiles.)
-      return self._compile(None, "", program, _options(program), "").loaded
+      return self._compile(None, "", program, program_options(program), "").loaded
     pkey, key, options, compression = self.key(program)
     world = _distributed.world()
     if world.multi:
@@ -266,7 +266,7 @@ def _log_compile(name: str, num_devices: int, mode: str, elapsed: float,
       name, num_devices, mode, elapsed, summary)
 
 
-def _options(program: Program) -> _compat.CompileOptions:
+def program_options(program: Program) -> _compat.CompileOptions:
   return _compile.compile_options(
       len(program.devices), program.devices, program.mode,
       xla_options=config.xla_options,

@@ -1,0 +1,169 @@
+"""Candidate layouts: logical-axis rules over a 2-D device grid.
+
+A candidate is a grid ``(data, model)`` with ``data * model`` = the device
+count and rules that put logical axes on its axes, the way MaxText's
+logical axis rules do (see ``_axes``): one axis of the batch-like
+arguments on ``data``; optionally FSDP (each state leaf's largest free
+dimension on ``data`` too); a set of weight axes on ``model``. Those give
+every hand-written layout (data parallel, FSDP, Megatron d x m, pure
+tensor parallel, FSDP x TP) and the mixes between them (attention
+replicated, MLP tensor parallel). Axes are grouped into *roles* first:
+the same axis of every layer (``blocks/0/wq dim 1`` and ``blocks/1/wq dim
+1``) is one choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Sequence
+
+from sharding._fsdp import DEFAULT_MIN_SIZE as FSDP_MIN_SIZE
+from sharding._layout import canonical, is_row_major
+from sharding._partition_spec import PartitionSpec, with_layout
+
+_INDEX = re.compile(r"\[([0-9]+)\]")  # a list index in a leaf's path: a layer
+# The model axis takes at most this many roles at once.
+MAX_MODEL_ROLES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One layout to score.
+
+  Attributes:
+    grid: ``(data, model)`` device counts.
+    batch: the role split over ``data`` (None: none).
+    fsdp: whether state leaves are also split over ``data``.
+    model: the roles split over ``model``.
+  """
+  grid: tuple[int, int]
+  batch: int | None
+  fsdp: bool
+  model: tuple[int, ...]
+
+  def describe(self, role_names: Sequence[str]) -> str:
+    data, model = self.grid
+    parts = []
+    if data > 1:
+      what = role_names[self.batch] if self.batch is not None else "nothing"
+      parts.append(f"data {data}: {what}" + (" + FSDP" if self.fsdp else ""))
+    if model > 1:
+      parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
+                                           or "nothing"))
+    return "; ".join(parts) or "replicated"
+
+  def family(self) -> str:
+    """The hand-written layout this is, or ``"mixed"``."""
+    data, model = self.grid
+    n = data * model
+    if not self.model or model == 1:
+      return (f"FSDP {n}" if self.fsdp else f"data parallel {n}") if self.batch is not None \
+          else "replicated"
+    if data == 1 or self.batch is None:
+      return f"tensor parallel {n}"
+    return f"FSDP x TP {data} x {model}" if self.fsdp else f"data x model {data} x {model}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+  """Logical axes grouped across layers.
+
+  Attributes:
+    of_axis: class id -> role id.
+    names: role id -> a readable name (``blocks/*/wq dim 1``).
+    batch: roles of the arguments that are not state (batch-like).
+    weights: roles of the state leaves (split over ``model``).
+  """
+  of_axis: dict[int, int]
+  names: tuple[str, ...]
+  batch: tuple[int, ...]
+  weights: tuple[int, ...]
+
+
+def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
+          names: Sequence[str], state: Sequence[bool]) -> Roles:
+  """Groups the logical axes of the inputs into roles: axes whose argument
+  dimensions have the same names but for their numbers are one role."""
+  where: dict[int, set[tuple[int, str]]] = {}
+  for axes, name, shape in zip(in_axes, names, shapes):
+    for d, a in enumerate(axes):
+      if shape[d] > 1:  # (rank-1 leaves last: a weight's dimension names it best)
+        where.setdefault(a, set()).add(
+            (int(len(shape) < 2), f"{_INDEX.sub('[*]', name)} dim {d}"))
+  by_key: dict[tuple, int] = {}
+  of_axis, role_names = {}, []
+  for a in sorted(where):
+    key = tuple(sorted(text for _, text in where[a]))
+    if key not in by_key:
+      by_key[key] = len(role_names)
+      role_names.append(min(where[a], key=lambda w: (w[0], len(w[1]), w[1]))[1])
+    of_axis[a] = by_key[key]
+  batch, weights = set(), set()
+  for axes, is_state, shape in zip(in_axes, state, shapes):
+    for d, a in enumerate(axes):
+      if a in of_axis:
+        (weights if is_state else batch).add(of_axis[a])
+  return Roles(of_axis, tuple(role_names), tuple(sorted(batch)),
+               tuple(sorted(weights - batch)))
+
+
+def grids(n: int) -> list[tuple[int, int]]:
+  """Every ``(data, model)`` with ``data * model == n``, data-major first."""
+  return [(n // m, m) for m in range(1, n + 1) if n % m == 0]
+
+
+def enumerate_candidates(n: int, r: Roles) -> list[Candidate]:
+  """Every candidate on ``n`` devices, in a fixed order."""
+  out = []
+  subsets = [()] + [c for k in range(1, MAX_MODEL_ROLES + 1)
+                    for c in itertools.combinations(r.weights, k)]
+  for data, model in grids(n):
+    batches = [None] + list(r.batch) if data > 1 else [None]
+    for batch in batches:
+      for fsdp in ((False, True) if data > 1 else (False,)):
+        for chosen in (subsets if model > 1 else [()]):
+          if model > 1 and not chosen:
+            continue  # the model axis would do nothing: a smaller grid says it
+          if data > 1 and batch is None and not fsdp:
+            continue
+          out.append(Candidate((data, model), batch, fsdp, tuple(chosen)))
+  return out
+
+
+def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequence[int],
+              is_state: bool) -> tuple[tuple[int, ...], ...]:
+  """Per dimension of one leaf, the grid axes (0: data, 1: model) it is
+  split over under ``candidate``."""
+  data, model = candidate.grid
+  used: set[int] = set()
+  dims: list[tuple[int, ...]] = [() for _ in shape]
+  role = [r.of_axis.get(a) for a in axes]
+  for d in range(len(shape)):  # the batch role first, on data
+    if (data > 1 and role[d] is not None and role[d] == candidate.batch and 0 not in used
+        and shape[d] % data == 0):
+      used.add(0)
+      dims[d] = (0,)
+  for d in range(len(shape)):  # the model roles, on model
+    if (model > 1 and role[d] in candidate.model and 1 not in used and not dims[d]
+        and shape[d] % model == 0):
+      used.add(1)
+      dims[d] = (1,)
+  if (candidate.fsdp and is_state and 0 not in used and data > 1
+      and math.prod(shape) >= FSDP_MIN_SIZE):
+    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+      if shape[d] % (data * (model if dims[d] else 1)) == 0:
+        dims[d] = (0, *dims[d])
+        break
+  return tuple(dims)
+
+
+def spec_of(dims: Sequence[tuple[int, ...]], grid: tuple[int, int]) -> PartitionSpec | None:
+  """The count spec (with its device order) of a leaf split as ``dims``."""
+  if not any(dims):
+    return None
+  counts = [math.prod(grid[a] for a in ax) for ax in dims]
+  layout = canonical(grid, dims)
+  return with_layout(counts, None if is_row_major(layout) else layout)

@@ -1,0 +1,174 @@
+"""The cheap model: a candidate's cost read off the jaxpr, no compiling.
+
+Each value's dimensions are laid over the grid by the candidate's rules
+(its role on ``data`` or ``model``; a value uses a grid axis once, the
+batch role first); arguments as their specs say (FSDP splits only the
+state). Walking the ops, per device:
+
+- flops: a dot_general's ``2 * out * contracted`` over the devices its
+  operands are split over; an elementwise op's elements likewise;
+- communication: an operand split where the op does not want it is
+  all-gathered; a dot_general contracting (or a reduction over) a split
+  dimension all-reduces its result;
+- memory: the arguments' pieces plus the dot_generals' results (the
+  activations kept for the backward pass).
+
+It only ranks candidates for compiling: the compiled program (``_score``)
+decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex_core
+
+from partitioner._search._axes import Axes, _sub_jaxprs
+from partitioner._search._candidates import Candidate, Roles
+from partitioner._search._device_model import DeviceModel
+
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+  shape: tuple[int, ...]
+  itemsize: int
+  roles: tuple[int | None, ...]
+  key: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  kind: str            # "dot", "reduce", "other"
+  ins: tuple[_Value, ...]
+  outs: tuple[_Value, ...]
+  contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
+  reduced: tuple[int, ...] = ()                # reduce: operand dims
+  times: int = 1                               # scan bodies run length times
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  flops: float
+  collective_bytes: float
+  collectives: int
+  memory: float
+  seconds: float
+
+
+class Program:
+  """A jaxpr flattened once into ops whose values carry their roles."""
+
+  def __init__(self, axes: Axes, r: Roles):
+    self.ops: list[_Op] = []
+    self.r = r
+    self.inputs = [v for v in axes.jaxpr.jaxpr.invars]
+    self._axes = axes
+    self._flatten(axes.jaxpr.jaxpr, (), 1)
+
+  def _value(self, ctx: tuple, v: Any) -> _Value:
+    shape = tuple(getattr(v.aval, "shape", ()))
+    itemsize = np.dtype(v.aval.dtype).itemsize if hasattr(v.aval, "dtype") else 4
+    roles = tuple(self.r.of_axis.get(self._axes.axis(ctx, v, d)) for d in range(len(shape)))
+    key = None if isinstance(v, jex_core.Literal) else (ctx, v)
+    return _Value(shape, itemsize, roles, key)
+
+  def _flatten(self, jaxpr: Any, ctx: tuple, times: int) -> None:
+    for k, eqn in enumerate(jaxpr.eqns):
+      subs = _sub_jaxprs(eqn)
+      if subs:
+        length = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        if eqn.primitive.name == "cond":
+          for b, branch in enumerate(eqn.params["branches"]):
+            self._flatten(branch.jaxpr, (*ctx, k, b), times)
+        else:
+          for n, inner in enumerate(subs):
+            self._flatten(inner, (*ctx, k, n), times * length)
+        continue
+      ins = tuple(self._value(ctx, v) for v in eqn.invars)
+      outs = tuple(self._value(ctx, v) for v in eqn.outvars)
+      name = eqn.primitive.name
+      if name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        self.ops.append(_Op("dot", ins, outs, tuple(zip(lc, rc)), times=times))
+      elif name in _REDUCTIONS:
+        self.ops.append(_Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]),
+                            times=times))
+      else:
+        self.ops.append(_Op("other", ins, outs, times=times))
+
+  def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
+               device: DeviceModel) -> Estimate:
+    """The candidate's per-device cost; ``in_dims``: per flat input, the
+    grid axes of each dimension (from its spec)."""
+    data, model = c.grid
+    sizes = (data, model)
+    placed: dict = {}
+    for v, dims in zip(self.inputs, in_dims):
+      placed[((), v)] = dims
+    wanted_cache: dict = {}
+
+    def wanted(val: _Value) -> tuple[tuple[int, ...], ...]:
+      key = (val.roles, val.shape)
+      hit = wanted_cache.get(key)
+      if hit is not None:
+        return hit
+      dims: list[tuple[int, ...]] = [() for _ in val.shape]
+      used = set()
+      for d, role in enumerate(val.roles):
+        if data > 1 and role is not None and role == c.batch and val.shape[d] % data == 0:
+          dims[d], used = (0,), {0}
+          break
+      for d, role in enumerate(val.roles):
+        if (model > 1 and role in c.model and 1 not in used and not dims[d]
+            and val.shape[d] % model == 0):
+          dims[d] = (1,)
+          used.add(1)
+      wanted_cache[key] = out = tuple(dims)
+      return out
+
+    def local_bytes(val: _Value, dims) -> float:
+      split = math.prod(sizes[a] for ax in dims for a in ax)
+      return math.prod(val.shape) * val.itemsize / split
+
+    flops = comm = count = memory = 0.0
+    for v, dims in zip(self.inputs, in_dims):
+      val = self._value((), v)
+      memory += local_bytes(val, dims)
+    for op in self.ops:
+      want_in = [wanted(x) for x in op.ins]
+      for x, want in zip(op.ins, want_in):
+        have = placed.get(x.key, want) if x.key is not None else want
+        for d, ax in enumerate(have):
+          for a in ax:
+            if a not in want[d]:  # split here, not where the op wants: gather
+              comm += local_bytes(x, have) * (sizes[a] - 1) * op.times
+              count += op.times
+      outs = [wanted(o) for o in op.outs]
+      for o, dims in zip(op.outs, outs):
+        placed[o.key] = dims
+      split_axes = {a for w in want_in for ax in w for a in ax}
+      devices = math.prod(sizes[a] for a in split_axes)
+      if op.kind == "dot":
+        lhs, rhs = op.ins
+        contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
+        flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
+        memory += local_bytes(op.outs[0], outs[0])
+        summed = {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
+      elif op.kind == "reduce":
+        flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times
+        summed = {a for d in op.reduced for a in want_in[0][d]}
+      else:
+        flops += sum(math.prod(o.shape) for o in op.outs) / max(devices, 1) * op.times
+        summed = set()
+      for a in summed:  # partial results: all-reduce (ring: 2 (g - 1) / g)
+        g = sizes[a]
+        comm += local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
+        count += op.times
+    seconds = device.compute_seconds(flops, 0.0) + device.comm_seconds(comm, count)
+    return Estimate(flops, comm, count, memory, seconds)

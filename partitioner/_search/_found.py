@@ -1,0 +1,164 @@
+"""What partitioner.search returns: the layout it found, every candidate it
+scored, and a one-screen report; their JSON form for the caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from partitioner._search._candidates import Candidate
+from partitioner._search._device_model import DeviceModel
+from partitioner._search._estimate import Estimate
+from partitioner._search._score import Cost
+from sharding._constraint import decode_spec, encode_spec
+
+
+@dataclasses.dataclass
+class Result:
+  """One compiled candidate while the search runs."""
+  index: int
+  candidate: Candidate
+  description: str
+  family: str
+  estimate: Estimate
+  got: Cost | str
+  in_specs: list
+  out_specs: list
+  measured: float | None = None
+
+  @property
+  def failed(self) -> bool:
+    return isinstance(self.got, str)
+
+  @property
+  def score(self) -> Cost:
+    return self.got  # type: ignore[return-value]
+
+  @property
+  def error(self) -> str:
+    return self.got if isinstance(self.got, str) else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateResult:
+  """A layout the search compiled and scored (per device, per call).
+
+  Attributes:
+    layout: the rules, e.g. ``"data 4: seqs dim 0; model 2: params['w1'] dim 1"``.
+    family: the hand-written layout it is (``"data x model 2 x 4"``,
+      ``"FSDP 8"``...) or ``"mixed"`` rules no one layout has.
+    grid: ``(data, model)`` devices.
+    seconds: estimated time of one call under the device model.
+    flops: per-device flops of the compiled program.
+    collectives: collective ops in it.
+    collective_bytes: their bytes, weighted by algorithm and group size.
+    network_bytes: the part that crosses processes.
+    peak_memory: XLA's peak estimate per device.
+    estimated_seconds: the cheap model's time, which shortlisted it.
+    measured_seconds: its measured time per call (``measure=``), or None.
+    fits: within the memory budget.
+    error: why it did not compile ("" if it did).
+  """
+  layout: str
+  family: str
+  grid: tuple[int, int]
+  seconds: float
+  flops: float
+  collectives: int
+  collective_bytes: float
+  network_bytes: float
+  peak_memory: int
+  estimated_seconds: float
+  measured_seconds: float | None
+  fits: bool
+  error: str = ""
+
+
+def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
+            estimated: int, seconds: float) -> bytes:
+  rows = []
+  for x in results:
+    s = None if x.failed else x.score
+    rows.append({
+        "layout": x.description, "family": x.family, "grid": list(x.candidate.grid),
+        "seconds": s.seconds if s else None, "flops": s.flops if s else None,
+        "collectives": s.collectives if s else None,
+        "collective_bytes": s.collective_bytes if s else None,
+        "network_bytes": s.network_bytes if s else None,
+        "peak_memory": s.peak_memory if s else None,
+        "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
+        "fits": bool(s) and (budget is None or s.peak_memory <= budget),
+        "error": x.error,
+        "in": [encode_spec(p) for p in x.in_specs],
+        "out": [encode_spec(p) for p in x.out_specs]})
+  return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
+                     "search_seconds": seconds, "candidates": rows}).encode()
+
+
+class FoundLayout:
+  """The layout :func:`partitioner.search` found.
+
+  Attributes:
+    in_parts: a spec tree per positional argument (None for static ones),
+      for ``sharded_jit(fun, in_parts=..., out_parts=...)``.
+    out_parts: the outputs' spec tree.
+    candidates: every layout it compiled and scored, best first (then
+      those over the budget, then those that failed).
+    best: ``candidates[0]``.
+    estimated: how many layouts the cheap model ranked.
+    search_seconds: how long the search took (the first time).
+    device_model: the name of the device model it scored with.
+  """
+
+  def __init__(self, fun: Callable[..., Any], static: Sequence[int], data: dict,
+               in_parts: tuple, out_parts: Any, candidates: tuple[CandidateResult, ...]):
+    self.fun, self.static = fun, tuple(static)
+    self.in_parts, self.out_parts = in_parts, out_parts
+    self.candidates = candidates
+    self.best = candidates[0]
+    self.estimated = data["estimated"]
+    self.search_seconds = data["search_seconds"]
+    self.device_model = data["device_model"]
+    self.budget = data["budget"]
+
+  @classmethod
+  def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
+                in_tree: Any, out_tree: Any, nargs: int, who: str) -> FoundLayout:
+    data = json.loads(blob)
+    rows = data["candidates"]
+    winner = rows[0]
+    dyn = jax.tree_util.tree_unflatten(in_tree, [decode_spec(t) for t in winner["in"]])
+    it = iter(dyn)
+    in_parts = tuple(None if i in static else next(it) for i in range(nargs))
+    out_parts = jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in winner["out"]])
+    fields = {f.name for f in dataclasses.fields(CandidateResult)}
+    candidates = tuple(CandidateResult(**{k: (tuple(v) if k == "grid" else v)
+                                          for k, v in r.items() if k in fields})
+                       for r in rows)
+    return cls(fun, static, data, in_parts, out_parts, candidates)
+
+  def sharded_jit(self, **kwargs) -> Any:
+    """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``
+    with this layout (more keyword arguments pass through)."""
+    from partitioner._api import sharded_jit
+    return sharded_jit(self.fun, in_parts=self.in_parts, out_parts=self.out_parts,
+                       static_argnums=self.static, **kwargs)
+
+  def explain(self, *args) -> Any:
+    """``explain()`` of the winner for these arguments (compiles it)."""
+    from partitioner._api import explain
+    return explain(self.sharded_jit(), *args)
+
+  def report(self, rows: int = 12) -> str:
+    """A one-screen table of the candidates and why the winner won."""
+    from partitioner._search import _report
+    return _report.table(self, rows)
+
+  __str__ = report
+
+  def __repr__(self) -> str:
+    return f"<FoundLayout {self.best.layout!r}: {len(self.candidates)} candidates>"

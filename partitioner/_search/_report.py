@@ -1,0 +1,71 @@
+"""FoundLayout.report(): the candidates as a table, and why the winner won."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partitioner._report import _bytes
+
+
+def _time(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
+def table(found: Any, rows: int) -> str:
+  c = found.candidates
+  ok = [x for x in c if not x.error]
+  head = (f"search({getattr(found.fun, '__name__', 'fun')}): {len(ok)} layouts compiled"
+          f" of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
+          f" device model: {found.device_model}")
+  if found.budget is not None:
+    head += f"; memory budget {_bytes(found.budget)}"
+  lines = [head, "",
+           f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}  {'peak mem':>9}"
+           f"  {'family':<22} layout"]
+  for k, x in enumerate(c[:rows]):
+    if x.error:
+      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<22}"
+                   f" {x.layout}: {x.error[:80]}")
+      continue
+    mark = "" if x.fits else "  (over budget)"
+    measured = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
+    lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
+                 f"  {_bytes(x.collective_bytes):>11}  {_bytes(x.peak_memory):>9}"
+                 f"  {x.family:<22} {x.layout}{measured}{mark}")
+  if len(c) > rows:
+    lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
+  lines += ["", why(found)]
+  return "\n".join(lines)
+
+
+def why(found: Any) -> str:
+  """One paragraph: the winner against the best of every other family."""
+  best = found.best
+  others = {}
+  for x in found.candidates[1:]:
+    if not x.error and x.fits and x.family != best.family:
+      others.setdefault(x.family, x)
+  text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
+          f" {best.flops / 1e9:.3g} GFLOP and {_bytes(best.collective_bytes)} of collectives"
+          f" per device, peak {_bytes(best.peak_memory)}.")
+  if best.measured_seconds:
+    text += f" Measured {_time(best.measured_seconds)} a call."
+  if not others:
+    return text
+  runner = min(others.values(), key=lambda x: x.seconds)
+  parts = []
+  if best.collective_bytes < runner.collective_bytes:
+    parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
+                 " bytes")
+  if best.flops < runner.flops * 0.99:
+    parts.append(f"does {best.flops / max(runner.flops, 1):.2f}x the flops")
+  if best.peak_memory < runner.peak_memory:
+    parts.append(f"needs {best.peak_memory / max(runner.peak_memory, 1):.2f}x the memory")
+  cost = [] if best.flops <= runner.flops * 1.01 else [
+      f"at {best.flops / max(runner.flops, 1):.2f}x its flops"]
+  text += (f" Against the best other layout, {runner.family} ({_time(runner.seconds)}), it "
+           + (", ".join(parts) or "is faster under the device model")
+           + (f" ({', '.join(cost)})" if cost else "") + ".")
+  return text

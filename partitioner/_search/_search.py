@@ -1,0 +1,256 @@
+"""partitioner.search: find the layout of every argument, from XLA's own
+cost and memory analysis of the compiled candidates.
+
+1. Trace the function once (``jax.make_jaxpr``) and find its logical axes
+   (``_axes``), grouped into roles across layers (``_candidates``).
+2. Enumerate candidates: every ``(data, model)`` grid of the devices with
+   rules that put roles on its axes (data parallel, FSDP, Megatron,
+   tensor parallel, FSDP x TP, and per-weight mixes of them).
+3. Rank them all with the cheap model (``_estimate``), then compile the
+   best ``max_compiles`` (and the best of each hand-written family, for
+   comparison) through our own pipeline, without running them, and score
+   the compiled programs (``_score``) under a device model
+   (``_device_model``).
+4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
+   earlier in the fixed candidate order: same inputs, same layout);
+   ``measure=k`` times the best k on the devices and keeps the fastest.
+
+The result is cached in memory and in the persistent cache (a second
+search of the same function and inputs is instant); in a multi-process run
+rank 0 searches and every rank gets its answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from partitioner import _compile, _distributed
+from partitioner._args import argnums
+from partitioner._cache._tiers import compilation_cache, program_options
+from partitioner._config import config
+from partitioner._devices import choose_devices
+from partitioner._search import _found, _inputs
+from partitioner._search._axes import logical_axes
+from partitioner._search._candidates import (Candidate, enumerate_candidates, leaf_dims,
+                                             roles, spec_of)
+from partitioner._search._device_model import DeviceModel, resolve
+from partitioner._search._estimate import Program
+from partitioner._search._progress import Progress
+from partitioner._search._score import score
+from partitioner._trace import reusing_traces
+from partitioner._version import __version__
+
+_memory: dict[str, bytes] = {}
+
+
+def clear() -> None:
+  """Forgets the searches of this process (``clear_caches``)."""
+  _memory.clear()
+
+
+def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
+           memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
+           device_model: DeviceModel | str | None = None, measure: int = 0,
+           max_compiles: int = 10, progress: bool | None = None) -> _found.FoundLayout:
+  """Finds the count specs of ``fun``'s arguments and outputs.
+
+  Args:
+    fun: the function, as you would give it to ``sharded_jit``.
+    *example_args: its positional arguments: arrays, or
+      ``jax.ShapeDtypeStruct`` (no data needed), in pytrees.
+    num_devices: how many devices to lay it over (default: all of them).
+    memory_budget_bytes: only layouts whose peak per device (XLA's memory
+      analysis) fits.
+    static_argnums: as for ``sharded_jit``.
+    device_model: what the devices cost: a :class:`DeviceModel`, a name
+      (``"cpu"``, ``"a100"``, ``"h100"``, ``"tpu-v4"``, ``"tpu-v5e"``), or
+      None for the devices' own.
+    measure: time the best ``measure`` candidates for a few calls on the
+      devices and keep the fastest measured (one process only).
+    max_compiles: how many candidates to compile after the cheap ranking.
+    progress: show a progress line on stderr (default: when it is a
+      terminal).
+
+  Returns:
+    A :class:`FoundLayout`: ``.in_parts``, ``.out_parts`` for ``sharded_jit``;
+    ``.candidates`` best first; ``.report()``.
+
+  Raises:
+    TypeError: ``fun`` is not callable.
+    ValueError: ``fun`` does not trace with the example arguments,
+      ``num_devices`` is not available, ``measure`` across processes, or
+      no layout fits the budget (naming the smallest peak found).
+  """
+  if not callable(fun):
+    raise TypeError(f"search expects a callable, got {fun!r}")
+  name = getattr(fun, "__name__", type(fun).__name__)
+  who = f"search({name})"
+  world = _distributed.world()
+  static = argnums(static_argnums, "static_argnums")
+  n = _inputs.count(num_devices, world.size, who)
+  devices = choose_devices(n // world.size, None, world.size, who)
+  device = resolve(device_model, devices[0].device_kind, devices[0].platform)
+  if memory_budget_bytes is not None and (not isinstance(memory_budget_bytes, int | float)
+                                          or memory_budget_bytes <= 0):
+    raise ValueError(f"{who}: memory_budget_bytes must be a positive number of bytes,"
+                     f" got {memory_budget_bytes!r}")
+  if measure and world.size > 1:
+    raise ValueError(f"{who}: measure={measure} times candidates on one process's"
+                     " devices; a multi-process search cannot run them on rank 0"
+                     " alone. Hint: measure in a single-process run, or drop measure.")
+  args = [a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
+          for i, a in enumerate(example_args)]
+  dynamic = [a for i, a in enumerate(args) if i not in static]
+  try:
+    closed, out_shape = jax.make_jaxpr(
+        lambda *dyn: fun(*_inputs.merge(dyn, example_args, static)), return_shape=True)(*dynamic)
+  except Exception as e:  # the user's function: any error means it does not trace
+    raise ValueError(
+        f"{who}: the function does not trace with the example arguments"
+        f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}. Hint: pass the"
+        " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
+        " mark non-array arguments with static_argnums.") from e
+  settings = (n, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
+              tuple(d.device_kind for d in devices[:1]), __version__)
+  key = "search-" + hashlib.sha256(
+      (str(closed) + repr(settings) + repr([repr(example_args[i]) for i in static])).encode()
+  ).hexdigest()[:32]
+  in_tree = jax.tree_util.tree_structure(tuple(dynamic))
+  out_tree = jax.tree_util.tree_structure(out_shape)
+  blob = _memory.get(key)
+  if blob is None:
+    store = compilation_cache.store()
+    blob = store.get(key) if store is not None else None
+    if blob is None:
+      run = lambda: _run(fun, args, static, closed, out_tree, devices, device,
+                         memory_budget_bytes, measure, max_compiles, progress, who)
+      blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
+      if store is not None and world.rank == 0:
+        store.put(key, blob)
+    _memory[key] = blob
+  return _found.FoundLayout.from_json(blob, fun, static, in_tree, out_tree, len(args), who)
+
+
+def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
+         max_compiles, progress, who) -> bytes:
+  """The search itself; its result as the JSON the caches keep."""
+  start = time.perf_counter()
+  n = len(devices)
+  names = _inputs.leaf_names(fun, args, static)
+  axes = logical_axes(closed, names)
+  shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
+  state = _inputs.state_leaves(axes.in_axes, axes.out_axes, shapes,
+                        [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
+  r = roles(axes.in_axes, shapes, names, state)
+  program = Program(axes, r)
+  out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
+                               [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
+  rows = []
+  for c in enumerate_candidates(n, r):
+    dims = [leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state)]
+    rows.append((c, dims, program.estimate(c, dims, device)))
+  chosen = _shortlist(rows, max_compiles)
+  bar = Progress(len(chosen), f"{who}: compiling candidates", progress)
+  results = []
+  with reusing_traces():
+    for k, (index, c, dims, est) in enumerate(chosen):
+      in_specs = [spec_of(d, c.grid) for d in dims]
+      out_specs = _out_specs(c, r, axes, closed, out_state, in_specs)
+      try:
+        got = _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
+                                 device)
+      except Exception as e:  # a candidate XLA or our checks refuse: not a layout
+        got = f"{type(e).__name__}: {str(e)[:300]}"
+      results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
+                                   got, in_specs, out_specs))
+      bar.update(k + 1)
+  bar.close()
+  scored = [x for x in results if not x.failed]
+  fits = [x for x in scored if budget is None or x.score.peak_memory <= budget]
+  if scored and not fits:
+    raise _budget_error(who, min(x.score.peak_memory for x in scored), budget)
+  if not scored:
+    raise ValueError(f"{who}: no candidate layout compiled; the first error: "
+                     f"{results[0].error if results else 'no candidates'}")
+  fits.sort(key=lambda x: (x.score.seconds, x.index))
+  if measure:
+    _measure(fun, args, static, out_tree, fits[:measure], devices)
+    fits[:measure] = sorted(fits[:measure], key=lambda x: (x.measured, x.index))
+  rest = [x for x in results if x not in fits]
+  return _found.to_json(fits + rest, device, budget, len(rows),
+                        time.perf_counter() - start)
+
+
+def _measure(fun, args, static, out_tree, results, devices, calls: int = 5) -> None:
+  """Times each result's layout for a few calls on the devices."""
+  from partitioner._api import sharded_jit
+  concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
+              for i, a in enumerate(args)]
+  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
+                                              if i not in static))
+  for x in results:
+    f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, x.in_specs),
+                    out_parts=jax.tree_util.tree_unflatten(out_tree, x.out_specs),
+                    static_argnums=static, devices=devices)
+    jax.block_until_ready(f(*concrete))  # compile and warm up
+    begin = time.perf_counter()
+    for _ in range(calls):
+      out = f(*concrete)
+    jax.block_until_ready(out)
+    x.measured = (time.perf_counter() - begin) / calls
+
+
+def _shortlist(rows: list, k: int) -> list:
+  """(index, candidate, dims, estimate) of the ``k`` best by the cheap
+  model, plus the best of each hand-written family, in candidate order."""
+  order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
+  picked = order[:max(1, k)]
+  best_of: dict[str, int] = {}
+  for i in order:
+    best_of.setdefault(rows[i][0].family(), i)
+  picked += [i for i in best_of.values() if i not in picked]
+  return [(i, *rows[i]) for i in sorted(set(picked))]
+
+
+def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):
+  """Partitions and compiles one candidate through our pipeline (not run,
+  not cached) and scores the program."""
+  from partitioner._api import sharded_jit
+  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
+                                              if i not in static))
+  f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
+                  out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
+                  static_argnums=static, devices=devices)
+  program = f.lower(*args).program
+  loaded = _compile.compile_module(program.module, program.devices, program_options(program),
+                                   program.host_callbacks)
+  text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
+  return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
+               [d.process_index for d in program.devices], device)
+
+
+def _out_specs(c: Candidate, r, axes, closed, out_state, in_specs) -> list:
+  """Each output's spec: an input's when it is that input's new value (a
+  train step's parameters), else the rules' for its logical axes."""
+  out = []
+  for k, v in enumerate(closed.jaxpr.outvars):
+    if out_state[k] is not None:
+      out.append(in_specs[out_state[k]])
+      continue
+    shape = tuple(v.aval.shape)
+    dims = leaf_dims(c, r, axes.out_axes[k], shape, False)
+    out.append(spec_of(dims, c.grid))
+  return out
+
+
+def _budget_error(who: str, smallest: float, budget: float) -> ValueError:
+  return ValueError(
+      f"{who}: no layout fits memory_budget_bytes={budget:,.0f}: the smallest peak"
+      f" per device found is {smallest:,.0f} bytes ({smallest / max(budget, 1):.2f}x"
+      " the budget). Hint: raise the budget, use more devices, or shrink the"
+      " batch.")
