@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|startup|multiprocess]
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 Sections (one module each):

@@ -10,10 +10,11 @@ import sys
 import time
 
 import benchmarks
-from benchmarks import dispatch, fsdp, layout, multiprocess, report, scaling, startup
+from benchmarks import (dispatch, fsdp, layout, multiprocess, report, scaling, search,
+                        startup)
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
-            "fsdp": fsdp.run, "startup": startup.run, "multiprocess": multiprocess.run}
+            "fsdp": fsdp.run, "search": search.run, "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
                  help="cold and warm processes per startup case (medians)")
   p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
-  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp)")
+  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp, search)")
   p.add_argument("--json", help="also write the results here")
   return p
 

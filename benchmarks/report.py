@@ -42,6 +42,15 @@ def tables(results: dict) -> str:
             f" | {c['ratio']:.2f} |" for c in results["fsdp"]]
     out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in results["fsdp"]
             if c.get("detail")]
+  if results.get("search"):
+    out += ["", "partitioner.search against the hand-written layouts (found / reference;"
+            " the target is on the ratio):", "",
+            "| model: metric | found | reference | against | ratio | target |",
+            "|---|---|---|---|---|---|"]
+    out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
+            f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in results["search"]]
+    out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in results["search"]
+            if c.get("detail")]
   if "startup" in results:
     out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
             "|---|---|---|---|"]

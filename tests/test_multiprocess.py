@@ -39,6 +39,14 @@ def test_device_orders_and_named_shardings_across_ranks():
   assert found(r"rank \d: order ok", proc.stdout) == ["rank 0: order ok", "rank 1: order ok"]
 
 
+def test_search_runs_on_rank_0_and_every_rank_gets_its_answer():
+  proc, _ = launch("mp_search.py")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: search ok", proc.stdout) == ["rank 0: search ok", "rank 1: search ok"]
+  answers = sorted(re.findall(r"rank \d: found (.*)", proc.stdout))
+  assert len(answers) == 2 and answers[0] == answers[1], proc.stdout
+
+
 def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   # 2 ranks x 4 devices: one replica per rank split 4 ways, then 2 per rank
   # split 2 ways; psum/all_gather across ranks; a donated training loop

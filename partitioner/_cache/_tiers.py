@@ -278,10 +278,13 @@ def clear_caches() -> None:
   """Forgets this process's in-memory compiled programs: the in-memory tier
   and the call caches of every ``sharded_jit`` and ``partitioner.pmap``
   function, so their next calls trace again (and find their programs in the
-  persistent cache, if one is set, or compile them).
+  persistent cache, if one is set, or compile them), and the layouts
+  ``partitioner.search`` found.
 
   The persistent cache is not touched: to clear it, delete the directory
   ``partitioner.config.cache_dir``.
   """
+  from partitioner._search import clear as forget_searches
+  forget_searches()
   compilation_cache.clear()
   call_caches.clear()

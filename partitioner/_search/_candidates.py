@@ -36,7 +36,9 @@ class Candidate:
   Attributes:
     grid: ``(data, model)`` device counts.
     batch: the role split over ``data`` (None: none).
-    fsdp: whether state leaves are also split over ``data``.
+    fsdp: whether state leaves also take the grid axes they do not use
+      (ZeRO-3 / FSDP over ``data``; over ``model`` for leaves no model
+      role splits).
     model: the roles split over ``model``.
   """
   grid: tuple[int, int]
@@ -52,7 +54,8 @@ class Candidate:
       parts.append(f"data {data}: {what}" + (" + FSDP" if self.fsdp else ""))
     if model > 1:
       parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
-                                           or "nothing"))
+                                           or "nothing")
+                   + (" + rest sharded" if self.fsdp and data == 1 else ""))
     return "; ".join(parts) or "replicated"
 
   def family(self) -> str:
@@ -60,10 +63,11 @@ class Candidate:
     data, model = self.grid
     n = data * model
     if not self.model or model == 1:
-      return (f"FSDP {n}" if self.fsdp else f"data parallel {n}") if self.batch is not None \
-          else "replicated"
+      if self.batch is None:
+        return f"FSDP {n}, batch whole" if self.fsdp else "replicated"
+      return f"FSDP {n}" if self.fsdp else f"data parallel {n}"
     if data == 1 or self.batch is None:
-      return f"tensor parallel {n}"
+      return f"tensor parallel {n}" + (", rest sharded" if self.fsdp else "")
     return f"FSDP x TP {data} x {model}" if self.fsdp else f"data x model {data} x {model}"
 
 
@@ -123,7 +127,7 @@ def enumerate_candidates(n: int, r: Roles) -> list[Candidate]:
   for data, model in grids(n):
     batches = [None] + list(r.batch) if data > 1 else [None]
     for batch in batches:
-      for fsdp in ((False, True) if data > 1 else (False,)):
+      for fsdp in (False, True):
         for chosen in (subsets if model > 1 else [()]):
           if model > 1 and not chosen:
             continue  # the model axis would do nothing: a smaller grid says it
@@ -151,12 +155,18 @@ def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequen
         and shape[d] % model == 0):
       used.add(1)
       dims[d] = (1,)
-  if (candidate.fsdp and is_state and 0 not in used and data > 1
-      and math.prod(shape) >= FSDP_MIN_SIZE):
-    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
-      if shape[d] % (data * (model if dims[d] else 1)) == 0:
-        dims[d] = (0, *dims[d])
-        break
+  if candidate.fsdp and is_state and math.prod(shape) >= FSDP_MIN_SIZE:
+    # ZeRO-3: a state leaf also takes the grid axes it does not use, on its
+    # largest dimension that divides (data major), as fsdp_tp_specs does.
+    for axis, size in ((0, data), (1, model)):
+      if size == 1 or axis in used:
+        continue
+      for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        split = math.prod(candidate.grid[a] for a in dims[d])
+        if shape[d] % (split * size) == 0:
+          dims[d] = tuple(sorted((*dims[d], axis)))
+          used.add(axis)
+          break
   return tuple(dims)
 
 

@@ -117,9 +117,9 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
         " mark non-array arguments with static_argnums.") from e
   settings = (n, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
               tuple(d.device_kind for d in devices[:1]), __version__)
-  key = "search-" + hashlib.sha256(
-      (str(closed) + repr(settings) + repr([repr(example_args[i]) for i in static])).encode()
-  ).hexdigest()[:32]
+  key = hashlib.sha256(  # (a program's key hashes other text: no clash)
+      ("partitioner.search " + str(closed) + repr(settings)
+       + repr([repr(example_args[i]) for i in static])).encode()).hexdigest()
   in_tree = jax.tree_util.tree_structure(tuple(dynamic))
   out_tree = jax.tree_util.tree_structure(out_shape)
   blob = _memory.get(key)
@@ -154,26 +154,37 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   for c in enumerate_candidates(n, r):
     dims = [leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state)]
     rows.append((c, dims, program.estimate(c, dims, device)))
-  chosen = _shortlist(rows, max_compiles)
-  bar = Progress(len(chosen), f"{who}: compiling candidates", progress)
-  results = []
-  with reusing_traces():
-    for k, (index, c, dims, est) in enumerate(chosen):
-      in_specs = [spec_of(d, c.grid) for d in dims]
-      out_specs = _out_specs(c, r, axes, closed, out_state, in_specs)
-      try:
-        got = _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
-                                 device)
-      except Exception as e:  # a candidate XLA or our checks refuse: not a layout
-        got = f"{type(e).__name__}: {str(e)[:300]}"
-      results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
-                                   got, in_specs, out_specs))
-      bar.update(k + 1)
-  bar.close()
+  chosen = _shortlist(rows, max_compiles, budget is not None)
+  results: list = []
+
+  def compile_all(batch: list) -> None:
+    bar = Progress(len(batch), f"{who}: compiling candidates", progress)
+    with reusing_traces():
+      for k, (index, c, dims, est) in enumerate(batch):
+        in_specs = [spec_of(d, c.grid) for d in dims]
+        out_specs = _out_specs(c, r, axes, closed, out_state, in_specs)
+        try:
+          got = _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
+                                   device)
+        except Exception as e:  # a candidate XLA or our checks refuse: not a layout
+          got = f"{type(e).__name__}: {str(e)[:300]}"
+        results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
+                                     got, in_specs, out_specs))
+        bar.update(k + 1)
+    bar.close()
+
+  compile_all(chosen)
+  fits = lambda: [x for x in results if not x.failed
+                  and (budget is None or x.score.peak_memory <= budget)]
+  if budget is not None and not fits():  # then the smallest by the cheap model
+    done = {x.index for x in results}
+    by_memory = sorted((i for i in range(len(rows)) if i not in done),
+                       key=lambda i: (rows[i][2].memory, i))[:max(1, max_compiles)]
+    compile_all([(i, *rows[i]) for i in sorted(by_memory)])
   scored = [x for x in results if not x.failed]
-  fits = [x for x in scored if budget is None or x.score.peak_memory <= budget]
-  if scored and not fits:
+  if scored and not fits():
     raise _budget_error(who, min(x.score.peak_memory for x in scored), budget)
+  fits = fits()
   if not scored:
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")
@@ -205,15 +216,18 @@ def _measure(fun, args, static, out_tree, results, devices, calls: int = 5) -> N
     x.measured = (time.perf_counter() - begin) / calls
 
 
-def _shortlist(rows: list, k: int) -> list:
+def _shortlist(rows: list, k: int, low_memory: bool) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
-  model, plus the best of each hand-written family, in candidate order."""
+  model, the best of each hand-written family and, under a memory budget,
+  the ``k // 2`` smallest; in candidate order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
   picked = order[:max(1, k)]
   best_of: dict[str, int] = {}
   for i in order:
     best_of.setdefault(rows[i][0].family(), i)
-  picked += [i for i in best_of.values() if i not in picked]
+  picked += best_of.values()
+  if low_memory:
+    picked += sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i))[:max(1, k // 2)]
   return [(i, *rows[i]) for i in sorted(set(picked))]
 
 

@@ -1,0 +1,57 @@
+"""partitioner.search internals: logical axes, an interrupted search, replica groups."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner import _compile
+from partitioner._search import _score
+from partitioner._search._axes import logical_axes
+
+
+def test_logical_axes_follow_a_matmul_chain_and_keep_layers_apart():
+  def f(params, x):
+    for w1, w2 in params:
+      x = jnp.tanh(x @ w1) @ w2
+    return x.sum()
+
+  params = [(jnp.ones((8, 16)), jnp.ones((16, 8))), (jnp.ones((8, 32)), jnp.ones((32, 8)))]
+  x = jnp.ones((4, 8))
+  closed = jax.make_jaxpr(f)(params, x)
+  axes = logical_axes(closed, ["w1a", "w2a", "w1b", "w2b", "x"])
+  (w1a, w2a, w1b, w2b, xa) = axes.in_axes
+  assert w1a[0] == xa[1] and w2a[1] == w1b[0]  # a matmul's contracted pair is one axis
+  assert w1a[1] == w2a[0] and w1b[1] == w2b[0]  # each layer's hidden units...
+  assert w1a[1] != w1b[1]  # ...are their own axis
+  assert xa[0] not in (*w1a, *w2a)  # the batch is no weight's
+
+
+def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+  calls = []
+
+  def interrupt(*args, **kwargs):
+    calls.append(1)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(_compile, "compile_module", interrupt)
+  f = lambda w, x: (x @ w).sum()
+  with partitioner.config.override(cache_dir=str(tmp_path)):
+    with pytest.raises(KeyboardInterrupt):
+      partitioner.search(f, np.ones((16, 16), np.float32), np.ones((8, 16), np.float32))
+  assert calls and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("line, groups", [
+    ("replica_groups={{0,1},{2,3}}", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
+    ("replica_groups={}", [list(range(8))]),
+])
+def test_replica_groups_in_every_form(line, groups):
+  assert _score.groups(line, 8) == groups

@@ -1,0 +1,49 @@
+"""2 ranks x 2 simulated devices: rank 0 searches, every rank gets its answer.
+
+Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2`.
+"""
+
+import partitioner
+
+world = partitioner.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from partitioner import _compile  # noqa: E402
+
+rank = world.rank
+compiles = []
+original = _compile.compile_module
+
+
+def counting(*args, **kwargs):
+  compiles.append(1)
+  return original(*args, **kwargs)
+
+
+_compile.compile_module = counting
+
+
+def step(params, x):
+  def loss(p):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+  value, g = jax.value_and_grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+
+
+rng = np.random.default_rng(0)
+params = {"w1": rng.normal(size=(32, 128)).astype(np.float32) / 6,
+          "w2": rng.normal(size=(128, 32)).astype(np.float32) / 12}
+x = rng.normal(size=(16, 32)).astype(np.float32)
+found = partitioner.search(step, params, x, max_compiles=3)
+assert (len(compiles) > 0) == (rank == 0), (rank, len(compiles))
+print(f"rank {rank}: found {found.in_parts!r} in {found.search_seconds:.6f}", flush=True)
+
+# Both ranks train with it; the loss is the one-process loss.
+train = found.sharded_jit()
+p, loss = train(params, x)
+_, ref = jax.jit(step)(params, x)
+np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+print(f"rank {rank}: search ok", flush=True)

@@ -1,0 +1,149 @@
+"""partitioner.search: automatic layout search."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner import sharded_jit
+from sharding import PartitionSpec as P
+from sharding import tiling
+
+
+def mlp_step(params, x):
+  def loss(p):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+  value, g = jax.value_and_grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+
+
+def mlp(d, h, b, seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+            "w2": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32)}
+  return params, rng.normal(size=(b, d)).astype(np.float32)
+
+
+def test_the_found_layout_trains_like_an_unsharded_run():
+  params, x = mlp(64, 256, 32)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4)
+  assert isinstance(found.in_parts, tuple) and len(found.in_parts) == 2
+  step = sharded_jit(mlp_step, in_parts=found.in_parts, out_parts=found.out_parts)
+  ours, theirs = (params, x), (params, x)
+  for _ in range(3):
+    p, loss = step(*ours)
+    q, ref = jax.jit(mlp_step)(*theirs)
+    ours, theirs = (p, x), (q, x)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(ours[0][name]), np.asarray(theirs[0][name]),
+                               rtol=1e-5, atol=1e-6)
+  # The parameters come back laid out as they go in: a training loop reshards nothing.
+  for name in params:
+    spec = found.in_parts[0][name]
+    assert ours[0][name].sharding.is_equivalent_to(
+        tiling(spec, jax.devices(), 2).named_sharding(), 2)
+  assert found.sharded_jit()(params, x)[1].shape == ()
+
+
+def test_a_wide_mlp_with_a_small_batch_splits_the_weights():
+  params, x = mlp(512, 2048, 8)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4)
+  assert found.best.family not in ("data parallel 8", "FSDP 8"), found.report()
+  dp = [c for c in found.candidates if c.family == "data parallel 8" and not c.error]
+  assert dp and found.best.collective_bytes < dp[0].collective_bytes
+
+
+def test_search_is_deterministic_and_cached(tmp_path):
+  params, x = mlp(64, 256, 32)
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+  with partitioner.config.override(cache_dir=str(tmp_path)):
+    first = partitioner.search(mlp_step, *abstract, max_compiles=3)
+    assert len(os.listdir(tmp_path)) == 1  # persisted (the candidates are not cached)
+    again = partitioner.search(mlp_step, *abstract, max_compiles=3)
+    assert again.search_seconds == first.search_seconds  # the cached answer: no new search
+    partitioner.clear_caches()
+    from_disk = partitioner.search(mlp_step, *abstract, max_compiles=3)
+    assert from_disk.search_seconds == first.search_seconds
+  partitioner.clear_caches()
+  fresh = partitioner.search(mlp_step, *abstract, max_compiles=3)  # no cache: searches again
+  assert fresh.search_seconds != first.search_seconds
+  assert fresh.in_parts == first.in_parts and fresh.out_parts == first.out_parts
+  assert [c.layout for c in fresh.candidates] == [c.layout for c in first.candidates]
+
+
+def test_the_memory_budget():
+  params, x = mlp(64, 256, 32)
+  found = partitioner.search(mlp_step, params, x, max_compiles=6)
+  peaks = sorted(c.peak_memory for c in found.candidates if not c.error)
+  budget = (peaks[0] + peaks[-1]) / 2
+  fitted = partitioner.search(mlp_step, params, x, max_compiles=6, memory_budget_bytes=budget)
+  assert fitted.best.peak_memory <= budget and fitted.best.fits
+  with pytest.raises(ValueError, match=r"no layout fits memory_budget_bytes=1,000: the"
+                                       r" smallest peak per device found is ([\d,]+) bytes") as e:
+    partitioner.search(mlp_step, params, x, max_compiles=6, memory_budget_bytes=1000)
+  smallest = int(e.value.args[0].split("found is ")[1].split(" bytes")[0].replace(",", ""))
+  assert smallest <= peaks[0]  # (it also compiles the smallest by the cheap model)
+
+
+def test_the_report_and_the_candidates():
+  params, x = mlp(64, 256, 32)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4, device_model="h100")
+  text = found.report()
+  assert text.startswith("search(mlp_step): ") and "layouts compiled of" in text
+  assert "device model: NVIDIA H100 SXM" in text and "\nWinner: " in text
+  assert len(text.splitlines()) <= 25
+  ok = [c for c in found.candidates if not c.error]
+  assert [c.seconds for c in ok] == sorted(c.seconds for c in ok)
+  assert found.best is found.candidates[0] and found.best.flops > 0
+  report = found.explain(params, x)
+  assert report.num_partitions == 8
+
+
+def test_progress_shows_only_when_asked_or_on_a_terminal(capsys):
+  params, x = mlp(32, 64, 16)
+  partitioner.search(mlp_step, params, x, max_compiles=2)
+  assert "compiling candidates" not in capsys.readouterr().err  # pytest: not a terminal
+  partitioner.clear_caches()
+  partitioner.search(mlp_step, params, x, max_compiles=2, progress=True)
+  assert "compiling candidates: " in capsys.readouterr().err
+
+
+def test_compiled_cost_scores_any_program():
+  params, x = mlp(64, 256, 32)
+  f = sharded_jit(mlp_step, in_parts=({"w1": P(1, 8), "w2": P(8, 1)}, None),
+                  out_parts=({"w1": P(1, 8), "w2": P(8, 1)}, None))
+  cost = f.lower(params, x).compile().cost()
+  assert isinstance(cost, partitioner.Cost)
+  assert cost.collectives > 0 and cost.collective_bytes > 0 and cost.network_bytes == 0
+  assert cost.peak_memory > 0 and cost.seconds > 0
+  assert f.lower(params, x).compile().cost("h100").seconds < cost.seconds
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: partitioner.search(42), TypeError, "expects a callable"),
+    (lambda: partitioner.search(mlp_step, *mlp(8, 16, 4)[:1]), ValueError,
+     r"does not trace with the example arguments \(2 array\(s\).*TypeError"),
+    (lambda: partitioner.search(lambda a, b: a @ b, np.ones((3, 4)), np.ones((5, 6))),
+     ValueError, "does not trace"),
+    (lambda: partitioner.search(mlp_step, *mlp(8, 16, 4), num_devices=16), ValueError,
+     "num_devices=16 is not available: this run has 8 devices"),
+    (lambda: partitioner.search(mlp_step, *mlp(8, 16, 4), device_model="tpu-v9"), ValueError,
+     "device_model='tpu-v9' is not a DeviceModel"),
+    (lambda: partitioner.search(mlp_step, *mlp(8, 16, 4), memory_budget_bytes=-1), ValueError,
+     "memory_budget_bytes must be a positive number"),
+])
+def test_bad_input(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_measure_times_the_best_candidates():
+  params, x = mlp(64, 256, 32)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4, measure=2)
+  timed = [c for c in found.candidates if c.measured_seconds]
+  assert len(timed) == 2 and found.best.measured_seconds == min(c.measured_seconds for c in timed)
+  assert "measured" in found.report()
