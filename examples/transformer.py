@@ -26,7 +26,9 @@ Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
 - ``fsdp_tp``: FSDP x tensor parallel on a (fsdp, tensor) = (data, model)
   grid, MaxText's default: Megatron's splits on the tensor axis and an
   FSDP split on the other (``sharding.fsdp_tp_specs``; ``W_out`` gets the
-  transposed device order), the batch over fsdp.
+  transposed device order), the batch over fsdp;
+- ``search``: the layout ``partitioner.search`` finds for the step (without
+  activation constraints: the argument specs say it all), with its report.
 
 The optimizer (Adam) and the loss (cross-entropy) come from optax; the
 weights' specs come from rules on their names (``sharding.spec_tree``), one
@@ -60,9 +62,10 @@ _LR = flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
 _CHECK = flags.DEFINE_integer("check_steps", 3, "Steps re-run unsharded to check the losses match.")
 _SAMPLE = flags.DEFINE_integer("sample", 200, "Characters of text to generate at the end (0: none).")
 _PLOT = flags.DEFINE_string("plot", "transformer_loss.png", "Loss curve PNG (needs matplotlib; '' for none).")
-_LAYOUT = flags.DEFINE_enum("layout", "data_model", ["data_model", "fsdp", "fsdp_tp"],
+_LAYOUT = flags.DEFINE_enum("layout", "data_model", ["data_model", "fsdp", "fsdp_tp", "search"],
                             "data_model: pmap x Megatron; fsdp: ZeRO-3 over every device;"
-                            " fsdp_tp: FSDP over --data x tensor parallel over --model.")
+                            " fsdp_tp: FSDP over --data x tensor parallel over --model;"
+                            " search: the layout partitioner.search finds.")
 _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps (without a terminal).")
@@ -208,6 +211,9 @@ def train_step(model: Model):
                           donate_argnums=(0, 1))
 
 
+LAYOUT_NAMES = {"data_model": "data x model", "fsdp": "FSDP", "fsdp_tp": "FSDP x tensor"}
+
+
 def fsdp_train_step(model: Model, fsdp: int, tensor: int):
   """The fsdp and fsdp_tp layouts' train step: one sharded_jit over
   ``fsdp x tensor`` devices. Parameters and Adam moments get FSDP specs
@@ -246,7 +252,7 @@ def main(argv):
     partitioner.config.partitioner = _PARTITIONER.value
   dp, mp = _DATA.value, _MODEL.value
   layout = _LAYOUT.value
-  if layout == "fsdp":  # FSDP over every device, no tensor parallelism
+  if layout in ("fsdp", "search"):  # no tensor-parallel rules of ours
     dp, mp = n, 1
   d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
   for what, size, by in (("heads", h, mp), ("batch", b, dp)):
@@ -270,16 +276,24 @@ def main(argv):
     model = Model(mp, **sizes)
     step_fn = train_step(model)
     split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
+  elif layout == "search":  # chosen below, once there are parameters to show it
+    model = Model(1, constrain=lambda x, spec: x, **sizes)
+    step_fn, split = None, lambda seqs: seqs
   else:
     model = Model(mp, batch_split=dp, **sizes)
     step_fn = fsdp_train_step(model, dp, mp)
     split = lambda seqs: seqs
 
   params0, opt0 = model.init(jax.random.PRNGKey(_SEED.value))
+  grid = f"{dp} x {mp} = {n} devices ({LAYOUT_NAMES[layout]})"
+  if step_fn is None:
+    found = partitioner.search(model.step, params0, opt0, np.zeros((b, t + 1), np.int32))
+    print(found.report(), flush=True)
+    step_fn = found.sharded_jit(donate_argnums=(0, 1))
+    grid = f"{n} devices (found by partitioner.search: {found.best.family})"
   size = sum(x.size for x in jax.tree_util.tree_leaves(params0))
   print(f"Transformer: {layers} layers, width {d}, {h} heads, {size / 1e6:.2f}M parameters,"
-        f" {len(chars)} characters; {dp} x {mp} = {n} devices"
-        f" ({ {'data_model': 'data x model', 'fsdp': 'FSDP', 'fsdp_tp': 'FSDP x tensor'}[layout]}),"
+        f" {len(chars)} characters; {grid},"
         f" partitioner {partitioner.config.partitioner}", flush=True)
 
   seen = [batch() for _ in range(_STEPS.value)]  # the same batches when resuming

@@ -64,6 +64,15 @@ def test_transformer_fsdp_layouts(layout, name, fraction):
   assert share > fraction  # only the norms' scales (under 4096 elements) stay whole
 
 
+def test_transformer_with_the_layout_search_finds():
+  proc = run("examples/transformer.py", "--layout", "search", "--steps", "6", "--layers", "1",
+             "--width", "64", "--heads", "4", "--batch", "8", "--seq", "32", "--sample", "0",
+             "--plot=", "--log_every", "2")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "search(step): " in proc.stdout and "\nWinner: " in proc.stdout
+  assert "8 devices (found by partitioner.search: " in proc.stdout and "(match)" in proc.stdout
+
+
 def test_transformer_resumes_from_its_checkpoint(tmp_path):
   small = ["--layers", "1", "--width", "64", "--heads", "4", "--batch", "8", "--seq", "32",
            "--sample", "0", "--plot=", "--check_steps", "0", "--log_every", "1"]

@@ -80,11 +80,13 @@ class Roles:
     names: role id -> a readable name (``blocks/*/wq dim 1``).
     batch: roles of the arguments that are not state (batch-like).
     weights: roles of the state leaves (split over ``model``).
+    state_roles: each state leaf's roles (sets of them, for conflicts).
   """
   of_axis: dict[int, int]
   names: tuple[str, ...]
   batch: tuple[int, ...]
   weights: tuple[int, ...]
+  state_roles: tuple[frozenset, ...] = ()
 
 
 def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
@@ -110,8 +112,10 @@ def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
     for d, a in enumerate(axes):
       if a in of_axis:
         (weights if is_state else batch).add(of_axis[a])
+  leaf_roles = {frozenset(of_axis[a] for a in axes if a in of_axis)
+                for axes, is_state in zip(in_axes, state) if is_state}
   return Roles(of_axis, tuple(role_names), tuple(sorted(batch)),
-               tuple(sorted(weights - batch)))
+               tuple(sorted(weights - batch)), tuple(sorted(leaf_roles, key=sorted)))
 
 
 def grids(n: int) -> list[tuple[int, int]]:
@@ -122,8 +126,11 @@ def grids(n: int) -> list[tuple[int, int]]:
 def enumerate_candidates(n: int, r: Roles) -> list[Candidate]:
   """Every candidate on ``n`` devices, in a fixed order."""
   out = []
+  # A model axis that two dimensions of one weight compete for splits only
+  # one of them: such sets say the same as a smaller one, or less.
   subsets = [()] + [c for k in range(1, MAX_MODEL_ROLES + 1)
-                    for c in itertools.combinations(r.weights, k)]
+                    for c in itertools.combinations(r.weights, k)
+                    if all(len(roles_of & set(c)) <= 1 for roles_of in r.state_roles)]
   for data, model in grids(n):
     batches = [None] + list(r.batch) if data > 1 else [None]
     for batch in batches:

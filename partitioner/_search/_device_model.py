@@ -10,8 +10,12 @@ per collective.
 The defaults are datasheet figures for one device (dense, 32-bit for CPU,
 bf16 for accelerators), from:
 
-- ``cpu``: one simulated device of this toolkit's CPU runs, measured on a
-  2-core host (``python -m benchmarks``): ~8 GFLOP/s, memcpy-speed "links";
+- ``cpu``: one of 8 simulated devices sharing a 2-core host. Fitted to
+  rank the layouts of ``python -m benchmarks --only search`` in the order
+  their measured steps/s put them (the train steps run at 6-13 GFLOP/s
+  per device; constants that follow single measurements, 12 GFLOP/s and
+  1.5 GB/s collectives with 0.3 ms latency, ranked the transformers'
+  layouts against their measured order): absolute times are rough;
 - ``a100``: NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16, 2.0 TB/s HBM2e,
   NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
 - ``h100``: NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s

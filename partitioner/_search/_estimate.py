@@ -11,7 +11,8 @@ state). Walking the ops, per device:
   all-gathered; a dot_general contracting (or a reduction over) a split
   dimension all-reduces its result;
 - memory: the arguments' pieces plus the dot_generals' results (the
-  activations kept for the backward pass).
+  activations kept for the backward pass) and the gathered copies;
+- bytes accessed: every op's operands and results, for the roofline.
 
 It only ranks candidates for compiling: the compiled program (``_score``)
 decides.
@@ -136,10 +137,11 @@ class Program:
       split = math.prod(sizes[a] for ax in dims for a in ax)
       return math.prod(val.shape) * val.itemsize / split
 
-    flops = comm = count = memory = 0.0
+    flops = comm = count = memory = accessed = 0.0
     for v, dims in zip(self.inputs, in_dims):
       val = self._value((), v)
       memory += local_bytes(val, dims)
+    gathered: set = set()
     for op in self.ops:
       want_in = [wanted(x) for x in op.ins]
       for x, want in zip(op.ins, want_in):
@@ -149,9 +151,14 @@ class Program:
             if a not in want[d]:  # split here, not where the op wants: gather
               comm += local_bytes(x, have) * (sizes[a] - 1) * op.times
               count += op.times
+              if x.key not in gathered:  # the gathered copy is a temporary
+                gathered.add(x.key)
+                memory += local_bytes(x, want)
       outs = [wanted(o) for o in op.outs]
       for o, dims in zip(op.outs, outs):
         placed[o.key] = dims
+      accessed += (sum(local_bytes(x, w) for x, w in zip(op.ins, want_in))
+                   + sum(local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
       split_axes = {a for w in want_in for ax in w for a in ax}
       devices = math.prod(sizes[a] for a in split_axes)
       if op.kind == "dot":
@@ -170,5 +177,5 @@ class Program:
         g = sizes[a]
         comm += local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
         count += op.times
-    seconds = device.compute_seconds(flops, 0.0) + device.comm_seconds(comm, count)
+    seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(comm, count)
     return Estimate(flops, comm, count, memory, seconds)

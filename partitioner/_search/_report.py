@@ -23,17 +23,17 @@ def table(found: Any, rows: int) -> str:
     head += f"; memory budget {_bytes(found.budget)}"
   lines = [head, "",
            f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}  {'peak mem':>9}"
-           f"  {'family':<22} layout"]
+           f"  {'family':<31} layout"]
   for k, x in enumerate(c[:rows]):
     if x.error:
-      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<22}"
+      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<31}"
                    f" {x.layout}: {x.error[:80]}")
       continue
     mark = "" if x.fits else "  (over budget)"
     measured = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
                  f"  {_bytes(x.collective_bytes):>11}  {_bytes(x.peak_memory):>9}"
-                 f"  {x.family:<22} {x.layout}{measured}{mark}")
+                 f"  {x.family:<31} {x.layout}{measured}{mark}")
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
   lines += ["", why(found)]

@@ -150,10 +150,14 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   program = Program(axes, r)
   out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
                                [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
-  rows = []
+  by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r):
-    dims = [leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state)]
-    rows.append((c, dims, program.estimate(c, dims, device)))
+    dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
+    key = tuple(spec_of(d, c.grid) for d in dims)
+    if key not in by_layout or _plainer(c, by_layout[key][0]):
+      by_layout[key] = (c, dims)
+  rows = [(c, list(dims), program.estimate(c, list(dims), device))
+          for c, dims in by_layout.values()]
   chosen = _shortlist(rows, max_compiles, budget is not None)
   results: list = []
 
@@ -176,11 +180,16 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   compile_all(chosen)
   fits = lambda: [x for x in results if not x.failed
                   and (budget is None or x.score.peak_memory <= budget)]
-  if budget is not None and not fits():  # then the smallest by the cheap model
+  for _ in range(_BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
+    if budget is None or fits():
+      break
     done = {x.index for x in results}
-    by_memory = sorted((i for i in range(len(rows)) if i not in done),
-                       key=lambda i: (rows[i][2].memory, i))[:max(1, max_compiles)]
-    compile_all([(i, *rows[i]) for i in sorted(by_memory)])
+    remaining = [i for i in range(len(rows)) if i not in done]
+    if not remaining:
+      break
+    scale = _memory_scale(results)
+    by_memory = sorted(remaining, key=lambda i: (scale(rows[i][0]) * rows[i][2].memory, i))
+    compile_all([(i, *rows[i]) for i in sorted(by_memory[:max(1, max_compiles)])])
   scored = [x for x in results if not x.failed]
   if scored and not fits():
     raise _budget_error(who, min(x.score.peak_memory for x in scored), budget)
@@ -192,7 +201,8 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   if measure:
     _measure(fun, args, static, out_tree, fits[:measure], devices)
     fits[:measure] = sorted(fits[:measure], key=lambda x: (x.measured, x.index))
-  rest = [x for x in results if x not in fits]
+  rest = sorted((x for x in results if x not in fits),
+                key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   return _found.to_json(fits + rest, device, budget, len(rows),
                         time.perf_counter() - start)
 
@@ -214,6 +224,35 @@ def _measure(fun, args, static, out_tree, results, devices, calls: int = 5) -> N
       out = f(*concrete)
     jax.block_until_ready(out)
     x.measured = (time.perf_counter() - begin) / calls
+
+
+def _plainer(c: Candidate, other: Candidate) -> bool:
+  """Of two rule sets giving the same specs, the one named more plainly:
+  no FSDP flag, fewer model roles, a batch that is split."""
+  return ((c.fsdp, len(c.model), c.batch is None, c.grid)
+          < (other.fsdp, len(other.model), other.batch is None, other.grid))
+
+
+# Under a budget nothing fits: compile this many more rounds of candidates.
+_BUDGET_ROUNDS = 3
+
+
+def _memory_scale(results: list) -> Callable[[Candidate], float]:
+  """How far the cheap model's memory is off, learnt from the compiled
+  candidates: per (grid, batch, FSDP) configuration, else overall, the
+  median of compiled peak / estimated memory."""
+  by: dict = {}
+  for x in results:
+    if not x.failed and x.estimate.memory > 0:
+      c = x.candidate
+      by.setdefault((c.grid, c.batch, c.fsdp), []).append(x.score.peak_memory / x.estimate.memory)
+  every = sorted(r for rs in by.values() for r in rs)
+  overall = every[len(every) // 2] if every else 1.0
+
+  def scale(c: Candidate) -> float:
+    rs = sorted(by.get((c.grid, c.batch, c.fsdp), ()))
+    return rs[len(rs) // 2] if rs else overall
+  return scale
 
 
 def _shortlist(rows: list, k: int, low_memory: bool) -> list:
