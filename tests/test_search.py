@@ -147,3 +147,18 @@ def test_measure_times_the_best_candidates():
   timed = [c for c in found.candidates if c.measured_seconds]
   assert len(timed) == 2 and found.best.measured_seconds == min(c.measured_seconds for c in timed)
   assert "measured" in found.report()
+
+
+def test_static_arguments_and_shape_dtype_structs():
+  params, x = mlp(64, 256, 32)
+
+  def scaled(params, x, scale):
+    new, loss = mlp_step(params, x)
+    return new, loss * scale
+
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+  found = partitioner.search(scaled, *abstract, 3.0, static_argnums=2, max_compiles=3)
+  assert found.in_parts[2] is None and len(found.in_parts) == 3
+  step = found.sharded_jit()
+  _, loss = step(params, x, 3.0)
+  np.testing.assert_allclose(float(loss), 3 * float(mlp_step(params, x)[1]), rtol=1e-5)

@@ -23,6 +23,7 @@ rank 0 searches and every rank gets its answer.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from partitioner._search._score import score
 from partitioner._trace import reusing_traces
 from partitioner._version import __version__
 
+logger = logging.getLogger(__name__)
 _memory: dict[str, bytes] = {}
 
 
@@ -174,6 +176,10 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
           got = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
                                      got, in_specs, out_specs))
+        logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", who, c.describe(r.names),
+                    est.seconds, est.memory / 1e6,
+                    got if isinstance(got, str) else
+                    f"scored {got.seconds:.3g} s, peak {got.peak_memory / 1e6:.3g} MB")
         bar.update(k + 1)
     bar.close()
 
@@ -258,15 +264,20 @@ def _memory_scale(results: list) -> Callable[[Candidate], float]:
 def _shortlist(rows: list, k: int, low_memory: bool) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
   model, the best of each hand-written family and, under a memory budget,
-  the ``k // 2`` smallest; in candidate order."""
+  the smallest of each (grid, batch, FSDP) configuration; in candidate
+  order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
   picked = order[:max(1, k)]
   best_of: dict[str, int] = {}
   for i in order:
     best_of.setdefault(rows[i][0].family(), i)
   picked += best_of.values()
-  if low_memory:
-    picked += sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i))[:max(1, k // 2)]
+  if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
+    smallest: dict = {}
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
+      c = rows[i][0]
+      smallest.setdefault((c.grid, c.batch, c.fsdp), i)
+    picked += smallest.values()
   return [(i, *rows[i]) for i in sorted(set(picked))]
 
 
