@@ -27,7 +27,9 @@ Every call then takes the same stages, one module each:
 
 Around them: ``_stages`` (``Lowered``/``Compiled``), ``_check``
 (``config.check_unsharded``), ``_explain`` and ``_report`` (what
-``explain()`` gathers, and how it prints it), ``_inspect``
+``explain()`` gathers from ``_hlo``, and how it prints it), ``_search``
+(``partitioner.search``: the layout from XLA's analysis of compiled
+candidates, and ``Compiled.cost()``), ``_inspect``
 (``jax.debug.inspect_array_sharding``), ``_global_arrays``, ``_distributed``
 (everything multi-process), ``_config``, and ``_compat``, the one module
 that touches jax's private APIs.

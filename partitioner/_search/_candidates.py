@@ -164,11 +164,12 @@ def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequen
       dims[d] = (1,)
   if candidate.fsdp and is_state and math.prod(shape) >= FSDP_MIN_SIZE:
     # ZeRO-3: a state leaf also takes the grid axes it does not use, on its
-    # largest dimension that divides (data major), as fsdp_tp_specs does.
+    # largest other dimension that divides, else its split one (data
+    # major), as fsdp_tp_specs does.
     for axis, size in ((0, data), (1, model)):
       if size == 1 or axis in used:
         continue
-      for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+      for d in sorted(range(len(shape)), key=lambda d: (bool(dims[d]), -shape[d], d)):
         split = math.prod(candidate.grid[a] for a in dims[d])
         if shape[d] % (split * size) == 0:
           dims[d] = tuple(sorted((*dims[d], axis)))
