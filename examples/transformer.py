@@ -285,7 +285,7 @@ def main(argv):
     split = lambda seqs: seqs
 
   params0, opt0 = model.init(jax.random.PRNGKey(_SEED.value))
-  grid = f"{dp} x {mp} = {n} devices ({LAYOUT_NAMES[layout]})"
+  grid = f"{dp} x {mp} = {n} devices ({LAYOUT_NAMES.get(layout, layout)})"
   if step_fn is None:
     found = partitioner.search(model.step, params0, opt0, np.zeros((b, t + 1), np.int32))
     print(found.report(), flush=True)
