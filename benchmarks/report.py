@@ -27,21 +27,15 @@ def tables(results: dict) -> str:
             *ratio_header]
     out += [f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f} {c['unit']}"
             f" | {c['ratio']:.2f} |" for c in results["scaling"]]
-  if results.get("layout"):
-    out += ["", "Each system's best layout, same model (collectives, bytes, parameter"
-            " bytes: lower is better, target <= 1.0; steps/s: higher is better,"
-            " target >= 0.95):", "", *ratio_header]
-    out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
-            f" | {c['ratio']:.2f} |" for c in results["layout"]]
-    out += [f"({c['detail']})" for c in results["layout"] if c.get("detail")]
-  if results.get("fsdp"):
-    out += ["", "FSDP and FSDP x TP against jax.jit with MaxText's specs on a ('fsdp',"
-            " 'tensor') mesh (collectives, bytes, memory: lower is better, target <= 1.0;"
-            " steps/s: higher is better, target >= 0.95):", "", *ratio_header]
-    out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
-            f" | {c['ratio']:.2f} |" for c in results["fsdp"]]
-    out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in results["fsdp"]
-            if c.get("detail")]
+  out += _ratio_table(results.get("layout"), "Each system's best layout, same model"
+                      " (collectives, bytes, parameter bytes: lower is better, target"
+                      " <= 1.0; steps/s: higher is better, target >= 0.95):",
+                      ratio_header, lambda c: c["detail"])
+  out += _ratio_table(results.get("fsdp"), "FSDP and FSDP x TP against jax.jit with"
+                      " MaxText's specs on a ('fsdp', 'tensor') mesh (collectives, bytes,"
+                      " memory: lower is better, target <= 1.0; steps/s: higher is better,"
+                      " target >= 0.95):", ratio_header,
+                      lambda c: f"{c['case'].split(':')[0]}: {c['detail']}")
   if results.get("search"):
     out += ["", "partitioner.search against the hand-written layouts (found / reference;"
             " the target is on the ratio):", "",
@@ -66,6 +60,16 @@ def tables(results: dict) -> str:
         out.append(f"| {c['case']} | {c['ours']:.1f} {c['unit']} | {c['jax']:.1f}"
                    f" {c['unit']} | {c['ratio']:.2f} |")
   return "\n".join(out)
+
+
+def _ratio_table(rows: list | None, title: str, header: list[str], detail) -> list[str]:
+  """A section of ours/jax rows with two decimals, then each row's detail."""
+  if not rows:
+    return []
+  out = ["", title, "", *header]
+  out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
+          f" | {c['ratio']:.2f} |" for c in rows]
+  return out + [f"({detail(c)})" for c in rows if c.get("detail")]
 
 
 def plots(results: dict, directory: str) -> list[str]:

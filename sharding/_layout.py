@@ -39,9 +39,6 @@ class Layout:
   def counts(self) -> tuple[int, ...]:
     return tuple(math.prod(self.sizes[a] for a in axes) for axes in self.dims)
 
-  def used(self) -> set[int]:
-    return {a for axes in self.dims for a in axes}
-
   def blocks(self) -> np.ndarray:
     """``[k, d]``: the block index along dimension d of the tile that device
     k (its position in the program's order) holds."""
@@ -234,12 +231,17 @@ def from_positions(positions: np.ndarray, dims: Sequence[Sequence[int]]) -> Layo
   return None
 
 
-def _factor_orders(n: int) -> list[tuple[int, ...]]:
-  """Every distinct ordering of ``n``'s prime factors (``()`` for 1)."""
+def prime_factors(n: int) -> list[int]:
+  """``12 -> [2, 2, 3]`` (``[]`` for 1)."""
   factors, p = [], 2
   while n > 1:
     while n % p == 0:
       factors.append(p)
       n //= p
     p += 1
-  return sorted(set(itertools.permutations(factors)))
+  return factors
+
+
+def _factor_orders(n: int) -> list[tuple[int, ...]]:
+  """Every distinct ordering of ``n``'s prime factors (``()`` for 1)."""
+  return sorted(set(itertools.permutations(prime_factors(n))))

@@ -258,10 +258,4 @@ def shardy_mesh_op(num_devices: int,
 def factor_axes(n: int, prefix: str = "x") -> list[tuple[str, int]]:
   """Mesh axes of ``n`` devices, one per prime factor, major to minor:
   ``12 -> [("x0", 2), ("x1", 2), ("x2", 3)]``."""
-  factors, p = [], 2
-  while n > 1:
-    while n % p == 0:
-      factors.append(p)
-      n //= p
-    p += 1
-  return [(f"{prefix}{i}", f) for i, f in enumerate(factors)]
+  return [(f"{prefix}{i}", f) for i, f in enumerate(_layout.prime_factors(n))]

@@ -7,17 +7,14 @@ function's jaxpr, joined where an op carries a dimension through (the
 elementwise ops, transposes, reductions, broadcasts, reshapes that keep a
 dimension, the batch and free dimensions of a dot_general and its
 contracting pairs, gathers and scatters, sub-jaxprs). Each class is one
-logical axis; the arguments' dimensions name it (``params['w1'] dim 1``).
+logical axis (``_candidates`` names them by the arguments' dimensions).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax.extend import core as jex_core
 
 from partitioner._search._axes_ops import gather, kept_by_reshape, scatter, shape_of
@@ -40,13 +37,11 @@ class Axes:
     of: ``of[(var, dim)]`` -> the class id of every (value, dimension).
     in_axes: per flat input, the class id of each dimension.
     out_axes: per flat output, the class id of each dimension.
-    names: class id -> a name from the first argument dimension in it.
   """
   jaxpr: Any
   of: dict
   in_axes: list[tuple[int, ...]]
   out_axes: list[tuple[int | None, ...]]
-  names: dict[int, str]
 
   def axis(self, ctx: tuple, var: Any, dim: int) -> int | None:
     """The class of ``var``'s dimension ``dim`` inside the call ``ctx``."""
@@ -75,9 +70,8 @@ class _UnionFind:
       self.parent[rb] = ra
 
 
-def logical_axes(closed: Any, in_names: Sequence[str]) -> Axes:
-  """The logical axes of ``closed`` (a ClosedJaxpr), its inputs named by
-  ``in_names`` (one per flat input)."""
+def logical_axes(closed: Any) -> Axes:
+  """The logical axes of ``closed`` (a ClosedJaxpr)."""
   uf = _UnionFind()
   _walk(closed.jaxpr, uf, ())
   ids: dict = {}
@@ -92,11 +86,7 @@ def logical_axes(closed: Any, in_names: Sequence[str]) -> Axes:
   in_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
   out_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.outvars]
   of = {key: ids.setdefault(uf.find(key), len(ids)) for key in list(uf.parent)}
-  names: dict[int, str] = {}
-  for v, axes, name in zip(jaxpr.invars, in_axes, in_names):
-    for d, a in enumerate(axes):
-      names.setdefault(a, f"{name} dim {d}")
-  return Axes(closed, of, in_axes, out_axes, names)
+  return Axes(closed, of, in_axes, out_axes)
 
 
 class _Scoped:
@@ -269,6 +259,3 @@ def _map(uf: _Scoped, a: Any, b: Any, inner: bool = True) -> None:
     for d in range(len(shape_of(a))):
       uf.join(a, d, b, d, b_inner=inner)
 
-
-def nbytes(aval: Any) -> int:
-  return math.prod(aval.shape) * jax.numpy.dtype(aval.dtype).itemsize

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 
 
-def state_leaves(in_axes, out_axes, in_shapes, out_shapes) -> list[bool]:
+def state_leaves(in_axes, out_axes, match) -> list[bool]:
   """Which inputs are state (weights): those the function returns anew (a
-  train step); if it returns none, those whose leading axis is not an
-  output's (inference: the batch flows through, the weights do not)."""
-  match = matching_inputs(in_axes, out_axes, in_shapes, out_shapes)
+  train step; ``match``: :func:`matching_inputs`); if it returns none,
+  those whose leading axis is not an output's (inference: the batch flows
+  through, the weights do not)."""
   returned = {i for i in match if i is not None}
   if returned:
     return [i in returned for i in range(len(in_axes))]

@@ -35,7 +35,7 @@ from partitioner._args import argnums
 from partitioner._cache._tiers import compilation_cache, program_options
 from partitioner._config import config
 from partitioner._devices import choose_devices
-from partitioner._search import _found, _inputs
+from partitioner._search import _found, _inputs, _select
 from partitioner._search._axes import logical_axes
 from partitioner._search._candidates import (Candidate, enumerate_candidates, leaf_dims,
                                              roles, spec_of)
@@ -144,23 +144,22 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   start = time.perf_counter()
   n = len(devices)
   names = _inputs.leaf_names(fun, args, static)
-  axes = logical_axes(closed, names)
+  axes = logical_axes(closed)
   shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
-  state = _inputs.state_leaves(axes.in_axes, axes.out_axes, shapes,
-                        [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
+  out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
+                                     [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
+  state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
   program = Program(axes, r)
-  out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
-                               [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
     key = tuple(spec_of(d, c.grid) for d in dims)
-    if key not in by_layout or _plainer(c, by_layout[key][0]):
+    if key not in by_layout or _select.plainer(c, by_layout[key][0]):
       by_layout[key] = (c, dims)
   rows = [(c, list(dims), program.estimate(c, list(dims), device))
           for c, dims in by_layout.values()]
-  chosen = _shortlist(rows, max_compiles, budget is not None)
+  chosen = _select.shortlist(rows, max_compiles, budget is not None)
   results: list = []
 
   def compile_all(batch: list) -> None:
@@ -186,14 +185,14 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   compile_all(chosen)
   fits = lambda: [x for x in results if not x.failed
                   and (budget is None or x.score.peak_memory <= budget)]
-  for _ in range(_BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
+  for _ in range(_select.BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
     if budget is None or fits():
       break
     done = {x.index for x in results}
     remaining = [i for i in range(len(rows)) if i not in done]
     if not remaining:
       break
-    scale = _memory_scale(results)
+    scale = _select.memory_scale(results)
     by_memory = sorted(remaining, key=lambda i: (scale(rows[i][0]) * rows[i][2].memory, i))
     compile_all([(i, *rows[i]) for i in sorted(by_memory[:max(1, max_compiles)])])
   scored = [x for x in results if not x.failed]
@@ -230,55 +229,6 @@ def _measure(fun, args, static, out_tree, results, devices, calls: int = 5) -> N
       out = f(*concrete)
     jax.block_until_ready(out)
     x.measured = (time.perf_counter() - begin) / calls
-
-
-def _plainer(c: Candidate, other: Candidate) -> bool:
-  """Of two rule sets giving the same specs, the one named more plainly:
-  no FSDP flag, fewer model roles, a batch that is split."""
-  return ((c.fsdp, len(c.model), c.batch is None, c.grid)
-          < (other.fsdp, len(other.model), other.batch is None, other.grid))
-
-
-# Under a budget nothing fits: compile this many more rounds of candidates.
-_BUDGET_ROUNDS = 3
-
-
-def _memory_scale(results: list) -> Callable[[Candidate], float]:
-  """How far the cheap model's memory is off, learnt from the compiled
-  candidates: per (grid, batch, FSDP) configuration, else overall, the
-  median of compiled peak / estimated memory."""
-  by: dict = {}
-  for x in results:
-    if not x.failed and x.estimate.memory > 0:
-      c = x.candidate
-      by.setdefault((c.grid, c.batch, c.fsdp), []).append(x.score.peak_memory / x.estimate.memory)
-  every = sorted(r for rs in by.values() for r in rs)
-  overall = every[len(every) // 2] if every else 1.0
-
-  def scale(c: Candidate) -> float:
-    rs = sorted(by.get((c.grid, c.batch, c.fsdp), ()))
-    return rs[len(rs) // 2] if rs else overall
-  return scale
-
-
-def _shortlist(rows: list, k: int, low_memory: bool) -> list:
-  """(index, candidate, dims, estimate) of the ``k`` best by the cheap
-  model, the best of each hand-written family and, under a memory budget,
-  the smallest of each (grid, batch, FSDP) configuration; in candidate
-  order."""
-  order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
-  picked = order[:max(1, k)]
-  best_of: dict[str, int] = {}
-  for i in order:
-    best_of.setdefault(rows[i][0].family(), i)
-  picked += best_of.values()
-  if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
-    smallest: dict = {}
-    for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
-      c = rows[i][0]
-      smallest.setdefault((c.grid, c.batch, c.fsdp), i)
-    picked += smallest.values()
-  return [(i, *rows[i]) for i in sorted(set(picked))]
 
 
 def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):

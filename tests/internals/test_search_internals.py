@@ -22,7 +22,7 @@ def test_logical_axes_follow_a_matmul_chain_and_keep_layers_apart():
   params = [(jnp.ones((8, 16)), jnp.ones((16, 8))), (jnp.ones((8, 32)), jnp.ones((32, 8)))]
   x = jnp.ones((4, 8))
   closed = jax.make_jaxpr(f)(params, x)
-  axes = logical_axes(closed, ["w1a", "w2a", "w1b", "w2b", "x"])
+  axes = logical_axes(closed)
   (w1a, w2a, w1b, w2b, xa) = axes.in_axes
   assert w1a[0] == xa[1] and w2a[1] == w1b[0]  # a matmul's contracted pair is one axis
   assert w1a[1] == w2a[0] and w1b[1] == w2b[0]  # each layer's hidden units...

@@ -1,0 +1,57 @@
+"""Which candidates the search compiles: the shortlist, the rounds under a
+memory budget, and which of two rule sets with the same specs to keep."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from partitioner._search._candidates import Candidate
+
+
+def plainer(c: Candidate, other: Candidate) -> bool:
+  """Of two rule sets giving the same specs, the one named more plainly:
+  no FSDP flag, fewer model roles, a batch that is split."""
+  return ((c.fsdp, len(c.model), c.batch is None, c.grid)
+          < (other.fsdp, len(other.model), other.batch is None, other.grid))
+
+
+# Under a budget nothing fits: compile this many more rounds of candidates.
+BUDGET_ROUNDS = 3
+
+
+def memory_scale(results: list) -> Callable[[Candidate], float]:
+  """How far the cheap model's memory is off, learnt from the compiled
+  candidates: per (grid, batch, FSDP) configuration, else overall, the
+  median of compiled peak / estimated memory."""
+  by: dict = {}
+  for x in results:
+    if not x.failed and x.estimate.memory > 0:
+      c = x.candidate
+      by.setdefault((c.grid, c.batch, c.fsdp), []).append(x.score.peak_memory / x.estimate.memory)
+  every = sorted(r for rs in by.values() for r in rs)
+  overall = every[len(every) // 2] if every else 1.0
+
+  def scale(c: Candidate) -> float:
+    rs = sorted(by.get((c.grid, c.batch, c.fsdp), ()))
+    return rs[len(rs) // 2] if rs else overall
+  return scale
+
+
+def shortlist(rows: list, k: int, low_memory: bool) -> list:
+  """(index, candidate, dims, estimate) of the ``k`` best by the cheap
+  model, the best of each hand-written family and, under a memory budget,
+  the smallest of each (grid, batch, FSDP) configuration; in candidate
+  order."""
+  order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
+  picked = order[:max(1, k)]
+  best_of: dict[str, int] = {}
+  for i in order:
+    best_of.setdefault(rows[i][0].family(), i)
+  picked += best_of.values()
+  if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
+    smallest: dict = {}
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
+      c = rows[i][0]
+      smallest.setdefault((c.grid, c.batch, c.fsdp), i)
+    picked += smallest.values()
+  return [(i, *rows[i]) for i in sorted(set(picked))]
