@@ -30,6 +30,11 @@ Sections (one module each):
             fsdp_tp_specs) against jax.jit with MaxText's specs on a
             ('fsdp', 'tensor') mesh: collectives, bytes, peak memory and
             parameter bytes per device, steps/s.
+  search    the layout partitioner.search finds against every hand-written
+            layout, on two transformers and two MLPs.
+
+Not a section: ``python -m benchmarks.calibrate`` fits the search's ``cpu``
+device model to this host (see its docstring).
 
 Unless --no-write, results go to benchmarks/results.json, the tables into
 BENCHMARKS.md (between its "generated" markers) and, when matplotlib is

@@ -55,3 +55,24 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
 ])
 def test_replica_groups_in_every_form(line, groups):
   assert _score.groups(line, 8) == groups
+
+
+def test_device_models_add_or_overlap_compute_and_memory():
+  gpu = partitioner.DeviceModel("roofline", 1e12, 1e11, 1e10, 1e9, 0.0)
+  cpu = partitioner.DeviceModel("additive", 1e12, 1e11, 1e10, 1e9, 0.0, overlap=False)
+  assert gpu.compute_seconds(2e12, 1e11) == pytest.approx(2.0)   # the larger: flops
+  assert cpu.compute_seconds(2e12, 1e11) == pytest.approx(3.0)   # one op after another
+  assert cpu.comm_seconds(1e10, 3, network_bytes=1e9) == pytest.approx(2.0)
+  assert partitioner.DeviceModel("default", 1, 1, 1, 1, 0.0).overlap  # a roofline unless told
+
+
+def test_calibration_recovers_the_rates_that_made_the_times():
+  from benchmarks import calibrate
+  rng = np.random.default_rng(0)
+  rows = [{"flops": f, "bytes_accessed": b, "collective_bytes": c, "collectives": n,
+           "seconds": f / 2e10 + b / 3e9 + c / 5e8 + n * 1e-4}
+          for f, b, c, n in rng.uniform(1, 10, (12, 4)) * [1e9, 1e8, 1e7, 10]]
+  per = calibrate.fit(rows, latency=1e-4)
+  assert 1 / per == pytest.approx([2e10, 3e9, 5e8], rel=1e-6)
+  assert calibrate.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
+      == pytest.approx([2.0, 0.0])   # the negative one is held at zero
