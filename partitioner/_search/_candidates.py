@@ -59,15 +59,19 @@ class Candidate:
     return "; ".join(parts) or "replicated"
 
   def family(self) -> str:
-    """The hand-written layout this is, or ``"mixed"``."""
+    """The kind of layout this is: a hand-written one's name, or one of
+    theirs with the batch whole or the work copied."""
     data, model = self.grid
     n = data * model
     if not self.model or model == 1:
       if self.batch is None:
         return f"FSDP {n}, batch whole" if self.fsdp else "replicated"
       return f"FSDP {n}" if self.fsdp else f"data parallel {n}"
-    if data == 1 or self.batch is None:
+    if data == 1:
       return f"tensor parallel {n}" + (", rest sharded" if self.fsdp else "")
+    if self.batch is None:  # the data axis splits no batch: only state, or nothing
+      return (f"FSDP x TP {data} x {model}, batch whole" if self.fsdp
+              else f"tensor parallel {model}, copied {data} times")
     return f"FSDP x TP {data} x {model}" if self.fsdp else f"data x model {data} x {model}"
 
 

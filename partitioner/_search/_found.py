@@ -49,8 +49,9 @@ class CandidateResult:
 
   Attributes:
     layout: the rules, e.g. ``"data 4: seqs dim 0; model 2: params['w1'] dim 1"``.
-    family: the hand-written layout it is (``"data x model 2 x 4"``,
-      ``"FSDP 8"``...) or ``"mixed"`` rules no one layout has.
+    family: the kind of layout: a hand-written one's name (``"data x model
+      2 x 4"``, ``"FSDP 8"``...), with ``", batch whole"`` or ``"copied"``
+      when the data axis splits no batch.
     grid: ``(data, model)`` devices.
     seconds: estimated time of one call under the device model.
     flops: per-device flops of the compiled program.

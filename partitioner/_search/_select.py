@@ -46,7 +46,9 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
   picked = order[:max(1, k)]
   best_of: dict[str, int] = {}
   for i in order:
-    best_of.setdefault(rows[i][0].family(), i)
+    family = rows[i][0].family()
+    if family != "replicated" and "copied" not in family:  # no layout copies work on purpose
+      best_of.setdefault(family, i)
   picked += best_of.values()
   if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
     smallest: dict = {}
