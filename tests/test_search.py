@@ -1,6 +1,7 @@
 """partitioner.search: automatic layout search."""
 
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,11 @@ def test_search_is_deterministic_and_cached(tmp_path):
     partitioner.clear_caches()
     from_disk = partitioner.search(mlp_step, *abstract, max_compiles=3)
     assert from_disk.search_seconds == first.search_seconds
+    partitioner.clear_caches()
+    from partitioner._search import _search
+    with mock.patch.object(_search, "RULES", _search.RULES + 1):  # newer rules: search again
+      newer = partitioner.search(mlp_step, *abstract, max_compiles=3)
+    assert newer.search_seconds != first.search_seconds and len(os.listdir(tmp_path)) == 2
   partitioner.clear_caches()
   fresh = partitioner.search(mlp_step, *abstract, max_compiles=3)  # no cache: searches again
   assert fresh.search_seconds != first.search_seconds

@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 _memory: dict[str, bytes] = {}
 
 
+# The search's rules (candidates, shortlist, scoring); bump when they change,
+# so that a persistent cache does not answer with an older rule's choice.
+RULES = 2
+
+
 def clear() -> None:
   """Forgets the searches of this process (``clear_caches``)."""
   _memory.clear()
@@ -118,7 +123,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
         " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
         " mark non-array arguments with static_argnums.") from e
   settings = (n, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
-              tuple(d.device_kind for d in devices[:1]), __version__)
+              tuple(d.device_kind for d in devices[:1]), __version__, RULES)
   key = hashlib.sha256(  # (a program's key hashes other text: no clash)
       ("partitioner.search " + str(closed) + repr(settings)
        + repr([repr(example_args[i]) for i in static])).encode()).hexdigest()
