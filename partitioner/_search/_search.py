@@ -217,23 +217,31 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
                         time.perf_counter() - start)
 
 
-def _measure(fun, args, static, out_tree, results, devices, calls: int = 5) -> None:
-  """Times each result's layout for a few calls on the devices."""
+def _measure(fun, args, static, out_tree, results, devices, calls: int = 3,
+             rounds: int = 3) -> None:
+  """Times each result's layout on the devices: after a warm-up call, in
+  turn for ``rounds`` rounds of ``calls`` calls (so that the host's drift
+  falls on every layout alike), the median round per call."""
   from partitioner._api import sharded_jit
   concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
               for i, a in enumerate(args)]
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
-  for x in results:
-    f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, x.in_specs),
-                    out_parts=jax.tree_util.tree_unflatten(out_tree, x.out_specs),
-                    static_argnums=static, devices=devices)
+  fns = [sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, x.in_specs),
+                     out_parts=jax.tree_util.tree_unflatten(out_tree, x.out_specs),
+                     static_argnums=static, devices=devices) for x in results]
+  for f in fns:
     jax.block_until_ready(f(*concrete))  # compile and warm up
-    begin = time.perf_counter()
-    for _ in range(calls):
-      out = f(*concrete)
-    jax.block_until_ready(out)
-    x.measured = (time.perf_counter() - begin) / calls
+  times: list[list[float]] = [[] for _ in fns]
+  for _ in range(rounds):
+    for f, t in zip(fns, times):
+      begin = time.perf_counter()
+      for _ in range(calls):
+        out = f(*concrete)
+      jax.block_until_ready(out)
+      t.append((time.perf_counter() - begin) / calls)
+  for x, t in zip(results, times):
+    x.measured = sorted(t)[len(t) // 2]
 
 
 def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):
