@@ -85,7 +85,7 @@ def measure(jax, rounds: int) -> list[dict]:
     fns = {k: (sharded_jit(fun, in_parts=i, out_parts=o), example, True)
            for k, (i, o) in search.hand_written(jax, example, rules, n_state).items()}
     if megatron is not None:
-      fns["Megatron 2 x 4 (the example's step)"] = (*megatron, False)
+      fns["Megatron 2 x 4 (the example's step)"] = (megatron[0], megatron[1], False)
     times = search.interleaved({k: (f, a) for k, (f, a, _) in fns.items()}, n_state, rounds)
     for k, (f, a, hand) in fns.items():
       cost = f.lower(*(abstract if hand else a)).compile().cost()

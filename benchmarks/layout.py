@@ -18,20 +18,18 @@ from benchmarks._common import kinds, setup_jax
 from benchmarks.scaling import SIZE, load_example, race
 
 
-def run(args) -> list[dict]:
-  jax = setup_jax(args.devices)
+def jax_megatron(jax, example, size: dict, dp: int, mp: int, donate: bool = True):
+  """The example's step as a jax user writes Megatron ``dp`` x ``mp``:
+  ``jax.jit`` with NamedShardings on a ('data', 'model') mesh of the first
+  ``dp * mp`` devices and the example's constraints mapped onto it.
+  Returns (the jitted step, the state's shardings, our model, its initial
+  (params, opt))."""
   import numpy as np
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as JP
 
-  import partitioner
-  from partitioner import _explain
   from sharding import broadcast_specs
 
-  dp, mp = 2, 4
-  if dp * mp > args.devices:
-    return []
-  example = load_example()
   mesh = Mesh(np.array(jax.devices()[:dp * mp]).reshape(dp, mp), ("data", "model"))
 
   def model_axes(spec, ndim):  # partition counts -> the 'model' mesh axis
@@ -42,22 +40,34 @@ def run(args) -> list[dict]:
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, JP("data", *model_axes(spec, x.ndim)[1:])))
 
-  ours_model = example.Model(mp, **SIZE)
-  theirs_model = example.Model(mp, constrain=jax_constraint, **SIZE)
-  params, opt = ours_model.init(jax.random.PRNGKey(0))
-  batch = 16
-  seqs = np.random.default_rng(0).integers(0, 100, (batch, SIZE["seq"] + 1)).astype(np.int32)
-
-  state_tree = (params, opt)
+  ours_model = example.Model(mp, **size)
+  theirs_model = example.Model(mp, constrain=jax_constraint, **size)
+  state_tree = ours_model.init(jax.random.PRNGKey(0))
   leaves, tree = jax.tree_util.tree_flatten(state_tree)
   specs = broadcast_specs((ours_model.param_parts, ours_model.opt_parts), state_tree, "parts")
   state_shardings = jax.tree_util.tree_unflatten(
       tree, [NamedSharding(mesh, JP(*model_axes(s, np.ndim(x)))) for s, x in zip(specs, leaves)])
-  batch_sharding = NamedSharding(mesh, JP("data", None))
-  theirs = jax.jit(theirs_model.step,
-                   in_shardings=(*state_shardings, batch_sharding),
-                   out_shardings=(*state_shardings, NamedSharding(mesh, JP())),
-                   donate_argnums=(0, 1))
+  step = jax.jit(theirs_model.step,
+                 in_shardings=(*state_shardings, NamedSharding(mesh, JP("data", None))),
+                 out_shardings=(*state_shardings, NamedSharding(mesh, JP())),
+                 donate_argnums=(0, 1) if donate else ())
+  return step, state_shardings, ours_model, state_tree
+
+
+def run(args) -> list[dict]:
+  jax = setup_jax(args.devices)
+  import numpy as np
+
+  import partitioner
+  from partitioner import _explain
+
+  dp, mp = 2, 4
+  if dp * mp > args.devices:
+    return []
+  example = load_example()
+  theirs, state_shardings, ours_model, state_tree = jax_megatron(jax, example, SIZE, dp, mp)
+  batch = 16
+  seqs = np.random.default_rng(0).integers(0, 100, (batch, SIZE["seq"] + 1)).astype(np.int32)
   ours = example.train_step(ours_model)
   ours_seqs = seqs.reshape(dp, batch // dp, -1)
 

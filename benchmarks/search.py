@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 
 from benchmarks._common import setup_jax
+from benchmarks.layout import jax_megatron
 from benchmarks.scaling import SIZE, load_example
 
 BIG = 1 << 60
@@ -53,8 +54,10 @@ def models(jax):
     rules = lambda m, size=size: example.Model(m, constrain=lambda x, s: x, **size).rules
     # The example's own data x model step (partitioner.pmap over 2 replicas
     # of sharded_jit over 4, with its constraints): the layout it uses today.
+    # And jax.jit's (NamedShardings, the same constraints), on (params, opt, seqs).
     megatron = (example.train_step(example.Model(4, **size)),
-                (params, opt, seqs.reshape(2, batch // 2, -1)))
+                (params, opt, seqs.reshape(2, batch // 2, -1)),
+                jax_megatron(jax, example, size, 2, 4, donate=False)[0])
     out[name] = (model.step, (params, opt, seqs), rules, 2, megatron)
   for name, d, h, b in (("MLP wide, batch 16", 1024, 4096, 16),
                         ("MLP narrow, batch 4096", 128, 512, 4096)):
@@ -142,6 +145,8 @@ def run(args) -> list[dict]:
     return []
   import partitioner
   from partitioner import sharded_jit
+  from partitioner._search import _score
+  from partitioner._search._device_model import MODELS
 
   rows = []
   for name, (fun, example, rules, n_state, megatron) in models(jax).items():
@@ -156,7 +161,7 @@ def run(args) -> list[dict]:
                             out_parts=layouts["data x model 2 x 4"][1])
       mega_args, mega_name = example, "Megatron 2 x 4 (specs)"
     else:
-      mega_fn, mega_args = megatron
+      mega_fn, mega_args, jax_step = megatron
       mega_name = "Megatron 2 x 4 (the example's step)"
     mega = mega_fn.lower(*mega_args).compile().cost()
     partitioner.clear_caches()
@@ -189,12 +194,19 @@ def run(args) -> list[dict]:
     ]
     details = {"flops per device": f"found: {best.family}, {best.layout}; H100 model:"
                                    f" {found_gpu.best.family}"}
+    if megatron is not None:  # the same layout under jax.jit, by the same scorer
+      theirs = jax_step.lower(*example).compile()
+      jax_bytes = _score.score(theirs.as_text(), theirs.cost_analysis(), theirs.memory_analysis(),
+                               [0] * 8, MODELS["cpu"]).collective_bytes
+      table.insert(3, ("collective bytes vs jax.jit's Megatron 2 x 4",
+                       best.collective_bytes / 2**20, jax_bytes / 2**20, "MiB",
+                       "jax.jit, NamedShardings", "-"))
     if small:
       floor = bytes_floor(jax, fun, abstract, 1.1 * costs[fl].flops)
-      table.insert(3, ("fewest bytes of any layout without duplicated work, vs Megatron 2 x 4",
+      table.insert(4, ("fewest bytes of any layout without duplicated work, vs Megatron 2 x 4",
                        floor.collective_bytes / 2**20, mega.collective_bytes / 2**20, "MiB",
                        mega_name, "-"))
-      details[table[3][0]] = f"fewest bytes without duplicated work: {floor.family}, {floor.layout}; {floor.flops / 1e9:.3g} GFLOP"
+      details[table[4][0]] = f"fewest bytes without duplicated work: {floor.family}, {floor.layout}; {floor.flops / 1e9:.3g} GFLOP"
     for what, o, ref, unit, against, target in table:
       rows.append({"case": f"{name}: {what}", "unit": unit, "ours": o, "jax": ref,
                    "ratio": o / ref if ref else float("nan"), "against": against,

@@ -52,7 +52,7 @@ _memory: dict[str, bytes] = {}
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 2
+RULES = 3
 
 
 def clear() -> None:

@@ -15,6 +15,8 @@ def plainer(c: Candidate, other: Candidate) -> bool:
           < (other.fsdp, len(other.model), other.batch is None, other.grid))
 
 
+# Of the k best by the cheap model, at most this many of one family.
+PER_FAMILY = 2
 # Under a budget nothing fits: compile this many more rounds of candidates.
 BUDGET_ROUNDS = 3
 
@@ -39,11 +41,17 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
 
 def shortlist(rows: list, k: int, low_memory: bool) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
-  model, the best of each hand-written family and, under a memory budget,
+  model (at most ``PER_FAMILY`` of a family), the best of each family that
+  does not copy work and, under a memory budget,
   the smallest of each (grid, batch, FSDP) configuration; in candidate
   order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
-  picked = order[:max(1, k)]
+  picked, per_family = [], {}
+  for i in order:  # the k best, at most PER_FAMILY of a kind: variants score alike
+    family = rows[i][0].family()
+    if len(picked) < max(1, k) and per_family.get(family, 0) < PER_FAMILY:
+      picked.append(i)
+      per_family[family] = per_family.get(family, 0) + 1
   best_of: dict[str, int] = {}
   for i in order:
     family = rows[i][0].family()
