@@ -52,7 +52,7 @@ _memory: dict[str, bytes] = {}
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 3
+RULES = 4
 
 
 def clear() -> None:
@@ -254,7 +254,8 @@ def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices
                   out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
                   static_argnums=static, devices=devices)
   program = f.lower(*args).program
-  loaded = _compile.compile_module(program.module, program.devices, program_options(program),
+  loaded = _compile.compile_module(program.module, program.devices,
+                                   program_options(program, score_only=True),
                                    program.host_callbacks)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),

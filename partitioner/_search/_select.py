@@ -15,8 +15,8 @@ def plainer(c: Candidate, other: Candidate) -> bool:
           < (other.fsdp, len(other.model), other.batch is None, other.grid))
 
 
-# Of the k best by the cheap model, at most this many of one family.
-PER_FAMILY = 2
+# Of the k best by the cheap model, at most k / PER_FAMILY (and 2) of one family.
+PER_FAMILY = 5
 # Under a budget nothing fits: compile this many more rounds of candidates.
 BUDGET_ROUNDS = 3
 
@@ -41,15 +41,15 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
 
 def shortlist(rows: list, k: int, low_memory: bool) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
-  model (at most ``PER_FAMILY`` of a family), the best of each family that
+  model (at most ``k / PER_FAMILY`` of a family), the best of each family that
   does not copy work and, under a memory budget,
   the smallest of each (grid, batch, FSDP) configuration; in candidate
   order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
-  picked, per_family = [], {}
-  for i in order:  # the k best, at most PER_FAMILY of a kind: variants score alike
+  picked, per_family, cap = [], {}, max(2, k // PER_FAMILY)
+  for i in order:  # the k best, few of a kind: variants of a family score alike
     family = rows[i][0].family()
-    if len(picked) < max(1, k) and per_family.get(family, 0) < PER_FAMILY:
+    if len(picked) < max(1, k) and per_family.get(family, 0) < cap:
       picked.append(i)
       per_family[family] = per_family.get(family, 0) + 1
   best_of: dict[str, int] = {}

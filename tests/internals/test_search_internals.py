@@ -76,3 +76,26 @@ def test_calibration_recovers_the_rates_that_made_the_times():
   assert 1 / per == pytest.approx([2e10, 3e9, 5e8], rel=1e-6)
   assert calibrate.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
       == pytest.approx([2.0, 0.0])   # the negative one is held at zero
+
+
+def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
+  from partitioner._search import _search
+  from partitioner._search._device_model import MODELS
+  from sharding import PartitionSpec as P
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.normal(size=(64, 256)).astype(np.float32),
+            "w2": rng.normal(size=(256, 64)).astype(np.float32)}
+  x = rng.normal(size=(16, 64)).astype(np.float32)
+
+  def step(p, x):
+    g = jax.grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2))(p)
+    return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
+
+  specs = {"w1": P(1, 4), "w2": P(4, 1)}
+  real = partitioner.sharded_jit(step, in_parts=(specs, P(2, 1)), out_parts=specs)
+  want = real.lower(params, x).compile().cost()
+  got = _search._compile_and_score(
+      step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
+      list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
+      jax.devices()[:8], MODELS["cpu"])
+  assert got == want
