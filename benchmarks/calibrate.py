@@ -50,17 +50,22 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   return best[1] if best else np.zeros(cols)
 
 
+def _terms(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+  """(flops, bytes accessed, collective bytes) per row; collectives per row."""
+  return (np.array([[r["flops"], r["bytes_accessed"], r["collective_bytes"]] for r in rows]),
+          np.array([r["collectives"] for r in rows]))
+
+
 def fit(rows: list[dict], latency: float) -> np.ndarray:
   """Seconds per flop, per byte accessed and per collective byte."""
   t = np.array([r["seconds"] for r in rows])
-  x = np.array([[r["flops"], r["bytes_accessed"], r["collective_bytes"]] for r in rows])
-  rest = t - latency * np.array([r["collectives"] for r in rows])
-  return nnls(x / t[:, None], rest / t)
+  x, count = _terms(rows)
+  return nnls(x / t[:, None], (t - latency * count) / t)
 
 
 def predict(rows: list[dict], per: np.ndarray, latency: float) -> np.ndarray:
-  x = np.array([[r["flops"], r["bytes_accessed"], r["collective_bytes"]] for r in rows])
-  return x @ per + latency * np.array([r["collectives"] for r in rows])
+  x, count = _terms(rows)
+  return x @ per + latency * count
 
 
 def picks(rows: list[dict], predicted: np.ndarray) -> dict[str, tuple[str, float]]:

@@ -58,6 +58,11 @@ class Candidate:
                    + (" + rest sharded" if self.fsdp and data == 1 else ""))
     return "; ".join(parts) or "replicated"
 
+  @property
+  def copies_work(self) -> bool:
+    """The data axis splits nothing: its devices all do the same work."""
+    return self.grid[0] > 1 and self.batch is None and not self.fsdp
+
   def family(self) -> str:
     """The kind of layout this is: a hand-written one's name, or one of
     theirs with the batch whole or the work copied."""

@@ -13,11 +13,11 @@ bf16 for accelerators), from:
 
 - ``cpu``: one of 8 simulated devices sharing a 2-core host, fitted by
   ``python -m benchmarks.calibrate``: the measured time per step of the
-  hand-written layouts of four models (two transformers, two MLPs; 28
-  programs), least squares on the relative error of
-  ``flops / F + bytes accessed / M + collective bytes / L`` with a fixed
-  50 us per collective. Over those programs it is within 23% (rms) of the
-  measured time and, fitted on three models, picks on the fourth a layout
+  hand-written layouts of four models (two transformers, two MLPs, and the
+  transformer example's own step: 26 programs), least squares on the
+  relative error of ``flops / F + bytes accessed / M + collective bytes /
+  L`` with a fixed 50 us per collective. Over those programs it is within
+  21-23% (rms, two fits) of the measured time and, fitted on three models, picks on the fourth a layout
   within 7% of the fastest measured. Simulated devices' collectives are
   memory copies between threads (about 0.5 GB/s per device here), which is
   why they cost so much more than a CPU's arithmetic. Collectives across

@@ -187,11 +187,13 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
         bar.update(k + 1)
     bar.close()
 
+  def fitting() -> list:
+    return [x for x in results if not x.failed
+            and (budget is None or x.score.peak_memory <= budget)]
+
   compile_all(chosen)
-  fits = lambda: [x for x in results if not x.failed
-                  and (budget is None or x.score.peak_memory <= budget)]
   for _ in range(_select.BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
-    if budget is None or fits():
+    if budget is None or fitting():
       break
     done = {x.index for x in results}
     remaining = [i for i in range(len(rows)) if i not in done]
@@ -200,10 +202,9 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
     scale = _select.memory_scale(results)
     by_memory = sorted(remaining, key=lambda i: (scale(rows[i][0]) * rows[i][2].memory, i))
     compile_all([(i, *rows[i]) for i in sorted(by_memory[:max(1, max_compiles)])])
-  scored = [x for x in results if not x.failed]
-  if scored and not fits():
+  scored, fits = [x for x in results if not x.failed], fitting()
+  if scored and not fits:
     raise _budget_error(who, min(x.score.peak_memory for x in scored), budget)
-  fits = fits()
   if not scored:
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")

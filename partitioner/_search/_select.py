@@ -46,17 +46,16 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
   the smallest of each (grid, batch, FSDP) configuration; in candidate
   order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
+  family = [c.family() for c, *_ in rows]
   picked, per_family, cap = [], {}, max(2, k // PER_FAMILY)
   for i in order:  # the k best, few of a kind: variants of a family score alike
-    family = rows[i][0].family()
-    if len(picked) < max(1, k) and per_family.get(family, 0) < cap:
+    if len(picked) < max(1, k) and per_family.get(family[i], 0) < cap:
       picked.append(i)
-      per_family[family] = per_family.get(family, 0) + 1
+      per_family[family[i]] = per_family.get(family[i], 0) + 1
   best_of: dict[str, int] = {}
-  for i in order:
-    family = rows[i][0].family()
-    if family != "replicated" and "copied" not in family:  # no layout copies work on purpose
-      best_of.setdefault(family, i)
+  for i in order:  # no layout copies work on purpose: those compete by rank only
+    if not rows[i][0].copies_work:
+      best_of.setdefault(family[i], i)
   picked += best_of.values()
   if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
     smallest: dict = {}

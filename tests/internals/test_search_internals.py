@@ -99,3 +99,15 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
       list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
       jax.devices()[:8], MODELS["cpu"])
   assert got == want
+
+
+def test_family_names_and_layouts_that_copy_work():
+  from partitioner._search._candidates import Candidate
+  cases = [(Candidate((8, 1), None, False, ()), "replicated", True),
+           (Candidate((8, 1), 0, False, ()), "data parallel 8", False),
+           (Candidate((2, 4), None, False, (1,)), "tensor parallel 4, copied 2 times", True),
+           (Candidate((2, 4), None, True, (1,)), "FSDP x TP 2 x 4, batch whole", False),
+           (Candidate((1, 8), None, True, (1,)), "tensor parallel 8, rest sharded", False),
+           (Candidate((2, 4), 0, False, (1,)), "data x model 2 x 4", False)]
+  for c, family, copies in cases:
+    assert (c.family(), c.copies_work) == (family, copies)
