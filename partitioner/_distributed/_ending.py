@@ -48,6 +48,7 @@ _FAIL_TAG = 0x5E8       # "this rank failed": payload = its exit code
 _GRACE_SECS = 0.5       # a failing rank 0 lets its peers end first (see abort)
 _POLL_SECS = 0.1        # how often the watcher looks for peers' notices
 _PATIENCE_SECS = 10.0   # a finished rank says whom it waits for after this long
+_WATCHER_WAIT_SECS = 5.0  # an ending underway ends this process within this
 
 
 class _Ending:
@@ -56,6 +57,7 @@ class _Ending:
   def __init__(self, rank: int, size: int, notices: Any):
     self.rank, self.size, self.notices = rank, size, notices
     self.exiting = False
+    self.ending = False  # the job's end is underway: report it once
     self.lock = threading.Lock()
     self.stop = threading.Event()
     self.watcher: threading.Thread | None = None
@@ -74,6 +76,10 @@ class _Ending:
   def fail(self, kind: type, value: BaseException, tb: Any, previous: Any) -> None:
     """sys.excepthook: the traceback once, then the whole job ends."""
     interrupted = issubclass(kind, KeyboardInterrupt)
+    if not self._first_to_end():  # the watcher is ending the job and said why
+      time.sleep(_WATCHER_WAIT_SECS)
+      os._exit(1)
+      return  # (only where os._exit is replaced, in tests)
     try:
       if _lost_a_peer(value):  # a consequence: the peer's own report comes first
         sys.stderr.write(f"sharded_jit: rank {self.rank} of {self.size} lost its"
@@ -156,7 +162,14 @@ class _Ending:
       if behind:
         self.abandon(behind)
 
+  def _first_to_end(self) -> bool:
+    with self.lock:
+      first, self.ending = not self.ending, True
+    return first
+
   def abandon(self, behind: dict[int, int]) -> None:
+    if not self._first_to_end():  # the main thread's failure is ending the job
+      return
     peers = ", ".join(f"rank {r} ended after {n} steps" for r, n in sorted(behind.items()))
     message = (f"rank {self.rank} of {self.size}: {peers} (its script returned"
                f" or called sys.exit), but this rank has started {steps.count}"

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any
 
 from partitioner._config import config
 from partitioner._distributed._errors import PeerError
+
+_WATCHER_SECS = 5.0  # how long a rank waits for its watcher to end the job
 
 
 class Steps:
@@ -41,8 +44,22 @@ class Steps:
 
   def before(self, rank: int, size: int) -> None:
     """Raises :class:`PeerError` when a peer has left: nothing could answer."""
-    if self.departed:
-      raise PeerError(departure_message(rank, size, self.departed, self.count + 1))
+    self.check_peers(rank, size, self.count + 1)
+
+  def check_peers(self, rank: int, size: int, what: int | str) -> None:
+    """Raises :class:`PeerError` when a peer has left the job.
+
+    When this rank has already started steps the peer never joined, those
+    wait for it inside XLA: the watcher thread (``_ending``) ends the job
+    and names the peer, once. This rank then waits for that instead of
+    raising a second report of the same ending (it raises only if the
+    watcher has not ended the job within ``_WATCHER_SECS``).
+    """
+    if not self.departed:
+      return
+    if any(n < self.count for n in self.departed.values()):
+      time.sleep(_WATCHER_SECS)
+    raise PeerError(departure_message(rank, size, self.departed, what))
 
   def add(self, token: Any) -> None:
     """Records an execution (its runtime token); waits while too many run."""

@@ -30,7 +30,7 @@ from partitioner._distributed import _channels, _console, _ending, _quiet
 from partitioner._distributed._env import (choose_local_device_ids, detect, launcher_world,
                                            mark, slurm_coordinator)
 from partitioner._distributed._errors import PeerError
-from partitioner._distributed._steps import departure_message, steps
+from partitioner._distributed._steps import steps
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class World:
       delay = min(delay * 2, 0.001)
 
   def _check_peers(self, what: str) -> None:
-    if steps.departed:
-      raise PeerError(departure_message(self.rank, self.size, steps.departed, what))
+    steps.check_peers(self.rank, self.size, what)
 
   def allgather(self, value: Any, what: str) -> list[Any]:
     self.rendezvous(what)

@@ -1,0 +1,126 @@
+"""A peer's departure is reported once, whichever thread of a rank sees it
+first (the watcher, or the main thread starting its next step).
+
+The 2-rank tests in test_multiprocess.py run the whole protocol; the race
+between the two threads is rare there (CI met it once), so it is pinned here.
+"""
+
+import threading
+import time
+
+import pytest
+
+from partitioner._distributed import _ending, _steps
+from partitioner._distributed._errors import PeerError
+
+
+class FakeNotices:
+  """Records aborts; a peer's "left" notice is handed out once."""
+
+  def __init__(self, left=None):
+    self.left, self.aborts = dict(left or {}), []
+
+  def can_watch(self):
+    return True
+
+  def receive(self):
+    left, self.left = self.left, {}
+    return left, {}
+
+  def abort(self, code):
+    self.aborts.append(code)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+  fresh = _steps.Steps()
+  monkeypatch.setattr(_steps, "steps", fresh)
+  monkeypatch.setattr(_ending, "steps", fresh)
+  monkeypatch.setattr(_steps, "_WATCHER_SECS", 0.2)
+  monkeypatch.setattr(_ending, "mark", lambda *a: None)
+  return fresh
+
+
+def test_a_step_after_a_peer_left_in_step_is_a_peer_error(steps):
+  steps.count = 6
+  steps.departed[1] = 6  # the peer ran every step this rank started
+  start = time.monotonic()
+  with pytest.raises(PeerError, match=r"rank 1 \(after 6 steps\) already ended"
+                     r".*runs step 7"):
+    steps.before(0, 2)
+  assert time.monotonic() - start < 0.1  # at once: nothing else will report it
+
+
+def test_a_step_after_a_peer_left_behind_leaves_the_report_to_the_watcher(steps):
+  steps.count = 9
+  steps.departed[1] = 6  # steps 7-9 wait for it: the watcher ends the job
+  start = time.monotonic()
+  with pytest.raises(PeerError):  # only if the watcher has not ended it by then
+    steps.before(0, 2)
+  assert time.monotonic() - start >= 0.2
+
+
+def test_the_watcher_ends_the_job_once_and_names_the_peer(steps, capsys):
+  ending = _ending._Ending(0, 2, FakeNotices(left={1: 6}))
+  steps.count = 9
+  ending.receive()
+  ending.abandon({1: 6})
+  ending.abandon({1: 6})  # the watcher polls again before the abort lands
+  assert ending.notices.aborts == [1]
+  assert capsys.readouterr().err.count("rank 1 ended after 6 steps") == 1
+
+
+def test_a_failure_while_the_watcher_ends_the_job_prints_no_second_report(
+    steps, capsys, monkeypatch):
+  exits = []
+  monkeypatch.setattr(_ending, "_WATCHER_WAIT_SECS", 0.0)
+  monkeypatch.setattr(_ending.os, "_exit", exits.append)
+  ending = _ending._Ending(0, 2, FakeNotices())
+  ending.abandon({1: 6})
+  try:
+    raise PeerError("rank 1 already ended")
+  except PeerError as e:
+    ending.fail(type(e), e, e.__traceback__, lambda *a: print("TRACEBACK"))
+  err = capsys.readouterr()
+  assert "TRACEBACK" not in err.out + err.err and "Traceback" not in err.err
+  assert ending.notices.aborts == [1] and exits == [1]
+
+
+def test_the_watcher_stays_quiet_when_a_failure_is_already_ending_the_job(steps, capsys):
+  ending = _ending._Ending(0, 2, FakeNotices())
+  try:
+    raise ValueError("broke")
+  except ValueError as e:
+    ending.fail(type(e), e, e.__traceback__, lambda *a: None)
+  ending.abandon({1: 6})
+  assert ending.notices.aborts == [1]
+  assert "ended after" not in capsys.readouterr().err
+
+
+def test_watcher_and_main_thread_racing_report_once(steps, capsys, monkeypatch):
+  """Both threads see the departure at the same moment, many times over."""
+  monkeypatch.setattr(_ending, "_WATCHER_WAIT_SECS", 0.0)
+  monkeypatch.setattr(_ending.os, "_exit", lambda code: None)
+  for _ in range(20):
+    steps.departed.clear()
+    steps.count = 9
+    ending = _ending._Ending(0, 2, FakeNotices(left={1: 6}))
+    go = threading.Barrier(2)
+
+    def watcher():
+      go.wait()
+      ending.receive()
+      ending.abandon({1: 6})
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    go.wait()
+    try:
+      steps.before(0, 2)
+    except PeerError as e:
+      ending.fail(type(e), e, e.__traceback__, lambda *a: print("TRACEBACK"))
+    thread.join()
+    assert ending.notices.aborts == [1]
+  out = capsys.readouterr()
+  assert "TRACEBACK" not in out.out
+  assert out.err.count("ended after 6 steps") == 20
