@@ -8,7 +8,9 @@
   ``sharded_jit/<kind>/<seq>/<rank>``; ``seq`` counts the operations, which
   every process performs in the same order.
 
-Both offer the same three operations to :class:`~partitioner.World`: a
+Also here: :func:`reserve_port`, rank 0's port for jax's coordinator.
+
+Both channels offer the same three operations to :class:`~partitioner.World`: a
 barrier that can be polled against a deadline, an allgather and a broadcast
 from rank 0. :func:`load_mpi` decides whether MPI can be used at all: it
 checks, before MPI is initialised, that the library mpi4py loaded can join
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -197,3 +200,24 @@ def mpi_world(launch: Launch) -> Any:
         " was built against, or under Slurm use srun --mpi=pmi2 (MPICH) or"
         " plain srun.")
   return comm
+
+
+def reserve_port() -> socket.socket:
+  """A free port for jax's coordinator, held until it has bound it.
+
+  The coordinator (gRPC) binds ``[::]:port`` with SO_REUSEPORT; a socket
+  bound there with the same option keeps the port from every other bind
+  meanwhile (a port merely found free was once taken before jax bound it:
+  the coordinator then crashed the rank with a segmentation fault)."""
+  error = None
+  for family, wildcard in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      s.bind((wildcard, 0))
+      return s
+    except OSError as e:  # e.g. no IPv6 on this host: IPv4 then
+      s.close()
+      error = e
+  raise OSError(f"found no free TCP port for jax's coordinator: {error}")

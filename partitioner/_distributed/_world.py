@@ -165,6 +165,7 @@ def initialize(coordinator_address: str | None = None,
           " partitioner.initialize() at the start of the script, before any"
           " jax computation, jax.devices() or sharded_jit call.")
     comm = _channels.mpi_world(launch)
+    held = None
     address = coordinator_address or os.environ.get("SHARDED_JIT_COORDINATOR_ADDRESS")
     if comm is not None:
       rank = comm.Get_rank()
@@ -172,7 +173,8 @@ def initialize(coordinator_address: str | None = None,
         hosts = comm.allgather(socket.gethostname())
         if rank == 0:
           host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
-          address = f"{host}:{_free_port(host)}"
+          held = _channels.reserve_port()
+          address = f"{host}:{held.getsockname()[1]}"
         address = comm.bcast(address, root=0)
     elif address is None:
       address = slurm_coordinator()
@@ -195,6 +197,8 @@ def initialize(coordinator_address: str | None = None,
         shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
         initialization_timeout=timeout + 5)
     connected.set()
+    if held is not None:  # jax's coordinator has its port now
+      held.close()
     _install_termination_message(rank, size)
     if comm is not None:
       channel = _channels.MpiChannel(comm)
@@ -264,12 +268,6 @@ def world() -> World:
 
 
 _A_YEAR = 365 * 24 * 3600  # "no limit" (collective_timeout_secs=inf) for jax
-
-
-def _free_port(host: str) -> int:
-  with socket.socket() as s:
-    s.bind((host if host != socket.gethostname() else "", 0))
-    return s.getsockname()[1]
 
 
 def _install_termination_message(rank: int, size: int) -> None:

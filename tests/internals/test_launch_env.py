@@ -1,6 +1,8 @@
 """Which launcher started a process, as which rank, and which devices it
 claims: read from each launcher's own variables (no launcher needed)."""
 
+import socket
+
 import pytest
 
 from partitioner._distributed import _channels
@@ -94,3 +96,19 @@ def test_bad_local_device_ids_are_a_clear_error():
 ])
 def test_which_mpi_library_can_join_which_launcher(family, library, ok):
   assert _channels._can_join(Launch("x", 0, 2, mpi_family=family), library) is ok
+
+
+def test_the_coordinators_port_is_held_until_jax_binds_it():
+  held = _channels.reserve_port()
+  port = held.getsockname()[1]
+  try:
+    for host in ("127.0.0.1", ""):  # nothing else can take it meanwhile ...
+      with socket.socket() as other, pytest.raises(OSError):
+        other.bind((host, port))
+    with socket.socket(held.family) as grpc:  # ... but jax's gRPC server can
+      grpc.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      grpc.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      grpc.bind((held.getsockname()[0], port))
+      grpc.listen()
+  finally:
+    held.close()
