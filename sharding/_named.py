@@ -35,8 +35,8 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
   Raises:
     TypeError: ``named`` is not a NamedSharding.
     ValueError: its spec is longer than ``ndim``, has unconstrained
-      entries, or its mesh lists devices in an order no grid of the
-      devices gives.
+      entries, or (across processes) its mesh interleaves the processes'
+      devices in an order no grid of them gives.
   """
   if not isinstance(named, jax.sharding.NamedSharding):
     raise TypeError(f"from_named takes a jax.sharding.NamedSharding, got {named!r}."
@@ -56,17 +56,24 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
     group = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     dims.append(tuple(names.index(a) for a in group))
   order = {d: k for k, d in enumerate(jax.devices())}
-  devices = sorted(mesh.devices.flat, key=order.__getitem__)
-  position = {d: k for k, d in enumerate(devices)}
-  positions = np.vectorize(position.__getitem__, otypes=[np.int64])(mesh.devices)
-  layout = _layout.from_positions(positions, dims)
-  if layout is None:
+  in_jax_order = sorted(mesh.devices.flat, key=order.__getitem__)
+  by_process = sorted(mesh.devices.flat, key=lambda d: d.process_index)  # (stable)
+  for devices in (in_jax_order, by_process):
+    position = {d: k for k, d in enumerate(devices)}
+    positions = np.vectorize(position.__getitem__, otypes=[np.int64])(mesh.devices)
+    layout = _layout.from_positions(positions, dims)
+    if layout is not None:
+      break
+  else:
     raise ValueError(
         f"from_named: the mesh {dict(mesh.shape)} lists its devices in the order"
-        f" {[d.id for d in mesh.devices.flat]}, which is no grid of the devices"
-        " (a reshape and transpose of them in id order), so no count spec can"
-        " say it. Hint: build the mesh with jax.make_mesh, or over"
-        " np.array(jax.devices()).reshape(...), and reshard to it.")
+        f" {[d.id for d in mesh.devices.flat]} (of processes"
+        f" {[d.process_index for d in mesh.devices.flat]}): a program runs on"
+        " each process's devices in one run, and in that order no grid (a"
+        " reshape and transpose) of them gives this mesh, so no count spec can"
+        " say it. Hint: build the mesh with jax.make_mesh, or order its"
+        " devices so that each process's devices are together, and reshard to"
+        " it.")
   ids = tuple(d.id for d in devices)
   counts = layout.counts
   return with_layout(counts, None if _layout.is_row_major(layout) else layout, ids)

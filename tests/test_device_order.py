@@ -229,12 +229,47 @@ def test_a_named_sharding_on_other_devices_is_a_clear_error():
     sharded_jit(lambda a: a + 1, in_parts=spec, out_parts=spec, devices=D[:4])(X)
 
 
+SCRAMBLED = [jax.sharding.Mesh(np.array(D)[order].reshape(shape), tuple("abc"[:len(shape)]))
+             for order, shape in [([1, 0, 2, 3, 4, 5, 6, 7], (2, 4)),
+                                  ([3, 0, 5, 4, 2, 7, 6, 1], (4, 2)),
+                                  ([7, 6, 5, 4, 3, 2, 1, 0], (2, 2, 2)),
+                                  ([5, 1, 0, 2, 3, 4, 6, 7], (8,))]]
+
+
+@pytest.mark.parametrize("mesh", SCRAMBLED, ids=lambda m: ",".join(str(d.id) for d in m.devices.flat))
+def test_a_mesh_in_no_grid_order_of_the_devices_runs_in_its_own_order(mesh, mode):
+  # e.g. a TPU mesh ordered by the chips' physical topology
+  names = mesh.axis_names
+  crossed = [JP(names[-1], names[0])] if len(names) > 1 else []
+  for entries in (JP(names[0], None), JP(None, names[-1]), *crossed, JP(names, None), JP()):
+    ns = NamedSharding(mesh, entries)
+    spec = from_named(ns, 2)
+    assert spec.device_ids == tuple(mesh.device_ids.flat), spec
+    run_case(ns, mode)
+
+
+def test_every_sharding_of_a_mesh_in_its_own_order_shares_a_program(mode):
+  mesh = SCRAMBLED[1]
+  shardings = [NamedSharding(mesh, s) for s in (JP("a", "b"), JP("b", "a"), JP("a", None))]
+  w1, w2, x = (np.linspace(-1, 1, 32 * 32, dtype=np.float32).reshape(32, 32) * k
+               for k in (1, -0.5, 2))
+
+  def step(w1, w2, x):
+    g1, g2 = jax.grad(mlp_loss, argnums=(0, 1))(w1, w2, x)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+  specs = [from_named(s) for s in shardings]
+  ours = sharded_jit(step, in_parts=tuple(specs), out_parts=tuple(specs[:2]))(w1, w2, x)
+  theirs = jax.jit(step, in_shardings=tuple(shardings),
+                   out_shardings=tuple(shardings[:2]))(w1, w2, x)
+  for got, want, ns in zip(ours, theirs, shardings):
+    assert got.sharding.is_equivalent_to(ns, 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_from_named_errors():
   with pytest.raises(TypeError, match="NamedSharding"):
     from_named(jax.sharding.SingleDeviceSharding(D[0]))
-  scrambled = jax.sharding.Mesh(np.array(D)[[1, 0, 2, 3, 4, 5, 6, 7]].reshape(2, 4), ("a", "b"))
-  with pytest.raises(ValueError, match=r"order \[1, 0, 2, .*no grid"):
-    from_named(NamedSharding(scrambled, JP("a", "b")))
   with pytest.raises(ValueError, match="more than the array's rank 1"):
     from_named(NamedSharding(FSDP_TP, JP("fsdp", "tensor")), ndim=1)
   assert from_named(NamedSharding(FSDP_TP, JP()), 2) == P(1, 1, device_ids=range(8))

@@ -33,6 +33,29 @@ assert y.sharding.is_equivalent_to(w_out, 2)
 for s in y.addressable_shards:
   np.testing.assert_array_equal(np.asarray(s.data), (x * 2)[w_out.devices_indices_map(x.shape)[s.device]])
 
+# A mesh in no grid order of jax's devices (as a TPU's physical order can
+# be), each process's devices together: the program runs in the mesh's order.
+devs = jax.devices()
+mixed = jax.sharding.Mesh(np.array([devs[1], devs[0], devs[3], devs[2]]).reshape(2, 2),
+                          ("a", "b"))
+for entries in (JP("a", "b"), JP("b", None), JP()):
+  ns = NamedSharding(mixed, entries)
+  mixed_spec = from_named(ns, 2)
+  assert mixed_spec.device_ids == tuple(devs[i].id for i in (1, 0, 3, 2)), mixed_spec
+  y = sharded_jit(lambda a: a - 1, in_parts=mixed_spec, out_parts=mixed_spec)(x)
+  assert y.sharding.is_equivalent_to(ns, 2)
+  for s in y.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), (x - 1)[ns.devices_indices_map(x.shape)[s.device]])
+# Interleaving the processes' devices out of any grid cannot run: refused.
+try:
+  from_named(NamedSharding(jax.sharding.Mesh(
+      np.array([devs[0], devs[2], devs[3], devs[1]]).reshape(2, 2), ("a", "b")), JP("a")))
+except ValueError as e:
+  ids = [devs[i].id for i in (0, 2, 3, 1)]
+  assert f"order {ids} (of processes [0, 1, 1, 0])" in str(e), e
+else:
+  raise AssertionError("an interleaved mesh was accepted")
+
 # Per-process pieces: the processes own grid axis 0, which splits the
 # columns, so each rank passes (and gets back) its half of the columns.
 local = sharded_jit(lambda a: a + 1, in_parts=spec, out_parts=spec,
