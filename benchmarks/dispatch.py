@@ -1,6 +1,7 @@
 """Dispatch section: per-call time (inputs already placed) of each front end
-(a direct sharded_jit call, partitioner.pmap, a sharded_jit staged in
-jax.jit) against jax.jit with the same shardings, and first-call time
+(a direct sharded_jit call, the same with a donated argument fed back call
+after call, partitioner.pmap, a sharded_jit staged in jax.jit) against
+jax.jit with the same shardings, and first-call time
 (trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def run(args) -> list[dict]:
     theirs_in = (jax.device_put(x, row), jax.device_put(w, rep))
     return ours, theirs, ours_in, theirs_in
 
+  def build_donated(n: int):
+    """The direct call with its first argument donated (both sides), fed
+    back its output call after call, as a training loop does."""
+    _, _, ours_in, theirs_in = build(n)
+    spec = P(n, 1) if n > 1 else None
+    ours = sharded_jit(make_fn(), in_parts=(spec, None), out_parts=spec,
+                       num_partitions=n, donate_argnums=0)
+    theirs = jax.jit(make_fn(), in_shardings=(theirs_in[0].sharding, theirs_in[1].sharding),
+                     out_shardings=theirs_in[0].sharding, donate_argnums=0)
+    return ours, theirs, ours_in, theirs_in
+
   def build_staged(n: int):
     """jax.jit of a sharded_jit function against jax.jit of the function
     with the same shardings."""
@@ -85,37 +97,54 @@ def run(args) -> list[dict]:
     theirs_in = (jax.device_put(x, x_in), jax.device_put(w, w_in))
     return ours, theirs, ours_in, theirs_in
 
-  def warm_up(fn, inputs) -> None:
-    for _ in range(50):  # the first executions of a program are slower
-      fn(*inputs).block_until_ready()
+  def feed(fn, inputs: list) -> tuple[list, object]:
+    """One call: (the next call's inputs, the output). A donating ``fn``
+    gets its output as its next first argument (its input is gone)."""
+    out = fn(*inputs)
+    return ([out, *inputs[1:]] if fn in donors else inputs), out
 
-  def batch(fn, inputs, calls: int) -> float:
-    """Seconds per call over ``calls`` back-to-back calls (one wait at the end)."""
+  def warm_up(fn, inputs: list) -> list:
+    for _ in range(50):  # the first executions of a program are slower
+      inputs, out = feed(fn, inputs)
+    out.block_until_ready()
+    return inputs
+
+  def batch(fn, inputs: list, calls: int) -> tuple[float, list]:
+    """Seconds per call over ``calls`` back-to-back calls (one wait at the
+    end), and the inputs for the next batch."""
     t0 = time.perf_counter()
     for _ in range(calls):
-      out = fn(*inputs)
+      inputs, out = feed(fn, inputs)
     out.block_until_ready()
-    return (time.perf_counter() - t0) / calls
+    return (time.perf_counter() - t0) / calls, inputs
 
   def first_call(fn, inputs) -> float:
     t0 = time.perf_counter()
     fn(*inputs).block_until_ready()
     return time.perf_counter() - t0
 
-  cases = []
+  cases, donors = [], set()
   for n in sorted({args.devices, 1}, reverse=True):
-    for front_end, make in (("sharded_jit", build), ("pmap", build_pmap),
-                            ("staged in jax.jit", build_staged)):
+    for front_end, make in (("sharded_jit", build), ("sharded_jit, donated", build_donated),
+                            ("pmap", build_pmap), ("staged in jax.jit", build_staged)):
       ours, theirs, ours_in, theirs_in = make(n)
-      np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5, atol=1e-6)
-      warm_up(ours, ours_in)
-      warm_up(theirs, theirs_in)
+      if make is build_donated:
+        donors.update((ours, theirs))
+        ours_in, theirs_in = [jnp.array(a) for a in ours_in], [jnp.array(a) for a in theirs_in]
+      else:
+        np.testing.assert_allclose(ours(*ours_in), theirs(*theirs_in), rtol=1e-5, atol=1e-6)
+      ours_in = warm_up(ours, list(ours_in))
+      theirs_in = warm_up(theirs, list(theirs_in))
+      if make is build_donated:  # (both fed back the same 50 times)
+        np.testing.assert_allclose(ours_in[0], theirs_in[0], rtol=1e-4, atol=1e-5)
       # Alternate small batches of the two so that machine noise hits both
       # alike; report the median batch.
       a, b = [], []
       for _ in range(max(1, args.calls // _BATCH)):
-        a.append(batch(ours, ours_in, _BATCH))
-        b.append(batch(theirs, theirs_in, _BATCH))
+        seconds, ours_in = batch(ours, ours_in, _BATCH)
+        a.append(seconds)
+        seconds, theirs_in = batch(theirs, theirs_in, _BATCH)
+        b.append(seconds)
       cases.append({"case": f"per-call, {front_end}, {n} device(s)", "unit": "us",
                     "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6})
     fa, fb = [], []

@@ -147,13 +147,15 @@ class Executable:
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
     no per-process conversion; returns the outputs' pytree."""
-    if (self._effects or self._bounded or self._donated or self._empty or
-        self._localize is not None):
+    if self._effects or self._bounded or self._empty or self._localize is not None:
       return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
     execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
-    check = self.check_deleted
+    check, donated = self.check_deleted, self._donated
 
     def run(leaves):
+      for k in donated:  # XLA crashes (not raises) on a deleted donated buffer
+        if leaves[k].is_deleted():
+          check(leaves)
       try:
         results = execute(leaves)
       except jax.errors.JaxRuntimeError:
