@@ -41,14 +41,13 @@ from typing import Any
 
 from partitioner._distributed import _quiet
 from partitioner._distributed._env import mark
-from partitioner._distributed._steps import steps
+from partitioner._distributed._steps import WATCHER_SECS, steps
 
 _TAG = 0x5E7            # "this rank's script has ended": payload = its step count
 _FAIL_TAG = 0x5E8       # "this rank failed": payload = its exit code
 _GRACE_SECS = 0.5       # a failing rank 0 lets its peers end first (see abort)
 _POLL_SECS = 0.1        # how often the watcher looks for peers' notices
 _PATIENCE_SECS = 10.0   # a finished rank says whom it waits for after this long
-_WATCHER_WAIT_SECS = 5.0  # an ending underway ends this process within this
 
 
 class _Ending:
@@ -77,7 +76,7 @@ class _Ending:
     """sys.excepthook: the traceback once, then the whole job ends."""
     interrupted = issubclass(kind, KeyboardInterrupt)
     if not self._first_to_end():  # the watcher is ending the job and said why
-      time.sleep(_WATCHER_WAIT_SECS)
+      time.sleep(WATCHER_SECS)
       os._exit(1)
       return  # (only where os._exit is replaced, in tests)
     try:

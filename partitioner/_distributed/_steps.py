@@ -16,7 +16,7 @@ from typing import Any
 from partitioner._config import config
 from partitioner._distributed._errors import PeerError
 
-_WATCHER_SECS = 5.0  # how long a rank waits for its watcher to end the job
+WATCHER_SECS = 5.0  # how long a rank waits for its watcher to end the job
 
 
 class Steps:
@@ -53,12 +53,12 @@ class Steps:
     wait for it inside XLA: the watcher thread (``_ending``) ends the job
     and names the peer, once. This rank then waits for that instead of
     raising a second report of the same ending (it raises only if the
-    watcher has not ended the job within ``_WATCHER_SECS``).
+    watcher has not ended the job within ``WATCHER_SECS``).
     """
     if not self.departed:
       return
     if any(n < self.count for n in self.departed.values()):
-      time.sleep(_WATCHER_SECS)
+      time.sleep(WATCHER_SECS)
     raise PeerError(departure_message(rank, size, self.departed, what))
 
   def add(self, token: Any) -> None:

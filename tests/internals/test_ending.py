@@ -35,7 +35,7 @@ def steps(monkeypatch):
   fresh = _steps.Steps()
   monkeypatch.setattr(_steps, "steps", fresh)
   monkeypatch.setattr(_ending, "steps", fresh)
-  monkeypatch.setattr(_steps, "_WATCHER_SECS", 0.2)
+  monkeypatch.setattr(_steps, "WATCHER_SECS", 0.2)
   monkeypatch.setattr(_ending, "mark", lambda *a: None)
   return fresh
 
@@ -59,7 +59,7 @@ def test_a_step_after_a_peer_left_behind_leaves_the_report_to_the_watcher(
   steps.departed[1] = 6  # steps 7-9 wait for it: the watcher ends the job
   with pytest.raises(PeerError):  # only if the watcher has not ended it by then
     steps.before(0, 2)
-  assert waits == [_steps._WATCHER_SECS]
+  assert waits == [_steps.WATCHER_SECS]
 
 
 def test_the_watcher_ends_the_job_once_and_names_the_peer(steps, capsys):
@@ -75,7 +75,7 @@ def test_the_watcher_ends_the_job_once_and_names_the_peer(steps, capsys):
 def test_a_failure_while_the_watcher_ends_the_job_prints_no_second_report(
     steps, capsys, monkeypatch):
   exits = []
-  monkeypatch.setattr(_ending, "_WATCHER_WAIT_SECS", 0.0)
+  monkeypatch.setattr(_ending, "WATCHER_SECS", 0.0)
   monkeypatch.setattr(_ending.os, "_exit", exits.append)
   ending = _ending._Ending(0, 2, FakeNotices())
   ending.abandon({1: 6})
@@ -101,7 +101,7 @@ def test_the_watcher_stays_quiet_when_a_failure_is_already_ending_the_job(steps,
 
 def test_watcher_and_main_thread_racing_report_once(steps, capsys, monkeypatch):
   """Both threads see the departure at the same moment, many times over."""
-  monkeypatch.setattr(_ending, "_WATCHER_WAIT_SECS", 0.0)
+  monkeypatch.setattr(_ending, "WATCHER_SECS", 0.0)
   monkeypatch.setattr(_ending.os, "_exit", lambda code: None)
   for _ in range(20):
     steps.departed.clear()
