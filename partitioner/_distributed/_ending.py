@@ -78,7 +78,6 @@ class _Ending:
     if not self._first_to_end():  # the watcher is ending the job and said why
       time.sleep(WATCHER_SECS)
       os._exit(1)
-      return  # (only where os._exit is replaced, in tests)
     try:
       if _lost_a_peer(value):  # a consequence: the peer's own report comes first
         sys.stderr.write(f"sharded_jit: rank {self.rank} of {self.size} lost its"
