@@ -16,7 +16,7 @@ at the current model's). Prints the fitted constants, the error, and which
 layout the fitted and the current model pick on each model against the
 fastest measured, including fitted on the other three models only (does
 it predict, or only describe?). The ``cpu`` entry of
-``partitioner._search._device_model.MODELS`` holds what this printed here;
+``partitioner.DEVICE_MODELS`` holds what this printed here;
 on another host, pass the printed ``DeviceModel`` as ``search(...,
 device_model=)``.
 
@@ -108,9 +108,9 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=5)
   args = p.parse_args()
   jax = setup_jax(args.devices)
-  from partitioner._search._device_model import MODELS
+  import partitioner
 
-  latency = MODELS["cpu"].latency_s
+  latency = partitioner.DEVICE_MODELS["cpu"].latency_s
   rows = measure(jax, args.rounds)
   per = fit(rows, latency)
   predicted = predict(rows, per, latency)

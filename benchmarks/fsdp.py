@@ -54,8 +54,7 @@ def case(jax, where, size, batch, fsdp, tensor, steps) -> list[dict]:
   from jax.sharding import PartitionSpec as JP
 
   import partitioner
-  from partitioner import _explain
-  from sharding._rules import path_name
+  from sharding import path_name
 
   example = load_example()
   mesh = Mesh(np.array(jax.devices()[:fsdp * tensor]).reshape(fsdp, tensor),
@@ -90,9 +89,8 @@ def case(jax, where, size, batch, fsdp, tensor, steps) -> list[dict]:
   rates = race({"ours": ours, "jax": theirs}, state, max(2, 2 * steps // 3),
                per_round=3 if steps > 4 else 1)
   ours_report = partitioner.explain(ours, *state["ours"])
-  theirs_compiled = theirs.lower(*state["jax"]).compile()
-  jax_ops = _explain.collectives(theirs_compiled.as_text())
-  jax_memory = _explain.memory(theirs_compiled.memory_analysis())
+  theirs_report = partitioner.explain(theirs.lower(*state["jax"]).compile())
+  jax_ops, jax_memory = theirs_report.collectives, theirs_report.memory
 
   def param_bytes(which):  # device 0's pieces of every parameter
     return sum(x.addressable_shards[0].data.nbytes

@@ -59,7 +59,6 @@ def run(args) -> list[dict]:
   import numpy as np
 
   import partitioner
-  from partitioner import _explain
 
   dp, mp = 2, 4
   if dp * mp > args.devices:
@@ -79,7 +78,7 @@ def run(args) -> list[dict]:
   # Static figures from the programs the steps ran (after the first step,
   # ours gets its parameters back tiled over the model partitions).
   ours_ops = partitioner.explain(ours, *state["ours"]).collectives
-  jax_ops = _explain.collectives(theirs.lower(*state["jax"]).compile().as_text())
+  jax_ops = partitioner.explain(theirs.lower(*state["jax"]).compile()).collectives
 
   def param_bytes(which):  # device 0's pieces of every parameter
     p = state[which][0]

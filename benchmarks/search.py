@@ -145,8 +145,6 @@ def run(args) -> list[dict]:
     return []
   import partitioner
   from partitioner import sharded_jit
-  from partitioner._search import _score
-  from partitioner._search._device_model import MODELS
 
   rows = []
   for name, (fun, example, rules, n_state, megatron) in models(jax).items():
@@ -195,9 +193,7 @@ def run(args) -> list[dict]:
     details = {"flops per device": f"found: {best.family}, {best.layout}; H100 model:"
                                    f" {found_gpu.best.family}"}
     if megatron is not None:  # the same layout under jax.jit, by the same scorer
-      theirs = jax_step.lower(*example).compile()
-      jax_bytes = _score.score(theirs.as_text(), theirs.cost_analysis(), theirs.memory_analysis(),
-                               [0] * 8, MODELS["cpu"]).collective_bytes
+      jax_bytes = partitioner.cost(jax_step.lower(*example).compile()).collective_bytes
       table.insert(3, ("collective bytes vs jax.jit's Megatron 2 x 4",
                        best.collective_bytes / 2**20, jax_bytes / 2**20, "MiB",
                        "jax.jit, NamedShardings", "-"))

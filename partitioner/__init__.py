@@ -26,17 +26,21 @@ Every call then takes the same stages, one module each:
    a call signature is known, ``_compat.cpp_dispatch``), outputs wrapped.
 
 Around them: ``_stages`` (``Lowered``/``Compiled``), ``_check``
-(``config.check_unsharded``), ``_explain`` and ``_report`` (what
-``explain()`` gathers from ``_hlo``, and how it prints it), ``_search``
-(``partitioner.search``: the layout from XLA's analysis of compiled
-candidates, and ``Compiled.cost()``), ``_inspect``
+(``config.check_unsharded``), the reading of compiled programs (``_hlo``
+XLA's HLO text, ``_text`` short sizes, paths and shapes, ``_report``
+explain()'s report and how it prints, ``_explain`` what fills it,
+``_device_model`` and ``_cost`` a program's cost under a device model, and
+``_analysis``, ``explain()`` and ``cost()`` of ours or jax.jit's programs),
+``_search`` on top of them (``partitioner.search``: the layout from XLA's
+analysis of compiled candidates), ``_inspect``
 (``jax.debug.inspect_array_sharding``), ``_global_arrays``, ``_distributed``
 (everything multi-process), ``_config``, and ``_compat``, the one module
 that touches jax's private APIs.
 """
 
+from partitioner._analysis import cost as cost
+from partitioner._analysis import explain as explain
 from partitioner._api import ShardedJitFunction as ShardedJitFunction
-from partitioner._api import explain as explain
 from partitioner._api import sharded_jit as sharded_jit
 from partitioner._cache import CacheStore as CacheStore
 from partitioner._check import PartitionerMismatchError as PartitionerMismatchError
@@ -45,17 +49,18 @@ from partitioner._cache import MemoryStore as MemoryStore
 from partitioner._cache import clear_caches as clear_caches
 from partitioner._config import Config as Config
 from partitioner._config import config as config
+from partitioner._cost import Cost as Cost
+from partitioner._device_model import MODELS as DEVICE_MODELS
+from partitioner._device_model import DeviceModel as DeviceModel
 from partitioner._distributed import PeerError as PeerError
 from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
-from partitioner._explain import Explanation as Explanation
 from partitioner._global_arrays import to_global as to_global
 from partitioner._global_arrays import to_local as to_local
 from partitioner._pmap import PmapFunction as PmapFunction
 from partitioner._pmap import pmap as pmap
+from partitioner._report import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
-from partitioner._search import Cost as Cost
-from partitioner._search import DeviceModel as DeviceModel
 from partitioner._search import FoundLayout as FoundLayout
 from partitioner._search import search as search
 from partitioner._stages import Compiled as Compiled
@@ -63,16 +68,16 @@ from partitioner._stages import Lowered as Lowered
 from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
-__all__ = ["CacheStore", "CandidateResult", "Compiled", "Config", "Cost", "DeviceModel", "DiskStore",
-           "Explanation", "FoundLayout",
+__all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config", "Cost",
+           "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
-           "compilation_stats", "config", "explain", "initialize", "pmap",
+           "compilation_stats", "config", "cost", "explain", "initialize", "pmap",
            "search", "sharded_jit", "to_global", "to_local"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
-             Compiled, Lowered):
+             Compiled, Lowered, Cost, DeviceModel):
   _cls.__module__ = "partitioner"
 del _cls

@@ -22,7 +22,6 @@ from partitioner._cache._calls import call_caches
 from partitioner._config import config
 from partitioner._devices import check_devices_argument
 from partitioner._execute import Dispatched
-from partitioner._pmap import PmapFunction
 from partitioner._stages import Compiled, Lowered
 from partitioner._stats import stats
 from partitioner._values import NotAnArray, lowering_signature, signature
@@ -245,31 +244,3 @@ class ShardedJitFunction(Dispatched):
 
   def __repr__(self) -> str:
     return f"<sharded_jit {self._name}>"
-
-
-def explain(fun: ShardedJitFunction, *args) -> Any:
-  """``fun.lower(*args).compile().explain()``: what the partitioner did
-  (for a :func:`partitioner.pmap` function, ``fun.explain(*args)``).
-
-  For a sharded_jit function the arguments may be ``jax.ShapeDtypeStruct``s,
-  as for ``lower``; an argument whose spec came from
-  :func:`sharding.spec_tree` shows the rule that chose it. ``print()`` the
-  :class:`~partitioner.Explanation` for a summary of bounded length, its
-  ``full()`` for every value's picture and every collective.
-
-  Example:
-    >>> import numpy as np
-    >>> from sharding import PartitionSpec as P
-    >>> from partitioner import explain, sharded_jit
-    >>> f = sharded_jit(lambda x, w: x @ w, in_parts=(P(1, 2), P(2, 1)), out_parts=None)
-    >>> report = explain(f, np.ones((8, 16), np.float32), np.ones((16, 4), np.float32))
-    >>> report.collective_totals()["all-reduce"]
-    (1, 128)
-  """
-  if isinstance(fun, PmapFunction):
-    return fun.explain(*args)
-  if not isinstance(fun, ShardedJitFunction):
-    raise TypeError(f"explain expects a sharded_jit or partitioner.pmap function, got"
-                    f" {fun!r}. Hint: wrap it with sharded_jit(fun, in_parts,"
-                    " out_parts) first.")
-  return fun.lower(*args).compile().explain()

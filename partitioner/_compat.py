@@ -274,3 +274,13 @@ def distributed_client() -> Any:
   if client is None:
     raise RuntimeError("jax.distributed is not initialized in this process")
   return client
+
+
+def jax_device_assignment(compiled: Any) -> tuple[jax.Device, ...]:
+  """The device assignment of a program ``jax.jit`` compiled (a
+  ``jax.stages.Compiled``): partition ``k`` runs on the ``k``-th device.
+  Every sharding of its inputs and outputs carries it."""
+  shardings = jax.tree_util.tree_leaves((compiled.input_shardings, compiled.output_shardings))
+  if not shardings:
+    return tuple(compiled.runtime_executable().local_devices())
+  return tuple(shardings[0]._device_assignment)

@@ -31,7 +31,7 @@ from partitioner._config import config
 from partitioner._devices import ZERO3_HINT, check_devices_argument, choose_devices
 from partitioner._distributed import _mapped
 from partitioner._execute import Dispatched
-from partitioner._explain import Explanation
+from partitioner._report import Explanation
 from partitioner._pmap_program import MappedProgram, discover
 from partitioner._pmap_stages import MappedLowered
 from partitioner._values import NotAnArray, abstract_signature, signature

@@ -1,32 +1,159 @@
-"""The text of explain()'s report: how an Explanation prints.
+"""explain()'s report: what it holds and how it prints.
 
-What the report holds is gathered in ``partitioner._explain``; this module
-only formats it. :func:`summary` is what ``str(report)`` gives, a summary
-of bounded length; :func:`full` has everything. The report's classes call
-in here from their ``__str__``, ``summary()``, ``full()``, ``head()`` and
-``brief()``.
+The report's value types (:class:`Explanation`, a :class:`ValueLayout` per
+value, a :class:`Collective` per op) and their text. What fills them is
+gathered from the compiled program in ``partitioner._explain``.
+:func:`summary` is what ``str(report)`` gives, a summary of bounded length;
+:func:`full` has everything.
 """
 
 from __future__ import annotations
 
 import collections
-import os
+import dataclasses
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-  from partitioner._explain import Collective, Explanation, ValueLayout
+from partitioner._hlo import COLLECTIVE_KINDS
+from partitioner._text import short_op, short_path, short_shape, size
 
 SUMMARY_ROWS = 20  # arguments (and outputs) listed by the summary
 LARGEST = 10  # collectives listed by the summary
 LARGEST_TEMPORARIES = 5  # values listed under memory
-_ARRAY_TEXT = re.compile(r"\b[a-z]\w*\[[\d,]*\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLayout:
+  """How one argument or output is laid out over the devices (``rule``: the
+  rule of ``sharding.spec_tree`` that chose its spec, or ``""``)."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: str
+  shard_shape: tuple[int, ...]
+  shard_bytes: int
+  picture: str
+  rule: str = ""
+
+  def head(self) -> str:
+    """One line: name, shape, spec, per-device shard and bytes, rule."""
+    return value_head(self)
+
+  def __str__(self) -> str:
+    return value(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective op in the partitioned program (per-device result bytes).
+
+  ``source`` is the first line in user code on the op's call stack
+  (``file:line (function)``), skipping jax, jaxlib, flax, optax, orbax and
+  this toolkit; ``via`` is the library line that made the op when that is
+  not ``source`` (e.g. flax's ``Linear.__call__``), else ``""``.
+  """
+  kind: str
+  shape: str
+  bytes: int
+  op_name: str
+  source: str
+  via: str = ""
+
+  def __str__(self) -> str:
+    return collective(self)
+
+  def brief(self) -> str:
+    """One short line: kind, bytes, shape, the jax op(s), source line."""
+    return brief(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """The report of :meth:`Compiled.explain`.
+
+  ``str(report)`` (and ``print(report)``) is :meth:`summary`, of bounded
+  length; :meth:`full` adds each value's picture of which device holds
+  which block, and every collective.
+
+  Attributes:
+    name: the function's name.
+    partitioner: ``"shardy"`` or ``"gspmd"``.
+    num_partitions: N.
+    devices: the device assignment, as ``str`` of each device.
+    arguments: a :class:`ValueLayout` per flat argument.
+    outputs: a :class:`ValueLayout` per flat output.
+    collectives: every collective op XLA inserted (static occurrences: an op
+      inside a loop body runs once per iteration).
+    flops: XLA's per-device FLOP estimate.
+    memory: per-device bytes: ``arguments``, ``outputs``, ``temporaries``,
+      ``aliased`` and ``peak_estimate`` (= arguments + outputs + temporaries
+      - aliased).
+    guards: ops sharded_jit kept unsplit (or whose start it clamped) because
+      XLA's partitioner computes them wrongly when split, with source lines.
+    replicas: R for a :func:`partitioner.pmap` program (which runs on R x N
+      devices), else 1.
+    temporaries: the largest values the program computes per device
+      (kind, shape, bytes and the user's line, as for collectives): an
+      FSDP step's gathered weights, activations. Their sum is no peak: XLA
+      reuses memory; ``memory["temporaries"]`` is its total.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from sharding import PartitionSpec as P
+    >>> from partitioner import sharded_jit
+    >>> f = sharded_jit(lambda x: x.sum(0), in_parts=P(2, 1), out_parts=None)
+    >>> report = f.lower(jax.ShapeDtypeStruct((8, 4), np.float32)).compile().explain()
+    >>> len(report.collectives), report.total_bytes()  # bytes per device
+    (1, 16)
+    >>> print(report)  # doctest: +SKIP
+    >>> print(report.full())  # doctest: +SKIP
+  """
+  name: str
+  partitioner: str
+  num_partitions: int
+  devices: tuple[str, ...]
+  arguments: tuple[ValueLayout, ...]
+  outputs: tuple[ValueLayout, ...]
+  collectives: tuple[Collective, ...]
+  flops: float
+  memory: dict[str, int]
+  guards: tuple[str, ...] = ()
+  replicas: int = 1
+  temporaries: tuple[Collective, ...] = ()
+
+  def collective_totals(self) -> dict[str, tuple[int, int]]:
+    """kind -> (count, total per-device bytes), for every kind (zeros included)."""
+    totals = {k: (0, 0) for k in COLLECTIVE_KINDS}
+    for c in self.collectives:
+      n, b = totals[c.kind]
+      totals[c.kind] = (n + 1, b + c.bytes)
+    return totals
+
+  def total_bytes(self) -> int:
+    """The bytes all collectives produce per device (static occurrences)."""
+    return sum(c.bytes for c in self.collectives)
+
+  def largest_collectives(self, n: int | None = LARGEST) -> tuple[Collective, ...]:
+    """The ``n`` (None: all) collectives with the most bytes per device,
+    largest first (in program order among equals)."""
+    return tuple(sorted(self.collectives, key=lambda c: -c.bytes)[:n])
+
+  def summary(self) -> str:
+    """The report of bounded length that ``str()`` gives; see :func:`summary`."""
+    return summary(self)
+
+  def full(self) -> str:
+    """Everything: each value's picture and every collective."""
+    return full(self)
+
+  def __str__(self) -> str:
+    return summary(self)
+
 
 
 def value_head(v: ValueLayout) -> str:
   """One line: name, global shape, spec, per-device shard and bytes, rule."""
   head = (f"{v.name}: {v.dtype}{list(v.shape)}  {v.spec}  ->  "
-          f"{v.dtype}{list(v.shard_shape)} per device ({_bytes(v.shard_bytes)})")
+          f"{v.dtype}{list(v.shard_shape)} per device ({size(v.shard_bytes)})")
   return head + (f"  from {v.rule}" if v.rule else "")
 
 
@@ -38,18 +165,18 @@ def value(v: ValueLayout) -> str:
 
 def collective(c: Collective) -> str:
   """One line: kind, bytes, HLO shape, op name, source line (and ``via``)."""
-  where = f"  at {_short_path(c.source)}" if c.source else ""
+  where = f"  at {short_path(c.source)}" if c.source else ""
   if c.via:
-    where += f" via {_short_path(c.via)}"
-  return f"{c.kind:<18} {_bytes(c.bytes):>10}  {c.shape}  ({c.op_name}){where}"
+    where += f" via {short_path(c.via)}"
+  return f"{c.kind:<18} {size(c.bytes):>10}  {c.shape}  ({c.op_name}){where}"
 
 
 def brief(c: Collective) -> str:
   """One short line: kind, bytes, shape (layouts dropped), the jax
   operation(s) it serves (``backward`` for a gradient's), source line."""
-  where = f"  at {_short_path(c.source)}" if c.source else ""
-  return (f"{c.kind:<18} {_bytes(c.bytes):>10}  {_short_shape(c.shape)}"
-          f"{_short_op(c.op_name)}{where}")
+  where = f"  at {short_path(c.source)}" if c.source else ""
+  return (f"{c.kind:<18} {size(c.bytes):>10}  {short_shape(c.shape)}"
+          f"{short_op(c.op_name)}{where}")
 
 
 def summary(e: Explanation) -> str:
@@ -110,10 +237,10 @@ def _header(e: Explanation, full: bool) -> str:
 
 def _totals(e: Explanation) -> list[str]:
   out = ["Collectives inserted by XLA's partitioner (per device):"]
-  out += [f"  {k:<18} {n:3d} op(s) {_bytes(b):>10}"
+  out += [f"  {k:<18} {n:3d} op(s) {size(b):>10}"
           for k, (n, b) in e.collective_totals().items()]
   out.append(f"  {'total':<18} {len(e.collectives):3d} op(s)"
-             f" {_bytes(e.total_bytes()):>10}")
+             f" {size(e.total_bytes()):>10}")
   return out
 
 
@@ -131,12 +258,12 @@ def _guards(e: Explanation, limit: int | None) -> list[str]:
 def _per_device(e: Explanation) -> str:
   m = e.memory
   out = [f"Per device: {e.flops:,.0f} FLOPs; memory (XLA's memory analysis): peak about"
-         f" {_bytes(m['peak_estimate'])} = arguments {_bytes(m['arguments'])} + outputs"
-         f" {_bytes(m['outputs'])} + temporaries {_bytes(m['temporaries'])}"
-         + (f" - aliased {_bytes(m['aliased'])}" if m.get("aliased") else "")]
+         f" {size(m['peak_estimate'])} = arguments {size(m['arguments'])} + outputs"
+         f" {size(m['outputs'])} + temporaries {size(m['temporaries'])}"
+         + (f" - aliased {size(m['aliased'])}" if m.get("aliased") else "")]
   groups = argument_bytes(e)
   if groups:
-    out.append("  arguments per device: " + ", ".join(f"{name} {_bytes(n)}"
+    out.append("  arguments per device: " + ", ".join(f"{name} {size(n)}"
                                                       for name, n in groups.items()))
   if e.temporaries:
     out.append("  largest values computed per device (temporaries and outputs):")
@@ -153,51 +280,3 @@ def argument_bytes(e: Explanation) -> dict[str, int]:
     name = (m.group(1) or m.group(2)).strip() if m else v.name
     groups[name] = groups.get(name, 0) + v.shard_bytes
   return groups
-
-
-def _short_path(source: str) -> str:
-  """``file:line (function)`` with the file relative to the working directory
-  when it is below it, or to site-packages for an installed package."""
-  path, sep, rest = source.partition(":")
-  m = re.search(r"[/\\](?:site|dist)-packages[/\\]", path)
-  if m:
-    return path[m.end():] + sep + rest
-  if os.path.isabs(path):
-    try:
-      rel = os.path.relpath(path)
-    except ValueError:  # (another drive)
-      return source
-    if not rel.startswith(".."):
-      return rel + sep + rest
-  return source
-
-
-def _short_shape(shape: str) -> str:
-  """An HLO shape without layouts; a long tuple shortened to its first
-  three arrays and its length."""
-  shape = re.sub(r"/\*index=\d+\*/", "", re.sub(r"\]\{[^}]*\}", "]", shape))
-  arrays = _ARRAY_TEXT.findall(shape)
-  if shape.startswith("(") and len(arrays) > 3:
-    return f"({', '.join(arrays[:3])}, ... {len(arrays)} arrays)"
-  return shape
-
-
-def _short_op(op_name: str) -> str:
-  """``  [dot_general]`` from jax's op name (the last part of each name
-  XLA merged), ``  [backward dot_general]`` for a transposed (VJP) one."""
-  ops = []
-  for part in op_name.split(":"):
-    op = part.rsplit("/", 1)[-1].strip("()")
-    if op and op not in ops:
-      ops.append(op)
-  if not ops:
-    return ""
-  return f"  [{'backward ' if 'transpose(' in op_name else ''}{'+'.join(ops)}]"
-
-
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n} B"

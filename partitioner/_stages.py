@@ -17,9 +17,12 @@ from partitioner import _compile, _explain, _inspect
 from partitioner._args import ArgumentLayout, InputSignature
 from partitioner._cache import compilation_cache
 from partitioner._compile import Program
+from partitioner._cost import Cost, score
+from partitioner._device_model import DeviceModel, resolve
 from partitioner._distributed import _local_parts
 from partitioner._execute import Executable
 from partitioner._plan import Placement
+from partitioner._report import Explanation
 from partitioner._trace import TracedProgram
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling
@@ -145,45 +148,55 @@ class Lowered:
 
 
 class Analyses:
-  """What XLA says of a compiled program, for every front end's compiled
-  object (which sets ``executable``)."""
+  """What XLA says of a compiled program, for every compiled object (ours
+  set ``executable``; ``partitioner._analysis`` wraps jax.jit's)."""
 
   executable: Executable
 
+  @property
+  def loaded(self) -> Any:
+    """The loaded XLA executable the analyses read."""
+    return self.executable.loaded
+
+  @property
+  def assignment(self) -> tuple[jax.Device, ...]:
+    """The device assignment: partition (or replica x partition) ``k`` runs
+    on ``assignment[k]``."""
+    return tuple(self.lowered.program.devices)  # type: ignore[attr-defined]
+
   def as_text(self) -> str:
     """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
-    return "\n\n".join(m.to_string() for m in self.executable.loaded.hlo_modules())
+    return "\n\n".join(m.to_string() for m in self.loaded.hlo_modules())
 
   def cost_analysis(self) -> dict[str, float]:
     """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
-    return dict(self.executable.loaded.cost_analysis() or {})
+    return dict(self.loaded.cost_analysis() or {})
 
   def memory_analysis(self) -> Any:
     """XLA's memory statistics of the per-device program."""
-    return self.executable.loaded.get_compiled_memory_stats()
+    return self.loaded.get_compiled_memory_stats()
 
-  def cost(self, device_model: Any = None) -> Any:
+  def cost(self, device_model: DeviceModel | str | None = None) -> Cost:
     """What one call costs per device, as :func:`partitioner.search` scores
     layouts: flops, collectives and their bytes weighted by algorithm and
     group size, peak memory, and the estimated time under ``device_model``
-    (a ``partitioner.DeviceModel``, a name such as ``"h100"``, or None for
-    these devices'); a ``partitioner.Cost``."""
-    from partitioner._search import _device_model, _score
-    devices = list(self.lowered.program.devices)  # type: ignore[attr-defined]
-    model = _device_model.resolve(device_model, devices[0].device_kind, devices[0].platform)
-    return _score.score(self.as_text(), self.cost_analysis(), self.memory_analysis(),
-                        [d.process_index for d in devices], model)
+    (a ``partitioner.DeviceModel``, a name of ``partitioner.DEVICE_MODELS``
+    such as ``"h100"``, or None for these devices'); a ``partitioner.Cost``."""
+    devices = self.assignment
+    model = resolve(device_model, devices[0].device_kind, devices[0].platform)
+    return score(self.as_text(), self.cost_analysis(), self.memory_analysis(),
+                 [d.process_index for d in devices], model)
 
   def explanation(self, *, name: str, partitioner: str, num_partitions: int,
                   devices: Sequence[jax.Device], arguments: Sequence[tuple],
-                  outputs: Sequence[tuple], **extra) -> _explain.Explanation:
+                  outputs: Sequence[tuple], **extra) -> Explanation:
     """The report of ``explain()``; ``arguments``/``outputs`` hold (name,
     aval, Tiling or jax sharding[, rule]) per flat value."""
     def lay(name, aval, where, rule=""):
       if isinstance(where, Tiling):
         return _explain.layout(name, aval.shape, aval.dtype, where, rule)
       return _explain.layout_of(name, aval.shape, aval.dtype, where)
-    return _explain.Explanation(
+    return Explanation(
         name=name, partitioner=partitioner, num_partitions=num_partitions,
         devices=tuple(str(d) for d in devices),
         arguments=tuple(lay(*a) for a in arguments),
@@ -232,7 +245,7 @@ class Compiled(Analyses):
     return jax.tree_util.tree_unflatten(self.out_tree,
                                         self.executable.out_shardings)
 
-  def explain(self) -> _explain.Explanation:
+  def explain(self) -> Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.
 
     Per argument and output: global shape, spec, per-device shard shape and

@@ -15,6 +15,7 @@ from sharding._auto import AUTO as AUTO
 from sharding._named import from_named as from_named
 from sharding._partition_spec import PartitionSpec as PartitionSpec
 from sharding._picture import picture as picture
+from sharding._rules import path_name as path_name
 from sharding._rules import spec_tree as spec_tree
 from sharding._spec_tree import broadcast_specs as broadcast_specs
 from sharding._tiling import Tiling as Tiling
@@ -24,5 +25,5 @@ P = PartitionSpec
 
 __all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "fsdp_specs",
            "fsdp_tp_specs", "global_shape",
-           "local_shape", "local_spec", "picture", "spec_tree", "tiling",
+           "local_shape", "local_spec", "path_name", "picture", "spec_tree", "tiling",
            "with_sharding_constraint"]

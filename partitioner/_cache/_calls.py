@@ -3,9 +3,9 @@
 Every front end (``sharded_jit``, ``partitioner.pmap``, a sharded_jit staged
 into a jax program) keeps what it built for each argument signature in a
 :class:`CallCache`: a dict bounded by ``config.memory_cache_entries`` (the
-oldest entries go first). All of them register with the process's
-:class:`CallCaches`, so ``clear_caches()`` empties them together with the
-in-memory tier.
+oldest entries go first); so does ``partitioner.search`` with its answers.
+All of them register with the process's :class:`CallCaches`, so
+``clear_caches()`` empties them together with the in-memory tier.
 """
 
 from __future__ import annotations

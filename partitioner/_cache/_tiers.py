@@ -287,7 +287,5 @@ def clear_caches() -> None:
   The persistent cache is not touched: to clear it, delete the directory
   ``partitioner.config.cache_dir``.
   """
-  from partitioner._search import clear as forget_searches
-  forget_searches()
   compilation_cache.clear()
   call_caches.clear()

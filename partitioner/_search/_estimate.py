@@ -14,7 +14,7 @@ state). Walking the ops, per device:
   activations kept for the backward pass) and the gathered copies;
 - bytes accessed: every op's operands and results, for the roofline.
 
-It only ranks candidates for compiling: the compiled program (``_score``)
+It only ranks candidates for compiling: the compiled program (``partitioner._cost``)
 decides.
 """
 
@@ -30,7 +30,7 @@ from jax.extend import core as jex_core
 
 from partitioner._search._axes import Axes, _sub_jaxprs
 from partitioner._search._candidates import Candidate, Roles
-from partitioner._search._device_model import DeviceModel
+from partitioner._device_model import DeviceModel
 
 _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
 

@@ -10,10 +10,13 @@ from typing import Any
 
 import jax
 
+from partitioner._analysis import explain
+from partitioner._api import sharded_jit
+from partitioner._cost import Cost
+from partitioner._device_model import DeviceModel
+from partitioner._search import _report
 from partitioner._search._candidates import Candidate
-from partitioner._search._device_model import DeviceModel
 from partitioner._search._estimate import Estimate
-from partitioner._search._score import Cost
 from sharding._constraint import decode_spec, encode_spec
 
 
@@ -145,18 +148,15 @@ class FoundLayout:
   def sharded_jit(self, **kwargs) -> Any:
     """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``
     with this layout (more keyword arguments pass through)."""
-    from partitioner._api import sharded_jit
     return sharded_jit(self.fun, in_parts=self.in_parts, out_parts=self.out_parts,
                        static_argnums=self.static, **kwargs)
 
   def explain(self, *args) -> Any:
     """``explain()`` of the winner for these arguments (compiles it)."""
-    from partitioner._api import explain
     return explain(self.sharded_jit(), *args)
 
   def report(self, rows: int = 12) -> str:
     """A one-screen table of the candidates and why the winner won."""
-    from partitioner._search import _report
     return _report.table(self, rows)
 
   __str__ = report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner._report import _bytes
+from partitioner._text import size
 
 
 def _time(seconds: float | None) -> str:
@@ -20,7 +20,7 @@ def table(found: Any, rows: int) -> str:
           f" of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
           f" device model: {found.device_model}")
   if found.budget is not None:
-    head += f"; memory budget {_bytes(found.budget)}"
+    head += f"; memory budget {size(found.budget)}"
   lines = [head, "",
            f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}  {'peak mem':>9}"
            f"  {'family':<31} layout"]
@@ -32,7 +32,7 @@ def table(found: Any, rows: int) -> str:
     mark = "" if x.fits else "  (over budget)"
     measured = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
-                 f"  {_bytes(x.collective_bytes):>11}  {_bytes(x.peak_memory):>9}"
+                 f"  {size(x.collective_bytes):>11}  {size(x.peak_memory):>9}"
                  f"  {x.family:<31} {x.layout}{measured}{mark}")
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
@@ -48,8 +48,8 @@ def why(found: Any) -> str:
     if not x.error and x.fits and x.family != best.family:
       others.setdefault(x.family, x)
   text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
-          f" {best.flops / 1e9:.3g} GFLOP and {_bytes(best.collective_bytes)} of collectives"
-          f" per device, peak {_bytes(best.peak_memory)}.")
+          f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
+          f" per device, peak {size(best.peak_memory)}.")
   if best.measured_seconds:
     text += f" Measured {_time(best.measured_seconds)} a call."
   if not others:

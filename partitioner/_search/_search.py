@@ -9,8 +9,8 @@ cost and memory analysis of the compiled candidates.
 3. Rank them all with the cheap model (``_estimate``), then compile the
    best ``max_compiles`` (and the best of each hand-written family, for
    comparison) through our own pipeline, without running them, and score
-   the compiled programs (``_score``) under a device model
-   (``_device_model``).
+   the compiled programs (``partitioner._cost``) under a device model
+   (``partitioner._device_model``).
 4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
    earlier in the fixed candidate order: same inputs, same layout);
    ``measure=k`` times the best k on the devices and keeps the fastest.
@@ -31,7 +31,9 @@ from typing import Any
 import jax
 
 from partitioner import _compile, _distributed
+from partitioner._api import sharded_jit
 from partitioner._args import argnums
+from partitioner._cache._calls import call_caches
 from partitioner._cache._tiers import compilation_cache, program_options
 from partitioner._config import config
 from partitioner._devices import choose_devices
@@ -39,25 +41,21 @@ from partitioner._search import _found, _inputs, _select
 from partitioner._search._axes import logical_axes
 from partitioner._search._candidates import (Candidate, enumerate_candidates, leaf_dims,
                                              roles, spec_of)
-from partitioner._search._device_model import DeviceModel, resolve
+from partitioner._device_model import DeviceModel, resolve
 from partitioner._search._estimate import Program
 from partitioner._search._progress import Progress
-from partitioner._search._score import score
+from partitioner._cost import score
 from partitioner._trace import reusing_traces
 from partitioner._version import __version__
 
 logger = logging.getLogger(__name__)
-_memory: dict[str, bytes] = {}
+# The answers of this process's searches, by key; clear_caches() empties it.
+_answers = call_caches.new()
 
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
 RULES = 4
-
-
-def clear() -> None:
-  """Forgets the searches of this process (``clear_caches``)."""
-  _memory.clear()
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -129,7 +127,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
        + repr([repr(example_args[i]) for i in static])).encode()).hexdigest()
   in_tree = jax.tree_util.tree_structure(tuple(dynamic))
   out_tree = jax.tree_util.tree_structure(out_shape)
-  blob = _memory.get(key)
+  blob = _answers.get(key)
   if blob is None:
     store = compilation_cache.store()
     blob = store.get(key) if store is not None else None
@@ -139,7 +137,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
       blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
       if store is not None and world.rank == 0:
         store.put(key, blob)
-    _memory[key] = blob
+    _answers.put(key, blob)
   return _found.FoundLayout.from_json(blob, fun, static, in_tree, out_tree, len(args), who)
 
 
@@ -223,7 +221,6 @@ def _measure(fun, args, static, out_tree, results, devices, calls: int = 3,
   """Times each result's layout on the devices: after a warm-up call, in
   turn for ``rounds`` rounds of ``calls`` calls (so that the host's drift
   falls on every layout alike), the median round per call."""
-  from partitioner._api import sharded_jit
   concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
               for i, a in enumerate(args)]
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
@@ -248,7 +245,6 @@ def _measure(fun, args, static, out_tree, results, devices, calls: int = 3,
 def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):
   """Partitions and compiles one candidate through our pipeline (not run,
   not cached) and scores the program."""
-  from partitioner._api import sharded_jit
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
   f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),

@@ -9,7 +9,7 @@ import pytest
 
 import partitioner
 from partitioner import _compile
-from partitioner._search import _score
+from partitioner import _cost
 from partitioner._search._axes import logical_axes
 
 
@@ -54,7 +54,7 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
     ("replica_groups={}", [list(range(8))]),
 ])
 def test_replica_groups_in_every_form(line, groups):
-  assert _score.groups(line, 8) == groups
+  assert _cost.groups(line, 8) == groups
 
 
 def test_device_models_add_or_overlap_compute_and_memory():
@@ -80,7 +80,7 @@ def test_calibration_recovers_the_rates_that_made_the_times():
 
 def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   from partitioner._search import _search
-  from partitioner._search._device_model import MODELS
+  from partitioner._device_model import MODELS
   from sharding import PartitionSpec as P
   rng = np.random.default_rng(0)
   params = {"w1": rng.normal(size=(64, 256)).astype(np.float32),

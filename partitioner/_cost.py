@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from partitioner import _hlo
-from partitioner._search._device_model import DeviceModel
+from partitioner._device_model import DeviceModel
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")

@@ -37,6 +37,7 @@ Give your own with ``DeviceModel(...)`` (``search(..., device_model=)``).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +74,15 @@ class DeviceModel:
             + collectives * self.latency_s)
 
 
-MODELS = {
+# The known devices by name (read-only: give your own with DeviceModel(...)).
+MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 2.5e10, 2.5e9, 4.5e8, 2.25e8, 50e-6,
                        overlap=False),
     "a100": DeviceModel("NVIDIA A100 SXM", 312e12, 2.0e12, 600e9, 25e9, 10e-6),
     "h100": DeviceModel("NVIDIA H100 SXM", 989e12, 3.35e12, 900e9, 50e9, 8e-6),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6),
-}
+})
 
 
 def default_model(device_kind: str, platform: str) -> DeviceModel:
@@ -111,6 +113,6 @@ def resolve(model: DeviceModel | str | None, device_kind: str, platform: str) ->
     return model
   if model in MODELS:
     return MODELS[model]
-  raise ValueError(f"search: device_model={model!r} is not a DeviceModel or one of"
+  raise ValueError(f"device_model={model!r} is not a DeviceModel or one of"
                    f" {sorted(MODELS)}. Hint: pass partitioner.DeviceModel(...) for"
                    " other hardware.")

@@ -1,0 +1,81 @@
+"""explain() and cost() read jax.jit's compiled programs as they read ours."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as JP
+
+import partitioner
+from partitioner import sharded_jit
+from sharding import PartitionSpec as P
+
+
+def _mlp(x, w1, w2):
+  return jax.numpy.tanh(x @ w1) @ w2
+
+
+_ARGS = [jax.ShapeDtypeStruct(s, np.float32) for s in ((16, 32), (32, 64), (64, 32))]
+
+
+def _megatron_both():
+  """The same Megatron layout (columns, then rows, over 4) in both systems."""
+  ours = sharded_jit(_mlp, in_parts=(None, P(1, 4), P(4, 1)), out_parts=None,
+                     devices=jax.devices()[:4])
+  mesh = jax.make_mesh((4,), ("m",), devices=jax.devices()[:4])
+  theirs = jax.jit(_mlp, in_shardings=(NamedSharding(mesh, JP()),
+                                       NamedSharding(mesh, JP(None, "m")),
+                                       NamedSharding(mesh, JP("m", None))),
+                   out_shardings=NamedSharding(mesh, JP()))
+  return ours.lower(*_ARGS).compile(), theirs.lower(*_ARGS).compile()
+
+
+def test_jax_jit_programs_are_explained_as_ours():
+  ours, theirs = _megatron_both()
+  a, b = partitioner.explain(ours), partitioner.explain(theirs)
+  assert a.collective_totals() == b.collective_totals()
+  assert b.collective_totals()["all-reduce"][0] == 1
+  assert b.num_partitions == 4 and len(b.devices) == 4
+  assert [v.spec for v in b.arguments] == ["replicated", "PartitionSpec(1, 4)",
+                                           "PartitionSpec(4, 1)"]
+  assert [v.shard_shape for v in b.arguments] == [(16, 32), (32, 16), (16, 32)]
+  assert b.arguments[1].name == "argument `args[1]`"
+  assert b.outputs[0].spec == "replicated"
+  assert "jit__mlp" in str(b)
+
+
+def test_jax_jit_programs_are_scored_as_ours():
+  ours, theirs = _megatron_both()
+  for model in (None, "h100", partitioner.DEVICE_MODELS["a100"]):
+    a, b = partitioner.cost(ours, model), partitioner.cost(theirs, model)
+    assert (a.collectives, a.collective_bytes) == (b.collectives, b.collective_bytes)
+    assert a.flops == pytest.approx(b.flops)
+    assert b.seconds > 0 and b.network_bytes == 0
+  assert ours.cost("h100") == partitioner.cost(ours, "h100")
+
+
+def test_a_pytree_argument_is_named_by_its_path():
+  mesh = jax.make_mesh((8,), ("x",))
+  step = jax.jit(lambda p, x: x @ p["w"],
+                 in_shardings=({"w": NamedSharding(mesh, JP(None, "x"))},
+                               NamedSharding(mesh, JP())))
+  report = partitioner.explain(step.lower({"w": jax.ShapeDtypeStruct((4, 8), np.float32)},
+                                          jax.ShapeDtypeStruct((2, 4), np.float32)).compile())
+  assert [v.name for v in report.arguments] == ["argument `args[0]`['w']",
+                                                "argument `args[1]`"]
+
+
+def test_cost_and_explain_refuse_what_is_not_a_program():
+  with pytest.raises(TypeError, match=r"partitioner.cost expects .* got <function"):
+    partitioner.cost(_mlp)
+  with pytest.raises(TypeError, match=r"explain expects .*jax.jit\(f\).lower"):
+    partitioner.explain(jax.jit(_mlp))  # not compiled yet
+  ours, _ = _megatron_both()
+  with pytest.raises(ValueError, match=r"device_model='tpu-v9' is not a DeviceModel"):
+    partitioner.cost(ours, "tpu-v9")
+
+
+def test_device_models_are_read_only():
+  assert {"cpu", "a100", "h100", "tpu-v4", "tpu-v5e"} <= set(partitioner.DEVICE_MODELS)
+  with pytest.raises(TypeError):
+    partitioner.DEVICE_MODELS["mine"] = partitioner.DEVICE_MODELS["cpu"]
