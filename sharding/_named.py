@@ -25,12 +25,15 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
 
   Args:
     named: a ``jax.sharding.NamedSharding``.
-    ndim: the rank of the arrays it lays out; by default the length of its
-      ``PartitionSpec`` (jax pads a shorter spec with None).
+    ndim: the rank of the arrays it lays out. By default any rank from
+      the length of its ``PartitionSpec`` up: the spec ends with ``...``
+      (further dimensions unsplit), as jax pads a shorter spec with None,
+      so ``from_named(NamedSharding(mesh, P()))`` replicates arrays of
+      every rank.
 
   Returns:
-    The spec (all 1s when ``named`` replicates the array: on its mesh's
-    devices).
+    The spec (all 1s, or ``PartitionSpec(..., ...)`` without ``ndim``, when
+    ``named`` replicates the array: on its mesh's devices).
 
   Raises:
     TypeError: ``named`` is not a NamedSharding.
@@ -42,7 +45,8 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
     raise TypeError(f"from_named takes a jax.sharding.NamedSharding, got {named!r}."
                     " Hint: for a jax.Array x, use from_named(x.sharding).")
   entries = list(named.spec)
-  ndim = len(entries) if ndim is None else ndim
+  any_rank = ndim is None
+  ndim = len(entries) if any_rank else ndim
   if len(entries) > ndim:
     raise ValueError(f"from_named: {named.spec} has {len(entries)} entries, more than"
                      f" the array's rank {ndim}. Hint: pass ndim= the array's rank.")
@@ -75,5 +79,5 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
         " devices so that each process's devices are together, and reshard to"
         " it.")
   ids = tuple(d.id for d in devices)
-  counts = layout.counts
+  counts = [*layout.counts, *([...] if any_rank else [])]
   return with_layout(counts, None if _layout.is_row_major(layout) else layout, ids)

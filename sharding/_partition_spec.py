@@ -31,8 +31,15 @@ class PartitionSpec:
   ``P(1, 4, grid=(2, 4), axes=(None, 1))`` puts tile j on devices j and
   j + 4. :func:`sharding.from_named` writes one for any NamedSharding.
 
+  A spec that ends with ``...`` fits arrays of any rank from its number of
+  counts up: the dimensions past them are unsplit (as jax pads a short
+  ``jax.sharding.PartitionSpec`` with None). ``PartitionSpec(...)`` is
+  replicated at any rank, ``PartitionSpec(2, ...)`` splits the first
+  dimension only.
+
   Args:
-    *counts: one positive ``int`` per array dimension. ``PartitionSpec()`` is
+    *counts: one positive ``int`` per array dimension, optionally followed
+      by ``...`` (any further dimensions, unsplit). ``PartitionSpec()`` is
       the spec of a scalar.
     grid: the device grid's axis sizes, major to minor (their product is
       the number of devices the spec is laid over).
@@ -42,7 +49,8 @@ class PartitionSpec:
       error. None: whatever devices the program runs on.
 
   Raises:
-    TypeError: an entry is not an int (e.g. a mesh axis name or ``None``).
+    TypeError: an entry is not an int (e.g. a mesh axis name or ``None``),
+      or ``...`` is not the last entry.
     ValueError: an entry is smaller than 1, or the grid and axes do not
       match the counts.
 
@@ -54,13 +62,20 @@ class PartitionSpec:
     4
   """
 
-  __slots__ = ("_counts", "_total", "_layout", "_device_ids")
+  __slots__ = ("_counts", "_total", "_layout", "_device_ids", "_open")
 
   def __init__(self, *counts: int, grid: Sequence[int] | None = None,
                axes: Sequence[object] | None = None,
                device_ids: Sequence[int] | None = None):
+    given = counts
+    is_open = bool(counts) and counts[-1] is Ellipsis
+    counts = counts[:-1] if is_open else counts
     canonical = []
     for i, c in enumerate(counts):
+      if c is Ellipsis:
+        raise TypeError(
+            f"PartitionSpec: ... stands only last (for any further dimensions,"
+            f" unsplit), got it at position {i} in {given!r}.")
       if isinstance(c, bool) or not hasattr(c, "__index__"):
         raise TypeError(
             f"PartitionSpec entries must be positive ints (partition counts),"
@@ -91,6 +106,7 @@ class PartitionSpec:
             f" {n} distinct devices, a multiple of the {self._total} tiles.")
     object.__setattr__(self, "_layout", layout)
     object.__setattr__(self, "_device_ids", device_ids)
+    object.__setattr__(self, "_open", is_open)
 
   def __setattr__(self, name, value):
     raise AttributeError("PartitionSpec is immutable")
@@ -116,6 +132,19 @@ class PartitionSpec:
     return self._device_ids
 
   @property
+  def open(self) -> bool:
+    """True for a spec that ends with ``...`` (fits any higher rank)."""
+    return self._open
+
+  def for_rank(self, ndim: int) -> PartitionSpec:
+    """The spec for an array of rank ``ndim``: an open spec with unsplit
+    dimensions appended (closed); any other spec as it is."""
+    if not self._open:
+      return self
+    spec = PartitionSpec(*self._counts, **self.order_kwargs())
+    return spec.extend(ndim - len(spec)) if ndim > len(spec) else spec
+
+  @property
   def is_partitioned(self) -> bool:
     """True when some dimension is split into more than one tile."""
     return self._total > 1
@@ -130,7 +159,7 @@ class PartitionSpec:
     return self._counts[i]
 
   def _key(self) -> tuple:
-    return (self._counts, self._layout, self._device_ids)
+    return (self._counts, self._layout, self._device_ids, self._open)
 
   def __eq__(self, other) -> bool:
     return isinstance(other, PartitionSpec) and self._key() == other._key()
@@ -151,10 +180,11 @@ class PartitionSpec:
 
   def __repr__(self) -> str:
     extra = [f"{k}={v!r}" for k, v in self.order_kwargs().items()]
-    return f"PartitionSpec({', '.join([*map(str, self._counts), *extra])})"
+    counts = [*map(str, self._counts), *(["..."] if self._open else [])]
+    return f"PartitionSpec({', '.join([*counts, *extra])})"
 
   def __reduce__(self):
-    return (_rebuild, (self._counts, self.order_kwargs()))
+    return (_rebuild, ((*self._counts, *([...] if self._open else [])), self.order_kwargs()))
 
   def insert(self, dim: int, count: int = 1) -> PartitionSpec:
     """Returns the spec with ``count`` inserted at dimension ``dim`` (1 only
@@ -188,10 +218,22 @@ class PartitionSpec:
         count.
     """
     shape = tuple(shape)
+    if self._open and len(shape) >= len(self._counts):
+      return self.for_rank(len(shape)).check_shape(shape, what, divisible=divisible)
     if len(shape) != len(self._counts):
-      if shape:
+      if self._device_ids is not None and self._open:  # (only from_named names devices)
+        hint = (" This spec came from sharding.from_named: its NamedSharding"
+                f" splits {len(self._counts)} dimensions, so it lays out arrays of"
+                f" rank {len(self._counts)} or more. Hint: give this argument"
+                " a NamedSharding with fewer entries.")
+      elif self._device_ids is not None:
+        hint = (" This spec came from sharding.from_named: call from_named(ns,"
+                f" ndim={len(shape)}) for rank-{len(shape)} arrays, or"
+                " from_named(ns) for a spec of any rank (as jax pads).")
+      elif shape:
         example = PartitionSpec(*([1] * len(shape)))
-        hint = f" Give one count per dimension, e.g. {example!r}."
+        hint = (f" Give one count per dimension, e.g. {example!r}, or end the"
+                " spec with ... for unsplit trailing dimensions.")
       else:
         hint = " For scalars the spec should be PartitionSpec() or None."
       raise ValueError(

@@ -172,6 +172,8 @@ def _fit(spec: Any, rule: str, name: str, leaf: Any, shape: tuple | None) -> Any
   """``spec`` for the leaf, with its rule; a ValueError if the ranks differ."""
   if not isinstance(spec, PartitionSpec):
     return spec
+  if shape is not None:
+    spec = spec.for_rank(len(shape))
   if shape is not None and len(shape) != len(spec):
     raise ValueError(
         f"spec_tree: {rule} gives {spec!r} to {name!r}, but that leaf has rank"

@@ -53,6 +53,7 @@ class Tiling:
   def __init__(self, spec: PartitionSpec | None, devices: Sequence, ndim: int):
     if spec is None:
       spec = PartitionSpec(*([1] * ndim))
+    spec = spec.for_rank(ndim)
     if len(spec) != ndim:
       raise ValueError(f"spec {spec!r} does not have rank {ndim}")
     if len(devices) % spec.total:
@@ -242,7 +243,7 @@ def tiling(spec: PartitionSpec | None, devices: Sequence, ndim: int) -> Tiling:
   """Returns the (cached) :class:`Tiling` of ``spec`` over ``devices``."""
   if spec is None or not spec.is_partitioned:
     spec = PartitionSpec(*([1] * ndim))
-  return _cached_tiling(spec, tuple(devices), ndim)
+  return _cached_tiling(spec.for_rank(ndim), tuple(devices), ndim)
 
 
 def shardy_mesh_op(num_devices: int,

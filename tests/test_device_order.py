@@ -274,3 +274,47 @@ def test_from_named_errors():
     from_named(NamedSharding(FSDP_TP, JP("fsdp", "tensor")), ndim=1)
   assert from_named(NamedSharding(FSDP_TP, JP()), 2) == P(1, 1, device_ids=range(8))
   assert from_named(NamedSharding(FSDP_TP, JP("fsdp")), ndim=3) == P(2, 1, 1, device_ids=range(8))
+
+
+def test_from_named_without_ndim_fits_every_rank_as_jax_pads():
+  """from_named(NamedSharding(mesh, P())) replicates arrays of any rank, and
+  a short spec leaves the trailing dimensions whole, as jax does."""
+  replicated = from_named(NamedSharding(FSDP_TP, JP()))
+  rows = from_named(NamedSharding(FSDP_TP, JP("fsdp")))
+  assert replicated.open and rows.open and repr(rows).startswith("PartitionSpec(2, ...,")
+  f = sharded_jit(lambda x, w, b: (x @ w + b, b * 2), in_parts=(rows, replicated, replicated),
+                  out_parts=(rows, replicated))
+  x, w, b = X, np.ones((16, 4), np.float32), np.arange(4, dtype=np.float32)
+  y, c = f(x, w, b)
+  np.testing.assert_allclose(np.asarray(y), x @ w + b)
+  np.testing.assert_allclose(np.asarray(c), b * 2)
+  assert y.sharding.is_equivalent_to(NamedSharding(FSDP_TP, JP("fsdp")), 2)
+  assert c.sharding.is_equivalent_to(NamedSharding(FSDP_TP, JP()), 1)
+  assert pickle.loads(pickle.dumps(rows)) == rows
+
+
+def test_from_named_rank_errors_name_from_named():
+  both = NamedSharding(FSDP_TP, JP("fsdp", "tensor"))
+  f = sharded_jit(lambda x: x, in_parts=from_named(both, 2), out_parts=None)
+  with pytest.raises(ValueError, match=r"with shape \(16,\): spec PartitionSpec\(2, 4,"
+                     r".*has 2 entries but the array has rank 1 .*sharding.from_named: call"
+                     r" from_named\(ns, ndim=1\)"):
+    f(np.ones(16, np.float32))
+  g = sharded_jit(lambda x: x, in_parts=from_named(both), out_parts=None)
+  with pytest.raises(ValueError, match=r"from_named: its NamedSharding splits 2 dimensions,"
+                     r" so it lays out arrays of rank 2 or more"):
+    g(np.ones(16, np.float32))
+
+
+def test_open_specs():
+  assert P(2, ...).for_rank(3) == P(2, 1, 1) and not P(2, ...).for_rank(3).open
+  assert P(...).for_rank(0) == P() and P(2, ...) != P(2)
+  assert P(4, ..., grid=(2, 4), axes=(1,)).for_rank(2) == P(4, 1, grid=(2, 4), axes=(1, None))
+  assert tiling(P(2, ...), D[:2], 2).spec == P(2, 1)
+  with pytest.raises(TypeError, match=r"\.\.\. stands only last"):
+    P(..., 2)
+  with pytest.raises(ValueError, match=r"has 1 entries but the array has rank 0"):
+    P(2, ...).check_shape((), "x")
+  P(2, ...).check_shape((4, 3, 5), "x")
+  with pytest.raises(ValueError, match=r"dimension 0 of shape \(3, 4\)"):
+    P(2, ...).check_shape((3, 4), "x")
