@@ -22,6 +22,8 @@ Every call then takes the same stages, one module each:
    the tiers memory -> disk -> compile -> rank 0 shares (``_cache._tiers``),
    one bound (``config.memory_cache_entries``), ``clear_caches()`` and
    ``compilation_stats()`` (``_stats``, per front end) over all of it;
+   ``_load`` takes every front end's lowered program through them to its
+   Executable (with the front end's per-rank conversions);
 4. ``_execute``: inputs placed, the program run (in jax's C++ dispatch once
    a call signature is known, ``_compat.cpp_dispatch``), outputs wrapped.
 

@@ -32,8 +32,8 @@ from jax.interpreters import mlir
 
 from partitioner import _compat
 from partitioner._config import config
-from partitioner._distributed._mapped import from_host
 from partitioner._insert import gspmd_constraint, shardy_constraint
+from partitioner._values import from_host
 from sharding._constraint import set_device_lowering
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import Tiling, factor_axes, tiling
@@ -171,10 +171,13 @@ set_device_lowering(_lower_constraint)
 # --- partitioner.pmap's context -------------------------------------------------
 
 class _PmapContext(threading.local):
-  """Per-thread: the partition axes while partitioner.pmap traces its body."""
+  """Per-thread, while partitioner.pmap traces its body: the partition axes
+  (when lowering it), and how it sees the values there (``replicas``, for
+  the spec checks' messages, ``_plan.check_spec``)."""
 
   def __init__(self):
     self.axes: list[tuple[str, int]] | None = None
+    self.replicas: Any = None
 
 
 pmap_context = _PmapContext()

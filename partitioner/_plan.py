@@ -58,6 +58,16 @@ class Placement:
   in_physical: tuple[Tiling, ...]
   out_physical: tuple[Tiling, ...]
 
+  @property
+  def in_shardings(self) -> list[jax.sharding.NamedSharding]:
+    """The tiling of each flat input as a jax sharding."""
+    return [t.named_sharding() for t in self.in_tilings]
+
+  @property
+  def out_shardings(self) -> list[jax.sharding.NamedSharding]:
+    """The tiling of each flat output as a jax sharding."""
+    return [t.named_sharding() for t in self.out_tilings]
+
 
 def _physical(t: Tiling, use: SpecUse) -> Tiling:
   """The tiling of the array XLA sees: extended dtypes (typed PRNG keys)
@@ -93,8 +103,7 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   uses = [*ins, *outs, *constraints]
   for use in uses:
     if use.spec is not None:  # uneven tiles are fine inside (XLA pads)
-      use.spec.check_shape(use.shape, f"{use.what} with shape {use.shape}",
-                           divisible=use.dtype is not None)
+      check_spec(use.spec, use.shape, use.what, divisible=use.dtype is not None)
   n = count_partitions(uses, num_partitions, who)
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
@@ -123,6 +132,26 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
       in_physical=tuple(map(_physical, in_tilings, ins)),
       out_physical=tuple(map(_physical, out_tilings, outs)),
   )
+
+
+def check_spec(spec: PartitionSpec, shape: tuple[int, ...], what: str, *,
+               divisible: bool = True, view: Any = None, value: Any = None) -> None:
+  """The check of a spec against the value it tiles, for every front end:
+  its rank, and even tiles where ``divisible`` (arguments and outputs).
+
+  Args:
+    view: how the front end calling sees the value, or None. Its
+      ``describe(value, what, shape)`` frames the message instead of ``what
+      with shape ...`` (partitioner.pmap: the shape passed, the spec
+      applied per replica).
+    value: the value (a tracer), for ``view``.
+
+  Raises:
+    ValueError: the spec does not fit (:meth:`PartitionSpec.check_shape`'s
+      message, after ``what``).
+  """
+  spec.check_shape(shape, f"{what} with shape {shape}" if view is None else
+                   view.describe(value, what, shape), divisible=divisible)
 
 
 def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None,

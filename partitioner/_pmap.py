@@ -29,7 +29,6 @@ from partitioner._args import ArgumentLayout, argnums, reject_kwargs
 from partitioner._cache._calls import call_caches
 from partitioner._config import config
 from partitioner._devices import ZERO3_HINT, check_devices_argument, choose_devices
-from partitioner._distributed import _mapped
 from partitioner._execute import Dispatched
 from partitioner._report import Explanation
 from partitioner._pmap_program import MappedProgram, discover
@@ -238,7 +237,7 @@ class PmapFunction(Dispatched):
       return fun(*rebuild(jax.tree_util.tree_unflatten(treedef, xs)))
 
     n, out_shape = discover(per_replica, inputs.avals, axes, replicas, self._axis,
-                             self._who)
+                             self._who, names)
     out_leaves_shape, out_tree = jax.tree_util.tree_flatten(out_shape)
     out_axes = _broadcast_axes(self._out_axes, out_shape, "out_axes")
     for ax, o in zip(out_axes, out_leaves_shape):
@@ -284,7 +283,7 @@ class PmapFunction(Dispatched):
         for x, ax in zip(leaves, axes))
     jitted = jax.jit(program, donate_argnums=donated, keep_unused=True)
     axes_context = [(name, mesh.shape[name]) for name in axis_names[1:]]
-    ranks = None if not world.multi else _mapped.RankPrograms(
+    ranks = None if not world.multi else _distributed.RankPrograms(
         self._name, mesh, placements, world, replicas, names)
     return MappedProgram(self._name, jitted, axes_context, n, mesh, placements, names,
                          donated, ranks)

@@ -7,8 +7,8 @@ work as in ``jax.pmap``; the partition axes are the prime factors of N and
 stay automatic, so the specs inside become sharding constraints over them
 (``_compose``) and XLA partitions each replica. jax only traces and lowers
 it; per input layout the module then takes the stages every front end
-shares: :class:`~partitioner._compile.Program` -> the compilation cache
-(memory, persistent store, rank 0 shares) -> an
+shares: :class:`~partitioner._compile.Program` -> ``_load`` (the
+compilation cache: memory, persistent store, rank 0 shares) -> an
 :class:`~partitioner._execute.Executable`.
 """
 
@@ -23,12 +23,12 @@ from partitioner import _compat, _compose, _inspect, _plan
 from partitioner._cache._calls import call_caches
 from partitioner._compile import Program
 from partitioner._config import config
-from partitioner._distributed import _mapped
 from partitioner._insert import ShardingPass
 from partitioner._pmap_stages import MappedCompiled, MappedLowered
 from partitioner._sink import sink_transposes
 from partitioner._stats import stats
 from partitioner._trace import TracedProgram
+from partitioner._values import abstract
 from sharding._constraint import emit_markers
 
 FRONT_END = "pmap"
@@ -106,7 +106,7 @@ class MappedProgram:
           out.append(x)
           continue
       unset = placement.spec == jax.sharding.PartitionSpec()  # in_axes=None
-      out.append(_mapped.abstract(x, sharding=None if unset else placement))
+      out.append(abstract(x, sharding=None if unset else placement))
     return out
 
   def compile(self, layout: Sequence[Any]) -> MappedCompiled:
@@ -114,7 +114,7 @@ class MappedProgram:
     that layout and for the one XLA chose, which the outputs fed back have."""
     compiled = self.lower(layout).compile()
     self._compiled.put(_layout_key(layout), compiled)
-    chosen = [_mapped.abstract(x, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
+    chosen = [abstract(x, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
               for x, s in zip(layout, compiled.input_shardings)]
     self._compiled.setdefault(_layout_key(chosen), compiled)
     return compiled
@@ -212,16 +212,58 @@ def _layout_text(sharding: jax.sharding.Sharding | None) -> str:
   return str(spec) if spec is not None else str(sharding)
 
 
+class PerReplica:
+  """How partitioner.pmap sees the values its body is traced on, for the
+  spec checks inside (``_plan.check_spec``): each spec applies to one
+  replica's part, and an argument's message names the shape passed.
+
+  Args:
+    who: ``partitioner.pmap(f)``.
+    names, avals, axes: per flat input, its name, what was passed, its
+      in_axes.
+  """
+
+  def __init__(self, who: str, names: Sequence[str],
+               avals: Sequence[jax.ShapeDtypeStruct], axes: Sequence[int | None]):
+    self._who = who
+    self._args = tuple(zip(names, (tuple(a.shape) for a in avals), axes))
+    self._inputs: dict[int, tuple[Any, tuple]] = {}  # id -> (traced input, its arg)
+
+  def traced(self, fun: Callable) -> Callable:
+    """``fun``, noting the values it is traced on (the arguments passed)."""
+    def traced(*xs):
+      self._inputs = {id(x): (x, arg) for x, arg in zip(xs, self._args)}
+      return fun(*xs)
+    return traced
+
+  def describe(self, value: Any, what: str, shape: tuple[int, ...]) -> str:
+    """``what`` with the value's shape, as this front end's message says it."""
+    x, arg = self._inputs.get(id(value), (None, None))
+    if x is not value:  # a value computed inside
+      return f"{self._who}: {what} applies per replica, where the value has shape {shape}"
+    name, passed, axis = arg
+    each = (f"i.e. {shape} per replica" if axis is not None else
+            "the same on every replica (in_axes None)")
+    return f"{self._who}: {name} has shape {passed}, {each}; {what} applies per replica"
+
+
 def discover(per_replica: Callable, avals: Sequence[jax.ShapeDtypeStruct],
               axes: Sequence[int | None], replicas: int, axis_name: Any,
-              who: str) -> tuple[int, Any]:
+              who: str, names: Sequence[str]) -> tuple[int, Any]:
   """(N, the per-call output shapes): lowers ``vmap(per_replica)`` with
-  partitioner markers and plans over every spec found inside."""
-  vmapped = jax.vmap(per_replica, in_axes=tuple(axes), axis_name=axis_name,
-                     axis_size=replicas)
-  with emit_markers():  # (read only: inspect_array_sharding must not report here)
-    lowered = _compat.lower_with_rules(jax.jit(vmapped).trace(*avals),
-                                       _inspect.rules(compiled=False))
+  partitioner markers and plans over every spec found inside (each checked
+  per replica, its message naming what was passed: ``names``)."""
+  view = PerReplica(who, names, avals, axes)
+  vmapped = jax.vmap(view.traced(per_replica), in_axes=tuple(axes),
+                     axis_name=axis_name, axis_size=replicas)
+  context = _compose.pmap_context
+  saved, context.replicas = context.replicas, view
+  try:
+    with emit_markers():  # (read only: inspect_array_sharding must not report here)
+      lowered = _compat.lower_with_rules(jax.jit(vmapped).trace(*avals),
+                                         _inspect.rules(compiled=False))
+  finally:
+    context.replicas = saved
   sites = ShardingPass(lowered.compiler_ir("stablehlo")).constraints()
   n = _plan.count_partitions(_plan.constraint_uses(sites), None, who)
   out_shape = jax.tree_util.tree_map(

@@ -2,9 +2,9 @@
 
 A :class:`MappedLowered` holds the module jax traced for one input layout
 as our :class:`~partitioner._compile.Program`; its ``compile()`` takes the
-stages every front end shares (the compilation cache: memory, persistent
-store, rank 0 shares; then an :class:`~partitioner._execute.Executable`)
-and reads where XLA put the values it was left to place.
+stages every front end shares (``_load``: the compilation cache, then an
+:class:`~partitioner._execute.Executable` with this rank's conversions),
+reading where XLA put the values it was left to place.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 import jax
 
-from partitioner import _compat, _inspect
-from partitioner._cache import compilation_cache
+from partitioner import _compat, _load
 from partitioner._compile import Program
-from partitioner._distributed import _mapped
+from partitioner._distributed import RankPrograms
 from partitioner._execute import Executable
 from partitioner._stages import Analyses
 from partitioner._trace import TracedProgram
@@ -49,15 +48,22 @@ class MappedLowered:
   in_names: tuple[str, ...]
   out_names: tuple[str, ...]
   donated: tuple[int, ...]
-  ranks: _mapped.RankPrograms | None
+  ranks: RankPrograms | None
 
   def as_text(self) -> str:
     """The module XLA is given (after partitioner.pmap's rewrites)."""
     return self.program.module_text
 
   def compile(self) -> MappedCompiled:
-    loaded = compilation_cache.load_or_compile(self.program)
-    _inspect.deliver(self.program.inspect_sites, self.program.devices)
+    _, executable = _load.executable(
+        self.program, self.traced, self._lay_out, ranks=self.ranks,
+        process=(0, 1) if self.ranks is None else self.ranks.process,
+        in_names=self.in_names, donated=self.donated)
+    return MappedCompiled(self, executable)
+
+  def _lay_out(self, loaded: _compat.LoadedExecutable) -> _load.Shardings:
+    """Where the values live: as lowered, and where XLA was left to choose
+    (inputs from the host with in_axes=None, every output), as it chose."""
     params, results = _compat.executable_shardings(loaded)
     traced, mesh = self.traced, self.mesh
     if len(traced.out_avals) == 1 and len(results) != 1:  # (a one-element tuple)
@@ -70,15 +76,7 @@ class MappedLowered:
         for k, (x, a) in enumerate(zip(self.layout, traced.in_avals))]
     out_shardings = [chosen(results[k], a) if k < len(results) else replicated
                      for k, a in enumerate(traced.out_avals)]
-    ranks = self.ranks
-    executable = Executable(
-        loaded, in_shardings, out_shardings, traced,
-        globalize=None if ranks is None else (
-            lambda leaves: ranks.globalize(leaves, in_shardings)),
-        localize=None if ranks is None else ranks.localize,
-        process=(0, 1) if ranks is None else (ranks.rank, ranks.size),
-        in_names=self.in_names, donated=self.donated)
-    return MappedCompiled(self, executable)
+    return _load.Shardings(in_shardings, out_shardings)
 
 
 class MappedCompiled(Analyses):

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _check, _compose, _partition
+from partitioner import _check, _compose, _partition, _plan
 from partitioner._cache._calls import call_caches
 from partitioner._config import config
 from partitioner._stats import stats
@@ -135,5 +135,5 @@ class StagedCalls:
 def _checked(x: Any, spec: Any, what: str, origin: str) -> Any:
   """``x`` constrained to ``spec``, after the checks a direct call makes."""
   shape = tuple(jax.numpy.shape(x))
-  spec.check_shape(shape, f"{what} with shape {shape}", divisible=True)
+  _plan.check_spec(spec, shape, what, view=_compose.pmap_context.replicas, value=x)
   return constrain(x, spec, origin)

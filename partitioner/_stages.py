@@ -13,13 +13,13 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile, _explain, _inspect
+from partitioner import _compile, _explain, _load
 from partitioner._args import ArgumentLayout, InputSignature
 from partitioner._cache import compilation_cache
 from partitioner._compile import Program
 from partitioner._cost import Cost, score
 from partitioner._device_model import DeviceModel, resolve
-from partitioner._distributed import _local_parts
+from partitioner._distributed import globalizers, localizers
 from partitioner._execute import Executable
 from partitioner._plan import Placement
 from partitioner._report import Explanation
@@ -83,7 +83,7 @@ class Lowered:
   @property
   def in_shardings(self) -> list[jax.sharding.NamedSharding]:
     """The sharding of each flat input."""
-    return [t.named_sharding() for t in self.placement.in_tilings]
+    return self.placement.in_shardings
 
   @property
   def out_shardings(self) -> Any:
@@ -109,9 +109,15 @@ class Lowered:
 
   def compile(self) -> Compiled:
     """Loads the program from the compilation caches or compiles it."""
+    p, executable = _load.executable(
+        self.program, self.traced, self._lay_out, ranks=self,  # (its local parts)
+        process=self.process, in_names=self.in_names, donated=self.donated)
+    return Compiled(self, p, executable)
+
+  def _lay_out(self, loaded: Any) -> Placement:
+    """The placement, with what XLA chose for AUTO outputs, checked against
+    the compiled program."""
     p = self.placement
-    loaded = compilation_cache.load_or_compile(self.program)
-    _inspect.deliver(self.program.inspect_sites, p.devices)
     empty = tuple([0 in a.shape for a in avals]
                   for avals in (self.traced.in_avals, self.traced.out_avals))
     if self.program.auto_outputs:  # AUTO outputs: read what XLA chose
@@ -122,28 +128,22 @@ class Lowered:
       p = dataclasses.replace(p, out_tilings=chosen, out_physical=chosen)
     _compile.verify_shardings(loaded, p.num_partitions, p.in_physical, p.out_physical,
                               empty)
-    return Compiled(self, p, Executable(
-        loaded, [t.named_sharding() for t in p.in_tilings],
-        [t.named_sharding() for t in p.out_tilings], self.traced,
-        globalize=self._globalize(p), localize=self._localize(p),
-        process=self.process, in_names=self.in_names, donated=self.donated))
+    return p
 
-  def _globalize(self, p: Placement) -> Callable[[Sequence[Any]], list] | None:
+  def globalizer(self, p: Placement) -> Callable[[Sequence[Any]], list] | None:
     """With local_in_parts: each process's pieces -> the global arrays."""
     if self.in_local is None:
       return None
-    each = _local_parts.globalizers(p.in_tilings, self.in_local,
-                                    [a.shape for a in self.traced.in_avals],
-                                    p.devices, *self.process)
+    each = globalizers(p.in_tilings, self.in_local, [a.shape for a in self.traced.in_avals],
+                       p.devices, *self.process)
     return lambda leaves: [f(x) for f, x in zip(each, leaves)]
 
-  def _localize(self, p: Placement) -> Callable[[list], list] | None:
+  def localizer(self, p: Placement) -> Callable[[list], list] | None:
     """With local_out_parts: the global outputs -> this process's pieces."""
     if self.out_local is None:
       return None
-    each = _local_parts.localizers([t.spec for t in p.out_tilings], self.out_local,
-                                   [a.shape for a in self.traced.out_avals],
-                                   p.devices, *self.process)
+    each = localizers([t.spec for t in p.out_tilings], self.out_local,
+                      [a.shape for a in self.traced.out_avals], p.devices, *self.process)
     return lambda outs: [f(x) for f, x in zip(each, outs)]
 
 

@@ -3,8 +3,10 @@ placed.
 
 One set of rules and messages for every front end: which values are arrays
 (:func:`signature`, the call-cache key of each flat input), why another
-value is not (:func:`why_not`), and the private host copy a numpy input is
-placed from (:func:`host_copy`).
+value is not (:func:`why_not`), what a program is lowered for in place of
+a value (:func:`abstract`), the private host copy a numpy input is placed
+from (:func:`host_copy`), and a value every process holds whole as a global
+array (:func:`from_host`).
 """
 
 from __future__ import annotations
@@ -120,6 +122,21 @@ def to_aval(sig: tuple) -> jax.ShapeDtypeStruct:
 def describe(sigs: Sequence[tuple]) -> str:
   """``[float32[4, 2], int32[]]``: signatures for error messages."""
   return "[" + ", ".join(f"{jax.numpy.dtype(d).name}{list(s)}" for s, d, _ in sigs) + "]"
+
+
+def abstract(x: Any, shape: Sequence[int] | None = None,
+             sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
+  """What a program is lowered for in place of ``x``: its shape (or
+  ``shape``), dtype and target sharding (None: XLA is to choose it)."""
+  return jax.ShapeDtypeStruct(np.shape(x) if shape is None else tuple(shape),
+                              jax.dtypes.canonicalize_dtype(x.dtype), sharding=sharding)
+
+
+def from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A value every process holds whole, as a global array laid out as
+  ``sharding`` (each process fills its own devices' pieces)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def host_copy(x: np.ndarray, name: str) -> np.ndarray:

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from partitioner import sharded_jit
+from partitioner import pmap, sharded_jit
 from sharding import PartitionSpec as P
 from sharding import broadcast_specs
 from sharding import with_sharding_constraint as wsc
@@ -188,3 +188,59 @@ def test_ordered_effects_are_not_supported_yet():
     return x
   with pytest.raises(NotImplementedError, match="ordered side effects.*ordered=True"):
     sharded_jit(g, None, None)(X)
+
+
+# --- under partitioner.pmap: the specs inside apply per replica --------------
+
+def _double(x):
+  return x * 2
+
+
+RANK = "has 2 entries but the array has rank 1 (shape (4,))"
+UNEVEN = ("dimension 0 of shape (3,) has size 3, which is not divisible by its"
+          " partition count 2 (spec PartitionSpec(2))")
+
+
+@pytest.mark.parametrize("parts, shape, kwargs, message", [
+    (P(2, 2), (2, 4), {}, "partitioner.pmap(_double): argument `x` (args[0]) has shape"
+     " (2, 4), i.e. (4,) per replica; in_parts for argument `x` (args[0]) applies per"
+     " replica: spec PartitionSpec(2, 2) " + RANK),
+    (P(2), (2, 3), {}, "partitioner.pmap(_double): argument `x` (args[0]) has shape"
+     " (2, 3), i.e. (3,) per replica; in_parts for argument `x` (args[0]) applies per"
+     " replica: " + UNEVEN),
+    (P(2), (3, 2), {"in_axes": 1}, "partitioner.pmap(_double): argument `x` (args[0])"
+     " has shape (3, 2), i.e. (3,) per replica; in_parts for argument `x` (args[0])"
+     " applies per replica: " + UNEVEN),
+], ids=["rank", "divisibility", "in_axes=1"])
+def test_pmap_spec_errors_name_the_shape_passed_and_the_front_end(parts, shape, kwargs,
+                                                                  message):
+  g = sharded_jit(_double, in_parts=parts, out_parts=parts)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    pmap(g, **kwargs)(np.ones(shape, np.float32))
+
+
+def test_pmap_spec_error_for_a_value_computed_inside_and_a_broadcast_argument():
+  g = sharded_jit(_double, in_parts=P(2, 2), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape(
+      "partitioner.pmap(<lambda>): in_parts for argument `x` (args[0]) applies per"
+      " replica, where the value has shape (4,): spec PartitionSpec(2, 2) " + RANK)):
+    pmap(lambda x: g(x + 1))(np.ones((2, 4), np.float32))
+  h = sharded_jit(lambda x, w: x + w.sum(), in_parts=(None, P(2)), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape(
+      "partitioner.pmap(<lambda>): argument `w` (args[1]) has shape (3,), the same on"
+      " every replica (in_axes None); in_parts for argument `w` (args[1]) applies per"
+      " replica: dimension 0 of shape (3,) has size 3")):
+    pmap(h, in_axes=(0, None))(np.ones((2, 4), np.float32), np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("call", [
+    lambda g, x: g(x),
+    lambda g, x: sharded_jit(lambda y: g(y), in_parts=None, out_parts=None)(x),  # nested
+], ids=["direct", "nested"])
+def test_sharded_jit_spec_errors_are_unchanged_outside_pmap(call):
+  g = sharded_jit(_double, in_parts=P(2, 2), out_parts=None)
+  with pytest.raises(ValueError, match=re.escape(
+      "in_parts for argument `x` (args[0]) with shape (4,): spec PartitionSpec(2, 2) "
+      + RANK)) as info:
+    call(g, np.ones(4, np.float32))
+  assert "pmap" not in str(info.value) and "per replica" not in str(info.value)

@@ -11,9 +11,14 @@
 - ``_job_report``: which rank ended how, for ``partitioner.launch``;
 - ``_share``: rank 0 compiles (or loads) and broadcasts the binary;
 - ``_local_parts``: each process passes and gets back its own pieces;
+- ``_mapped``: partitioner.pmap's replicas spread over the processes;
 - ``_rank_main``: the per-rank entry point of ``partitioner.launch``;
 - ``_console``: what a run shows: rank 0's ready line, jax's and gloo's
   chatter kept quiet, the launcher's per-rank output (prefixes).
+
+The front ends' per-rank conversions (what each process passes in and gets
+back) come from here: :func:`globalizers`/:func:`localizers` for
+sharded_jit's local parts, :class:`RankPrograms` for partitioner.pmap.
 """
 
 from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
@@ -23,3 +28,6 @@ from partitioner._distributed._errors import PeerError as PeerError
 from partitioner._distributed._world import World as World
 from partitioner._distributed._world import initialize as initialize
 from partitioner._distributed._world import world as world
+from partitioner._distributed._local_parts import globalizers as globalizers
+from partitioner._distributed._local_parts import localizers as localizers
+from partitioner._distributed._mapped import RankPrograms as RankPrograms

@@ -8,38 +8,25 @@ every rank; collectives over the replica axis reach all of them.
 
 Per input layout, every rank lowers the program and the ranks agree on its
 key; rank 0 alone compiles it and broadcasts the serialized executable,
-which the others load (``CompilationCache.load_or_compile``, as for
-sharded_jit). Every execution goes through :data:`_steps.steps` in
-``_execute``, which bounds how many are queued and refuses to start one
-once a peer has left.
+which the others load (the compile stage, as for sharded_jit). A
+:class:`RankPrograms` gives that stage this rank's conversions, as
+sharded_jit's local parts do: ``globalizer`` and ``localizer``. Every
+execution goes through :data:`_steps.steps` in ``_execute``, which bounds
+how many are queued and refuses to start one once a peer has left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from partitioner._distributed._world import World
+from partitioner._values import abstract, from_host
 
 NamedSharding = jax.sharding.NamedSharding
-
-
-def abstract(x: Any, shape: Sequence[int] | None = None,
-             sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
-  """What a program is lowered for in place of ``x``: its shape (or
-  ``shape``), dtype and target sharding (None: XLA is to choose it)."""
-  return jax.ShapeDtypeStruct(np.shape(x) if shape is None else tuple(shape),
-                              jax.dtypes.canonicalize_dtype(x.dtype), sharding=sharding)
-
-
-def from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-  """A value every rank holds whole, as a global array laid out as
-  ``sharding`` (each rank fills its own devices' pieces)."""
-  x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 class RankPrograms:
@@ -70,6 +57,21 @@ class RankPrograms:
     self.size = world.size
     self.local_mesh = jax.sharding.Mesh(
         mesh.devices[rank * local_replicas:(rank + 1) * local_replicas], mesh.axis_names)
+
+  @property
+  def process(self) -> tuple[int, int]:
+    """(this rank, the number of ranks)."""
+    return (self.rank, self.size)
+
+  def globalizer(self, layout: Any) -> Callable[[Sequence[Any]], list[jax.Array]]:
+    """This rank's flat inputs -> the global arrays ``layout.in_shardings``
+    (where the compiled program wants them) describe."""
+    in_shardings = tuple(layout.in_shardings)
+    return lambda leaves: self.globalize(leaves, in_shardings)
+
+  def localizer(self, layout: Any) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
+    """The global flat outputs -> this rank's replicas."""
+    return self.localize
 
   def _scale(self, shape: Sequence[int], spec: jax.sharding.PartitionSpec,
              up: bool) -> tuple[int, ...]:
