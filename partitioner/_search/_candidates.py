@@ -9,7 +9,7 @@ every hand-written layout (data parallel, FSDP, Megatron d x m, pure
 tensor parallel, FSDP x TP) and the mixes between them (attention
 replicated, MLP tensor parallel). Axes are grouped into *roles* first:
 the same axis of every layer (``blocks/0/wq dim 1`` and ``blocks/1/wq dim
-1``) is one choice.
+1``, or ``['layers']['0']`` and ``['layers']['1']``) is one choice.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from sharding._fsdp import DEFAULT_MIN_SIZE as FSDP_MIN_SIZE
 from sharding._layout import canonical, is_row_major
 from sharding._partition_spec import PartitionSpec, with_layout
 
-_INDEX = re.compile(r"\[([0-9]+)\]")  # a list index in a leaf's path: a layer
+# Numbers in a leaf's path: a layer's index, whatever the library calls it.
+_NUMBER = re.compile(r"[0-9]+")
+_NUMBER_SPLIT = re.compile(r"([0-9]+)")
 # The model axis takes at most this many roles at once.
 MAX_MODEL_ROLES = 3
 
@@ -101,21 +103,24 @@ class Roles:
 def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
           names: Sequence[str], state: Sequence[bool]) -> Roles:
   """Groups the logical axes of the inputs into roles: axes whose argument
-  dimensions have the same names but for their numbers are one role."""
-  where: dict[int, set[tuple[int, str]]] = {}
+  dimensions are the same leaves' (same path but for its numbers, same
+  shape, same dimension) are one role, whatever the numbering says a layer
+  is (``[0]``, ``['0']``, ``layers_0``, ``h.0``)."""
+  where: dict[int, set[tuple]] = {}
   for axes, name, shape in zip(in_axes, names, shapes):
     for d, a in enumerate(axes):
       if shape[d] > 1:  # (rank-1 leaves last: a weight's dimension names it best)
         where.setdefault(a, set()).add(
-            (int(len(shape) < 2), f"{_INDEX.sub('[*]', name)} dim {d}"))
+            (int(len(shape) < 2), f"{name} dim {d}", (_NUMBER.sub("*", name), d, shape)))
   by_key: dict[tuple, int] = {}
-  of_axis, role_names = {}, []
+  of_axis, members = {}, []
   for a in sorted(where):
-    key = tuple(sorted(text for _, text in where[a]))
+    key = tuple(sorted(t for _, _, t in where[a]))
     if key not in by_key:
-      by_key[key] = len(role_names)
-      role_names.append(min(where[a], key=lambda w: (w[0], len(w[1]), w[1]))[1])
+      by_key[key] = len(members)
+      members.append([])
     of_axis[a] = by_key[key]
+    members[by_key[key]].append(min(where[a], key=lambda w: (w[0], len(w[1]), w[1]))[1])
   batch, weights = set(), set()
   for axes, is_state, shape in zip(in_axes, state, shapes):
     for d, a in enumerate(axes):
@@ -123,8 +128,17 @@ def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
         (weights if is_state else batch).add(of_axis[a])
   leaf_roles = {frozenset(of_axis[a] for a in axes if a in of_axis)
                 for axes, is_state in zip(in_axes, state) if is_state}
-  return Roles(of_axis, tuple(role_names), tuple(sorted(batch)),
+  return Roles(of_axis, tuple(map(_common_name, members)), tuple(sorted(batch)),
                tuple(sorted(weights - batch)), tuple(sorted(leaf_roles, key=sorted)))
+
+
+def _common_name(names: Sequence[str]) -> str:
+  """One name for a role's axes: their names, with ``*`` for the numbers
+  that differ between them (the layer)."""
+  parts = [_NUMBER_SPLIT.split(n) for n in names]
+  if len(parts) == 1 or any(len(p) != len(parts[0]) for p in parts):
+    return names[0]
+  return "".join(tokens[0] if len(set(tokens)) == 1 else "*" for tokens in zip(*parts))
 
 
 def grids(n: int) -> list[tuple[int, int]]:

@@ -8,8 +8,10 @@ state). Walking the ops, per device:
 - flops: a dot_general's ``2 * out * contracted`` over the devices its
   operands are split over; an elementwise op's elements likewise;
 - communication: an operand split where the op does not want it is
-  all-gathered; a dot_general contracting (or a reduction over) a split
-  dimension all-reduces its result;
+  all-gathered (an elementwise op runs on an argument's pieces as they
+  are: a sharded optimizer update gathers nothing); a dot_general
+  contracting (or a reduction over) a split dimension all-reduces its
+  result;
 - memory: the arguments' pieces plus the dot_generals' results (the
   activations kept for the backward pass) and the gathered copies;
 - bytes accessed: every op's operands and results, for the roofline.
@@ -40,17 +42,17 @@ class _Value:
   shape: tuple[int, ...]
   itemsize: int
   roles: tuple[int | None, ...]
-  key: Any
+  source: int | None = None  # an argument: the first flat input alike (see Program)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-  kind: str            # "dot", "reduce", "other"
+  kind: str            # "dot", "reduce", "elementwise", "other"
   ins: tuple[_Value, ...]
   outs: tuple[_Value, ...]
   contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
   reduced: tuple[int, ...] = ()                # reduce: operand dims
-  times: int = 1                               # scan bodies run length times
+  times: int = 1                               # scan bodies run length times; alike ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,45 +65,72 @@ class Estimate:
 
 
 class Program:
-  """A jaxpr flattened once into ops whose values carry their roles."""
+  """A jaxpr flattened once into ops whose values carry their roles, alike
+  ops counted once.
 
-  def __init__(self, axes: Axes, r: Roles):
-    self.ops: list[_Op] = []
+  Under any candidate a value is laid out by its roles and shape alone,
+  and an argument by its roles, shape and whether it is state (its spec is
+  the rules'): so ops whose values match in those cost the same, and the
+  same op in every layer of a model is one op run ``times`` times. The
+  estimate's cost does not grow with depth.
+
+  Args:
+    axes: the logical axes of the function.
+    r: their roles.
+    state: per flat input, whether it is state (FSDP splits it).
+  """
+
+  def __init__(self, axes: Axes, r: Roles, state: Sequence[bool]):
     self.r = r
-    self.inputs = [v for v in axes.jaxpr.jaxpr.invars]
     self._axes = axes
-    self._flatten(axes.jaxpr.jaxpr, (), 1)
+    invars = axes.jaxpr.jaxpr.invars
+    alike: dict = {}
+    self.sources: dict = {}  # ((), var) -> the first flat input alike
+    self.inputs: list[tuple[int, int, _Value]] = []  # (first alike, how many, value)
+    counts: dict[int, int] = {}
+    for k, (v, st) in enumerate(zip(invars, state)):
+      val = self._value((), v)
+      first = alike.setdefault((val.shape, val.itemsize, val.roles, st), k)
+      self.sources[((), v)] = first
+      counts[first] = counts.get(first, 0) + 1
+    self.inputs = [(k, n, dataclasses.replace(self._value((), invars[k]), source=k))
+                   for k, n in counts.items()]
+    ops: dict[_Op, int] = {}
+    self._flatten(axes.jaxpr.jaxpr, (), 1, ops)
+    self.ops = [dataclasses.replace(op, times=op.times * n) for op, n in ops.items()]
 
   def _value(self, ctx: tuple, v: Any) -> _Value:
     shape = tuple(getattr(v.aval, "shape", ()))
     itemsize = np.dtype(v.aval.dtype).itemsize if hasattr(v.aval, "dtype") else 4
     roles = tuple(self.r.of_axis.get(self._axes.axis(ctx, v, d)) for d in range(len(shape)))
-    key = None if isinstance(v, jex_core.Literal) else (ctx, v)
-    return _Value(shape, itemsize, roles, key)
+    source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
+    return _Value(shape, itemsize, roles, source)
 
-  def _flatten(self, jaxpr: Any, ctx: tuple, times: int) -> None:
+  def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict) -> None:
     for k, eqn in enumerate(jaxpr.eqns):
       subs = _sub_jaxprs(eqn)
       if subs:
         length = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
         if eqn.primitive.name == "cond":
           for b, branch in enumerate(eqn.params["branches"]):
-            self._flatten(branch.jaxpr, (*ctx, k, b), times)
+            self._flatten(branch.jaxpr, (*ctx, k, b), times, ops)
         else:
           for n, inner in enumerate(subs):
-            self._flatten(inner, (*ctx, k, n), times * length)
+            self._flatten(inner, (*ctx, k, n), times * length, ops)
         continue
       ins = tuple(self._value(ctx, v) for v in eqn.invars)
       outs = tuple(self._value(ctx, v) for v in eqn.outvars)
       name = eqn.primitive.name
       if name == "dot_general":
         (lc, rc), _ = eqn.params["dimension_numbers"]
-        self.ops.append(_Op("dot", ins, outs, tuple(zip(lc, rc)), times=times))
+        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), times=times)
       elif name in _REDUCTIONS:
-        self.ops.append(_Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]),
-                            times=times))
+        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times)
+      elif len(outs) == 1 and all(x.shape in (outs[0].shape, ()) for x in ins):
+        op = _Op("elementwise", ins, outs, times=times)
       else:
-        self.ops.append(_Op("other", ins, outs, times=times))
+        op = _Op("other", ins, outs, times=times)
+      ops[op] = ops.get(op, 0) + 1
 
   def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
                device: DeviceModel) -> Estimate:
@@ -109,9 +138,6 @@ class Program:
     grid axes of each dimension (from its spec)."""
     data, model = c.grid
     sizes = (data, model)
-    placed: dict = {}
-    for v, dims in zip(self.inputs, in_dims):
-      placed[((), v)] = dims
     wanted_cache: dict = {}
 
     def wanted(val: _Value) -> tuple[tuple[int, ...], ...]:
@@ -138,25 +164,27 @@ class Program:
       return math.prod(val.shape) * val.itemsize / split
 
     flops = comm = count = memory = accessed = 0.0
-    for v, dims in zip(self.inputs, in_dims):
-      val = self._value((), v)
-      memory += local_bytes(val, dims)
+    alike = {k: n for k, n, _ in self.inputs}
+    for k, n, val in self.inputs:
+      memory += local_bytes(val, in_dims[k]) * n
     gathered: set = set()
     for op in self.ops:
       want_in = [wanted(x) for x in op.ins]
       for x, want in zip(op.ins, want_in):
-        have = placed.get(x.key, want) if x.key is not None else want
+        if x.source is None:
+          continue
+        if op.kind == "elementwise":  # (it runs on the argument's pieces as they are)
+          continue
+        have = in_dims[x.source]
         for d, ax in enumerate(have):
           for a in ax:
             if a not in want[d]:  # split here, not where the op wants: gather
               comm += local_bytes(x, have) * (sizes[a] - 1) * op.times
               count += op.times
-              if x.key not in gathered:  # the gathered copy is a temporary
-                gathered.add(x.key)
-                memory += local_bytes(x, want)
+              if x.source not in gathered:  # the gathered copies are temporaries
+                gathered.add(x.source)
+                memory += local_bytes(x, want) * alike[x.source]
       outs = [wanted(o) for o in op.outs]
-      for o, dims in zip(op.outs, outs):
-        placed[o.key] = dims
       accessed += (sum(local_bytes(x, w) for x, w in zip(op.ins, want_in))
                    + sum(local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
       split_axes = {a for w in want_in for ax in w for a in ax}
@@ -165,7 +193,7 @@ class Program:
         lhs, rhs = op.ins
         contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
         flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
-        memory += local_bytes(op.outs[0], outs[0])
+        memory += local_bytes(op.outs[0], outs[0]) * op.times
         summed = {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
       elif op.kind == "reduce":
         flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times

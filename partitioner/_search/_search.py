@@ -55,7 +55,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 4
+RULES = 5
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -153,7 +153,7 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
                                      [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
-  program = Program(axes, r)
+  program = Program(axes, r, state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
