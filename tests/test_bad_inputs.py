@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from partitioner import config, explain, pmap, sharded_jit
-from partitioner._config import Config
+from partitioner import Config, config, explain, pmap, sharded_jit
 from sharding import PartitionSpec as P
 from sharding import global_shape, local_shape, local_spec, tiling
 from sharding import with_sharding_constraint as wsc
