@@ -55,6 +55,9 @@ class DeviceModel:
     latency_s: fixed cost of one collective.
     overlap: compute and memory traffic overlap (a roofline: the larger
       of the two counts), as on accelerators; False adds them, as on a CPU.
+    error: how far its estimates are from measured times (relative, rms):
+      :func:`partitioner.search` times the candidates within it of the best
+      on the devices instead of trusting the estimate.
   """
   name: str
   flops_per_s: float
@@ -63,6 +66,7 @@ class DeviceModel:
   network_bytes_per_s: float
   latency_s: float
   overlap: bool = True
+  error: float = 0.3
 
   def compute_seconds(self, flops: float, bytes_accessed: float) -> float:
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
@@ -77,7 +81,7 @@ class DeviceModel:
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 2.5e10, 2.5e9, 4.5e8, 2.25e8, 50e-6,
-                       overlap=False),
+                       overlap=False, error=0.23),
     "a100": DeviceModel("NVIDIA A100 SXM", 312e12, 2.0e12, 600e9, 25e9, 10e-6),
     "h100": DeviceModel("NVIDIA H100 SXM", 989e12, 3.35e12, 900e9, 50e9, 8e-6),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6),

@@ -168,3 +168,24 @@ def test_static_arguments_and_shape_dtype_structs():
   step = found.sharded_jit()
   _, loss = step(params, x, 3.0)
   np.testing.assert_allclose(float(loss), 3 * float(mlp_step(params, x)[1]), rtol=1e-5)
+
+
+def test_close_calls_are_measured_by_default_on_the_models_own_devices():
+  params, x = mlp(64, 256, 32)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4)
+  scores = [c.seconds for c in found.candidates if not c.error]
+  close = sum(1 for s in scores if s <= min(scores) * (1 + partitioner.DEVICE_MODELS["cpu"].error))
+  timed = [c for c in found.candidates if c.measured_seconds]
+  assert len(timed) == (min(close, 3) if close >= 2 else 0)
+  if timed:
+    assert found.best.measured_seconds == min(c.measured_seconds for c in timed)
+  # A plan for other hardware is never timed on these devices, nor with measure=0.
+  for kwargs in ({"device_model": "h100"}, {"measure": 0}):
+    other = partitioner.search(mlp_step, params, x, max_compiles=4, **kwargs)
+    assert not any(c.measured_seconds for c in other.candidates)
+
+
+def test_measure_must_be_a_count():
+  params, x = mlp(16, 32, 8)
+  with pytest.raises(ValueError, match=r"measure must be None .* got -1"):
+    partitioner.search(mlp_step, params, x, measure=-1)

@@ -12,8 +12,9 @@ cost and memory analysis of the compiled candidates.
    the compiled programs (``partitioner._cost``) under a device model
    (``partitioner._device_model``).
 4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
-   earlier in the fixed candidate order: same inputs, same layout);
-   ``measure=k`` times the best k on the devices and keeps the fastest.
+   earlier in the fixed candidate order: same inputs, same layout); the
+   close calls (within the device model's error) are timed on the devices
+   and the fastest measured wins (``_measure``).
 
 The result is cached in memory and in the persistent cache (a second
 search of the same function and inputs is instant); in a multi-process run
@@ -37,11 +38,11 @@ from partitioner._cache._calls import call_caches
 from partitioner._cache._tiers import compilation_cache, program_options
 from partitioner._config import config
 from partitioner._devices import choose_devices
-from partitioner._search import _found, _inputs, _select
+from partitioner._search import _found, _inputs, _measure, _select
 from partitioner._search._axes import logical_axes
 from partitioner._search._candidates import (Candidate, enumerate_candidates, leaf_dims,
                                              roles, spec_of)
-from partitioner._device_model import DeviceModel, resolve
+from partitioner._device_model import DeviceModel, default_model, resolve
 from partitioner._search._estimate import Program
 from partitioner._search._progress import Progress
 from partitioner._cost import score
@@ -55,12 +56,12 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 5
+RULES = 6
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
            memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
-           device_model: DeviceModel | str | None = None, measure: int = 0,
+           device_model: DeviceModel | str | None = None, measure: int | None = None,
            max_compiles: int = 10, progress: bool | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
 
@@ -75,8 +76,11 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
     device_model: what the devices cost: a :class:`DeviceModel`, a name
       (``"cpu"``, ``"a100"``, ``"h100"``, ``"tpu-v4"``, ``"tpu-v5e"``), or
       None for the devices' own.
-    measure: time the best ``measure`` candidates for a few calls on the
-      devices and keep the fastest measured (one process only).
+    measure: time the best ``measure`` candidates for a few steps on the
+      devices and keep the fastest measured (one process only). By default
+      (None) the close calls are timed: the best candidates whose estimates
+      lie within the device model's error of the best (at most 3), when
+      the devices are the model's own; 0 never times.
     max_compiles: how many candidates to compile after the cheap ranking.
     progress: show a progress line on stderr (default: when it is a
       terminal).
@@ -104,6 +108,9 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
                                           or memory_budget_bytes <= 0):
     raise ValueError(f"{who}: memory_budget_bytes must be a positive number of bytes,"
                      f" got {memory_budget_bytes!r}")
+  if measure is not None and (not isinstance(measure, int) or measure < 0):
+    raise ValueError(f"{who}: measure must be None (time the close calls), 0 (never)"
+                     f" or a number of candidates to time, got {measure!r}")
   if measure and world.size > 1:
     raise ValueError(f"{who}: measure={measure} times candidates on one process's"
                      " devices; a multi-process search cannot run them on rank 0"
@@ -207,39 +214,21 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
-  if measure:
-    _measure(fun, args, static, out_tree, fits[:measure], devices)
-    fits[:measure] = sorted(fits[:measure], key=lambda x: (x.measured, x.index))
+  own = device == default_model(devices[0].device_kind, devices[0].platform)
+  k = _measure.how_many(measure, [x.score.seconds for x in fits], device, own,
+                        len({d.process_index for d in devices}))
+  if k:
+    in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
+                                                if i not in static))
+    times = _measure.measure(fun, args, static, in_tree, out_tree, out_state,
+                             [(x.in_specs, x.out_specs) for x in fits[:k]], devices)
+    for x, t in zip(fits, times):
+      x.measured = t
+    fits[:k] = sorted(fits[:k], key=lambda x: (x.measured, x.index))
   rest = sorted((x for x in results if x not in fits),
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   return _found.to_json(fits + rest, device, budget, len(rows),
                         time.perf_counter() - start)
-
-
-def _measure(fun, args, static, out_tree, results, devices, calls: int = 3,
-             rounds: int = 3) -> None:
-  """Times each result's layout on the devices: after a warm-up call, in
-  turn for ``rounds`` rounds of ``calls`` calls (so that the host's drift
-  falls on every layout alike), the median round per call."""
-  concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
-              for i, a in enumerate(args)]
-  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
-                                              if i not in static))
-  fns = [sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, x.in_specs),
-                     out_parts=jax.tree_util.tree_unflatten(out_tree, x.out_specs),
-                     static_argnums=static, devices=devices) for x in results]
-  for f in fns:
-    jax.block_until_ready(f(*concrete))  # compile and warm up
-  times: list[list[float]] = [[] for _ in fns]
-  for _ in range(rounds):
-    for f, t in zip(fns, times):
-      begin = time.perf_counter()
-      for _ in range(calls):
-        out = f(*concrete)
-      jax.block_until_ready(out)
-      t.append((time.perf_counter() - begin) / calls)
-  for x, t in zip(results, times):
-    x.measured = sorted(t)[len(t) // 2]
 
 
 def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):

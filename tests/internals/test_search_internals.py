@@ -111,3 +111,14 @@ def test_family_names_and_layouts_that_copy_work():
            (Candidate((2, 4), 0, False, (1,)), "data x model 2 x 4", False)]
   for c, family, copies in cases:
     assert (c.family(), c.copies_work) == (family, copies)
+
+
+def test_measure_decides_on_the_close_calls():
+  from partitioner._search import _measure
+  cpu, h100 = partitioner.DEVICE_MODELS["cpu"], partitioner.DEVICE_MODELS["h100"]
+  assert _measure.how_many(None, [1.0, 1.1, 1.2, 1.22, 2.0], cpu, True, 1) == 3
+  assert _measure.how_many(None, [1.0, 1.3], cpu, True, 1) == 0  # clearly ahead
+  assert _measure.how_many(None, [1.0, 1.1], cpu, False, 1) == 0  # not the model's devices
+  assert _measure.how_many(None, [1.0, 1.1], cpu, True, 2) == 0  # several processes
+  assert _measure.how_many(None, [1.0], h100, True, 1) == 0
+  assert _measure.how_many(2, [1.0, 5.0], cpu, True, 1) == 2  # asked for

@@ -1,0 +1,89 @@
+"""The close calls, measured: the best compiled candidates timed on the devices.
+
+An estimate decides only where it is clearly ahead. When the runners-up
+score within the device model's error of the best (``DeviceModel.error``),
+and the devices are the ones the model describes (a plan for an H100 is not
+timed on this host's CPU), the search runs them: each layout's arguments
+placed once and kept on the devices (each step is fed the state it returned,
+as in a training loop), each warmed right before its timed steps (a call
+that follows another layout's heavy step pays for its leftovers), in turn
+over rounds (the host's drift falls on every layout alike), the median
+round per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from partitioner._api import sharded_jit
+from partitioner._device_model import DeviceModel
+from partitioner._search import _inputs
+
+# At most this many candidates are timed when the search decides to.
+AUTO_MEASURE = 3
+
+
+def how_many(measure: int | None, scores: Sequence[float], device: DeviceModel,
+             own_devices: bool, processes: int) -> int:
+  """How many of the best (``scores``: their estimated seconds, best first)
+  to time: ``measure`` when given; else those within the model's error of
+  the best, when it is worth it (2 or more) and possible (the model's own
+  devices, one process)."""
+  if measure is not None:
+    return measure
+  if not own_devices or processes > 1 or len(scores) < 2:
+    return 0
+  close = sum(1 for s in scores if s <= scores[0] * (1 + device.error))
+  return min(close, AUTO_MEASURE) if close >= 2 else 0
+
+
+def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
+            in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
+            layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
+            calls: int = 3, rounds: int = 3) -> list[float]:
+  """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``.
+
+  ``out_state[k]`` is the flat input that flat output ``k`` is the new
+  value of (a train step's parameters), or None.
+  """
+  concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
+              for i, a in enumerate(args)]
+  dynamic = [a for i, a in enumerate(concrete) if i not in static]
+  feeds = []
+  for in_specs, out_specs in layouts:
+    f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
+                    out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
+                    static_argnums=static, devices=devices)
+    compiled = f.lower(*concrete).compile()
+    placed = jax.device_put(jax.tree_util.tree_leaves(dynamic),
+                            list(compiled.input_shardings))
+    feeds.append(_Feed(compiled, placed, out_state))
+  times: list[list[float]] = [[] for _ in feeds]
+  for _ in range(rounds):
+    for feed, t in zip(feeds, times):
+      feed.step()  # warm, right before its timed steps
+      jax.block_until_ready(feed.leaves)
+      begin = time.perf_counter()
+      for _ in range(calls):
+        feed.step()
+      jax.block_until_ready(feed.leaves)
+      t.append((time.perf_counter() - begin) / calls)
+  return [sorted(t)[len(t) // 2] for t in times]
+
+
+class _Feed:
+  """One layout's compiled step and its inputs on the devices; each step
+  takes the state the last one returned."""
+
+  def __init__(self, compiled: Any, leaves: list, out_state: Sequence[int | None]):
+    self.compiled, self.leaves = compiled, leaves
+    self.out_state = [(k, i) for k, i in enumerate(out_state) if i is not None]
+
+  def step(self) -> None:
+    outs = jax.tree_util.tree_leaves(self.compiled.call_flat(self.leaves))
+    for k, i in self.out_state:
+      self.leaves[i] = outs[k]
