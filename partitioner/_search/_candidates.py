@@ -1,15 +1,19 @@
-"""Candidate layouts: logical-axis rules over a 2-D device grid.
+"""Candidate layouts: logical-axis rules over a device grid.
 
-A candidate is a grid ``(data, model)`` with ``data * model`` = the device
-count and rules that put logical axes on its axes, the way MaxText's
-logical axis rules do (see ``_axes``): one axis of the batch-like
-arguments on ``data``; optionally FSDP (each state leaf's largest free
-dimension on ``data`` too); a set of weight axes on ``model``. Those give
-every hand-written layout (data parallel, FSDP, Megatron d x m, pure
-tensor parallel, FSDP x TP) and the mixes between them (attention
-replicated, MLP tensor parallel). Axes are grouped into *roles* first:
-the same axis of every layer (``blocks/0/wq dim 1`` and ``blocks/1/wq dim
-1``, or ``['layers']['0']`` and ``['layers']['1']``) is one choice.
+A candidate is a grid ``(data, fsdp, model)`` of the devices, row-major
+(``model`` minor: consecutive devices, inside a host; ``data`` major:
+across hosts), and rules that put logical axes on its axes, the way
+MaxText's logical axis rules do (see ``_axes``): one axis of the
+batch-like arguments on ``data`` and ``fsdp``; with FSDP, each state
+leaf's largest free dimension on ``fsdp`` (and on ``model`` if no model
+role splits it); a set of weight axes on ``model``. Those give every
+hand-written layout (data parallel, FSDP, Megatron d x m, pure tensor
+parallel, FSDP x TP), hybrid FSDP (replicas across hosts, FSDP inside)
+and the mixes between them (attention replicated, MLP tensor parallel).
+One more kind of axis (pipeline stages) is one more grid entry. Axes are
+grouped into *roles* first: the same axis of every layer (``blocks/0/wq
+dim 1`` and ``blocks/1/wq dim 1``, or ``['layers']['0']`` and
+``['layers']['1']``) is one choice.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ _NUMBER = re.compile(r"[0-9]+")
 _NUMBER_SPLIT = re.compile(r"([0-9]+)")
 # The model axis takes at most this many roles at once.
 MAX_MODEL_ROLES = 3
+# The grid's axes, major to minor.
+DATA, FSDP, MODEL = 0, 1, 2
+BATCH_AXES = (DATA, FSDP)  # the batch role is split over both
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,50 +43,62 @@ class Candidate:
   """One layout to score.
 
   Attributes:
-    grid: ``(data, model)`` device counts.
-    batch: the role split over ``data`` (None: none).
-    fsdp: whether state leaves also take the grid axes they do not use
-      (ZeRO-3 / FSDP over ``data``; over ``model`` for leaves no model
-      role splits).
+    grid: ``(data, fsdp, model)`` device counts, major to minor.
+    batch: the role split over ``data`` and ``fsdp`` (None: none).
+    fsdp: whether state leaves also take the ``fsdp`` axis and, where no
+      model role splits them, the ``model`` axis (ZeRO-3 / FSDP); always
+      so when ``fsdp`` > 1.
     model: the roles split over ``model``.
   """
-  grid: tuple[int, int]
+  grid: tuple[int, int, int]
   batch: int | None
   fsdp: bool
   model: tuple[int, ...]
 
+  @property
+  def replicas(self) -> int:
+    """Devices the batch is split over: ``data * fsdp``."""
+    return self.grid[DATA] * self.grid[FSDP]
+
   def describe(self, role_names: Sequence[str]) -> str:
-    data, model = self.grid
+    data, fsdp, model = self.grid
     parts = []
-    if data > 1:
+    if self.replicas > 1:
       what = role_names[self.batch] if self.batch is not None else "nothing"
-      parts.append(f"data {data}: {what}" + (" + FSDP" if self.fsdp else ""))
+      head = (f"data {data} x fsdp {fsdp}" if data > 1 and fsdp > 1
+              else f"data {self.replicas}")
+      parts.append(f"{head}: {what}" + (" + FSDP" if self.fsdp and fsdp > 1 else ""))
     if model > 1:
       parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
                                            or "nothing")
-                   + (" + rest sharded" if self.fsdp and data == 1 else ""))
+                   + (" + rest sharded" if self.fsdp and fsdp == 1 else ""))
     return "; ".join(parts) or "replicated"
 
   @property
   def copies_work(self) -> bool:
     """The data axis splits nothing: its devices all do the same work."""
-    return self.grid[0] > 1 and self.batch is None and not self.fsdp
+    return self.grid[DATA] > 1 and self.batch is None
 
   def family(self) -> str:
     """The kind of layout this is: a hand-written one's name, or one of
     theirs with the batch whole or the work copied."""
-    data, model = self.grid
-    n = data * model
-    if not self.model or model == 1:
+    data, fsdp, model = self.grid
+    n, replicas = data * fsdp * model, self.replicas
+    tp = self.model and model > 1
+    if data > 1 and fsdp > 1:  # hybrid: replicas across hosts, FSDP inside
+      return (f"data {data} x FSDP {fsdp}" + (f" x TP {model}" if tp else "")
+              + (", batch whole" if self.batch is None else ""))
+    if not tp:
       if self.batch is None:
         return f"FSDP {n}, batch whole" if self.fsdp else "replicated"
       return f"FSDP {n}" if self.fsdp else f"data parallel {n}"
-    if data == 1:
+    if replicas == 1:
       return f"tensor parallel {n}" + (", rest sharded" if self.fsdp else "")
     if self.batch is None:  # the data axis splits no batch: only state, or nothing
-      return (f"FSDP x TP {data} x {model}, batch whole" if self.fsdp
-              else f"tensor parallel {model}, copied {data} times")
-    return f"FSDP x TP {data} x {model}" if self.fsdp else f"data x model {data} x {model}"
+      return (f"FSDP x TP {replicas} x {model}, batch whole" if self.fsdp
+              else f"tensor parallel {model}, copied {replicas} times")
+    return (f"FSDP x TP {replicas} x {model}" if self.fsdp
+            else f"data x model {replicas} x {model}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +111,15 @@ class Roles:
     batch: roles of the arguments that are not state (batch-like).
     weights: roles of the state leaves (split over ``model``).
     state_roles: each state leaf's roles (sets of them, for conflicts).
+    repeats: role id -> how many logical axes (layers) it groups, for the
+      roles that group more than one.
   """
   of_axis: dict[int, int]
   names: tuple[str, ...]
   batch: tuple[int, ...]
   weights: tuple[int, ...]
   state_roles: tuple[frozenset, ...] = ()
+  repeats: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
@@ -129,7 +151,8 @@ def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
   leaf_roles = {frozenset(of_axis[a] for a in axes if a in of_axis)
                 for axes, is_state in zip(in_axes, state) if is_state}
   return Roles(of_axis, tuple(map(_common_name, members)), tuple(sorted(batch)),
-               tuple(sorted(weights - batch)), tuple(sorted(leaf_roles, key=sorted)))
+               tuple(sorted(weights - batch)), tuple(sorted(leaf_roles, key=sorted)),
+               {k: len(m) for k, m in enumerate(members) if len(m) > 1})
 
 
 def _common_name(names: Sequence[str]) -> str:
@@ -141,67 +164,81 @@ def _common_name(names: Sequence[str]) -> str:
   return "".join(tokens[0] if len(set(tokens)) == 1 else "*" for tokens in zip(*parts))
 
 
-def grids(n: int) -> list[tuple[int, int]]:
-  """Every ``(data, model)`` with ``data * model == n``, data-major first."""
-  return [(n // m, m) for m in range(1, n + 1) if n % m == 0]
+def grids(n: int, hosts: int = 1) -> list[tuple[tuple[int, int, int], bool]]:
+  """Every ``((data, fsdp, model), fsdp)`` of ``n`` devices: data or FSDP
+  times model, data-major first; on several hosts also hybrid FSDP (data
+  across the hosts, FSDP and model inside each)."""
+  out = []
+  for m in range(1, n + 1):
+    if n % m == 0:
+      out += [((n // m, 1, m), False)] + ([((1, n // m, m), True)] if n > m else [])
+  per_host = n // hosts
+  if hosts > 1:
+    out += [((hosts, per_host // m, m), True) for m in range(1, per_host)
+            if per_host % m == 0]
+  return out
 
 
-def enumerate_candidates(n: int, r: Roles) -> list[Candidate]:
-  """Every candidate on ``n`` devices, in a fixed order."""
+def enumerate_candidates(n: int, r: Roles, hosts: int = 1) -> list[Candidate]:
+  """Every candidate on ``n`` devices (``hosts`` hosts of consecutive
+  devices), in a fixed order."""
   out = []
   # A model axis that two dimensions of one weight compete for splits only
   # one of them: such sets say the same as a smaller one, or less.
   subsets = [()] + [c for k in range(1, MAX_MODEL_ROLES + 1)
                     for c in itertools.combinations(r.weights, k)
                     if all(len(roles_of & set(c)) <= 1 for roles_of in r.state_roles)]
-  for data, model in grids(n):
-    batches = [None] + list(r.batch) if data > 1 else [None]
+  for grid, sharded in grids(n, hosts):
+    replicas, model = grid[DATA] * grid[FSDP], grid[MODEL]
+    batches = [None] + list(r.batch) if replicas > 1 else [None]
     for batch in batches:
-      for fsdp in (False, True):
+      for fsdp in ((False, True) if replicas == 1 else (sharded,)):
         for chosen in (subsets if model > 1 else [()]):
           if model > 1 and not chosen:
             continue  # the model axis would do nothing: a smaller grid says it
-          if data > 1 and batch is None and not fsdp:
+          if replicas > 1 and batch is None and not fsdp:
             continue
-          out.append(Candidate((data, model), batch, fsdp, tuple(chosen)))
+          out.append(Candidate(grid, batch, fsdp, tuple(chosen)))
   return out
 
 
 def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequence[int],
               is_state: bool) -> tuple[tuple[int, ...], ...]:
-  """Per dimension of one leaf, the grid axes (0: data, 1: model) it is
-  split over under ``candidate``."""
-  data, model = candidate.grid
+  """Per dimension of one leaf, the grid axes (``DATA``, ``FSDP``,
+  ``MODEL``) it is split over under ``candidate``."""
+  grid = candidate.grid
   used: set[int] = set()
   dims: list[tuple[int, ...]] = [() for _ in shape]
   role = [r.of_axis.get(a) for a in axes]
-  for d in range(len(shape)):  # the batch role first, on data
-    if (data > 1 and role[d] is not None and role[d] == candidate.batch and 0 not in used
-        and shape[d] % data == 0):
-      used.add(0)
-      dims[d] = (0,)
+  batch_axes = tuple(a for a in BATCH_AXES if grid[a] > 1)
+  for d in range(len(shape)):  # the batch role first, on data and fsdp
+    if (batch_axes and role[d] is not None and role[d] == candidate.batch
+        and shape[d] % candidate.replicas == 0):
+      used.update(batch_axes)
+      dims[d] = batch_axes
+      break
   for d in range(len(shape)):  # the model roles, on model
-    if (model > 1 and role[d] in candidate.model and 1 not in used and not dims[d]
-        and shape[d] % model == 0):
-      used.add(1)
-      dims[d] = (1,)
+    if (grid[MODEL] > 1 and role[d] in candidate.model and MODEL not in used and not dims[d]
+        and shape[d] % grid[MODEL] == 0):
+      used.add(MODEL)
+      dims[d] = (MODEL,)
   if candidate.fsdp and is_state and math.prod(shape) >= FSDP_MIN_SIZE:
     # ZeRO-3: a state leaf also takes the grid axes it does not use, on its
-    # largest other dimension that divides, else its split one (data
-    # major), as fsdp_tp_specs does.
-    for axis, size in ((0, data), (1, model)):
-      if size == 1 or axis in used:
+    # largest other dimension that divides, else its split one (major
+    # first), as fsdp_tp_specs does.
+    for axis in (FSDP, MODEL):
+      if grid[axis] == 1 or axis in used:
         continue
       for d in sorted(range(len(shape)), key=lambda d: (bool(dims[d]), -shape[d], d)):
-        split = math.prod(candidate.grid[a] for a in dims[d])
-        if shape[d] % (split * size) == 0:
+        split = math.prod(grid[a] for a in dims[d])
+        if shape[d] % (split * grid[axis]) == 0:
           dims[d] = tuple(sorted((*dims[d], axis)))
           used.add(axis)
           break
   return tuple(dims)
 
 
-def spec_of(dims: Sequence[tuple[int, ...]], grid: tuple[int, int]) -> PartitionSpec | None:
+def spec_of(dims: Sequence[tuple[int, ...]], grid: tuple[int, ...]) -> PartitionSpec | None:
   """The count spec (with its device order) of a leaf split as ``dims``."""
   if not any(dims):
     return None

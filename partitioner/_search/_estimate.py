@@ -1,7 +1,7 @@
 """The cheap model: a candidate's cost read off the jaxpr, no compiling.
 
 Each value's dimensions are laid over the grid by the candidate's rules
-(its role on ``data`` or ``model``; a value uses a grid axis once, the
+(its role on ``data`` and ``fsdp`` or on ``model``; a value uses a grid axis once, the
 batch role first); arguments as their specs say (FSDP splits only the
 state). Walking the ops, per device:
 
@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from partitioner._search._axes import Axes, _sub_jaxprs
-from partitioner._search._candidates import Candidate, Roles
+from partitioner._search._candidates import BATCH_AXES, MODEL, Candidate, Roles
 from partitioner._device_model import DeviceModel
 
 _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
@@ -62,6 +62,18 @@ class Estimate:
   collectives: int
   memory: float
   seconds: float
+  network_bytes: float = 0.0  # the part of collective_bytes that crosses hosts
+
+
+def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
+  """Per grid axis (row-major over ``hosts`` hosts of consecutive devices),
+  whether a collective over it crosses hosts."""
+  per_host = math.prod(grid) // hosts
+  out, stride = [], 1
+  for size in reversed(grid):
+    out.append(size > 1 and per_host % (stride * size) != 0)
+    stride *= size
+  return tuple(reversed(out))
 
 
 class Program:
@@ -133,11 +145,14 @@ class Program:
       ops[op] = ops.get(op, 0) + 1
 
   def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
-               device: DeviceModel) -> Estimate:
+               device: DeviceModel, hosts: int = 1) -> Estimate:
     """The candidate's per-device cost; ``in_dims``: per flat input, the
-    grid axes of each dimension (from its spec)."""
-    data, model = c.grid
-    sizes = (data, model)
+    grid axes of each dimension (from its spec); ``hosts``: the devices
+    are that many hosts of consecutive devices."""
+    sizes = c.grid
+    model = sizes[MODEL]
+    batch_axes = tuple(a for a in BATCH_AXES if sizes[a] > 1)
+    remote = crossing(sizes, hosts)
     wanted_cache: dict = {}
 
     def wanted(val: _Value) -> tuple[tuple[int, ...], ...]:
@@ -148,14 +163,15 @@ class Program:
       dims: list[tuple[int, ...]] = [() for _ in val.shape]
       used = set()
       for d, role in enumerate(val.roles):
-        if data > 1 and role is not None and role == c.batch and val.shape[d] % data == 0:
-          dims[d], used = (0,), {0}
+        if (batch_axes and role is not None and role == c.batch
+            and val.shape[d] % c.replicas == 0):
+          dims[d], used = batch_axes, set(batch_axes)
           break
       for d, role in enumerate(val.roles):
-        if (model > 1 and role in c.model and 1 not in used and not dims[d]
+        if (model > 1 and role in c.model and MODEL not in used and not dims[d]
             and val.shape[d] % model == 0):
-          dims[d] = (1,)
-          used.add(1)
+          dims[d] = (MODEL,)
+          used.add(MODEL)
       wanted_cache[key] = out = tuple(dims)
       return out
 
@@ -163,7 +179,7 @@ class Program:
       split = math.prod(sizes[a] for ax in dims for a in ax)
       return math.prod(val.shape) * val.itemsize / split
 
-    flops = comm = count = memory = accessed = 0.0
+    flops = comm = network = count = memory = accessed = 0.0
     alike = {k: n for k, n, _ in self.inputs}
     for k, n, val in self.inputs:
       memory += local_bytes(val, in_dims[k]) * n
@@ -179,7 +195,9 @@ class Program:
         for d, ax in enumerate(have):
           for a in ax:
             if a not in want[d]:  # split here, not where the op wants: gather
-              comm += local_bytes(x, have) * (sizes[a] - 1) * op.times
+              sent = local_bytes(x, have) * (sizes[a] - 1) * op.times
+              comm += sent
+              network += sent if remote[a] else 0.0
               count += op.times
               if x.source not in gathered:  # the gathered copies are temporaries
                 gathered.add(x.source)
@@ -203,7 +221,10 @@ class Program:
         summed = set()
       for a in summed:  # partial results: all-reduce (ring: 2 (g - 1) / g)
         g = sizes[a]
-        comm += local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
+        sent = local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
+        comm += sent
+        network += sent if remote[a] else 0.0
         count += op.times
-    seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(comm, count)
-    return Estimate(flops, comm, count, memory, seconds)
+    seconds = (device.compute_seconds(flops, accessed)
+               + device.comm_seconds(comm - network, count, network))
+    return Estimate(flops, comm, count, memory, seconds, network)

@@ -55,12 +55,13 @@ class CandidateResult:
     family: the kind of layout: a hand-written one's name (``"data x model
       2 x 4"``, ``"FSDP 8"``...), with ``", batch whole"`` or ``"copied"``
       when the data axis splits no batch.
-    grid: ``(data, model)`` devices.
+    grid: ``(data, fsdp, model)`` devices, major to minor.
     seconds: estimated time of one call under the device model.
     flops: per-device flops of the compiled program.
     collectives: collective ops in it.
     collective_bytes: their bytes, weighted by algorithm and group size.
-    network_bytes: the part that crosses processes.
+    network_bytes: the part that crosses hosts (processes, or the hosts
+      of ``search(hosts=)``).
     peak_memory: XLA's peak estimate per device.
     estimated_seconds: the cheap model's time, which shortlisted it.
     measured_seconds: its measured time per call (``measure=``), or None.
@@ -69,7 +70,7 @@ class CandidateResult:
   """
   layout: str
   family: str
-  grid: tuple[int, int]
+  grid: tuple[int, int, int]
   seconds: float
   flops: float
   collectives: int
@@ -83,7 +84,8 @@ class CandidateResult:
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
-            estimated: int, seconds: float) -> bytes:
+            estimated: int, seconds: float, hosts: int = 1,
+            grouped: Sequence[tuple[str, int]] = ()) -> bytes:
   rows = []
   for x in results:
     s = None if x.failed else x.score
@@ -100,7 +102,8 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
-                     "search_seconds": seconds, "candidates": rows}).encode()
+                     "search_seconds": seconds, "hosts": hosts,
+                     "grouped": [list(g) for g in grouped], "candidates": rows}).encode()
 
 
 class FoundLayout:
@@ -114,6 +117,11 @@ class FoundLayout:
       those over the budget, then those that failed).
     best: ``candidates[0]``.
     estimated: how many layouts the cheap model ranked.
+    compiled: how many it compiled and scored (``len(candidates)``).
+    measured: how many it timed on the devices.
+    grouped: ``(role, count)`` of each logical axis that repeats across
+      layers and was decided once for all of them.
+    hosts: the hosts it planned for.
     search_seconds: how long the search took (the first time).
     device_model: the name of the device model it scored with.
   """
@@ -125,6 +133,10 @@ class FoundLayout:
     self.candidates = candidates
     self.best = candidates[0]
     self.estimated = data["estimated"]
+    self.compiled = len(candidates)
+    self.measured = sum(1 for c in candidates if c.measured_seconds)
+    self.grouped = tuple((name, n) for name, n in data["grouped"])
+    self.hosts = data["hosts"]
     self.search_seconds = data["search_seconds"]
     self.device_model = data["device_model"]
     self.budget = data["budget"]

@@ -16,24 +16,34 @@ def _time(seconds: float | None) -> str:
 def table(found: Any, rows: int) -> str:
   c = found.candidates
   ok = [x for x in c if not x.error]
+  measured = f" ({found.measured} measured)" if found.measured else ""
   head = (f"search({getattr(found.fun, '__name__', 'fun')}): {len(ok)} layouts compiled"
-          f" of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
+          f"{measured} of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
           f" device model: {found.device_model}")
+  if found.hosts > 1:
+    head += f"; {found.hosts} hosts"
   if found.budget is not None:
     head += f"; memory budget {size(found.budget)}"
-  lines = [head, "",
-           f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}  {'peak mem':>9}"
-           f"  {'family':<31} layout"]
+  lines = [head]
+  if found.grouped:
+    counts = sorted({n for _, n in found.grouped})
+    lines.append(f"Repeated across layers, one decision each: {len(found.grouped)} axes"
+                 f" (x{'/'.join(map(str, counts))}), e.g. {found.grouped[0][0]}")
+  hosts = found.hosts > 1
+  lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}"
+                + (f"  {'across hosts':>12}" if hosts else "")
+                + f"  {'peak mem':>9}  {'family':<31} layout"]
   for k, x in enumerate(c[:rows]):
     if x.error:
       lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<31}"
                    f" {x.layout}: {x.error[:80]}")
       continue
     mark = "" if x.fits else "  (over budget)"
-    measured = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
+    timed = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
-                 f"  {size(x.collective_bytes):>11}  {size(x.peak_memory):>9}"
-                 f"  {x.family:<31} {x.layout}{measured}{mark}")
+                 f"  {size(x.collective_bytes):>11}"
+                 + (f"  {size(x.network_bytes):>12}" if hosts else "")
+                 + f"  {size(x.peak_memory):>9}  {x.family:<31} {x.layout}{timed}{mark}")
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
   lines += ["", why(found)]
@@ -50,6 +60,12 @@ def why(found: Any) -> str:
   text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
           f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
           f" per device, peak {size(best.peak_memory)}.")
+  timed = [x for x in found.candidates[1:] if x.measured_seconds]
+  if best.measured_seconds and timed:  # a close call, decided on the devices
+    rival = min(timed, key=lambda x: x.measured_seconds)
+    return text + (f" A close call, timed on the devices: {_time(best.measured_seconds)} a"
+                   f" step against {_time(rival.measured_seconds)} for {rival.family}"
+                   f" ({len(timed) + 1} timed).")
   if best.measured_seconds:
     text += f" Measured {_time(best.measured_seconds)} a call."
   if not others:

@@ -3,9 +3,11 @@ cost and memory analysis of the compiled candidates.
 
 1. Trace the function once (``jax.make_jaxpr``) and find its logical axes
    (``_axes``), grouped into roles across layers (``_candidates``).
-2. Enumerate candidates: every ``(data, model)`` grid of the devices with
-   rules that put roles on its axes (data parallel, FSDP, Megatron,
-   tensor parallel, FSDP x TP, and per-weight mixes of them).
+2. Enumerate candidates: every ``(data, fsdp, model)`` grid of the
+   devices with rules that put roles on its axes (data parallel, FSDP,
+   Megatron, tensor parallel, FSDP x TP, hybrid FSDP across hosts, and
+   per-weight mixes of them); ``hosts=`` says which devices share a host,
+   and what crosses hosts costs the device model's network bandwidth.
 3. Rank them all with the cheap model (``_estimate``), then compile the
    best ``max_compiles`` (and the best of each hand-written family, for
    comparison) through our own pipeline, without running them, and score
@@ -62,7 +64,8 @@ RULES = 6
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
            memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
            device_model: DeviceModel | str | None = None, measure: int | None = None,
-           max_compiles: int = 10, progress: bool | None = None) -> _found.FoundLayout:
+           max_compiles: int = 10, progress: bool | None = None,
+           hosts: int | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
 
   Args:
@@ -84,6 +87,12 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
     max_compiles: how many candidates to compile after the cheap ranking.
     progress: show a progress line on stderr (default: when it is a
       terminal).
+    hosts: plan for this many hosts of ``num_devices / hosts`` consecutive
+      devices each (default: the processes of this run): collectives
+      that cross hosts cost the device model's network bandwidth, and the
+      tensor axis stays inside a host. With simulated devices, this plans
+      a cluster from one machine (``num_devices=64, hosts=8,
+      device_model="h100"``); the specs it returns run on it as they are.
 
   Returns:
     A :class:`FoundLayout`: ``.in_parts``, ``.out_parts`` for ``sharded_jit``;
@@ -104,6 +113,11 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
   n = _inputs.count(num_devices, world.size, who)
   devices = choose_devices(n // world.size, None, world.size, who)
   device = resolve(device_model, devices[0].device_kind, devices[0].platform)
+  hosts = world.size if hosts is None else hosts
+  if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or n % hosts:
+    raise ValueError(f"{who}: hosts must be a positive number that divides the {n}"
+                     f" devices, got {hosts!r}. Hint: hosts=H plans for H hosts of"
+                     f" {n} / H devices each.")
   if memory_budget_bytes is not None and (not isinstance(memory_budget_bytes, int | float)
                                           or memory_budget_bytes <= 0):
     raise ValueError(f"{who}: memory_budget_bytes must be a positive number of bytes,"
@@ -127,7 +141,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
         f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}. Hint: pass the"
         " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
         " mark non-array arguments with static_argnums.") from e
-  settings = (n, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
+  settings = (n, hosts, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
               tuple(d.device_kind for d in devices[:1]), __version__, RULES)
   key = hashlib.sha256(  # (a program's key hashes other text: no clash)
       ("partitioner.search " + str(closed) + repr(settings)
@@ -139,7 +153,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
     store = compilation_cache.store()
     blob = store.get(key) if store is not None else None
     if blob is None:
-      run = lambda: _run(fun, args, static, closed, out_tree, devices, device,
+      run = lambda: _run(fun, args, static, closed, out_tree, devices, hosts, device,
                          memory_budget_bytes, measure, max_compiles, progress, who)
       blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
       if store is not None and world.rank == 0:
@@ -148,7 +162,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
   return _found.FoundLayout.from_json(blob, fun, static, in_tree, out_tree, len(args), who)
 
 
-def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
+def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, measure,
          max_compiles, progress, who) -> bytes:
   """The search itself; its result as the JSON the caches keep."""
   start = time.perf_counter()
@@ -162,12 +176,12 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
   r = roles(axes.in_axes, shapes, names, state)
   program = Program(axes, r, state)
   by_layout: dict = {}  # rules that give the same specs are one layout
-  for c in enumerate_candidates(n, r):
+  for c in enumerate_candidates(n, r, hosts):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
     key = tuple(spec_of(d, c.grid) for d in dims)
     if key not in by_layout or _select.plainer(c, by_layout[key][0]):
       by_layout[key] = (c, dims)
-  rows = [(c, list(dims), program.estimate(c, list(dims), device))
+  rows = [(c, list(dims), program.estimate(c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   chosen = _select.shortlist(rows, max_compiles, budget is not None)
   results: list = []
@@ -180,7 +194,7 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
         out_specs = _out_specs(c, r, axes, closed, out_state, in_specs)
         try:
           got = _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
-                                   device)
+                                   hosts, device)
         except Exception as e:  # a candidate XLA or our checks refuse: not a layout
           got = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
@@ -215,8 +229,9 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
                      f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
   own = device == default_model(devices[0].device_kind, devices[0].platform)
-  k = _measure.how_many(measure, [x.score.seconds for x in fits], device, own,
-                        len({d.process_index for d in devices}))
+  processes = len({d.process_index for d in devices})
+  k = _measure.how_many(measure, [x.score.seconds for x in fits], device,
+                        own and hosts == processes, processes)
   if k:
     in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                                 if i not in static))
@@ -227,13 +242,15 @@ def _run(fun, args, static, closed, out_tree, devices, device, budget, measure,
     fits[:k] = sorted(fits[:k], key=lambda x: (x.measured, x.index))
   rest = sorted((x for x in results if x not in fits),
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
-  return _found.to_json(fits + rest, device, budget, len(rows),
-                        time.perf_counter() - start)
+  return _found.to_json(fits + rest, device, budget, len(rows), time.perf_counter() - start,
+                        hosts, [(r.names[k], m) for k, m in sorted(r.repeats.items())])
 
 
-def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, device):
+def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
+                       device):
   """Partitions and compiles one candidate through our pipeline (not run,
-  not cached) and scores the program."""
+  not cached) and scores the program, its devices ``hosts`` hosts of
+  consecutive ones."""
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
   f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
@@ -245,7 +262,8 @@ def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices
                                    program.host_callbacks)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
-               [d.process_index for d in program.devices], device)
+               [k * hosts // len(program.devices) for k in range(len(program.devices))],
+               device)
 
 
 def _out_specs(c: Candidate, r, axes, closed, out_state, in_specs) -> list:

@@ -97,18 +97,21 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   got = _search._compile_and_score(
       step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
       list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
-      jax.devices()[:8], MODELS["cpu"])
+      jax.devices()[:8], 1, MODELS["cpu"])
   assert got == want
 
 
 def test_family_names_and_layouts_that_copy_work():
   from partitioner._search._candidates import Candidate
-  cases = [(Candidate((8, 1), None, False, ()), "replicated", True),
-           (Candidate((8, 1), 0, False, ()), "data parallel 8", False),
-           (Candidate((2, 4), None, False, (1,)), "tensor parallel 4, copied 2 times", True),
-           (Candidate((2, 4), None, True, (1,)), "FSDP x TP 2 x 4, batch whole", False),
-           (Candidate((1, 8), None, True, (1,)), "tensor parallel 8, rest sharded", False),
-           (Candidate((2, 4), 0, False, (1,)), "data x model 2 x 4", False)]
+  cases = [(Candidate((8, 1, 1), None, False, ()), "replicated", True),
+           (Candidate((8, 1, 1), 0, False, ()), "data parallel 8", False),
+           (Candidate((1, 8, 1), 0, True, ()), "FSDP 8", False),
+           (Candidate((2, 1, 4), None, False, (1,)), "tensor parallel 4, copied 2 times", True),
+           (Candidate((1, 2, 4), None, True, (1,)), "FSDP x TP 2 x 4, batch whole", False),
+           (Candidate((1, 1, 8), None, True, (1,)), "tensor parallel 8, rest sharded", False),
+           (Candidate((2, 1, 4), 0, False, (1,)), "data x model 2 x 4", False),
+           (Candidate((2, 4, 1), 0, True, ()), "data 2 x FSDP 4", False),
+           (Candidate((2, 2, 2), 0, True, (1,)), "data 2 x FSDP 2 x TP 2", False)]
   for c, family, copies in cases:
     assert (c.family(), c.copies_work) == (family, copies)
 
@@ -122,3 +125,19 @@ def test_measure_decides_on_the_close_calls():
   assert _measure.how_many(None, [1.0, 1.1], cpu, True, 2) == 0  # several processes
   assert _measure.how_many(None, [1.0], h100, True, 1) == 0
   assert _measure.how_many(2, [1.0, 5.0], cpu, True, 1) == 2  # asked for
+
+
+def test_grids_keep_the_model_axis_inside_a_host():
+  from partitioner._search._candidates import grids
+  from partitioner._search._estimate import crossing
+  one = grids(8)
+  assert ((8, 1, 1), False) in one and ((1, 8, 1), True) in one and ((1, 1, 8), False) in one
+  assert all(g[0] == 1 or g[1] == 1 for g, _ in one)  # no hybrid on one host
+  hybrid = [g for g, _ in grids(8, hosts=2) if g[0] > 1 and g[1] > 1]
+  assert hybrid == [(2, 4, 1), (2, 2, 2)]
+  # 2 hosts of 4: model 4 stays inside, data 2 crosses; model 8 crosses.
+  assert crossing((2, 1, 4), 2) == (True, False, False)
+  assert crossing((2, 2, 2), 2) == (True, False, False)
+  assert crossing((1, 1, 8), 2) == (False, False, True)
+  assert crossing((1, 8, 1), 2) == (False, True, False)
+  assert crossing((1, 8, 1), 1) == (False, False, False)
