@@ -220,3 +220,49 @@ def test_hosts_must_divide_the_devices():
   with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 8"
                      r" devices, got 3"):
     partitioner.search(mlp_step, params, x, hosts=3)
+
+
+def _deep_step(params, x):
+  def loss(p):
+    h = x
+    for layer in p["layers"]:
+      h = h + jnp.tanh(h @ layer["up"]) @ layer["down"]
+    return jnp.mean((h @ p["head"]) ** 2)
+  value, g = jax.value_and_grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.01 * d, params, g), value
+
+
+def _deep(layers, d=64, h=256, b=32):
+  rng = np.random.default_rng(0)
+  params = {"layers": [{"up": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+                        "down": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32)}
+                       for _ in range(layers)],
+            "head": (rng.normal(size=(d, 16)) / np.sqrt(d)).astype(np.float32)}
+  return params, rng.normal(size=(b, d)).astype(np.float32)
+
+
+def test_a_deep_model_is_searched_through_a_proxy_of_its_layers():
+  params, x = _deep(12)
+  found = partitioner.search(_deep_step, params, x, max_compiles=4, measure=0)
+  assert found.proxy and found.proxy["proxy_ops"] < found.proxy["ops"] / 3
+  assert all(n == 12 for _, n in found.grouped) and found.grouped
+  assert "Compiled as a proxy" in found.report() and "(x12)" in found.report()
+  # The scaled scores are those of the whole program, near enough to rank.
+  best = found.best
+  real = sharded_jit(_deep_step, in_parts=found.in_parts,
+                     out_parts=found.out_parts).lower(params, x).compile().cost()
+  assert best.flops == pytest.approx(real.flops, rel=0.25)
+  assert best.collective_bytes == pytest.approx(real.collective_bytes, rel=0.5, abs=1e4)
+  step = sharded_jit(_deep_step, in_parts=found.in_parts, out_parts=found.out_parts)
+  _, loss = step(params, x)
+  _, ref = jax.jit(_deep_step)(params, x)
+  np.testing.assert_allclose(float(loss), float(ref), rtol=1e-4)
+
+
+def test_the_search_costs_about_the_same_at_any_depth():
+  """What the search estimates and compiles does not grow with depth: the
+  same candidates, and proxies of the same size, at 4 and 16 layers."""
+  shallow = partitioner.search(_deep_step, *_deep(4), max_compiles=3, measure=0)
+  deep = partitioner.search(_deep_step, *_deep(16), max_compiles=3, measure=0)
+  assert shallow.estimated == deep.estimated and shallow.compiled == deep.compiled
+  assert deep.proxy["proxy_ops"] == shallow.proxy["proxy_ops"]

@@ -63,6 +63,7 @@ class Estimate:
   memory: float
   seconds: float
   network_bytes: float = 0.0  # the part of collective_bytes that crosses hosts
+  bytes_accessed: float = 0.0
 
 
 def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
@@ -90,9 +91,11 @@ class Program:
     axes: the logical axes of the function.
     r: their roles.
     state: per flat input, whether it is state (FSDP splits it).
+    skip: top-level equations to leave out (those a proxy removes).
   """
 
-  def __init__(self, axes: Axes, r: Roles, state: Sequence[bool]):
+  def __init__(self, axes: Axes, r: Roles, state: Sequence[bool],
+               skip: frozenset[int] = frozenset()):
     self.r = r
     self._axes = axes
     invars = axes.jaxpr.jaxpr.invars
@@ -108,6 +111,7 @@ class Program:
     self.inputs = [(k, n, dataclasses.replace(self._value((), invars[k]), source=k))
                    for k, n in counts.items()]
     ops: dict[_Op, int] = {}
+    self._skip = skip
     self._flatten(axes.jaxpr.jaxpr, (), 1, ops)
     self.ops = [dataclasses.replace(op, times=op.times * n) for op, n in ops.items()]
 
@@ -120,6 +124,8 @@ class Program:
 
   def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict) -> None:
     for k, eqn in enumerate(jaxpr.eqns):
+      if not ctx and k in self._skip:
+        continue
       subs = _sub_jaxprs(eqn)
       if subs:
         length = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
@@ -227,4 +233,4 @@ class Program:
         count += op.times
     seconds = (device.compute_seconds(flops, accessed)
                + device.comm_seconds(comm - network, count, network))
-    return Estimate(flops, comm, count, memory, seconds, network)
+    return Estimate(flops, comm, count, memory, seconds, network, accessed)

@@ -32,6 +32,7 @@ class Result:
   in_specs: list
   out_specs: list
   measured: float | None = None
+  time_scale: float = 1.0  # compiled (proxy) time -> the whole program's
 
   @property
   def failed(self) -> bool:
@@ -85,7 +86,7 @@ class CandidateResult:
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
             estimated: int, seconds: float, hosts: int = 1,
-            grouped: Sequence[tuple[str, int]] = ()) -> bytes:
+            grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None) -> bytes:
   rows = []
   for x in results:
     s = None if x.failed else x.score
@@ -103,7 +104,8 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
                      "search_seconds": seconds, "hosts": hosts,
-                     "grouped": [list(g) for g in grouped], "candidates": rows}).encode()
+                     "grouped": [list(g) for g in grouped], "proxy": proxy or {},
+                     "candidates": rows}).encode()
 
 
 class FoundLayout:
@@ -122,6 +124,10 @@ class FoundLayout:
     grouped: ``(role, count)`` of each logical axis that repeats across
       layers and was decided once for all of them.
     hosts: the hosts it planned for.
+    proxy: when the program's layers repeat, what was compiled in its
+      place: ``{"ops": top-level equations, "proxy_ops": those compiled,
+      "kept": repetitions kept, "runs": [[period, repetitions], ...]}``;
+      else ``{}``.
     search_seconds: how long the search took (the first time).
     device_model: the name of the device model it scored with.
   """
@@ -137,6 +143,7 @@ class FoundLayout:
     self.measured = sum(1 for c in candidates if c.measured_seconds)
     self.grouped = tuple((name, n) for name, n in data["grouped"])
     self.hosts = data["hosts"]
+    self.proxy = data["proxy"]
     self.search_seconds = data["search_seconds"]
     self.device_model = data["device_model"]
     self.budget = data["budget"]

@@ -29,6 +29,11 @@ def table(found: Any, rows: int) -> str:
     counts = sorted({n for _, n in found.grouped})
     lines.append(f"Repeated across layers, one decision each: {len(found.grouped)} axes"
                  f" (x{'/'.join(map(str, counts))}), e.g. {found.grouped[0][0]}")
+  if found.proxy:
+    p = found.proxy
+    lines.append(f"Compiled as a proxy of {p['proxy_ops']} of its {p['ops']} top-level ops"
+                 f" (each repeated block kept {p['kept']} of up to"
+                 f" {max(reps for _, reps in p['runs'])} times), costs scaled to the whole")
   hosts = found.hosts > 1
   lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}"
                 + (f"  {'across hosts':>12}" if hosts else "")

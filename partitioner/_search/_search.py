@@ -12,7 +12,8 @@ cost and memory analysis of the compiled candidates.
    best ``max_compiles`` (and the best of each hand-written family, for
    comparison) through our own pipeline, without running them, and score
    the compiled programs (``partitioner._cost``) under a device model
-   (``partitioner._device_model``).
+   (``partitioner._device_model``); a program whose layers repeat is
+   compiled as a short proxy and its scores scaled (``_target``).
 4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
    earlier in the fixed candidate order: same inputs, same layout); the
    close calls (within the device model's error) are timed on the devices
@@ -33,21 +34,19 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile, _distributed
-from partitioner._api import sharded_jit
+from partitioner import _distributed
 from partitioner._args import argnums
 from partitioner._cache._calls import call_caches
-from partitioner._cache._tiers import compilation_cache, program_options
+from partitioner._cache._tiers import compilation_cache
 from partitioner._config import config
+from partitioner._device_model import DeviceModel, default_model, resolve
 from partitioner._devices import choose_devices
 from partitioner._search import _found, _inputs, _measure, _select
 from partitioner._search._axes import logical_axes
-from partitioner._search._candidates import (Candidate, enumerate_candidates, leaf_dims,
-                                             roles, spec_of)
-from partitioner._device_model import DeviceModel, default_model, resolve
+from partitioner._search._candidates import enumerate_candidates, leaf_dims, roles, spec_of
 from partitioner._search._estimate import Program
 from partitioner._search._progress import Progress
-from partitioner._cost import score
+from partitioner._search._target import Target
 from partitioner._trace import reusing_traces
 from partitioner._version import __version__
 
@@ -58,7 +57,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 6
+RULES = 7
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -175,6 +174,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
   program = Program(axes, r, state)
+  target = Target(fun, args, static, out_tree, closed, axes, r, state, devices, hosts, device)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
@@ -191,14 +191,14 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
     with reusing_traces():
       for k, (index, c, dims, est) in enumerate(batch):
         in_specs = [spec_of(d, c.grid) for d in dims]
-        out_specs = _out_specs(c, r, axes, closed, out_state, in_specs)
+        out_specs = target.out_specs(c, in_specs, out_state)
+        factor = 1.0
         try:
-          got = _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
-                                   hosts, device)
+          got, factor = target.score(c, dims, in_specs, out_specs, est)
         except Exception as e:  # a candidate XLA or our checks refuse: not a layout
           got = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
-                                     got, in_specs, out_specs))
+                                     got, in_specs, out_specs, time_scale=factor))
         logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", who, c.describe(r.names),
                     est.seconds, est.memory / 1e6,
                     got if isinstance(got, str) else
@@ -233,51 +233,16 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   k = _measure.how_many(measure, [x.score.seconds for x in fits], device,
                         own and hosts == processes, processes)
   if k:
-    in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
-                                                if i not in static))
-    times = _measure.measure(fun, args, static, in_tree, out_tree, out_state,
-                             [(x.in_specs, x.out_specs) for x in fits[:k]], devices)
+    times = target.measure([(x.in_specs, x.out_specs) for x in fits[:k]], out_state,
+                           [x.time_scale for x in fits[:k]])
     for x, t in zip(fits, times):
       x.measured = t
     fits[:k] = sorted(fits[:k], key=lambda x: (x.measured, x.index))
   rest = sorted((x for x in results if x not in fits),
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   return _found.to_json(fits + rest, device, budget, len(rows), time.perf_counter() - start,
-                        hosts, [(r.names[k], m) for k, m in sorted(r.repeats.items())])
-
-
-def _compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
-                       device):
-  """Partitions and compiles one candidate through our pipeline (not run,
-  not cached) and scores the program, its devices ``hosts`` hosts of
-  consecutive ones."""
-  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
-                                              if i not in static))
-  f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
-                  out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
-                  static_argnums=static, devices=devices)
-  program = f.lower(*args).program
-  loaded = _compile.compile_module(program.module, program.devices,
-                                   program_options(program, score_only=True),
-                                   program.host_callbacks)
-  text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
-  return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
-               [k * hosts // len(program.devices) for k in range(len(program.devices))],
-               device)
-
-
-def _out_specs(c: Candidate, r, axes, closed, out_state, in_specs) -> list:
-  """Each output's spec: an input's when it is that input's new value (a
-  train step's parameters), else the rules' for its logical axes."""
-  out = []
-  for k, v in enumerate(closed.jaxpr.outvars):
-    if out_state[k] is not None:
-      out.append(in_specs[out_state[k]])
-      continue
-    shape = tuple(v.aval.shape)
-    dims = leaf_dims(c, r, axes.out_axes[k], shape, False)
-    out.append(spec_of(dims, c.grid))
-  return out
+                        hosts, [(r.names[k], m) for k, m in sorted(r.repeats.items())],
+                        target.describe())
 
 
 def _budget_error(who: str, smallest: float, budget: float) -> ValueError:

@@ -79,7 +79,7 @@ def test_calibration_recovers_the_rates_that_made_the_times():
 
 
 def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
-  from partitioner._search import _search
+  from partitioner._search import _target
   from partitioner._device_model import MODELS
   from sharding import PartitionSpec as P
   rng = np.random.default_rng(0)
@@ -94,7 +94,7 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   specs = {"w1": P(1, 4), "w2": P(4, 1)}
   real = partitioner.sharded_jit(step, in_parts=(specs, P(2, 1)), out_parts=specs)
   want = real.lower(params, x).compile().cost()
-  got = _search._compile_and_score(
+  got = _target.compile_and_score(
       step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
       list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
       jax.devices()[:8], 1, MODELS["cpu"])

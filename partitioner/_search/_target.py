@@ -1,0 +1,143 @@
+"""What the search compiles and times for each candidate: the program, or
+its proxy when the program's layers repeat.
+
+A model of many layers compiles as many times slower as it has layers,
+yet the layers are one decision (one role each). When the jaxpr has runs
+of repeated blocks (``_proxy``), each candidate is compiled as the proxy
+(every run kept twice) and its compiled cost scaled to the whole program,
+per part (flops, bytes accessed, collective bytes, bytes across hosts,
+collectives, peak memory), by what the cheap model says of the whole
+against the equations the proxy keeps. Timing a close call runs the proxy
+too, scaled alike. Estimating and compiling then cost about the same at
+any depth; only the final compile of the winner (by ``sharded_jit``)
+grows with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from partitioner import _compile
+from partitioner._api import sharded_jit
+from partitioner._cache._tiers import program_options
+from partitioner._cost import Cost, score
+from partitioner._device_model import DeviceModel
+from partitioner._search import _measure, _proxy
+from partitioner._search._candidates import Candidate, Roles, leaf_dims, spec_of
+from partitioner._search._estimate import Estimate, Program
+
+
+class Target:
+  """The program each candidate is compiled as.
+
+  Args:
+    fun, args, static, out_tree: the user's function, its (abstract)
+      arguments, static positions and output structure.
+    closed: its jaxpr.
+    axes, r, state: its logical axes, their roles, which inputs are state.
+    devices, hosts, device: where it runs and what that costs.
+  """
+
+  def __init__(self, fun: Any, args: Sequence[Any], static: Sequence[int], out_tree: Any,
+               closed: Any, axes: Any, r: Roles, state: Sequence[bool],
+               devices: Sequence[jax.Device], hosts: int, device: DeviceModel):
+    self.devices, self.hosts, self.device = devices, hosts, device
+    self.closed, self.axes, self.r = closed, axes, r
+    self.proxy = _proxy.proxy(closed)
+    if self.proxy is None:
+      self.fun, self.args, self.static, self.out_tree = fun, list(args), tuple(static), out_tree
+      self.part: Program | None = None
+    else:
+      dynamic = [a for i, a in enumerate(args) if i not in static]
+      run = self.proxy.fun()
+      self.fun = lambda *flat: tuple(run(*flat))
+      self.args, self.static = jax.tree_util.tree_leaves(dynamic), ()
+      self.out_tree = jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars))
+      removed = {k for run in self.proxy.repeats
+                 for k in range(run.start + self.proxy.kept * run.period, run.stop)}
+      self.part = Program(axes, r, state, skip=frozenset(removed))
+    self.in_tree = jax.tree_util.tree_structure(
+        tuple(a for i, a in enumerate(self.args) if i not in self.static))
+
+  def describe(self) -> dict:
+    """What was compiled, for the report: the top-level equations of the
+    program and of the proxy, and each run (period, repetitions)."""
+    if self.proxy is None:
+      return {}
+    return {"ops": len(self.closed.jaxpr.eqns), "proxy_ops": len(self.proxy.jaxpr.jaxpr.eqns),
+            "kept": self.proxy.kept,
+            "runs": [[run.period, run.reps] for run in self.proxy.repeats]}
+
+  def score(self, c: Candidate, dims: Sequence[Any], in_specs: list, out_specs: list,
+            whole: Estimate) -> tuple[Cost, float]:
+    """The candidate's cost for the whole program, and the factor from the
+    compiled program's time to the whole's (1 without a proxy)."""
+    got = compile_and_score(self.fun, self.args, self.static, in_specs, out_specs,
+                            self.out_tree, self.devices, self.hosts, self.device)
+    if self.part is None:
+      return got, 1.0
+    scaled = extrapolate(got, whole, self.part.estimate(c, dims, self.device, self.hosts),
+                         self.device)
+    return scaled, scaled.seconds / got.seconds if got.seconds else 1.0
+
+  def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
+              factors: Sequence[float]) -> list[float]:
+    """Seconds per step of each layout, timed on the devices (as the proxy,
+    scaled by ``factors``)."""
+    times = _measure.measure(self.fun, self.args, self.static, self.in_tree, self.out_tree,
+                             out_state, layouts, self.devices)
+    return [t * f for t, f in zip(times, factors)]
+
+  def out_specs(self, c: Candidate, in_specs: list, out_state: Sequence[int | None]) -> list:
+    """Each output's spec: an input's when it is that input's new value (a
+    train step's parameters), else the rules' for its logical axes."""
+    out = []
+    for k, v in enumerate(self.closed.jaxpr.outvars):
+      if out_state[k] is not None:
+        out.append(in_specs[out_state[k]])
+        continue
+      dims = leaf_dims(c, self.r, self.axes.out_axes[k], tuple(v.aval.shape), False)
+      out.append(spec_of(dims, c.grid))
+    return out
+
+
+def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel) -> Cost:
+  """A proxy's compiled cost scaled to the whole program, each part by the
+  cheap model's ratio of the whole to the proxy's equations."""
+  def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and a > 0 else 1.0
+  flops = got.flops * ratio(whole.flops, part.flops)
+  accessed = got.bytes_accessed * ratio(whole.bytes_accessed, part.bytes_accessed)
+  moved = got.collective_bytes * ratio(whole.collective_bytes, part.collective_bytes)
+  network = got.network_bytes * ratio(whole.network_bytes, part.network_bytes)
+  count = round(got.collectives * ratio(whole.collectives, part.collectives))
+  peak = int(got.peak_memory * ratio(whole.memory, part.memory))
+  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
+      moved - network, count, network)
+  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
+                             seconds=seconds)
+
+
+def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
+                      device) -> Cost:
+  """Partitions and compiles one layout through our pipeline (not run, not
+  cached) and scores the program, its devices ``hosts`` hosts of
+  consecutive ones."""
+  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
+                                              if i not in static))
+  f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
+                  out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
+                  static_argnums=static, devices=devices)
+  program = f.lower(*args).program
+  loaded = _compile.compile_module(program.module, program.devices,
+                                   program_options(program, score_only=True),
+                                   program.host_callbacks)
+  text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
+  n = len(program.devices)
+  return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
+               [k * hosts // n for k in range(n)], device)
