@@ -33,6 +33,7 @@ class Result:
   out_specs: list
   measured: float | None = None
   time_scale: float = 1.0  # compiled (proxy) time -> the whole program's
+  alike: int = 0  # other candidates that compiled to the same program
 
   @property
   def failed(self) -> bool:
@@ -68,6 +69,8 @@ class CandidateResult:
     measured_seconds: its measured time per call (``measure=``), or None.
     fits: within the memory budget.
     error: why it did not compile ("" if it did).
+    alike: how many other candidates compiled to this very program (one
+      row for all of them).
   """
   layout: str
   family: str
@@ -82,6 +85,7 @@ class CandidateResult:
   measured_seconds: float | None
   fits: bool
   error: str = ""
+  alike: int = 0
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
@@ -99,7 +103,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "peak_memory": s.peak_memory if s else None,
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
-        "error": x.error,
+        "error": x.error, "alike": x.alike,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
@@ -119,7 +123,8 @@ class FoundLayout:
       those over the budget, then those that failed).
     best: ``candidates[0]``.
     estimated: how many layouts the cheap model ranked.
-    compiled: how many it compiled and scored (``len(candidates)``).
+    compiled: how many it compiled and scored (candidates that compiled to
+      one program are one of ``candidates``).
     measured: how many it timed on the devices.
     grouped: ``(role, count)`` of each logical axis that repeats across
       layers and was decided once for all of them.
@@ -139,7 +144,7 @@ class FoundLayout:
     self.candidates = candidates
     self.best = candidates[0]
     self.estimated = data["estimated"]
-    self.compiled = len(candidates)
+    self.compiled = sum(1 + c.alike for c in candidates)
     self.measured = sum(1 for c in candidates if c.measured_seconds)
     self.grouped = tuple((name, n) for name, n in data["grouped"])
     self.hosts = data["hosts"]

@@ -17,8 +17,10 @@ def table(found: Any, rows: int) -> str:
   c = found.candidates
   ok = [x for x in c if not x.error]
   measured = f" ({found.measured} measured)" if found.measured else ""
-  head = (f"search({getattr(found.fun, '__name__', 'fun')}): {len(ok)} layouts compiled"
-          f"{measured} of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
+  folded = found.compiled - len(c)
+  head = (f"search({getattr(found.fun, '__name__', 'fun')}): {len(ok) + folded} layouts compiled"
+          + (f" ({folded} to a program another one has)" if folded else "")
+          + f"{measured} of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
           f" device model: {found.device_model}")
   if found.hosts > 1:
     head += f"; {found.hosts} hosts"

@@ -185,6 +185,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
           for c, dims in by_layout.values()]
   chosen = _select.shortlist(rows, max_compiles, budget is not None)
   results: list = []
+  programs: dict[str, Any] = {}  # digest -> the first result with that program
 
   def compile_all(batch: list) -> None:
     bar = Progress(len(batch), f"{who}: compiling candidates", progress)
@@ -192,13 +193,18 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
       for k, (index, c, dims, est) in enumerate(batch):
         in_specs = [spec_of(d, c.grid) for d in dims]
         out_specs = target.out_specs(c, in_specs, out_state)
-        factor = 1.0
+        factor, digest = 1.0, None
         try:
-          got, factor = target.score(c, dims, in_specs, out_specs, est)
+          got, factor, digest = target.score(c, dims, in_specs, out_specs, est)
         except Exception as e:  # a candidate XLA or our checks refuse: not a layout
           got = f"{type(e).__name__}: {str(e)[:300]}"
+        if digest in programs:  # the same program as another: one row
+          programs[digest].alike += 1
+          continue
         results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
                                      got, in_specs, out_specs, time_scale=factor))
+        if digest is not None:
+          programs[digest] = results[-1]
         logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", who, c.describe(r.names),
                     est.seconds, est.memory / 1e6,
                     got if isinstance(got, str) else

@@ -16,6 +16,8 @@ grows with it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,16 +75,17 @@ class Target:
             "runs": [[run.period, run.reps] for run in self.proxy.repeats]}
 
   def score(self, c: Candidate, dims: Sequence[Any], in_specs: list, out_specs: list,
-            whole: Estimate) -> tuple[Cost, float]:
-    """The candidate's cost for the whole program, and the factor from the
-    compiled program's time to the whole's (1 without a proxy)."""
-    got = compile_and_score(self.fun, self.args, self.static, in_specs, out_specs,
-                            self.out_tree, self.devices, self.hosts, self.device)
+            whole: Estimate) -> tuple[Cost, float, str]:
+    """The candidate's cost for the whole program, the factor from the
+    compiled program's time to the whole's (1 without a proxy), and a
+    digest of the compiled program (equal for identical programs)."""
+    got, digest = compile_and_score(self.fun, self.args, self.static, in_specs, out_specs,
+                                    self.out_tree, self.devices, self.hosts, self.device)
     if self.part is None:
-      return got, 1.0
+      return got, 1.0, digest
     scaled = extrapolate(got, whole, self.part.estimate(c, dims, self.device, self.hosts),
                          self.device)
-    return scaled, scaled.seconds / got.seconds if got.seconds else 1.0
+    return scaled, scaled.seconds / got.seconds if got.seconds else 1.0, digest
 
   def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
               factors: Sequence[float]) -> list[float]:
@@ -124,10 +127,10 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
 
 
 def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
-                      device) -> Cost:
+                      device) -> tuple[Cost, str]:
   """Partitions and compiles one layout through our pipeline (not run, not
   cached) and scores the program, its devices ``hosts`` hosts of
-  consecutive ones."""
+  consecutive ones; with a digest of the compiled program's text."""
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
   f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
@@ -139,5 +142,17 @@ def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
                                    program.host_callbacks)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   n = len(program.devices)
-  return score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
+  cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
                [k * hosts // n for k in range(n)], device)
+  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest()
+
+
+_METADATA = re.compile(r", metadata=\{[^}]*\}|, stack_frame_id=\d+")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _program_only(hlo_text: str) -> str:
+  """The HLO text without what says where it was traced from (op names,
+  source lines, stack frames): two programs that compute alike match."""
+  return "\n\n".join(_METADATA.sub("", block) for block in hlo_text.split("\n\n")
+                     if not block.startswith(_TABLES))

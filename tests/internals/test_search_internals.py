@@ -11,6 +11,7 @@ import partitioner
 from partitioner import _compile
 from partitioner import _cost
 from partitioner._search._axes import logical_axes
+from sharding import PartitionSpec as P
 
 
 def test_logical_axes_follow_a_matmul_chain_and_keep_layers_apart():
@@ -94,7 +95,7 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   specs = {"w1": P(1, 4), "w2": P(4, 1)}
   real = partitioner.sharded_jit(step, in_parts=(specs, P(2, 1)), out_parts=specs)
   want = real.lower(params, x).compile().cost()
-  got = _target.compile_and_score(
+  got, _ = _target.compile_and_score(
       step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
       list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
       jax.devices()[:8], 1, MODELS["cpu"])
@@ -141,3 +142,17 @@ def test_grids_keep_the_model_axis_inside_a_host():
   assert crossing((1, 1, 8), 2) == (False, False, True)
   assert crossing((1, 8, 1), 2) == (False, True, False)
   assert crossing((1, 8, 1), 1) == (False, False, False)
+
+
+def test_candidates_that_compile_to_one_program_are_one_row():
+  """Two rule sets whose specs differ only where nothing reads them compile
+  to the same program: the search keeps one row and counts the other."""
+  from partitioner._search import _target
+  x = jax.ShapeDtypeStruct((16, 8), np.float32)
+  common = ((x,), (), [P(8, 1)], [P(8, 1)], jax.tree_util.tree_structure(0),
+            jax.devices()[:8], 1, partitioner.DEVICE_MODELS["cpu"])
+  f = lambda x: x * 2
+  a = _target.compile_and_score(f, *common)
+  b = _target.compile_and_score(f, *common)
+  c = _target.compile_and_score(f, *common[:2], [None], [None], *common[4:])
+  assert a[1] == b[1] != c[1]
