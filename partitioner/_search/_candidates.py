@@ -33,6 +33,10 @@ _NUMBER = re.compile(r"[0-9]+")
 _NUMBER_SPLIT = re.compile(r"([0-9]+)")
 # The model axis takes at most this many roles at once.
 MAX_MODEL_ROLES = 3
+# The cheap model ranks at most this many candidates (those with the fewest
+# model roles first: a model with many distinct weights makes the sets of
+# three roles numerous, and the sets of one or two already give each layout).
+MAX_CANDIDATES = 3000
 # The grid's axes, major to minor.
 DATA, FSDP, MODEL = 0, 1, 2
 BATCH_AXES = (DATA, FSDP)  # the batch role is split over both
@@ -199,6 +203,9 @@ def enumerate_candidates(n: int, r: Roles, hosts: int = 1) -> list[Candidate]:
           if replicas > 1 and batch is None and not fsdp:
             continue
           out.append(Candidate(grid, batch, fsdp, tuple(chosen)))
+  if len(out) > MAX_CANDIDATES:
+    keep = set(sorted(range(len(out)), key=lambda i: (len(out[i].model), i))[:MAX_CANDIDATES])
+    out = [c for i, c in enumerate(out) if i in keep]
   return out
 
 

@@ -1,6 +1,7 @@
 """partitioner.search internals: logical axes, an interrupted search, replica groups."""
 
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -156,3 +157,17 @@ def test_candidates_that_compile_to_one_program_are_one_row():
   b = _target.compile_and_score(f, *common)
   c = _target.compile_and_score(f, *common[:2], [None], [None], *common[4:])
   assert a[1] == b[1] != c[1]
+
+
+def test_the_candidates_estimated_are_capped():
+  from partitioner._search import _candidates
+  r = _candidates.Roles({}, tuple(f"w{k}" for k in range(40)), (40,), tuple(range(40)))
+  every = _candidates.enumerate_candidates(64, r, hosts=8)
+  assert len(every) == _candidates.MAX_CANDIDATES
+  with mock.patch.object(_candidates, "MAX_CANDIDATES", 10**9):
+    uncapped = _candidates.enumerate_candidates(64, r, hosts=8)
+  assert len(uncapped) > len(every)
+  kept = set(every)  # the fewest model roles first, in the enumeration's order
+  dropped = [c for c in uncapped if c not in kept]
+  assert max(len(c.model) for c in every) <= min(len(c.model) for c in dropped)
+  assert every == [c for c in uncapped if c in kept]
