@@ -116,7 +116,7 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   flops = got.flops * ratio(whole.flops, part.flops)
   accessed = got.bytes_accessed * ratio(whole.bytes_accessed, part.bytes_accessed)
   moved = got.collective_bytes * ratio(whole.collective_bytes, part.collective_bytes)
-  network = got.network_bytes * ratio(whole.network_bytes, part.network_bytes)
+  network = min(moved, got.network_bytes * ratio(whole.network_bytes, part.network_bytes))
   count = round(got.collectives * ratio(whole.collectives, part.collectives))
   peak = int(got.peak_memory * ratio(whole.memory, part.memory))
   seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
