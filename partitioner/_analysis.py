@@ -106,7 +106,8 @@ def explain(fun: Any, *args) -> Explanation:
   return _analysed(fun, "explain").explain()  # type: ignore[attr-defined]
 
 
-def cost(program: Any, device_model: DeviceModel | str | None = None) -> Cost:
+def cost(program: Any, device_model: DeviceModel | str | None = None,
+         hosts: int | None = None) -> Cost:
   """What one call of a compiled program costs per device, scored as
   :func:`partitioner.search` scores its candidates.
 
@@ -116,6 +117,10 @@ def cost(program: Any, device_model: DeviceModel | str | None = None) -> Cost:
     device_model: a :class:`~partitioner.DeviceModel`, a name of
       :data:`partitioner.DEVICE_MODELS` (``"h100"``...), or None for the
       model of the program's own devices.
+    hosts: score it as if its devices were this many hosts of consecutive
+      devices (what crosses them costs the model's network bandwidth), to
+      weigh a layout for a cluster on simulated devices; default: the
+      processes that hold them.
 
   Returns:
     A :class:`~partitioner.Cost`: flops, bytes accessed, collectives and
@@ -124,7 +129,8 @@ def cost(program: Any, device_model: DeviceModel | str | None = None) -> Cost:
 
   Raises:
     TypeError: ``program`` is not a compiled program.
-    ValueError: an unknown device model name.
+    ValueError: an unknown device model name, or ``hosts`` that do not
+      divide the devices.
 
   Example:
     >>> import jax, numpy as np
@@ -136,4 +142,4 @@ def cost(program: Any, device_model: DeviceModel | str | None = None) -> Cost:
     >>> partitioner.cost(theirs, "h100").collectives
     1
   """
-  return _analysed(program, "partitioner.cost").cost(device_model)
+  return _analysed(program, "partitioner.cost").cost(device_model, hosts)

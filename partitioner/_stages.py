@@ -176,16 +176,25 @@ class Analyses:
     """XLA's memory statistics of the per-device program."""
     return self.loaded.get_compiled_memory_stats()
 
-  def cost(self, device_model: DeviceModel | str | None = None) -> Cost:
+  def cost(self, device_model: DeviceModel | str | None = None,
+           hosts: int | None = None) -> Cost:
     """What one call costs per device, as :func:`partitioner.search` scores
     layouts: flops, collectives and their bytes weighted by algorithm and
     group size, peak memory, and the estimated time under ``device_model``
     (a ``partitioner.DeviceModel``, a name of ``partitioner.DEVICE_MODELS``
-    such as ``"h100"``, or None for these devices'); a ``partitioner.Cost``."""
+    such as ``"h100"``, or None for these devices'); a ``partitioner.Cost``.
+    ``hosts=H`` scores it as if its devices were H hosts of consecutive
+    devices (default: the processes that hold them)."""
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
-    return score(self.as_text(), self.cost_analysis(), self.memory_analysis(),
-                 [d.process_index for d in devices], model)
+    n = len(devices)
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)
+                              or hosts < 1 or n % hosts):
+      raise ValueError(f"cost: hosts must be a positive number that divides the {n}"
+                       f" devices of the program, got {hosts!r}")
+    where = ([d.process_index for d in devices] if hosts is None
+             else [k * hosts // n for k in range(n)])
+    return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
 
   def explanation(self, *, name: str, partitioner: str, num_partitions: int,
                   devices: Sequence[jax.Device], arguments: Sequence[tuple],

@@ -79,3 +79,14 @@ def test_device_models_are_read_only():
   assert {"cpu", "a100", "h100", "tpu-v4", "tpu-v5e"} <= set(partitioner.DEVICE_MODELS)
   with pytest.raises(TypeError):
     partitioner.DEVICE_MODELS["mine"] = partitioner.DEVICE_MODELS["cpu"]
+
+
+def test_cost_for_hosts_charges_what_crosses_them():
+  ours, theirs = _megatron_both()  # 4 devices; the all-reduce spans all 4
+  one = partitioner.cost(theirs, "h100")
+  two = partitioner.cost(theirs, "h100", hosts=2)
+  assert one.network_bytes == 0 and two.network_bytes == two.collective_bytes > 0
+  assert two.seconds > one.seconds
+  assert partitioner.cost(ours, "h100", hosts=2) == two
+  with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 4"):
+    partitioner.cost(ours, hosts=3)
