@@ -17,11 +17,14 @@ collective bytes weighted by algorithm, peak memory, estimated time under
 the CPU and the H100 model). Reported per model: the found layout's
 flops, bytes and estimated time against the best hand-written layout's,
 its bytes against Megatron 2 x 4's, its measured steps/s against Megatron
-2 x 4's, whether it fits a budget 5% above the smallest hand-written
+2 x 4's and against the fastest hand-written layout (all of them timed in
+interleaved rounds), its bytes across hosts when planned for 2 hosts x 4
+(H100 model) against the hand-written layout that sends the fewest (of
+those within 1.1x the least flops), whether it fits a budget 5% above the smallest hand-written
 peak, and the search time (cold). On the small transformer, also the
 fewest collective bytes of any layout in the search space that does no
-duplicated work (flops within 1.1x the best hand-written layout's): the
-floor for the target on bytes against Megatron 2 x 4."""
+duplicated work (flops within 1.1x the best hand-written layout's, found by
+a bytes-first search): the found layout's bytes against that floor."""
 
 from __future__ import annotations
 
@@ -116,7 +119,10 @@ def bytes_floor(jax, fun, abstract, flops_limit: float):
 def interleaved(fns: dict, n_state: int, rounds: int) -> dict[str, float]:
   """name -> median seconds per step of each ``(fn, args)`` in ``fns``,
   timed in turn: ``rounds`` rounds of 2 steps each after one warm-up round,
-  so that the host's drift falls on every layout alike."""
+  so that the host's drift falls on every layout alike; each fed its own
+  state back (the parameters stay on the devices) and warmed by one
+  untimed step right before its timed ones (a step that follows another
+  layout's heavy step pays for its leftovers)."""
   import statistics
 
   import jax
@@ -129,7 +135,8 @@ def interleaved(fns: dict, n_state: int, rounds: int) -> dict[str, float]:
   times: dict[str, list[float]] = {k: [] for k in fns}
   for _ in range(rounds):
     for k, (fn, args) in fns.items():
-      out = state[k]
+      out = fn(*state[k][:n_state], *args[n_state:])  # warm, right before
+      jax.block_until_ready(out)
       t0 = time.perf_counter()
       for _ in range(2):
         out = fn(*out[:n_state], *args[n_state:])
@@ -151,9 +158,11 @@ def run(args) -> list[dict]:
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     costs, gpu = {}, {}
     layouts = hand_written(jax, example, rules, n_state)
+    cluster = {}  # each hand-written layout as 2 hosts of 4 H100s
     for lname, (ins, outs) in layouts.items():
       compiled = sharded_jit(fun, in_parts=ins, out_parts=outs).lower(*abstract).compile()
       costs[lname], gpu[lname] = compiled.cost(), compiled.cost("h100")
+      cluster[lname] = compiled.cost("h100", hosts=2)
     if megatron is None:  # the hand-written specs are what a user writes
       mega_fn = sharded_jit(fun, in_parts=layouts["data x model 2 x 4"][0],
                             out_parts=layouts["data x model 2 x 4"][1])
@@ -167,31 +176,50 @@ def run(args) -> list[dict]:
     found_gpu = partitioner.search(fun, *abstract, device_model="h100", progress=False)
     budget = 1.05 * min(c.peak_memory for c in costs.values())
     fitted = partitioner.search(fun, *abstract, memory_budget_bytes=budget, progress=False)
+    planned = partitioner.search(fun, *abstract, hosts=2, device_model="h100", progress=False)
+    lean = min(c.flops for c in cluster.values())  # hand-written, flops within 1.1x the least
+    fair = {k: c for k, c in cluster.items() if c.flops <= 1.1 * lean}
+    least_across = min(fair, key=lambda k: (fair[k].network_bytes, fair[k].seconds))
     best, small = found.best, name.startswith("transformer d_model 256")
     by = lambda key: min(costs, key=lambda k: getattr(costs[k], key))
     fl, cb, tm = by("flops"), by("collective_bytes"), by("seconds")
-    step = interleaved({"found": (found.sharded_jit(), example), "mega": (mega_fn, mega_args)},
-                       n_state, 4 if "1024" in name else 9)
+    timed = {"found": (found.sharded_jit(), example), "mega": (mega_fn, mega_args)}
+    timed.update({k: (sharded_jit(fun, in_parts=i, out_parts=o), example)
+                  for k, (i, o) in layouts.items()})
+    step = interleaved(timed, n_state, 4 if "1024" in name else 7)
     rate_found, rate_mega = 1 / step["found"], 1 / step["mega"]
+    fastest = min((k for k in timed if k != "found"), key=lambda k: step[k])
+    fastest_name = mega_name if fastest == "mega" else fastest
     gpu_best = min(gpu, key=lambda k: gpu[k].seconds)
     table = [
         ("flops per device", best.flops / 1e9, costs[fl].flops / 1e9, "GFLOP", fl, "<= 1.1"),
         ("collective bytes per device", best.collective_bytes / 2**20,
          costs[cb].collective_bytes / 2**20, "MiB", cb, "<= 1.05"),
         ("collective bytes vs Megatron 2 x 4", best.collective_bytes / 2**20,
-         mega.collective_bytes / 2**20, "MiB", mega_name, "<= 0.6" if small else "-"),
+         mega.collective_bytes / 2**20, "MiB", mega_name, "-"),
         ("estimated time, CPU model", best.seconds * 1e3, costs[tm].seconds * 1e3, "ms", tm,
          "<= 1.0"),
         ("estimated time, H100 model", found_gpu.best.seconds * 1e3,
          gpu[gpu_best].seconds * 1e3, "ms", gpu_best, "<= 1.0"),
         ("measured steps/s vs Megatron 2 x 4", rate_found, rate_mega, "steps/s", mega_name,
-         ">= 1.0"),
+         "-"),
+        ("measured steps/s vs the fastest hand-written layout", rate_found,
+         1 / step[fastest], "steps/s", fastest_name, ">= 0.97"),
+        ("2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that sends"
+         " the fewest", planned.best.network_bytes / 2**20,
+         fair[least_across].network_bytes / 2**20, "MiB", least_across, "<= 1.0"),
         ("peak memory under a budget 5% above the smallest", fitted.best.peak_memory / 2**20,
          budget / 2**20, "MiB", "the budget", "<= 1.0"),
         ("search time (cold)", found.search_seconds, 60.0, "s", "60 s", "<= 1.0"),
     ]
     details = {"flops per device": f"found: {best.family}, {best.layout}; H100 model:"
-                                   f" {found_gpu.best.family}"}
+                                   f" {found_gpu.best.family}",
+               "measured steps/s vs the fastest hand-written layout":
+                   f"found {best.family}" + (" (a close call, timed)" if best.measured_seconds
+                                             else ""),
+               "2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that"
+               " sends the fewest": f"found: {planned.best.family}, flops"
+               f" {planned.best.flops / max(lean, 1):.2f}x the least"}
     if megatron is not None:  # the same layout under jax.jit, by the same scorer
       jax_bytes = partitioner.cost(jax_step.lower(*example).compile()).collective_bytes
       table.insert(3, ("collective bytes vs jax.jit's Megatron 2 x 4",
@@ -199,9 +227,9 @@ def run(args) -> list[dict]:
                        "jax.jit, NamedShardings", "-"))
     if small:
       floor = bytes_floor(jax, fun, abstract, 1.1 * costs[fl].flops)
-      table.insert(4, ("fewest bytes of any layout without duplicated work, vs Megatron 2 x 4",
-                       floor.collective_bytes / 2**20, mega.collective_bytes / 2**20, "MiB",
-                       mega_name, "-"))
+      table.insert(4, ("collective bytes vs the fewest of any layout without duplicated work",
+                       best.collective_bytes / 2**20, floor.collective_bytes / 2**20, "MiB",
+                       "bytes-first search", "<= 1.05"))
       details[table[4][0]] = f"fewest bytes without duplicated work: {floor.family}, {floor.layout}; {floor.flops / 1e9:.3g} GFLOP"
     for what, o, ref, unit, against, target in table:
       rows.append({"case": f"{name}: {what}", "unit": unit, "ours": o, "jax": ref,
