@@ -1,8 +1,8 @@
 """Dispatch section: per-call time (inputs already placed) of each front end
 (a direct sharded_jit call, the same with a donated argument fed back call
-after call, partitioner.pmap, a sharded_jit staged in jax.jit) against
-jax.jit with the same shardings, and first-call time
-(trace + compile), on N devices and on 1 device."""
+after call, the same with a static argument, partitioner.pmap, a
+sharded_jit staged in jax.jit) against jax.jit with the same shardings, and
+first-call time (trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ def run(args) -> list[dict]:
     theirs = jax.jit(make_fn(), in_shardings=(theirs_in[0].sharding, theirs_in[1].sharding),
                      out_shardings=theirs_in[0].sharding, donate_argnums=0)
     return ours, theirs, ours_in, theirs_in
+
+  def build_static(n: int):
+    """The direct call with a third, static argument (both sides
+    static_argnums=2), the same value every call."""
+    _, _, ours_in, theirs_in = build(n)
+    spec = P(n, 1) if n > 1 else None
+
+    def scaled(x, w, scale):
+      return jnp.tanh(x @ w) * scale + x
+    ours = sharded_jit(scaled, in_parts=(spec, None), out_parts=spec,
+                       num_partitions=n, static_argnums=2)
+    theirs = jax.jit(scaled, in_shardings=(theirs_in[0].sharding, theirs_in[1].sharding),
+                     out_shardings=theirs_in[0].sharding, static_argnums=2)
+    return ours, theirs, (*ours_in, 0.5), (*theirs_in, 0.5)
 
   def build_staged(n: int):
     """jax.jit of a sharded_jit function against jax.jit of the function
@@ -126,6 +140,7 @@ def run(args) -> list[dict]:
   cases, donors = [], set()
   for n in sorted({args.devices, 1}, reverse=True):
     for front_end, make in (("sharded_jit", build), ("sharded_jit, donated", build_donated),
+                            ("sharded_jit, static argument", build_static),
                             ("pmap", build_pmap), ("staged in jax.jit", build_staged)):
       ours, theirs, ours_in, theirs_in = make(n)
       if make is build_donated:  # (its inputs are its own: they may be donated)

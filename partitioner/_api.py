@@ -177,9 +177,7 @@ class ShardedJitFunction(Dispatched):
     executable, native = compiled.executable, None
     if key is not None:
       if executable.runs_as_is(leaves):  # then so will every hit of this key
-        runner = executable.direct_runner(compiled.out_tree)
-        # (static arguments would reach C++ as inputs: they stay in Python)
-        native = None if self._has_static else executable
+        runner, native = executable.direct_runner(compiled.out_tree), executable
       else:
         runner = compiled.call_flat
       self._fast_cache.put(key, (runner, native))

@@ -222,16 +222,19 @@ def sharding_on_mesh(hlo: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.shardi
   return sharding_impls.GSPMDSharding(devices, hlo)
 
 
-def cpp_dispatch(name: str, fallback: Any, cache_miss: Any) -> Any:
+def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
+                 static_argnums: Sequence[int] = ()) -> Any:
   """A callable that dispatches in jax's C++ ``pjit`` fast path.
 
-  Per call signature (argument structure, avals, shardings) the first call
-  goes to ``cache_miss(*args, **kwargs) -> (outputs, fastpath or None)``;
+  Per call signature (argument structure, avals, shardings, the values of
+  the ``static_argnums`` arguments) the first call goes to
+  ``cache_miss(*args, **kwargs) -> (outputs, fastpath or None)``;
   when it returns :func:`fastpath` data, later calls with that signature
-  run the executable in C++ (no Python at all), otherwise every call goes
-  to ``cache_miss``. Under ``jax.disable_jit()`` calls go to ``fallback``.
-  ``fallback`` must be a new object per callable: jax keys its executables
-  by it. ``._clear_cache()`` forgets every signature.
+  run the executable in C++ (no Python at all) on the other arguments,
+  otherwise every call goes to ``cache_miss``. Under ``jax.disable_jit()``
+  calls go to ``fallback``. ``fallback`` must be a new object per callable:
+  jax keys its executables by it. ``._clear_cache()`` forgets every
+  signature.
   """
   from jax._src import tree_util
   from jax._src.lib import _jax
@@ -240,7 +243,8 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any) -> Any:
     out, fast = cache_miss(*args, **kwargs)
     return out, fast, False
 
-  return _jax.pjit(name, fallback, miss, [], [], _pxla.JitGlobalCppCacheKeys(),
+  return _jax.pjit(name, fallback, miss, list(static_argnums), [],
+                   _pxla.JitGlobalCppCacheKeys(),
                    tree_util.dispatch_registry, _pxla.cc_shard_arg)
 
 
@@ -253,8 +257,10 @@ def fastpath(loaded: LoadedExecutable, outputs: Any,
 
   Only for programs whose every input was an ArrayImpl with exactly its
   ``in_shardings`` in that call (an array laid out otherwise on the same
-  devices would reach the executable unconverted), with no effects, no
-  donation and no per-process conversions.
+  devices would reach the executable unconverted), with no effects and no
+  per-process conversions. A donating program's caller must refuse deleted
+  inputs first: on several devices jaxlib 0.10.2 crashes (signal 11) where
+  it should raise.
   """
   from jax._src import tree_util
   out_flat, out_tree = tree_util.dispatch_registry.flatten(outputs, None)

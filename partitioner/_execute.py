@@ -10,6 +10,7 @@ import numpy as np
 
 from partitioner import _compat
 from partitioner._cache._calls import call_caches
+from partitioner._dispatch_guard import donation_guard, static_guard
 from partitioner._distributed._steps import steps
 from partitioner._values import host_copy
 from partitioner._trace import TracedProgram
@@ -22,22 +23,33 @@ _unflatten = jax.tree_util.tree_unflatten
 class Dispatched:
   """A front end whose calls go through jax's C++ dispatch.
 
-  Arguments whose signature (structure, avals, shardings) already ran a
-  program that needs no Python per call (see :meth:`Executable.fastpath`)
-  run in C++, as ``jax.jit``'s do; anything else reaches the subclass's
-  ``_cache_miss(*args, **kwargs) -> (outputs, fastpath data or None)``.
+  Arguments whose signature (structure, avals, shardings, static values)
+  already ran a program that needs no Python per call (see
+  :meth:`Executable.fastpath`) run in C++, as ``jax.jit``'s do; anything
+  else reaches the subclass's ``_cache_miss(*args, **kwargs) -> (outputs,
+  fastpath data or None)``. The subclass sets ``_layout`` (its
+  ``ArgumentLayout``: static and donated positions) before
+  :meth:`start_dispatch`.
   """
 
   def start_dispatch(self, who: str) -> None:
-    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss)
+    layout = self._layout
+    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss,
+                                          layout.static_argnums)
     call_caches.on_clear(self)
-    # The C++ callable is this object's own __call__, so that a call runs no
-    # Python frame of ours: on simulated devices, whose threads keep the
-    # cores busy, one frame costs several microseconds. Special methods are
-    # looked up on the type, hence a class of its own per function.
+    call = self._dispatch
+    if layout.donate_argnums:
+      call = donation_guard(call, layout, self._unjitted)
+    elif layout.static_argnums:
+      call = static_guard(call, layout)
+    # The C++ callable (or its guard: _dispatch_guard) is this object's own
+    # __call__, so that a call runs no other Python frame of ours: on
+    # simulated devices, whose threads keep the cores busy, one frame costs
+    # microseconds. Special methods are looked up on the type, hence a class
+    # of its own per function.
     cls = type(self)
     self.__class__ = type(cls.__name__, (cls,), {
-        "__call__": staticmethod(self._dispatch), "__module__": cls.__module__,
+        "__call__": staticmethod(call), "__module__": cls.__module__,
         "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
   def __call__(self, *args, **kwargs):  # (replaced per object: start_dispatch)
@@ -108,6 +120,7 @@ class Executable:
 
   def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
     """Runs the program on flat inputs (placing them first); flat outputs."""
+    given = leaves
     if self._donated:
       self.check_deleted(leaves)
     if self._globalize is not None:
@@ -122,7 +135,11 @@ class Executable:
         break
     if self._unwrap is not None:
       leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
-    return self._execute(leaves)  # (deleted inputs were checked above)
+    outs = self._execute(leaves)  # (deleted inputs were checked above)
+    for k in self._donated:  # what the program took, gone for every dispatch
+      if type(given[k]) is _ArrayImpl and given[k].is_deleted():  # (_dispatch_guard)
+        given[k].delete()
+    return outs
 
   def runs_as_is(self, leaves: Sequence[Any]) -> bool:
     """Whether these inputs can go to :meth:`run` without any conversion
@@ -135,9 +152,11 @@ class Executable:
     """What jax's C++ dispatch needs to run this program itself (see
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
     passed :meth:`runs_as_is`); None when the per-call path needs Python:
-    effects, a multi-process step bound, donation (a deleted donated input
-    must be refused, not run), empty outputs, per-process conversions."""
-    if (self._effects or self._bounded or self._donated or self._empty or
+    effects, a multi-process step bound (each execution's runtime token,
+    see ``_steps``), empty outputs, per-process conversions. A donating
+    program's front end must check its donated inputs first (``Dispatched``
+    does)."""
+    if (self._effects or self._bounded or self._empty or
         self._localize is not None or self._globalize is not None or
         self._unwrap is not None):
       return None
