@@ -122,8 +122,7 @@ class PmapFunction(Dispatched):
     program, leaves, traced = self._program(args, kwargs)
     if traced:
       return program.staged(leaves), None
-    # (static arguments would reach C++ as inputs: they stay in Python)
-    return program(leaves, native=not self._layout.static_argnums)
+    return program(leaves)  # (jax's C++ dispatch keys on static arguments: start_dispatch)
 
   def lower(self, *args) -> MappedLowered:
     """The one program these arguments run, traced and ready to compile:

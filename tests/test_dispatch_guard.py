@@ -132,3 +132,16 @@ def test_a_donated_array_used_again_is_a_named_error_not_a_crash():
     assert f"{n} pytree ValueError argument `p` (args[0])['b'] (shape (8, 4)) has been" \
            " deleted" in proc.stdout
   assert proc.stdout.endswith("done\n")
+
+
+def test_pmap_calls_with_static_arguments_run_in_jaxs_dispatch():
+  f = partitioner.pmap(lambda x, k: x * k, static_broadcasted_argnums=1)
+  x = f(np.ones((8, 4), np.float32), 3.0)
+  x = f(x, 3.0)  # (the first call of this signature with placed inputs: Python)
+  before = _python_hits()
+  for _ in range(4):
+    x = f(x, 3.0)
+  assert _python_hits() == before
+  np.testing.assert_allclose(np.asarray(x), 3.0 ** 6)
+  y = f(x, 2.0)  # another static value: another program, right values
+  np.testing.assert_allclose(np.asarray(y), 3.0 ** 6 * 2)
