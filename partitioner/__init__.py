@@ -34,7 +34,8 @@ explain()'s report and how it prints, ``_explain`` what fills it,
 ``_device_model`` and ``_cost`` a program's cost under a device model, and
 ``_analysis``, ``explain()`` and ``cost()`` of ours or jax.jit's programs),
 ``_search`` on top of them (``partitioner.search``: the layout from XLA's
-analysis of compiled candidates), ``_inspect``
+analysis of compiled candidates), ``_pipeline`` (``partitioner.pipeline``: pipeline
+stages inside one program, called in a traced function), ``_inspect``
 (``jax.debug.inspect_array_sharding``), ``_global_arrays``, ``_distributed``
 (everything multi-process), ``_config``, and ``_compat``, the one module
 that touches jax's private APIs.
@@ -59,6 +60,7 @@ from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
 from partitioner._global_arrays import to_global as to_global
 from partitioner._global_arrays import to_local as to_local
+from partitioner._pipeline import pipeline as pipeline
 from partitioner._pmap import PmapFunction as PmapFunction
 from partitioner._pmap import pmap as pmap
 from partitioner._report import Explanation as Explanation
@@ -74,8 +76,8 @@ __all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
-           "compilation_stats", "config", "cost", "explain", "initialize", "pmap",
-           "search", "sharded_jit", "to_global", "to_local"]
+           "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
+           "pmap", "search", "sharded_jit", "to_global", "to_local"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
