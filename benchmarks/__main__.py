@@ -11,10 +11,11 @@ import time
 
 import benchmarks
 from benchmarks import (dispatch, fsdp, layout, multiprocess, report, scaling, search,
-                        startup)
+                        search_models, startup)
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
-            "fsdp": fsdp.run, "search": search.run, "startup": startup.run, "multiprocess": multiprocess.run}
+            "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
+            "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
   p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp, search)")
+  p.add_argument("--model-layers", type=lambda s: [int(n) for n in s.split(",")],
+                 default=[2, 24], help="search_models: the decoder depths, e.g. 2,24")
   p.add_argument("--json", help="also write the results here")
   return p
 
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
   for c in results.get("dispatch", []):
     c["ratio"] = c["ours"] / c["jax"]
   print(report.tables(results))
+  if results.get("search_models"):
+    print(search_models.table(results["search_models"]))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)
