@@ -65,7 +65,7 @@ def encode_spec(spec: PartitionSpec | None) -> str:
   dimension its grid axes) and ``/ids`` when the spec names its devices."""
   if spec is None:
     return _REPLICATED
-  parts = [",".join(map(str, spec.counts))]
+  parts = [",".join([*map(str, spec.counts), *(["..."] if spec.open else [])])]
   if spec.layout is not None or spec.device_ids is not None:
     layout = spec.layout
     parts.append("" if layout is None else ".".join(map(str, layout.sizes)))
@@ -81,14 +81,14 @@ def decode_spec(text: str) -> PartitionSpec | None:
     return None
   parts = text.split("/")
   ints = lambda t, sep: [int(c) for c in t.split(sep) if c]
-  counts = ints(parts[0], ",")
+  counts: list = ints(parts[0].removesuffix(",...").removesuffix("..."), ",")
   kwargs: dict = {}
   if len(parts) > 1 and parts[1]:
     kwargs["grid"] = ints(parts[1], ".")
     kwargs["axes"] = [tuple(ints(a, ".")) for a in parts[2].split(",")][:len(counts)]
   if len(parts) > 3:
     kwargs["device_ids"] = ints(parts[3], ".")
-  return PartitionSpec(*counts, **kwargs)
+  return PartitionSpec(*counts, *([...] if parts[0].endswith("...") else []), **kwargs)
 
 
 def with_sharding_constraint(x: Any, spec: Any) -> Any:
@@ -138,8 +138,11 @@ def constrain(x: Any, spec: Any, origin: str) -> Any:
             f" expected an array, got a value of type {type(leaf).__name__}"
             f" ({leaf!r:.80}). Hint: constrain arrays only.") from None
     if leaf_spec is not None:
-      # The rank must match; a count need not divide its dimension (XLA
-      # pads uneven tiles inside a program, as for jax.jit).
+      # The rank must match (an open spec, P(2, ...), takes the leaf's); a
+      # count need not divide its dimension (XLA pads uneven tiles inside a
+      # program, as for jax.jit).
+      if leaf_spec.open and leaf.ndim >= len(leaf_spec):
+        leaf_spec = leaf_spec.for_rank(leaf.ndim)
       leaf_spec.check_shape(
           leaf.shape,
           f"with_sharding_constraint(x{jax.tree_util.keystr(path)}) at {origin}",

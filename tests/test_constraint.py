@@ -128,3 +128,11 @@ def test_outside_sharded_jit_only_the_rank_is_checked():
   np.testing.assert_array_equal(f(jnp.zeros((1, 3))), np.ones((1, 3)))
   with pytest.raises(ValueError, match="rank 1"):
     jax.jit(lambda x: wsc(x, P(2, 1)))(jnp.zeros(3))
+
+
+def test_an_open_spec_constrains_a_value_of_any_rank():
+  f = sharded_jit(lambda x: wsc(x * 2, P(2, ...)) + 1,
+                  in_parts=None, out_parts=None, num_partitions=2)
+  x = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+  np.testing.assert_allclose(np.asarray(f(x)), x * 2 + 1)
+  assert f.lower(x).num_partitions == 2

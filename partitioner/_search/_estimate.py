@@ -117,7 +117,8 @@ class Program:
 
   def _value(self, ctx: tuple, v: Any) -> _Value:
     shape = tuple(getattr(v.aval, "shape", ()))
-    itemsize = np.dtype(v.aval.dtype).itemsize if hasattr(v.aval, "dtype") else 4
+    # (jax's own dtypes first: a PRNG key's key<fry> is no numpy dtype)
+    itemsize = getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
     roles = tuple(self.r.of_axis.get(self._axes.axis(ctx, v, d)) for d in range(len(shape)))
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
     return _Value(shape, itemsize, roles, source)
