@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|startup|multiprocess]
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 Sections (one module each):
@@ -31,7 +31,13 @@ Sections (one module each):
             ('fsdp', 'tensor') mesh: collectives, bytes, peak memory and
             parameter bytes per device, steps/s.
   search    the layout partitioner.search finds against every hand-written
-            layout, on two transformers and two MLPs.
+            layout, on two transformers and two MLPs; also planned for 2
+            hosts x 4 against the hand-written layouts' bytes across hosts.
+  search_models  the search on a third-party decoder (transformers'
+            FlaxGemmaForCausalLM, bf16, one key/value head) at 2 and 24
+            layers: search time, candidates estimated and compiled, the
+            found layout's steps/s against the fastest hand-written one
+            (needs the thirdparty extra).
 
 Not a section: ``python -m benchmarks.calibrate`` fits the search's ``cpu``
 device model to this host (see its docstring).

@@ -50,8 +50,6 @@ def main(argv: list[str] | None = None) -> None:
   for c in results.get("dispatch", []):
     c["ratio"] = c["ours"] / c["jax"]
   print(report.tables(results))
-  if results.get("search_models"):
-    print(search_models.table(results["search_models"]))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)

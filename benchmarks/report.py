@@ -36,15 +36,11 @@ def tables(results: dict) -> str:
                       " memory: lower is better, target <= 1.0; steps/s: higher is better,"
                       " target >= 0.95):", ratio_header,
                       lambda c: f"{c['case'].split(':')[0]}: {c['detail']}")
-  if results.get("search"):
-    out += ["", "partitioner.search against the hand-written layouts (found / reference;"
-            " the target is on the ratio):", "",
-            "| model: metric | found | reference | against | ratio | target |",
-            "|---|---|---|---|---|---|"]
-    out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
-            f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in results["search"]]
-    out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in results["search"]
-            if c.get("detail")]
+  out += _search_table(results.get("search"), "partitioner.search against the hand-written"
+                       " layouts (found / reference; the target is on the ratio):")
+  out += _search_table(results.get("search_models"), "partitioner.search on transformers'"
+                       " FlaxGemmaForCausalLM (found / reference; the target is on the"
+                       " ratio):")
   if "startup" in results:
     out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
             "|---|---|---|---|"]
@@ -152,3 +148,15 @@ def write(results: dict, command: str) -> None:
   with open(path, "w") as f:
     f.write(text)
   print(f"wrote benchmarks/results.json, BENCHMARKS.md{''.join(', ' + os.path.relpath(p, ROOT) for p in images)}")
+
+
+def _search_table(rows: list | None, title: str) -> list[str]:
+  """A search section: found against a reference, the target on the ratio."""
+  if not rows:
+    return []
+  out = ["", title, "", "| model: metric | found | reference | against | ratio | target |",
+         "|---|---|---|---|---|---|"]
+  out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
+          f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in rows]
+  out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in rows if c.get("detail")]
+  return out

@@ -140,17 +140,3 @@ def run(args) -> list[dict]:
   for r in rows:
     r["ratio"] = r["ours"] / r["jax"] if r["jax"] else float("nan")
   return rows
-
-
-def table(rows: list[dict]) -> str:
-  """The section as a markdown table (found / reference)."""
-  if not rows:
-    return ""
-  out = ["", "partitioner.search on transformers' FlaxGemmaForCausalLM (found / reference;"
-         " the target is on the ratio):", "",
-         "| model: metric | found | reference | against | ratio | target |",
-         "|---|---|---|---|---|---|"]
-  out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
-          f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in rows]
-  out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in rows if c.get("detail")]
-  return "\n".join(out)
