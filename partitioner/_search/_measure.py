@@ -24,7 +24,7 @@ from partitioner._device_model import DeviceModel
 from partitioner._search import _inputs
 
 # At most this many candidates are timed when the search decides to.
-AUTO_MEASURE = 3
+AUTO_MEASURE = 2
 
 
 def how_many(measure: int | None, scores: Sequence[float], device: DeviceModel,
@@ -44,7 +44,7 @@ def how_many(measure: int | None, scores: Sequence[float], device: DeviceModel,
 def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
-            calls: int = 3, rounds: int = 3) -> list[float]:
+            calls: int = 2, rounds: int = 3) -> list[float]:
   """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``.
 
   ``out_state[k]`` is the flat input that flat output ``k`` is the new

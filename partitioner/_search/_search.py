@@ -57,7 +57,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 7
+RULES = 8
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -81,7 +81,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
     measure: time the best ``measure`` candidates for a few steps on the
       devices and keep the fastest measured (one process only). By default
       (None) the close calls are timed: the best candidates whose estimates
-      lie within the device model's error of the best (at most 3), when
+      lie within the device model's error of the best (at most 2), when
       the devices are the model's own; 0 never times.
     max_compiles: how many candidates to compile after the cheap ranking.
     progress: show a progress line on stderr (default: when it is a

@@ -17,6 +17,9 @@ def plainer(c: Candidate, other: Candidate) -> bool:
 
 # Of the k best by the cheap model, at most k / PER_FAMILY (and 2) of one family.
 PER_FAMILY = 5
+# The best of each family is compiled too, when the cheap model puts it
+# within this factor of the best (beyond, it is no close call).
+FAMILY_WITHIN = 2.0
 # Under a budget nothing fits: compile this many more rounds of candidates.
 BUDGET_ROUNDS = 3
 
@@ -42,7 +45,8 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
 def shortlist(rows: list, k: int, low_memory: bool) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
   model (at most ``k / PER_FAMILY`` of a family), the best of each family that
-  does not copy work and, under a memory budget,
+  does not copy work (within ``FAMILY_WITHIN`` of the best) and, under a
+  memory budget,
   the smallest of each (grid, batch, FSDP) configuration; in candidate
   order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
@@ -53,8 +57,9 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
       picked.append(i)
       per_family[family[i]] = per_family.get(family[i], 0) + 1
   best_of: dict[str, int] = {}
+  worst = FAMILY_WITHIN * rows[order[0]][2].seconds if order else 0.0
   for i in order:  # no layout copies work on purpose: those compete by rank only
-    if not rows[i][0].copies_work:
+    if not rows[i][0].copies_work and rows[i][2].seconds <= worst:
       best_of.setdefault(family[i], i)
   picked += best_of.values()
   if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error

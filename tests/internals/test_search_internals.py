@@ -121,7 +121,7 @@ def test_family_names_and_layouts_that_copy_work():
 def test_measure_decides_on_the_close_calls():
   from partitioner._search import _measure
   cpu, h100 = partitioner.DEVICE_MODELS["cpu"], partitioner.DEVICE_MODELS["h100"]
-  assert _measure.how_many(None, [1.0, 1.1, 1.2, 1.22, 2.0], cpu, True, 1) == 3
+  assert _measure.how_many(None, [1.0, 1.1, 1.2, 1.22, 2.0], cpu, True, 1) == 2
   assert _measure.how_many(None, [1.0, 1.3], cpu, True, 1) == 0  # clearly ahead
   assert _measure.how_many(None, [1.0, 1.1], cpu, False, 1) == 0  # not the model's devices
   assert _measure.how_many(None, [1.0, 1.1], cpu, True, 2) == 0  # several processes
