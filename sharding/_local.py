@@ -32,6 +32,9 @@ def local_spec(spec: PartitionSpec | None, num_processes: int,
   """
   if spec is None or not spec.is_partitioned:
     return None
+  if spec.open:  # P(2, ...): the piece of the counts it has, open alike
+    local = local_spec(spec.for_rank(len(spec)), num_processes, what)
+    return None if local is None else PartitionSpec(*local.counts, ..., **local.order_kwargs())
   if spec.total % num_processes:
     raise ValueError(
         f"{what}: spec {spec!r} has {spec.total} tiles, which cannot be shared"
@@ -85,6 +88,7 @@ def global_shape(local_shape: tuple[int, ...], spec: PartitionSpec | None,
   """The global shape of an array whose per-process pieces have ``local_shape``."""
   if spec is None or local is None:
     return tuple(local_shape)
+  spec, local = spec.for_rank(len(local_shape)), local.for_rank(len(local_shape))
   return tuple(s * (g // l) for s, g, l in zip(local_shape, spec.counts, local.counts))
 
 
@@ -93,4 +97,5 @@ def local_shape(shape: tuple[int, ...], spec: PartitionSpec | None,
   """The shape of each process's piece of a global array of ``shape``."""
   if spec is None or local is None:
     return tuple(shape)
+  spec, local = spec.for_rank(len(shape)), local.for_rank(len(shape))
   return tuple(s // (g // l) for s, g, l in zip(shape, spec.counts, local.counts))

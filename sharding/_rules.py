@@ -27,7 +27,7 @@ class RuleSpec(PartitionSpec):
   __slots__ = ("_rule",)
 
   def __init__(self, spec: PartitionSpec, rule: str):
-    super().__init__(*spec.counts, **spec.order_kwargs())
+    super().__init__(*spec.counts, *([...] if spec.open else []), **spec.order_kwargs())
     object.__setattr__(self, "_rule", rule)
 
   @property

@@ -52,3 +52,10 @@ def test_local_parts_that_do_not_follow_from_the_global_ones_name_the_right_spec
                                        r"holds a PartitionSpec\(4, 1\) piece.*"
                                        r"use local_in_parts PartitionSpec\(4, 1\)"):
     bad(x)
+
+
+def test_open_specs_give_open_pieces_of_any_rank():
+  local = local_spec(P(4, ...), 2, "x")
+  assert local == P(2, ...)
+  assert local_shape((8, 6, 3), P(4, ...), local) == (4, 6, 3)
+  assert global_shape((4, 6, 3), P(4, ...), local) == (8, 6, 3)

@@ -174,3 +174,9 @@ def test_errors_never_print_values():
   assert "123.4" not in message and "float32[64, 64]" in message
   _, message = _error(lambda: spec_tree(values, [("w", P(2))]))
   assert "123.4" not in message and len(message) < 400
+
+
+def test_a_rule_may_give_an_open_spec():
+  tree = {"w": np.zeros((8, 4, 2)), "b": np.zeros((8,))}
+  specs = spec_tree(tree, [("w|b", P(2, ...))])
+  assert specs["w"] == P(2, 1, 1) and specs["b"] == P(2)
