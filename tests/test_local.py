@@ -59,3 +59,4 @@ def test_open_specs_give_open_pieces_of_any_rank():
   assert local == P(2, ...)
   assert local_shape((8, 6, 3), P(4, ...), local) == (4, 6, 3)
   assert global_shape((4, 6, 3), P(4, ...), local) == (8, 6, 3)
+

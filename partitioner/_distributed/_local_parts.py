@@ -27,6 +27,16 @@ def _canonical(spec: Spec) -> Spec:
   return spec if spec is not None and spec.is_partitioned else None
 
 
+def _same(given: Spec, derived: Spec) -> bool:
+  """Whether a given local spec is the derived one; an open spec
+  (``P(2, ...)``) matches the closed spec of any rank it fits."""
+  given = _canonical(given)
+  if given is None or derived is None or not (given.open or derived.open):
+    return given == derived
+  n = max(len(given), len(derived))
+  return given.for_rank(n) == derived.for_rank(n)
+
+
 def check_local_specs(global_specs: Sequence[Spec], given: Sequence[Spec],
                       names: Sequence[str], num_processes: int,
                       kind: str) -> list[Spec]:
@@ -46,7 +56,7 @@ def check_local_specs(global_specs: Sequence[Spec], given: Sequence[Spec],
   for g, l, name in zip(global_specs, given, names):
     what = f"{kind}_parts for {name}"
     derived = local_spec(g, num_processes, what)
-    if _canonical(l) != derived:
+    if not _same(l, derived):
       raise ValueError(
           f"local_{what}: spec {l!r} does not match {kind}_parts {g!r} over"
           f" {num_processes} processes: each process holds a {derived!r} piece"
