@@ -61,6 +61,7 @@ from partitioner._distributed import initialize as initialize
 from partitioner._global_arrays import to_global as to_global
 from partitioner._global_arrays import to_local as to_local
 from partitioner._pipeline import pipeline as pipeline
+from partitioner._pipeline import pipeline_order as pipeline_order
 from partitioner._pmap import PmapFunction as PmapFunction
 from partitioner._pmap import pmap as pmap
 from partitioner._report import Explanation as Explanation
@@ -77,6 +78,7 @@ __all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
            "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
+           "pipeline_order",
            "pmap", "search", "sharded_jit", "to_global", "to_local"]
 
 # Public classes show their public module path.

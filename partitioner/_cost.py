@@ -1,8 +1,11 @@
 """The exact score of a candidate: compile it through our pipeline (no
 execution) and read the compiled program.
 
-- compute: ``cost_analysis()``'s flops and bytes accessed per device;
-- communication: each collective in the partitioned HLO, its bytes per
+- compute: ``cost_analysis()``'s flops and bytes accessed per device,
+  with the matmuls of a while loop's body counted for every iteration
+  (XLA counts a body once);
+- communication: each collective in the partitioned HLO (as many times as
+  it runs: inside a loop, the trip count), its bytes per
   device weighted by what a ring algorithm sends for its group size
   (all-reduce ``2 (g - 1) / g``, all-gather and all-to-all ``(g - 1) / g``
   of the result, reduce-scatter ``g - 1`` times the result, a permute its
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from partitioner import _hlo
+from partitioner import _hlo, _hlo_loops
 from partitioner._device_model import DeviceModel
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -35,9 +38,11 @@ class Cost:
   """What the compiled program costs per device, per call.
 
   Attributes:
-    flops: per-device flops (XLA's cost analysis).
+    flops: per-device flops (XLA's cost analysis, a loop body's matmuls
+      counted for every iteration).
     bytes_accessed: per-device memory traffic (XLA's cost analysis).
-    collectives: the number of collective ops (static occurrences).
+    collectives: the number of collectives one call runs (an op inside a
+      loop body once per iteration).
     collective_bytes: their bytes per device, weighted by algorithm and
       group size (what a ring sends).
     network_bytes: the part of those that crosses processes.
@@ -103,13 +108,13 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     size = max((len(g) for g in found), default=1)
     if size <= 1 and op.opcode != "collective-permute":
       continue  # a collective over one device moves nothing
-    count += 1
-    sent = op.bytes * _WEIGHT[op.opcode](max(size, 2) if op.opcode == "collective-permute"
-                                         else size)
+    count += op.runs
+    sent = op.runs * op.bytes * _WEIGHT[op.opcode](
+        max(size, 2) if op.opcode == "collective-permute" else size)
     weighted += sent
     if any(len({processes[i] for i in g if i < n}) > 1 for g in found):
       network += sent
-  flops = float(cost.get("flops", 0.0))
+  flops = float(cost.get("flops", 0.0)) + _hlo_loops.repeated_flops(hlo_text)
   accessed = float(cost.get("bytes accessed", 0.0))
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)

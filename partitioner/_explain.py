@@ -17,6 +17,7 @@ import numpy as np
 
 from partitioner import _hlo
 from partitioner._report import LARGEST_TEMPORARIES, Collective, ValueLayout
+from partitioner._report_pipeline import PipelineReport
 from sharding._partition_spec import PartitionSpec
 from sharding._picture import picture
 from sharding._tiling import Tiling
@@ -58,7 +59,7 @@ def memory(stats: Any) -> dict[str, int]:
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in XLA's partitioned HLO text."""
   return [Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes, op_name=op.op_name,
-                     source=op.source, via=op.via)
+                     source=op.source, via=op.via, runs=op.runs)
           for op in _hlo.instructions(hlo_text) if op.opcode in _hlo.COLLECTIVE_KINDS]
 
 
@@ -71,3 +72,20 @@ def temporaries(hlo_text: str, n: int = LARGEST_TEMPORARIES) -> tuple[Collective
   return tuple(Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes,
                           op_name=op.op_name, source=op.source, via=op.via)
                for op in ops[:n])
+
+
+def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[PipelineReport, ...]:
+  """A report per ``partitioner.pipeline`` call (``_tracing.PipelineCall``):
+  its collective-permutes are the program's (the ones at its line, when
+  several calls share a program)."""
+  out = []
+  for call in calls:
+    line = call.site.split(" (")[0]
+    mine = [c for c in found if c.kind == "collective-permute"
+            and (len(calls) == 1 or c.source.split(" (")[0] == line)]
+    out.append(PipelineReport(
+        site=call.site, stages=call.stages, microbatches=call.microbatches,
+        repeats=call.repeats, layers=call.layers, ticks=call.ticks, bubble=call.bubble,
+        stage_bytes=sum(c.bytes * c.runs for c in mine),
+        permutes=sum(c.runs for c in mine)))
+  return tuple(out)

@@ -40,6 +40,9 @@ class Guard:
 
   def __str__(self) -> str:
     dims = ", ".join(map(str, self.dims))
+    if self.op == "dynamic_slice":
+      return (f"{self.source}: {self.op} ({self.why}): start of dimension(s) {dims}"
+              " clamped as XLA would, which costs nothing")
     return f"{self.source}: {self.op} ({self.why}): dimension(s) {dims} kept unsplit"
 
 
@@ -157,4 +160,7 @@ def _source(location: ir.Location) -> str:
            if "/jax/" not in f and "/partitioner/" not in f and "/sharding/" not in f]
   if found:
     return f"{found[0][0]}:{found[0][1]}"
+  inside = _FILE_LINE.findall(text)  # a library's own op (partitioner.pipeline's scan)
+  if inside:
+    return f"{inside[0][0]}:{inside[0][1]}"
   return text

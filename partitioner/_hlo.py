@@ -15,6 +15,8 @@ import math
 import os
 import re
 
+from partitioner import _hlo_loops
+
 # Frames in these packages are not "the user's line" of an op.
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
 _LIBRARY_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:jax|jaxlib|flax|optax|orbax"
@@ -46,8 +48,9 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
 class Instruction:
   """One HLO instruction: ``opcode`` without ``-start``, the bytes of its
   result per device (an async start's: its largest array), ``op_name``,
-  the user's line behind it (``source``, ``via``: see ``source()``) and
-  its text (``line``: replica groups and the rest)."""
+  the user's line behind it (``source``, ``via``: see ``source()``), its
+  text (``line``: replica groups and the rest) and how many times it runs
+  per call (``runs``: inside a while loop, the loop's trip count)."""
   opcode: str
   shape: str
   bytes: int
@@ -56,6 +59,7 @@ class Instruction:
   via: str
   root: bool
   line: str
+  runs: int = 1
 
 
 def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
@@ -66,10 +70,12 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
   lines = hlo_text.splitlines()
   called = set() if not every else {m for line in lines for m in _CALLED.findall(line)}
   pattern = _ANY if every else _COLLECTIVE
-  found, skip = [], False
+  counts = _hlo_loops.runs(hlo_text)
+  found, skip, runs = [], False, 1
   for line in lines:
-    if every and (c := _COMPUTATION.match(line)):
-      skip = c.group("name") in called
+    if c := _COMPUTATION.match(line):
+      skip = every and c.group("name") in called
+      runs = counts.get(c.group("name"), 1)
       continue
     m = None if skip else pattern.match(line)
     if m is None:
@@ -85,7 +91,7 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
     found.append(Instruction(
         opcode=kind, shape=m.group("shape"), bytes=size,
         op_name=op_name.group(1) if op_name else "", source=where, via=via,
-        root=bool(every and m.group("root")), line=line))
+        root=bool(every and m.group("root")), line=line, runs=runs))
   return found
 
 

@@ -70,7 +70,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   traced = trace_and_lower(
       request.fun, request.name,
       lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
-      avals, donated)
+      avals, donated, in_specs)
 
   out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")

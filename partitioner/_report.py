@@ -13,7 +13,9 @@ import collections
 import dataclasses
 import re
 
+from partitioner import _report_pipeline
 from partitioner._hlo import COLLECTIVE_KINDS
+from partitioner._report_pipeline import PipelineReport
 from partitioner._text import short_op, short_path, short_shape, size
 
 SUMMARY_ROWS = 20  # arguments (and outputs) listed by the summary
@@ -49,7 +51,8 @@ class Collective:
   ``source`` is the first line in user code on the op's call stack
   (``file:line (function)``), skipping jax, jaxlib, flax, optax, orbax and
   this toolkit; ``via`` is the library line that made the op when that is
-  not ``source`` (e.g. flax's ``Linear.__call__``), else ``""``.
+  not ``source`` (e.g. flax's ``Linear.__call__``), else ``""``; ``runs``
+  is how many times one call runs it (inside a loop body: the trip count).
   """
   kind: str
   shape: str
@@ -57,6 +60,7 @@ class Collective:
   op_name: str
   source: str
   via: str = ""
+  runs: int = 1
 
   def __str__(self) -> str:
     return collective(self)
@@ -81,9 +85,11 @@ class Explanation:
     devices: the device assignment, as ``str`` of each device.
     arguments: a :class:`ValueLayout` per flat argument.
     outputs: a :class:`ValueLayout` per flat output.
-    collectives: every collective op XLA inserted (static occurrences: an op
-      inside a loop body runs once per iteration).
-    flops: XLA's per-device FLOP estimate.
+    collectives: every collective op XLA inserted (each once, with its
+      ``runs``: an op inside a loop body runs once per iteration; the
+      totals count it that many times).
+    flops: XLA's per-device FLOP estimate, with a loop body's matmuls
+      counted for every iteration (XLA counts a body once).
     memory: per-device bytes: ``arguments``, ``outputs``, ``temporaries``,
       ``aliased`` and ``peak_estimate`` (= arguments + outputs + temporaries
       - aliased).
@@ -95,6 +101,8 @@ class Explanation:
       (kind, shape, bytes and the user's line, as for collectives): an
       FSDP step's gathered weights, activations. Their sum is no peak: XLA
       reuses memory; ``memory["temporaries"]`` is its total.
+    pipelines: a :class:`PipelineReport` per ``partitioner.pipeline`` call:
+      stages, microbatches, the bubble, the bytes between stages.
 
   Example:
     >>> import jax, numpy as np
@@ -119,18 +127,21 @@ class Explanation:
   guards: tuple[str, ...] = ()
   replicas: int = 1
   temporaries: tuple[Collective, ...] = ()
+  pipelines: tuple[PipelineReport, ...] = ()
 
   def collective_totals(self) -> dict[str, tuple[int, int]]:
-    """kind -> (count, total per-device bytes), for every kind (zeros included)."""
+    """kind -> (count, total per-device bytes) one call runs, for every
+    kind (zeros included); an op in a loop body counts once per iteration."""
     totals = {k: (0, 0) for k in COLLECTIVE_KINDS}
     for c in self.collectives:
       n, b = totals[c.kind]
-      totals[c.kind] = (n + 1, b + c.bytes)
+      totals[c.kind] = (n + c.runs, b + c.bytes * c.runs)
     return totals
 
   def total_bytes(self) -> int:
-    """The bytes all collectives produce per device (static occurrences)."""
-    return sum(c.bytes for c in self.collectives)
+    """The bytes all collectives produce per device in one call (an op in
+    a loop body once per iteration)."""
+    return sum(c.bytes * c.runs for c in self.collectives)
 
   def largest_collectives(self, n: int | None = LARGEST) -> tuple[Collective, ...]:
     """The ``n`` (None: all) collectives with the most bytes per device,
@@ -168,15 +179,17 @@ def collective(c: Collective) -> str:
   where = f"  at {short_path(c.source)}" if c.source else ""
   if c.via:
     where += f" via {short_path(c.via)}"
-  return f"{c.kind:<18} {size(c.bytes):>10}  {c.shape}  ({c.op_name}){where}"
+  loop = f"  (runs {c.runs}x per call, in a loop)" if c.runs > 1 else ""
+  return f"{c.kind:<18} {size(c.bytes):>10}  {c.shape}  ({c.op_name}){where}{loop}"
 
 
 def brief(c: Collective) -> str:
   """One short line: kind, bytes, shape (layouts dropped), the jax
   operation(s) it serves (``backward`` for a gradient's), source line."""
   where = f"  at {short_path(c.source)}" if c.source else ""
+  loop = f"  (runs {c.runs}x per call)" if c.runs > 1 else ""
   return (f"{c.kind:<18} {size(c.bytes):>10}  {short_shape(c.shape)}"
-          f"{short_op(c.op_name)}{where}")
+          f"{short_op(c.op_name)}{where}{loop}")
 
 
 def summary(e: Explanation) -> str:
@@ -195,6 +208,7 @@ def summary(e: Explanation) -> str:
     if len(values) > SUMMARY_ROWS:
       out.append(f"  ... {len(values) - SUMMARY_ROWS} more (report.full() lists every one)")
   out += ["", *_totals(e)]
+  out += _report_pipeline.lines(e.pipelines)
   if e.collectives:
     # Alike ops (same kind, size, op and line: e.g. one per layer) share a line.
     alike = collections.Counter(c.brief() for c in e.largest_collectives(None))
@@ -218,6 +232,7 @@ def full(e: Explanation) -> str:
   out += ["", "Outputs:"]
   out += [f"  {o}" for o in e.outputs] or ["  (none)"]
   out += ["", *_totals(e)]
+  out += _report_pipeline.lines(e.pipelines)
   if e.collectives:
     out += ["", "  Each one:"] + [f"    {c}" for c in e.collectives]
   out += _guards(e, limit=None)
@@ -236,10 +251,10 @@ def _header(e: Explanation, full: bool) -> str:
 
 
 def _totals(e: Explanation) -> list[str]:
-  out = ["Collectives inserted by XLA's partitioner (per device):"]
+  out = ["Collectives inserted by XLA's partitioner (per device, one call):"]
   out += [f"  {k:<18} {n:3d} op(s) {size(b):>10}"
           for k, (n, b) in e.collective_totals().items()]
-  out.append(f"  {'total':<18} {len(e.collectives):3d} op(s)"
+  out.append(f"  {'total':<18} {sum(c.runs for c in e.collectives):3d} op(s)"
              f" {size(e.total_bytes()):>10}")
   return out
 
@@ -248,7 +263,8 @@ def _guards(e: Explanation, limit: int | None) -> list[str]:
   if not e.guards:
     return []
   shown = e.guards if limit is None else e.guards[:limit]
-  out = ["", "Ops kept unsplit because XLA's partitioner gets them wrong when split:"]
+  out = ["", "Ops guarded (kept unsplit, or a start clamped) because XLA's partitioner"
+         " gets them wrong when split:"]
   out += [f"  {g}" for g in shown]
   if len(shown) < len(e.guards):
     out.append(f"  ... {len(e.guards) - len(shown)} more (report.full() lists every one)")

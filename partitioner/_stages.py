@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile, _explain, _load
+from partitioner import _compile, _explain, _hlo_loops, _load
 from partitioner._args import ArgumentLayout, InputSignature
 from partitioner._cache import compilation_cache
 from partitioner._compile import Program
@@ -201,6 +201,9 @@ class Analyses:
                   outputs: Sequence[tuple], **extra) -> Explanation:
     """The report of ``explain()``; ``arguments``/``outputs`` hold (name,
     aval, Tiling or jax sharding[, rule]) per flat value."""
+    calls = extra.pop("pipelines", ())
+    found = tuple(_explain.collectives(self.as_text()))
+
     def lay(name, aval, where, rule=""):
       if isinstance(where, Tiling):
         return _explain.layout(name, aval.shape, aval.dtype, where, rule)
@@ -210,9 +213,10 @@ class Analyses:
         devices=tuple(str(d) for d in devices),
         arguments=tuple(lay(*a) for a in arguments),
         outputs=tuple(lay(*o) for o in outputs),
-        collectives=tuple(_explain.collectives(self.as_text())),
+        collectives=found, pipelines=_explain.pipelines(calls, found),
         temporaries=_explain.temporaries(self.as_text()),
-        flops=float(self.cost_analysis().get("flops", 0.0)),
+        flops=float(self.cost_analysis().get("flops", 0.0))
+        + _hlo_loops.repeated_flops(self.as_text()),
         memory=_explain.memory(self.memory_analysis()), **extra)
 
 
@@ -270,4 +274,4 @@ class Compiled(Analyses):
         devices=p.devices,
         arguments=list(zip(low.in_names, t.in_avals, p.in_tilings, rules[0])),
         outputs=list(zip(low.out_names, t.out_avals, p.out_tilings, rules[1])),
-        guards=low.guards)
+        guards=low.guards, pipelines=t.pipelines)

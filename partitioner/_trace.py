@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.extend.mlir import ir
 
-from partitioner import _compat, _inspect
+from partitioner import _compat, _inspect, _tracing
 from sharding._constraint import emit_markers
 
 
@@ -38,6 +38,9 @@ class TracedProgram:
     effects: whether the program has side effects to track with tokens.
     inspect_sites: its ``jax.debug.inspect_array_sharding`` calls
       (``_inspect``), reported to when XLA compiles the program.
+    pipelines: its ``partitioner.pipeline`` calls (``_tracing.PipelineCall``).
+    read_specs: whether the trace depends on the inputs' specs (a
+      pipeline took its stage count from them).
   """
   name: str
   module: ir.Module
@@ -48,6 +51,8 @@ class TracedProgram:
   keepalive: Any = None
   effects: bool = False
   inspect_sites: tuple = ()
+  pipelines: tuple = ()
+  read_specs: bool = False
 
 
 def _check_outputs(fun: Callable[..., Any], name: str, out: Any) -> None:
@@ -96,6 +101,7 @@ def trace_and_lower(
     rebuild_args: Callable[[Sequence[Any]], tuple[Any, ...]],
     in_avals: Sequence[jax.ShapeDtypeStruct],
     donated: Sequence[int],
+    in_specs: Sequence[Any] | None = None,
 ) -> TracedProgram:
   """Traces ``fun`` on abstract flat inputs and lowers it to StableHLO.
 
@@ -106,23 +112,35 @@ def trace_and_lower(
       arguments (with static arguments in place).
     in_avals: shape, dtype and weak type of each flat input.
     donated: indices of flat inputs whose buffers may be donated.
+    in_specs: each flat input's spec, for calls inside the function that
+      read them (``partitioner.pipeline``'s stage count); None: unknown.
 
   Raises:
     NotImplementedError: the function has ordered side effects.
   """
   memo = _reuse.get()
-  if memo is not None:
-    key = (fun, name, tuple(in_avals), tuple(donated))
-    if key not in memo:
-      memo[key] = _trace_and_lower(fun, name, rebuild_args, in_avals, donated)
-    return memo[key]
-  return _trace_and_lower(fun, name, rebuild_args, in_avals, donated)
+  if memo is None:
+    return _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs)
+  key = (fun, name, tuple(in_avals), tuple(donated))
+  by_specs = (*key, tuple(map(repr, in_specs or ())))
+  if memo.get(key) is _BY_SPECS:
+    key = by_specs
+  if key not in memo:
+    traced = _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs)
+    if traced.read_specs:  # another layout may trace to another program
+      memo[key], key = _BY_SPECS, by_specs
+    memo[key] = traced
+  return memo[key]
 
 
-def _trace_and_lower(fun, name, rebuild_args, in_avals, donated) -> TracedProgram:
+_BY_SPECS = object()  # a memo entry: this function's traces depend on the specs
+
+
+def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs) -> TracedProgram:
   out_trees = []
 
   def flat_fun(*leaves):
+    state.bind(leaves)
     out = fun(*rebuild_args(leaves))
     _check_outputs(fun, name, out)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
@@ -131,7 +149,7 @@ def _trace_and_lower(fun, name, rebuild_args, in_avals, donated) -> TracedProgra
 
   flat_fun.__name__ = flat_fun.__qualname__ = name
   jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
-  with emit_markers():
+  with emit_markers(), _tracing.tracing(in_specs) as state:
     # inspect_array_sharding asks XLA even though this lowering is on one device.
     lowered = _compat.lower_with_rules(jitted.trace(*in_avals), _inspect.rules())
   callbacks, keepalive, unordered, ordered = _compat.lowering_callbacks(lowered)
@@ -155,4 +173,6 @@ def _trace_and_lower(fun, name, rebuild_args, in_avals, donated) -> TracedProgra
       keepalive=keepalive,
       effects=unordered or bool(callbacks),
       inspect_sites=_inspect.sites(keepalive),
+      pipelines=tuple(state.pipelines),
+      read_specs=state.read_specs,
   )

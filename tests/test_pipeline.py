@@ -180,10 +180,14 @@ def call(**kwargs):
     ({"stages": 3}, ValueError,
      r"stages=3 must divide the number of layers L = 16.*divisor of 16"),
     ({"stages": 16}, ValueError, r"stages=16 needs 16 devices.*only 8 devices"),
-    ({"stages": None}, ValueError, r"needs the number of stages: pass stages=S"),
+    ({"stages": None}, ValueError, r"needs the number of stages: it reads it from the"
+     r" enclosing sharded_jit's in_parts.*Hint: pass stages=S"),
     ({"stages": 0}, ValueError, r"stages must be >= 1, got 0"),
     ({"microbatches": 2.0}, TypeError, r"microbatches must be a positive int, got 2.0"),
-    ({"repeats": 2}, NotImplementedError, r"repeats=2 asks for the circular schedule"),
+    ({"repeats": 3}, ValueError, r"stages=2 x repeats=3 must divide the number of layers"
+     r" L = 16.*each stage holds 3 \(repeats\) chunks"),
+    ({"repeats": 2, "microbatches": 1, "stages": 4}, ValueError,
+     r"repeats=2 needs at least as many microbatches as stages \(microbatches=1, stages=4\)"),
     ({"layer_params": {"w1": np.zeros((16, 16, 32)), "w2": np.zeros((8, 32, 16))}},
      ValueError, r"layer_params\['w1'\] has shape \(16, 16, 32\) \(L = 16\) and"
      r" layer_params\['w2'\] has shape \(8, 32, 16\) \(L = 8\)"),
@@ -222,3 +226,4 @@ def test_more_stages_than_the_enclosing_program_has_partitions():
 
 def test_exported():
   assert "pipeline" in partitioner.__all__ and partitioner.pipeline is pipeline
+  assert "pipeline_order" in partitioner.__all__

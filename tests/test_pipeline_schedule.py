@@ -1,0 +1,147 @@
+"""partitioner.pipeline's schedule as a user sees it (issue 29): the stage
+count read from the enclosing sharded_jit's in_parts, the circular schedule
+(repeats) and its layer order, and what explain() and partitioner.cost say
+of a pipelined program (loop bodies counted by their trip count)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner import explain, pipeline, pipeline_order, sharded_jit
+from sharding import PartitionSpec as P
+
+L, D_MODEL, D_FF, BATCH = 16, 16, 32, 32
+
+
+def layer_fn(p, h):
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+@functools.cache
+def data():
+  rng = np.random.default_rng(1)
+  params = {"w1": (rng.normal(size=(L, D_MODEL, D_FF)) / 4).astype(np.float32),
+            "w2": (rng.normal(size=(L, D_FF, D_MODEL)) / 6).astype(np.float32)}
+  return params, rng.normal(size=(BATCH, D_MODEL)).astype(np.float32)
+
+
+def plain_loss(params, x, order):
+  for i in order:
+    x = layer_fn(jax.tree_util.tree_map(lambda w, i=i: w[i], params), x)
+  return jnp.mean(x ** 2)
+
+
+def step(parts, **kwargs):
+  loss = lambda p, x: jnp.mean(pipeline(layer_fn, p, x, **kwargs) ** 2)
+  return sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None),
+                     out_parts=(None, parts))
+
+
+def stage_split(s, tp=1):
+  return {"w1": P(s, 1, tp), "w2": P(s, tp, 1)}
+
+
+def check(f, order=tuple(range(L))):
+  params, x = data()
+  value, grads = f(params, x)
+  want, want_grads = jax.jit(jax.value_and_grad(plain_loss), static_argnums=2)(
+      params, x, tuple(int(i) for i in order))
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  for k in grads:
+    np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want_grads[k]),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("s, tp", [(2, 1), (4, 1), (2, 4)])
+def test_stages_default_to_the_split_of_the_layer_dimension_in_in_parts(s, tp):
+  f = step(stage_split(s, tp), microbatches=2 * s)
+  check(f)
+  (call,) = explain(f.lower(*data()).compile()).pipelines
+  assert (call.stages, call.microbatches) == (s, 2 * s)
+
+
+def test_stages_from_in_parts_under_an_optax_like_update():
+  """The layer params seen through jax.value_and_grad's tracers are still
+  the step's inputs; a second layout of the same function traces anew."""
+  def train(p, x):
+    loss = lambda p: jnp.mean(pipeline(layer_fn, p, x, microbatches=4) ** 2)
+    value, g = jax.value_and_grad(loss)(p)
+    return value, jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, p, g)
+
+  for s in (2, 4):
+    f = sharded_jit(train, in_parts=(stage_split(s), None), out_parts=(None, stage_split(s)))
+    assert explain(f.lower(*data()).compile()).pipelines[0].stages == s
+
+
+def test_stages_cannot_be_read_from_a_replicated_layer_dimension():
+  f = step({"w1": None, "w2": None}, microbatches=4)
+  with pytest.raises(ValueError, match=r"in_parts does not split the layer dimension of"
+                     r" layer_params \(a leaf of shape \(16, 16, 32\) has spec None\).*"
+                     r"PartitionSpec\(S, \.\.\.\)"):
+    f(*data())
+
+
+def test_stages_cannot_be_read_from_computed_params():
+  loss = lambda p, x: jnp.mean(pipeline(
+      layer_fn, jax.tree_util.tree_map(lambda w: w * 1.0, p), x, microbatches=4) ** 2)
+  f = sharded_jit(loss, in_parts=(stage_split(2), None), out_parts=None)
+  with pytest.raises(ValueError, match=r"inputs as they are \(not computed inside"):
+    f(*data())
+
+
+@pytest.mark.parametrize("s, m, r, tp", [(2, 4, 2, 1), (4, 4, 2, 1), (4, 8, 4, 1),
+                                         (2, 2, 8, 1), (2, 4, 4, 2)])
+def test_the_circular_schedule_equals_the_plain_loop_in_its_order(s, m, r, tp):
+  f = step(stage_split(s, tp), microbatches=m, repeats=r)
+  check(f, pipeline_order(L, s, r))
+  report = explain(f.lower(*data()).compile())
+  assert report.collective_totals()["all-gather"][0] == 0  # the weights never move
+  (call,) = report.pipelines
+  assert (call.repeats, call.ticks) == (r, r * m + s - 1)
+
+
+def test_pipeline_order():
+  assert pipeline_order(8, 2).tolist() == list(range(8))
+  assert pipeline_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+  assert pipeline_order(12, 3, 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+  with pytest.raises(ValueError, match=r"stages=3 x repeats=2 must divide layers=8"):
+    pipeline_order(8, 3, 2)
+
+
+@pytest.mark.parametrize("s, m, r", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (4, 8, 2), (2, 8, 4)])
+def test_flops_are_the_stage_share_times_the_bubble(s, m, r):
+  """partitioner.cost counts the loop body by its trip count: flops per
+  device are within 1.05x of the matmuls' share of one stage times
+  (R M + S - 1) / (R M), and lower with more repeats."""
+  compiled = step(stage_split(s), microbatches=m, repeats=r).lower(*data()).compile()
+  matmul = 3 * 2 * 2 * L * BATCH * D_MODEL * D_FF  # forward + backward, two matmuls
+  ideal = matmul / s * (r * m + s - 1) / (r * m)
+  flops = partitioner.cost(compiled).flops
+  assert ideal <= flops <= 1.05 * ideal, (flops, ideal)
+  assert explain(compiled).flops == pytest.approx(flops)
+
+
+def test_explain_reports_the_pipeline():
+  compiled = step(stage_split(4), microbatches=8).lower(*data()).compile()
+  report = explain(compiled)
+  (call,) = report.pipelines
+  assert (call.stages, call.microbatches, call.repeats, call.layers) == (4, 8, 1, 16)
+  assert call.ticks == 11 and call.bubble == pytest.approx(3 / 11)
+  permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+  assert call.stage_bytes == sum(c.bytes * c.runs for c in permutes) > 0
+  assert max(c.runs for c in permutes) == 11  # a shift every tick
+  text = str(report)
+  assert "Pipeline (partitioner.pipeline):" in text
+  assert "4 stages x 8 microbatches (GPipe; 16 layers, 4 a stage a tick)" in text
+  assert "bubble 27% of 11 ticks" in text and "(runs 11x per call)" in text
+  assert "test_pipeline_schedule.py" in call.site
+
+
+def test_a_program_without_pipeline_reports_none():
+  f = sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+  report = explain(f, np.ones((4, 4), np.float32))
+  assert report.pipelines == () and "Pipeline" not in str(report)
