@@ -11,7 +11,7 @@ or under any launcher (it then starts nothing itself):
 Under a launcher each process simulates --devices_per_process CPU devices
 unless XLA_FLAGS already says how many.
 
-Two layouts (--layout):
+Three layouts (--layout):
 
 - data_x_model (default): data parallel across the ranks, tensor parallel
   inside each rank. partitioner.pmap maps one replica per rank, each rank
@@ -23,6 +23,13 @@ Two layouts (--layout):
   P(8, 1) and the hidden units over every device; each rank passes only its
   half of the rows and of each weight matrix (local_in_parts) and gets its
   half back (local_out_parts).
+- pipeline: pipeline parallel across the ranks, tensor parallel inside each
+  rank. The model is a stack of residual MLP layers (two per rank) whose
+  weights have a leading layer dimension split over the ranks, one stage
+  per rank; partitioner.pipeline runs them on --microbatches microbatches
+  inside one sharded_jit over all 8 devices. Each rank passes and gets back
+  only its stage's weights (local_in_parts); only activations cross
+  processes (the collectives explain() lists are printed: no all-gather).
 
 At the end rank 0 checks that the loss curve matches the same steps run
 unsharded in one process.
@@ -30,6 +37,7 @@ unsharded in one process.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -45,11 +53,13 @@ _WIDTH = flags.DEFINE_integer("width", 32, "Input/output width.")
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden width.")
 _LR = flags.DEFINE_float("lr", 0.05, "SGD learning rate.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 5, "Print the loss every this many steps.")
+_MICRO = flags.DEFINE_integer("microbatches", 4, "Pipeline microbatches (--layout pipeline).")
 _LAYOUT = flags.DEFINE_enum(
-    "layout", "data_x_model", ["data_x_model", "global"],
+    "layout", "data_x_model", ["data_x_model", "global", "pipeline"],
     "data_x_model: data parallel across ranks x tensor parallel inside each rank"
     " (partitioner.pmap over sharded_jit); global: one sharded_jit over every"
-    " device of every rank, each rank passing its pieces (local_in_parts).")
+    " device of every rank, each rank passing its pieces (local_in_parts);"
+    " pipeline: one pipeline stage per rank x tensor parallel inside each.")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -100,6 +110,7 @@ def main(argv):
           "w2": rng.normal(0, hdim ** -0.5, (hdim, d)).astype(np.float32)}
   teacher = rng.normal(0, d ** -0.5, (d, d)).astype(np.float32)
   rows = slice(rank * b // world.size, (rank + 1) * b // world.size)
+  ref_loss = lambda p, x, y: loss_fn(p, x, y, 1)  # the reference's, in one process
 
   def rows_of(i, which):
     """Rows ``which`` of step i's batch: a rank makes only its own rows (as a
@@ -128,6 +139,12 @@ def main(argv):
       return train_pmap(params, x[None], y[None])
     layout = (f"data parallel over {world.size} ranks x tensor parallel over each"
               f" rank's {per} devices; each rank passes {b // world.size} of {b} rows")
+  elif _LAYOUT.value == "pipeline":
+    # (sharded_jit logs, at INFO, how it guards the slices of the pipeline's
+    # lax.scan at the loop counter, a clamp that costs nothing: not shown)
+    logging.getLogger("partitioner").setLevel(logging.WARNING)
+    train, full, params, ref_loss, layout = pipeline_layout(world, d, hdim, b, _MICRO.value, sgd)
+    rows = slice(0, b)  # every rank passes the whole batch
   else:
     parts = {"w1": P(1, n), "w2": P(n, 1)}
     local = {"w1": P(1, per), "w2": P(per, 1)}
@@ -155,14 +172,18 @@ def main(argv):
     if rank == 0 and (i % _LOG_EVERY.value == 0 or i == _STEPS.value - 1):
       print(f"step {i:3d}  loss {float(loss):.5f}", flush=True)
   losses = [float(l) for l in losses]
+  if _LAYOUT.value == "pipeline":  # weights stay on their stage: no all-gather
+    totals = partitioner.explain(train, params, *rows_of(0, rows)).collective_totals()
+    if rank == 0:
+      print("collectives per step (partitioner.explain): " + ", ".join(
+          f"{k} {c}" for k, (c, _) in totals.items() if k != "reduce-scatter"), flush=True)
 
   stats = compilation_stats()
   print(f"rank {rank}: compiled {stats['compiles']} program(s), received"
         f" {stats['received_from_rank0']} from rank 0", flush=True)
   if rank == 0:  # the same steps unsharded, in this process only
     ref, plain = full, []
-    ref_step = jax.jit(lambda p, x, y: (
-        sgd(p, jax.grad(loss_fn)(p, x, y, 1)), loss_fn(p, x, y, 1)))
+    ref_step = jax.jit(lambda p, x, y: (sgd(p, jax.grad(ref_loss)(p, x, y)), ref_loss(p, x, y)))
     for i in range(_STEPS.value):
       ref, loss = ref_step(ref, *rows_of(i, slice(0, b)))
       plain.append(float(loss))
@@ -172,6 +193,54 @@ def main(argv):
           flush=True)
     if not ok or not losses[-1] < losses[0]:
       sys.exit(1)
+
+
+def pipeline_layout(world, d, hdim, b, microbatches, sgd):
+  """The pipeline layout: (train, the full stacked weights, this rank's
+  stage of them, the plain loss, a description). ``train(my stage's weights,
+  x, y) -> (them updated, loss)``: one sharded_jit over every device, stage
+  s on rank s."""
+  import jax
+  import numpy as np
+  import optax
+
+  import partitioner
+  from sharding import PartitionSpec as P
+
+  stages, per = world.size, len(jax.local_devices())
+  L = 2 * stages  # two layers a stage
+  rng = np.random.default_rng(1)  # the same on every rank: each keeps its stage
+  full = {"w1": rng.normal(0, d ** -0.5, (L, d, hdim)).astype(np.float32),
+          "w2": rng.normal(0, (hdim * L) ** -0.5, (L, hdim, d)).astype(np.float32)}
+  # Layers split over the ranks (process-major), each weight over the rank's devices.
+  parts = {"w1": P(stages, 1, per), "w2": P(stages, per, 1)}
+  local = {"w1": P(1, 1, per), "w2": P(1, per, 1)}
+
+  def layer(p, h):
+    return h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+
+  def loss(params, x, y):  # inside the sharded_jit: stage s on rank s
+    h = partitioner.pipeline(layer, params, x, microbatches=microbatches,
+                             stages=stages, param_parts=parts)
+    return optax.squared_error(h, y).mean()
+
+  def plain_loss(params, x, y):  # the same layers one after another
+    for i in range(L):
+      x = layer(jax.tree_util.tree_map(lambda w: w[i], params), x)
+    return optax.squared_error(x, y).mean()
+
+  def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return sgd(params, grads), value
+
+  train = partitioner.sharded_jit(step, in_parts=(parts, None, None), out_parts=(parts, None),
+                                  local_in_parts=(local, None, None),
+                                  local_out_parts=(local, None))
+  layout = (f"{stages} pipeline stages of {L // stages} layers, one per rank, x tensor"
+            f" parallel over each rank's {per} devices, {microbatches} microbatches of"
+            f" {b // microbatches} rows; each rank passes only its stage's weights")
+  mine = jax.tree_util.tree_map(lambda w: w[world.rank * 2:world.rank * 2 + 2], full)
+  return train, full, mine, plain_loss, layout
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
 
   python examples/transformer.py                 # ~1 minute on 2 CPU cores
   python examples/transformer.py --steps 500 --layers 4 --data 2 --model 4
+  python examples/transformer.py --layout pipeline --stages 4 --layers 4
 
 ``--layout`` picks another layout of the same model on the same devices:
 - ``fsdp``: FSDP / ZeRO-3 over all ``data x model`` devices: one
@@ -28,7 +29,14 @@ Layout over 8 simulated CPU devices, data x model = 2 x 4, Megatron style:
   FSDP split on the other (``sharding.fsdp_tp_specs``; ``W_out`` gets the
   transposed device order), the batch over fsdp;
 - ``search``: the layout ``partitioner.search`` finds for the step (without
-  activation constraints: the argument specs say it all), with its report.
+  activation constraints: the argument specs say it all), with its report;
+- ``pipeline``: pipeline stages x tensor parallel, ``--stages`` x (the rest
+  of the devices), one sharded_jit step: the blocks' weights are stacked
+  along a leading layer dimension split over the stages (each stage's
+  weights and Adam moments stay on its devices, split Megatron's way over
+  its tensor devices) and run through ``partitioner.pipeline`` in
+  ``--microbatches`` microbatches; only activations move between stages.
+  ``--layers`` must be a multiple of ``--stages``.
 
 The optimizer (Adam) and the loss (cross-entropy) come from optax; the
 weights' specs come from rules on their names (``sharding.spec_tree``), one
@@ -62,10 +70,14 @@ _LR = flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
 _CHECK = flags.DEFINE_integer("check_steps", 3, "Steps re-run unsharded to check the losses match.")
 _SAMPLE = flags.DEFINE_integer("sample", 200, "Characters of text to generate at the end (0: none).")
 _PLOT = flags.DEFINE_string("plot", "transformer_loss.png", "Loss curve PNG (needs matplotlib; '' for none).")
-_LAYOUT = flags.DEFINE_enum("layout", "data_model", ["data_model", "fsdp", "fsdp_tp", "search"],
+_LAYOUT = flags.DEFINE_enum("layout", "data_model",
+                            ["data_model", "fsdp", "fsdp_tp", "search", "pipeline"],
                             "data_model: pmap x Megatron; fsdp: ZeRO-3 over every device;"
                             " fsdp_tp: FSDP over --data x tensor parallel over --model;"
-                            " search: the layout partitioner.search finds.")
+                            " search: the layout partitioner.search finds; pipeline:"
+                            " --stages pipeline stages x tensor parallel inside each.")
+_STAGES = flags.DEFINE_integer("stages", 2, "Pipeline stages (--layout pipeline); they divide --layers.")
+_MICRO = flags.DEFINE_integer("microbatches", 4, "Pipeline microbatches (--layout pipeline).")
 _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps (without a terminal).")
@@ -86,6 +98,9 @@ class Model:
     constrain: ``constrain(x, spec)`` applied to activations (specs count
       batch_split then model partitions); by default sharding.with_sharding_constraint (the benchmark
       passes jax's own over a ('data', 'model') mesh).
+    stages, microbatches: with ``stages``, the blocks' weights are stacked
+      along a leading layer dimension split ``stages`` ways and run through
+      ``partitioner.pipeline`` (the same values as the unstacked model's).
 
   Attributes:
     param_parts, opt_parts: how each weight (and its Adam moments) is split.
@@ -95,12 +110,13 @@ class Model:
   """
 
   def __init__(self, mp, *, width, heads, layers, seq, vocab, lr, constrain=None,
-               batch_split=1):
+               batch_split=1, stages=0, microbatches=1):
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
 
+    import partitioner
     from sharding import PartitionSpec as P
     from sharding import spec_tree, with_sharding_constraint
 
@@ -131,8 +147,13 @@ class Model:
 
     def forward(params, tokens):
       x = wsc(params["embed"][tokens] + params["pos"][None, :tokens.shape[1]], resid)
-      for p in params["blocks"]:
-        x = block(x, p)
+      if stages:  # stage s runs blocks s*L/S ... on its own devices
+        x = partitioner.pipeline(lambda p, h: block(h, p), params["blocks"], x,
+                                 microbatches=microbatches, stages=stages,
+                                 param_parts=self.param_parts["blocks"])
+      else:
+        for p in params["blocks"]:
+          x = block(x, p)
       return wsc(norm(x, params["ln"]) @ params["unembed"], by_unit)  # [b, t, vocab]
 
     def loss_fn(params, seqs):
@@ -168,17 +189,23 @@ class Model:
                 "ln": jnp.ones(d),
                 "unembed": normal(next(keys), (d, vocab), d ** -0.5),
                 "blocks": blocks}
+      if stages:  # the same weights, stacked: one array of L layers per name
+        params["blocks"] = jax.tree_util.tree_map(lambda *w: jnp.stack(w), *blocks)
       return params, tx.init(params)
 
     # Megatron: column-parallel weights split their output dimension (heads,
     # hidden units, vocabulary), row-parallel ones their input dimension.
     # The rules match the end of each leaf's path, so they cover the
     # parameters ("blocks/0/wq") and Adam's moments ("0/mu/blocks/0/wq").
-    self.rules = [(r"(wq|wk|wv)$", P(1, mp, 1)),   # [width, heads, head_dim]
-                  (r"wo$", P(mp, 1, 1)),           # [heads, head_dim, width]
-                  (r"(w1|unembed)$", P(1, mp)),    # [width, hidden or vocabulary]
-                  (r"w2$", P(mp, 1)),              # [hidden, width]
-                  (r".*", None)]                   # norms, embeddings: whole
+    # Stacked blocks split their leading layer dimension over the stages too.
+    lead = (stages,) if stages else ()
+    self.rules = [(r"(wq|wk|wv)$", P(*lead, 1, mp, 1)),  # [width, heads, head_dim]
+                  (r"wo$", P(*lead, mp, 1, 1)),          # [heads, head_dim, width]
+                  (r"w1$", P(*lead, 1, mp)),             # [width, hidden]
+                  (r"w2$", P(*lead, mp, 1)),             # [hidden, width]
+                  (r"unembed$", P(1, mp)),               # [width, vocabulary]
+                  (r"ln[12]$", P(stages, 1) if stages else None),
+                  (r".*", None)]                         # norms, embeddings: whole
     self.shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
     self.param_parts, self.opt_parts = spec_tree(self.shapes, self.rules)
     self.init, self.forward, self.step, self.update = init, forward, step, update
@@ -211,7 +238,8 @@ def train_step(model: Model):
                           donate_argnums=(0, 1))
 
 
-LAYOUT_NAMES = {"data_model": "data x model", "fsdp": "FSDP", "fsdp_tp": "FSDP x tensor"}
+LAYOUT_NAMES = {"data_model": "data x model", "fsdp": "FSDP", "fsdp_tp": "FSDP x tensor",
+                "pipeline": "pipeline stages x tensor"}
 
 
 def fsdp_train_step(model: Model, fsdp: int, tensor: int):
@@ -230,8 +258,17 @@ def fsdp_train_step(model: Model, fsdp: int, tensor: int):
     rules = [(r"(^|/)embed$", P(tensor, 1)), *model.rules]
     model.param_parts, model.opt_parts = fsdp_tp_specs(
         model.shapes, rules, fsdp=fsdp, tensor=tensor)
+  return state_train_step(model, P(fsdp, 1))
+
+
+def state_train_step(model: Model, batch_parts=None):
+  """One sharded_jit step over the model's own specs (the pipeline layout's
+  step; the fsdp layouts' once they set the specs), the batch split by
+  ``batch_parts`` (None: every device holds it whole)."""
+  from partitioner import sharded_jit
+
   state = (model.param_parts, model.opt_parts)
-  return sharded_jit(model.step, in_parts=(*state, P(fsdp, 1)), out_parts=(*state, None),
+  return sharded_jit(model.step, in_parts=(*state, batch_parts), out_parts=(*state, None),
                      donate_argnums=(0, 1))
 
 
@@ -255,7 +292,16 @@ def main(argv):
   if layout in ("fsdp", "search"):  # no tensor-parallel rules of ours
     dp, mp = n, 1
   d, h, layers, t, b = _WIDTH.value, _HEADS.value, _LAYERS.value, _SEQ.value, _BATCH.value
-  for what, size, by in (("heads", h, mp), ("batch", b, dp)):
+  by_batch = dp
+  if layout == "pipeline":  # stages x tensor; the batch whole, cut into microbatches
+    # (sharded_jit logs, at INFO, how it guards the slices of the pipeline's
+    # lax.scan at the loop counter, a clamp that costs nothing: not shown)
+    logging.getLogger("partitioner").setLevel(logging.WARNING)
+    dp, by_batch = _STAGES.value, _MICRO.value
+    mp = n // dp
+    if n % dp or layers % dp:
+      raise app.UsageError(f"--stages={dp} must divide the {n} devices and --layers={layers}")
+  for what, size, by in (("heads", h, mp), ("batch", b, by_batch)):
     if size % by:
       raise app.UsageError(f"--{what}={size} must be divisible by {by}")
 
@@ -276,6 +322,12 @@ def main(argv):
     model = Model(mp, **sizes)
     step_fn = train_step(model)
     split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
+  elif layout == "pipeline":
+    # No activation constraints: inside the pipeline the blocks run under a
+    # vmap over the stages, where a constraint would leave the stage
+    # dimension whole (every stage's activations gathered to every device).
+    model = Model(mp, constrain=lambda x, spec: x, stages=dp, microbatches=by_batch, **sizes)
+    step_fn, split = state_train_step(model), lambda seqs: seqs
   elif layout == "search":  # chosen below, once there are parameters to show it
     model = Model(1, constrain=lambda x, spec: x, **sizes)
     step_fn, split = None, lambda seqs: seqs
@@ -326,10 +378,13 @@ def main(argv):
         f" (1/{whole / mine:.1f})")
 
   # The same first steps unsharded, on the whole batch (constraints are the
-  # identity in a program on one device): the losses must match.
+  # identity in a program on one device): the losses must match. The
+  # pipeline is checked against the plain model (its blocks in a Python
+  # loop), from the same weights unstacked.
+  plain_model = Model(mp, **sizes) if layout == "pipeline" else model
   if _CHECK.value and not first:
-    plain = jax.jit(model.step)
-    p, o, ref = params0, opt0, []
+    plain = jax.jit(plain_model.step)
+    (p, o), ref = plain_model.init(jax.random.PRNGKey(_SEED.value)), []
     for seqs in seen[:_CHECK.value]:
       p, o, loss = plain(p, o, seqs)
       ref.append(float(loss))
@@ -341,7 +396,11 @@ def main(argv):
       sys.exit(1)
 
   if _SAMPLE.value:
-    print("Sample:\n" + sample(model.forward, params, chars, index, t,
+    if layout == "pipeline":  # the plain model's forward, on one sequence
+      blocks = params["blocks"]
+      params = {**params, "blocks": [jax.tree_util.tree_map(lambda w: w[i], blocks)
+                                     for i in range(layers)]}
+    print("Sample:\n" + sample(plain_model.forward, params, chars, index, t,
                                _SAMPLE.value, _SEED.value))
   if _PLOT.value:
     save_plot(losses, _PLOT.value)

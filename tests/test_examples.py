@@ -64,6 +64,20 @@ def test_transformer_fsdp_layouts(layout, name, fraction):
   assert share > fraction  # only the norms' scales (under 4096 elements) stay whole
 
 
+@pytest.mark.parametrize("stages,layers,sample", [(2, 2, "20"), (4, 4, "0")])
+def test_transformer_pipeline(stages, layers, sample):
+  proc = run("examples/transformer.py", "--layout", "pipeline", "--stages", str(stages),
+             "--layers", str(layers), "--steps", "6", "--width", "64", "--heads", "4",
+             "--batch", "8", "--seq", "32", "--sample", sample, "--plot=", "--log_every", "2")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  name = f"{stages} x {8 // stages} = 8 devices (pipeline stages x tensor)"
+  assert name in proc.stdout and "(match)" in proc.stdout
+  collectives = re.search(r"collectives per step \(partitioner.explain\): (.*)", proc.stdout)[1]
+  assert "collective-permute" in collectives and "all-gather" not in collectives  # weights stay
+  assert ("Sample:\nThe " in proc.stdout) == (sample != "0")
+  assert "kept unsplit" not in proc.stderr  # (the scans' guards: logged at INFO, not shown)
+
+
 def test_transformer_with_the_layout_search_finds():
   proc = run("examples/transformer.py", "--layout", "search", "--steps", "6", "--layers", "1",
              "--width", "64", "--heads", "4", "--batch", "8", "--seq", "32", "--sample", "0",
@@ -91,13 +105,17 @@ def test_transformer_resumes_from_its_checkpoint(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout,programs", [
     ("data_x_model", 1),  # host parameters are laid out as the returned ones
-    ("global", 1)])
+    ("global", 1),
+    ("pipeline", 1)])
 def test_multiprocess_train(layout, programs):
   pytest.importorskip("mpi4py")
   proc = run("examples/multiprocess_train.py", "--steps", "12", "--hidden", "128",
              "--layout", layout)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "(match)" in proc.stdout
+  if layout == "pipeline":  # a stage a rank: only activations cross, no all-gather
+    assert "2 pipeline stages of 2 layers, one per rank" in proc.stdout
+    assert "all-gather 0, all-to-all 0, collective-permute " in proc.stdout
   assert f"rank 1: compiled 0 program(s), received {programs} from rank 0" in proc.stdout
 
 

@@ -61,6 +61,16 @@ def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
   assert "rank 1: compiles 0 received 4" in proc.stdout, proc.stdout
 
 
+def test_pipeline_stage_on_each_rank_moves_only_activations():
+  # Issue 29: partitioner.pipeline's 2 stages on the 2 ranks x 4 devices
+  # (tensor parallel inside each): value and grads of the plain loop on one
+  # device, no all-gather of the weights; SGD on per-process pieces.
+  proc, _ = launch("mp_pipeline.py", devices=4)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert found(r"rank \d: pipeline ok", proc.stdout) == ["rank 0: pipeline ok",
+                                                         "rank 1: pipeline ok"]
+
+
 def test_checkpoint_of_per_process_pieces_restores_elsewhere(tmp_path):
   # 2 ranks save their local_out_parts pieces (to_global + orbax) and
   # restore them split another way (to_local); then one process restores
