@@ -49,6 +49,8 @@ class Cost:
     peak_memory: XLA's per-device peak estimate (arguments + outputs +
       temporaries - aliased).
     seconds: the estimated time of one call under the device model.
+    matmul_flops: the part of ``flops`` in matrix multiplies (dots), each
+      as often as it runs: what a layout's share of the work is judged by.
   """
   flops: float
   bytes_accessed: float
@@ -57,6 +59,7 @@ class Cost:
   network_bytes: float
   peak_memory: int
   seconds: float
+  matmul_flops: float = 0.0
 
 
 def groups(line: str, n: int) -> list[list[int]]:
@@ -120,4 +123,5 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   seconds = (device.compute_seconds(flops, accessed)
              + device.comm_seconds(weighted - network, count, network))
-  return Cost(flops, accessed, count, weighted, network, int(peak), seconds)
+  return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
+              _hlo_loops.matmul_flops(hlo_text))

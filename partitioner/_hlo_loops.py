@@ -23,6 +23,14 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
                          r"(?P<kind>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
+# Ops XLA's cost analysis counts one flop per result element (transcendentals
+# included, as it counts them apart).
+_ELEMENTWISE = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic",
+    "sqrt", "rsqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf",
+    "select", "compare", "clamp", "remainder", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "sign", "and", "or", "xor", "not"})
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -81,9 +89,10 @@ def runs(hlo_text: str) -> dict[str, int]:
   return {name: count(name) for name in comps if name}
 
 
-def dot_flops(lines: list[str]) -> float:
-  """The flops of the dot ops among one computation's lines: 2 x the
-  result's elements x the contracted size of the left operand."""
+def flops(lines: list[str], matmuls_only: bool = False) -> float:
+  """The flops of one computation's lines: a dot's 2 x the result's
+  elements x the contracted size of the left operand, an elementwise op's
+  (or a reduction's) one per element (not with ``matmuls_only``)."""
   shapes = {}
   total = 0.0
   for line in lines:
@@ -91,7 +100,13 @@ def dot_flops(lines: list[str]) -> float:
     if m is None:
       continue
     shapes[m.group("name")] = m.group("shape")
-    if m.group("kind") != "dot":
+    kind = m.group("kind")
+    if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
+      arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
+                             shapes.get(m.group("args").split(",")[0].strip().lstrip("%"), ""))
+      total += sum(math.prod(int(d) for d in a.split(",") if d) for a in arrays[:1])
+      continue
+    if kind != "dot":
       continue
     out = _DIMS.search(m.group("shape"))
     lhs = m.group("args").split(",")[0].strip().lstrip("%")
@@ -107,9 +122,16 @@ def dot_flops(lines: list[str]) -> float:
 
 
 def repeated_flops(hlo_text: str) -> float:
-  """The dot flops ``cost_analysis()`` leaves out: a loop body's matmuls
-  counted for every iteration after the first."""
+  """The flops ``cost_analysis()`` leaves out: a loop body's counted for
+  every iteration after the first."""
   counts = runs(hlo_text)
-  return sum((counts[name] - 1) * dot_flops(lines)
+  return sum((counts[name] - 1) * flops(lines)
              for name, lines in computations(hlo_text).items()
              if name and counts.get(name, 1) > 1)
+
+
+def matmul_flops(hlo_text: str) -> float:
+  """The flops of every dot of the program, each as often as it runs."""
+  counts = runs(hlo_text)
+  return sum(counts.get(name, 1) * flops(lines, matmuls_only=True)
+             for name, lines in computations(hlo_text).items() if name)

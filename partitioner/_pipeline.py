@@ -55,7 +55,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     stages: S, how many pipeline stages (S * R divides L). None: the
       leading count of ``param_parts``, else of the specs the enclosing
       ``sharded_jit``'s ``in_parts`` gives ``layer_params`` (when its
-      leaves are inputs of the function as they are).
+      leaves are inputs of the function as they are; a layer dimension
+      it leaves whole is one stage: a loop over the microbatches).
     repeats: R, the circular schedule: each stage holds R chunks of
       L / (S R) layers, and each microbatch goes round the stages R times,
       which shrinks the bubble from (S - 1) / (M + S - 1) to
@@ -98,7 +99,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   tracing = _tracing.current()
   param_specs = None if param_parts is None else broadcast_specs(
       param_parts, layer_params, "partitioner.pipeline param_parts")
-  if param_specs is None and stages is None:
+  free = param_specs is None and stages is None
+  if free:
     param_specs = checks.from_inputs(tracing, leaves)
   s = checks.stages(stages, param_specs, leaves, num_layers, r)
   if x.ndim < 1 or x.shape[0] % m:
@@ -115,15 +117,18 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype))
   state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, mb)
+  if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
+    param_specs, state_spec = None, state_spec if x_spec is not None else None
   if tracing is not None:
     call = _tracing.PipelineCall(
         site=site, stages=s, microbatches=m, repeats=r, layers=num_layers,
         inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-        batch=x.shape[0])
+        batch=x.shape[0], free=free)
     if call not in tracing.pipelines:  # jax may trace a function twice
       tracing.pipelines.append(call)
   where = f"{site}, partitioner.pipeline(stages={s})"
   pin = lambda v, spec, what: v if spec is None else constrain(v, spec, f"{where} {what}")
+  wider = lambda spec, at: None if spec is None else spec.insert(at, 1)  # one more dim
   # (S, R, L/(S R), ...): the stage dimension split as the layer dimension was.
   chunk = num_layers // (s * r)
   stage_params = jax.tree_util.tree_unflatten(
@@ -173,7 +178,7 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     # What left the last stage waits for its next pass in a buffer on the
     # stage devices (each stage's row; stage 0's is read): no extra traffic.
     wait = pin(jnp.broadcast_to(xs[:1][None], (s, m, *xs.shape[1:])),
-               state_spec.insert(1, 1), "circular buffer")
+               wider(state_spec, 1), "circular buffer")
     slots = jax.lax.broadcasted_iota(jnp.int32, (1, m, *rows), 1)
 
     def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
@@ -185,12 +190,12 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
                         jax.lax.dynamic_index_in_dim(wait, t % m, axis=1, keepdims=False))
       inputs = pin(jnp.where(first, fresh, shifted), state_spec, "stage buffer")
       out = pin(run(stage_params, inputs, t), state_spec, "stage buffer")
-      return (out, pin(wait, state_spec.insert(1, 1), "circular buffer")), out
+      return (out, pin(wait, wider(state_spec, 1), "circular buffer")), out
 
     _, outs = jax.lax.scan(tick, (state, wait), jnp.arange(ticks, dtype=jnp.int32))
   # The last M ticks' outputs, then the last stage's: a slice of the tail
   # first, so that only the last stage's M microbatches move.
-  ys = pin(outs[ticks - m:], state_spec.insert(0, 1), "stage outputs")[:, s - 1]
+  ys = pin(outs[ticks - m:], wider(state_spec, 0), "stage outputs")[:, s - 1]
   return pin(ys.swapaxes(0, 1).reshape(x.shape), x_spec, "output")
 
 

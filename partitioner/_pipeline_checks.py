@@ -104,24 +104,15 @@ def stages(stages: int | None, param_specs: list | None, leaves: list,
 
 def from_inputs(tracing: Any, leaves: list) -> list | None:
   """The specs the enclosing sharded_jit's ``in_parts`` gives the leaves
-  (all of them inputs as they are), or None when one is not an input."""
+  (all of them inputs as they are; a leaf it leaves whole: a spec of one
+  stage), or None when one is not an input."""
   if tracing is None:
     return None
   found = [tracing.spec_of(w) for w in leaves]
   if not all(known for known, _ in found):
     return None
-  specs = [spec for _, spec in found]
-  unsplit = [w for w, spec in zip(leaves, specs)
-             if spec is None or spec.for_rank(w.ndim)[0] == 1]
-  if unsplit:
-    raise ValueError(
-        "partitioner.pipeline: the enclosing sharded_jit's in_parts does not split"
-        f" the layer dimension of layer_params (a leaf of shape"
-        f" {tuple(unsplit[0].shape)} has spec {specs[leaves.index(unsplit[0])]!r}),"
-        " so there are no stages to read from it. Hint: split the layer"
-        " dimension S ways in in_parts (PartitionSpec(S, ...)), or pass stages=1"
-        " for a loop over microbatches on every device.")
-  return specs
+  return [PartitionSpec(*(1,) * w.ndim) if spec is None else spec
+          for w, (_, spec) in zip(leaves, found)]
 
 
 def check_layer_fn(layer_fn: Callable, layer_params: Any, h: jax.ShapeDtypeStruct) -> None:

@@ -30,6 +30,8 @@ class PipelineCall:
     inputs: positions among the function's flat inputs of the leaves of
       ``layer_params`` that are inputs as they are (empty when none is).
     batch: the batch (x's dimension 0).
+    free: whether the stage count came from the inputs' specs (not from
+      ``stages=`` or ``param_parts=``): ``partitioner.search`` chooses it.
   """
   site: str
   stages: int
@@ -38,6 +40,7 @@ class PipelineCall:
   layers: int
   inputs: tuple[int, ...] = ()
   batch: int = 0
+  free: bool = False
 
   @property
   def ticks(self) -> int:
@@ -53,8 +56,11 @@ class PipelineCall:
 class Tracing:
   """The trace under way: its flat inputs' specs and the calls recorded."""
 
-  def __init__(self, specs: Sequence[Any] | None):
+  def __init__(self, specs: Sequence[Any] | None, probe: bool = False):
     self._specs = None if specs is None else list(specs)
+    # A probe (partitioner.search's first trace) has no specs yet: a
+    # pipeline whose stages it would read from them runs as one stage.
+    self.probe = probe
     self._inputs: dict[int, tuple[Any, int]] = {}
     self.read_specs = False
     self.pipelines: list[PipelineCall] = []
@@ -80,6 +86,8 @@ class Tracing:
     False for a value computed inside the function, or outside a trace
     that has the specs."""
     index = self.input_index(value)
+    if index is not None and self.probe:
+      return True, None
     if index is None or self._specs is None:
       return False, None
     self.read_specs = True
@@ -91,10 +99,10 @@ _current: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def tracing(specs: Sequence[Any] | None) -> Iterator[Tracing]:
+def tracing(specs: Sequence[Any] | None, probe: bool = False) -> Iterator[Tracing]:
   """Within it, :func:`current` is a new :class:`Tracing` with ``specs``
-  (one per flat input; None: not known)."""
-  state = Tracing(specs)
+  (one per flat input; None: not known); ``probe``: see :class:`Tracing`."""
+  state = Tracing(specs, probe)
   token = _current.set(state)
   try:
     yield state

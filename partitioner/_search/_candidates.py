@@ -10,7 +10,8 @@ role splits it); a set of weight axes on ``model``. Those give every
 hand-written layout (data parallel, FSDP, Megatron d x m, pure tensor
 parallel, FSDP x TP), hybrid FSDP (replicas across hosts, FSDP inside)
 and the mixes between them (attention replicated, MLP tensor parallel).
-One more kind of axis (pipeline stages) is one more grid entry. Axes are
+Pipeline stages (``_stage_axis``) are one more axis, major to all of
+them: ``stages`` on a candidate, the grid of each stage inside. Axes are
 grouped into *roles* first: the same axis of every layer (``blocks/0/wq
 dim 1`` and ``blocks/1/wq dim 1``, or ``['layers']['0']`` and
 ``['layers']['1']``) is one choice.
@@ -53,11 +54,26 @@ class Candidate:
       model role splits them, the ``model`` axis (ZeRO-3 / FSDP); always
       so when ``fsdp`` > 1.
     model: the roles split over ``model``.
+    stages: pipeline stages (``partitioner.pipeline``), major to the grid:
+      the devices are ``stages x data x fsdp x model``; 1: no pipeline.
   """
   grid: tuple[int, int, int]
   batch: int | None
   fsdp: bool
   model: tuple[int, ...]
+  stages: int = 1
+
+  @property
+  def layout_grid(self) -> tuple[int, ...]:
+    """The device grid the specs lie on: ``grid``, or ``(stages, *grid)``
+    (then a leaf's dims name its axes shifted by one; see :func:`on_layout`)."""
+    return self.grid if self.stages == 1 else (self.stages, *self.grid)
+
+  def on_layout(self, dims: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """A leaf's ``dims`` (axes of ``grid``) as axes of ``layout_grid``."""
+    if self.stages == 1:
+      return tuple(dims)
+    return tuple(tuple(a + 1 for a in ax) for ax in dims)
 
   @property
   def replicas(self) -> int:
@@ -66,7 +82,7 @@ class Candidate:
 
   def describe(self, role_names: Sequence[str]) -> str:
     data, fsdp, model = self.grid
-    parts = []
+    parts = [f"pipeline {self.stages} stages"] if self.stages > 1 else []
     if self.replicas > 1:
       what = role_names[self.batch] if self.batch is not None else "nothing"
       head = (f"data {data} x fsdp {fsdp}" if data > 1 and fsdp > 1
@@ -89,6 +105,8 @@ class Candidate:
     data, fsdp, model = self.grid
     n, replicas = data * fsdp * model, self.replicas
     tp = self.model and model > 1
+    if self.stages > 1:
+      return f"pipeline {self.stages}" + (f" x TP {model}" if tp else "")
     if data > 1 and fsdp > 1:  # hybrid: replicas across hosts, FSDP inside
       return (f"data {data} x FSDP {fsdp}" + (f" x TP {model}" if tp else "")
               + (", batch whole" if self.batch is None else ""))

@@ -57,7 +57,7 @@ class CandidateResult:
     family: the kind of layout: a hand-written one's name (``"data x model
       2 x 4"``, ``"FSDP 8"``...), with ``", batch whole"`` or ``"copied"``
       when the data axis splits no batch.
-    grid: ``(data, fsdp, model)`` devices, major to minor.
+    grid: ``(data, fsdp, model)`` devices, major to minor (of each stage).
     seconds: estimated time of one call under the device model.
     flops: per-device flops of the compiled program.
     collectives: collective ops in it.
@@ -71,6 +71,8 @@ class CandidateResult:
     error: why it did not compile ("" if it did).
     alike: how many other candidates compiled to this very program (one
       row for all of them).
+    stages: pipeline stages (``partitioner.pipeline``), major to ``grid``;
+      1: none.
   """
   layout: str
   family: str
@@ -86,6 +88,7 @@ class CandidateResult:
   fits: bool
   error: str = ""
   alike: int = 0
+  stages: int = 1
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
@@ -103,7 +106,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "peak_memory": s.peak_memory if s else None,
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
-        "error": x.error, "alike": x.alike,
+        "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,

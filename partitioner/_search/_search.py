@@ -34,14 +34,14 @@ from typing import Any
 
 import jax
 
-from partitioner import _distributed
+from partitioner import _distributed, _tracing
 from partitioner._args import argnums
 from partitioner._cache._calls import call_caches
 from partitioner._cache._tiers import compilation_cache
 from partitioner._config import config
 from partitioner._device_model import DeviceModel, default_model, resolve
 from partitioner._devices import choose_devices
-from partitioner._search import _found, _inputs, _measure, _select
+from partitioner._search import _found, _inputs, _measure, _select, _stage_axis
 from partitioner._search._axes import logical_axes
 from partitioner._search._candidates import enumerate_candidates, leaf_dims, roles, spec_of
 from partitioner._search._estimate import Program
@@ -57,7 +57,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 8
+RULES = 9
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -131,9 +131,13 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
   args = [a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
           for i, a in enumerate(example_args)]
   dynamic = [a for i, a in enumerate(args) if i not in static]
+  def probed(*dyn):  # a pipeline whose stages the specs would give runs as one stage
+    probe.bind(jax.tree_util.tree_leaves(dyn))
+    return fun(*_inputs.merge(dyn, example_args, static))
+
   try:
-    closed, out_shape = jax.make_jaxpr(
-        lambda *dyn: fun(*_inputs.merge(dyn, example_args, static)), return_shape=True)(*dynamic)
+    with _tracing.tracing(None, probe=True) as probe:
+      closed, out_shape = jax.make_jaxpr(probed, return_shape=True)(*dynamic)
   except Exception as e:  # the user's function: any error means it does not trace
     raise ValueError(
         f"{who}: the function does not trace with the example arguments"
@@ -153,7 +157,8 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
     blob = store.get(key) if store is not None else None
     if blob is None:
       run = lambda: _run(fun, args, static, closed, out_tree, devices, hosts, device,
-                         memory_budget_bytes, measure, max_compiles, progress, who)
+                         memory_budget_bytes, measure, max_compiles, progress, who,
+                         _stage_axis.free(probe.pipelines))
       blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
       if store is not None and world.rank == 0:
         store.put(key, blob)
@@ -162,7 +167,7 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
 
 
 def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, measure,
-         max_compiles, progress, who) -> bytes:
+         max_compiles, progress, who, pipelines) -> bytes:
   """The search itself; its result as the JSON the caches keep."""
   start = time.perf_counter()
   n = len(devices)
@@ -174,16 +179,24 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
   program = Program(axes, r, state)
-  target = Target(fun, args, static, out_tree, closed, axes, r, state, devices, hosts, device)
+  target = Target(fun, args, static, out_tree, closed, axes, r, state, devices, hosts, device,
+                  proxy=not pipelines)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
-    key = tuple(spec_of(d, c.grid) for d in dims)
+    if pipelines and _stage_axis.splits_layers(pipelines, dims):
+      continue
+    key = tuple(spec_of(d, c.layout_grid) for d in dims)
     if key not in by_layout or _select.plainer(c, by_layout[key][0]):
       by_layout[key] = (c, dims)
   rows = [(c, list(dims), program.estimate(c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
+  staged = _stage_axis.candidates(pipelines, n, rows, r, axes.in_axes, shapes, state,
+                                  program, device)
+  rows += staged  # every stage count is compiled: the cheap model sees one stage
   chosen = _select.shortlist(rows, max_compiles, budget is not None)
+  chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
+             if i not in {k for k, *_ in chosen}]
   results: list = []
   programs: dict[str, Any] = {}  # digest -> the first result with that program
 
@@ -191,7 +204,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
     bar = Progress(len(batch), f"{who}: compiling candidates", progress)
     with reusing_traces():
       for k, (index, c, dims, est) in enumerate(batch):
-        in_specs = [spec_of(d, c.grid) for d in dims]
+        in_specs = [spec_of(d, c.layout_grid) for d in dims]
         out_specs = target.out_specs(c, in_specs, out_state)
         factor, digest = 1.0, None
         try:

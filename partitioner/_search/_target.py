@@ -42,14 +42,18 @@ class Target:
     closed: its jaxpr.
     axes, r, state: its logical axes, their roles, which inputs are state.
     devices, hosts, device: where it runs and what that costs.
+    proxy: compile a short proxy when the layers repeat (not when the
+      function's pipelines take their stages from the specs: the proxy
+      replays the jaxpr traced as one stage).
   """
 
   def __init__(self, fun: Any, args: Sequence[Any], static: Sequence[int], out_tree: Any,
                closed: Any, axes: Any, r: Roles, state: Sequence[bool],
-               devices: Sequence[jax.Device], hosts: int, device: DeviceModel):
+               devices: Sequence[jax.Device], hosts: int, device: DeviceModel,
+               proxy: bool = True):
     self.devices, self.hosts, self.device = devices, hosts, device
     self.closed, self.axes, self.r = closed, axes, r
-    self.proxy = _proxy.proxy(closed)
+    self.proxy = _proxy.proxy(closed) if proxy else None
     if self.proxy is None:
       self.fun, self.args, self.static, self.out_tree = fun, list(args), tuple(static), out_tree
       self.part: Program | None = None
@@ -104,7 +108,7 @@ class Target:
         out.append(in_specs[out_state[k]])
         continue
       dims = leaf_dims(c, self.r, self.axes.out_axes[k], tuple(v.aval.shape), False)
-      out.append(spec_of(dims, c.grid))
+      out.append(spec_of(c.on_layout(dims), c.layout_grid))
     return out
 
 
@@ -122,6 +126,7 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
       moved - network, count, network)
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             matmul_flops=got.matmul_flops * ratio(whole.flops, part.flops),
                              collective_bytes=moved, network_bytes=network, peak_memory=peak,
                              seconds=seconds)
 

@@ -1,0 +1,94 @@
+"""partitioner.search chooses pipeline stages (issue 29): when the function
+calls partitioner.pipeline without stages=, the stage count is one more
+axis of the candidates (major: across hosts first, tensor parallel
+inside), compiled and scored like the others; the layout found runs as is
+through sharded_jit and equals the plain loop."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner import pipeline, search, sharded_jit
+from sharding import PartitionSpec as P
+
+L, BATCH, MICRO = 16, 64, 8
+
+
+def layer(p, h):
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+def train_step(forward):
+  def train(params, x):
+    loss = lambda p: jnp.mean(forward(p, x) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads)
+  return train
+
+
+def plain(params, x):
+  for i in range(L):
+    x = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], params), x)
+  return x
+
+
+piped = train_step(lambda p, x: pipeline(layer, p, x, microbatches=MICRO))
+
+
+@functools.cache
+def data(d, f):
+  rng = np.random.default_rng(0)
+  params = {"w1": (rng.normal(size=(L, d, f)) / np.sqrt(d) / 2).astype(np.float32),
+            "w2": (rng.normal(size=(L, f, d)) / np.sqrt(f) / 4).astype(np.float32)}
+  return params, rng.normal(size=(BATCH, d)).astype(np.float32)
+
+
+def test_stage_counts_are_candidates_and_the_found_layout_runs():
+  params, x = data(32, 64)
+  found = search(piped, params, x, measure=0)
+  families = {c.family for c in found.candidates}
+  assert {"pipeline 8", "pipeline 4 x TP 2", "pipeline 2 x TP 4"} <= families, families
+  staged = [c for c in found.candidates if c.stages > 1]
+  assert all(not c.error for c in staged)
+  assert {c.stages for c in staged} == {2, 4, 8}
+  step = sharded_jit(piped, in_parts=found.in_parts, out_parts=found.out_parts)
+  value, new = step(params, x)
+  want, want_new = jax.jit(train_step(plain))(params, x)
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(new["w1"]), np.asarray(want_new["w1"]), atol=1e-5)
+  if found.best.stages > 1:
+    assert found.in_parts[0]["w1"][0] == found.best.stages
+  assert "pipeline" in found.report()
+
+
+def test_planned_for_two_hosts_it_keeps_the_weights_off_the_network():
+  """Weights far heavier than a microbatch's activations, 2 hosts x 4 of
+  h100: stages across the hosts; their bytes across hosts are at most a
+  tenth of data parallel's (the plain model's gradient all-reduce)."""
+  params, x = data(64, 256)
+  found = search(piped, params, x, hosts=2, device_model="h100", measure=0)
+  assert found.best.stages > 1 and found.best.stages % 2 == 0, found.report()
+  dp = sharded_jit(train_step(plain), in_parts=(None, P(8, 1)), out_parts=(None, None))
+  theirs = partitioner.cost(dp.lower(params, x).compile(), "h100", hosts=2)
+  assert found.best.network_bytes <= 0.1 * theirs.network_bytes, (
+      found.best.network_bytes, theirs.network_bytes)
+
+
+def test_given_stages_are_kept():
+  params, x = data(32, 64)
+  fixed = train_step(lambda p, x: pipeline(layer, p, x, microbatches=MICRO, stages=4))
+  found = search(fixed, params, x, measure=0)
+  assert all(c.stages == 1 and not c.family.startswith("pipeline") for c in found.candidates)
+
+
+def test_computed_stacked_weights_need_stages():
+  params, x = data(32, 64)
+  cast = train_step(lambda p, x: pipeline(
+      layer, jax.tree_util.tree_map(lambda w: w * 1.0, p), x, microbatches=MICRO))
+  with pytest.raises(ValueError, match=r"does not trace with the example arguments.*"
+                     r"partitioner.pipeline needs the number of stages"):
+    search(cast, params, x, measure=0)
