@@ -28,6 +28,7 @@ from partitioner import _tracing
 from sharding._constraint import caller, constrain
 from sharding._partition_spec import PartitionSpec
 from sharding._spec_tree import broadcast_specs
+from sharding._within import SplitAxis
 
 _PACKAGE = __name__.partition(".")[0]  # frames of this package are not the user's
 
@@ -56,7 +57,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
       leading count of ``param_parts``, else of the specs the enclosing
       ``sharded_jit``'s ``in_parts`` gives ``layer_params`` (when its
       leaves are inputs of the function as they are; a layer dimension
-      it leaves whole is one stage: a loop over the microbatches).
+      it leaves whole is one stage: a loop over the microbatches; outside
+      a sharded_jit function, 1: the plain loop).
     repeats: R, the circular schedule: each stage holds R chunks of
       L / (S R) layers, and each microbatch goes round the stages R times,
       which shrinks the bubble from (S - 1) / (M + S - 1) to
@@ -100,7 +102,9 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   param_specs = None if param_parts is None else broadcast_specs(
       param_parts, layer_params, "partitioner.pipeline param_parts")
   free = param_specs is None and stages is None
-  if free:
+  if free and tracing is None:
+    stages = 1  # outside sharded_jit: the plain loop, for reference runs
+  elif free:
     param_specs = checks.from_inputs(tracing, leaves)
   s = checks.stages(stages, param_specs, leaves, num_layers, r)
   if x.ndim < 1 or x.shape[0] % m:
@@ -154,15 +158,19 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   first = jax.lax.broadcasted_iota(jnp.int32, (s, *rows), 0) == 0
   stage_ids = jnp.arange(s, dtype=jnp.int32)
 
+  # layer_fn's own constraints apply inside each stage: the vmap over the
+  # stages keeps its dimension split as the stage buffer's.
+  vmap = lambda f: jax.vmap(f, axis_name=None if state_spec is None or s == 1
+                            else SplitAxis(state_spec))
+
   def run(stage_params: Any, inputs: jax.Array, t: jax.Array | None) -> jax.Array:
     if t is None:  # one pass: every stage runs its only chunk
-      return jax.vmap(stage_fn)(jax.tree_util.tree_map(lambda w: w[:, 0], stage_params),
-                                inputs)
+      return vmap(stage_fn)(jax.tree_util.tree_map(lambda w: w[:, 0], stage_params), inputs)
     # Stage s at tick t works on item t - s: pass (t - s) // M of its microbatch.
     passes = jnp.clip((t - stage_ids) // m, 0, r - 1)
     pick = lambda p, i: jax.tree_util.tree_map(
         lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), p)
-    return jax.vmap(lambda p, h, i: stage_fn(pick(p, i), h))(stage_params, inputs, passes)
+    return vmap(lambda p, h, i: stage_fn(pick(p, i), h))(stage_params, inputs, passes)
 
   if r == 1:
     def tick(state: jax.Array, x_t: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -28,6 +28,7 @@ from jax.interpreters import ad, batching, mlir
 
 from sharding._partition_spec import PartitionSpec
 from sharding._spec_tree import broadcast_specs, reject_auto
+from sharding._within import SplitAxis, within
 
 MARKER_TARGET = "sharded_jit.constraint"
 ORIGIN_ATTR = "sharded_jit.origin"
@@ -185,10 +186,14 @@ def _transpose(ct, x, *, spec, origin):
   return [constraint_p.bind(ct, spec=spec, origin=origin)]
 
 
-def _batch(args, dims, *, spec, origin):
+def _batch(axis_data, args, dims, *, spec, origin):
   (x,), (d,) = args, dims
   if d is not None and spec is not None:  # None: this operand is not mapped
-    spec = spec.insert(d, 1)  # The vmapped dimension stays unpartitioned.
+    split = axis_data.name if isinstance(axis_data.name, SplitAxis) else None
+    if split is None:
+      spec = spec.insert(d, 1)  # The vmapped dimension stays unpartitioned.
+    else:  # partitioner.pipeline's stages: split as they are, spec inside each
+      spec = within(spec.for_rank(x.ndim - 1) if spec.open else spec, d, split.spec, origin)
   return constraint_p.bind(x, spec=spec, origin=origin), d
 
 
@@ -231,5 +236,5 @@ def lower(ctx, x, *, spec, origin):
 constraint_p.def_impl(_impl)
 constraint_p.def_abstract_eval(_abstract_eval)
 ad.deflinear2(constraint_p, _transpose)
-batching.primitive_batchers[constraint_p] = _batch
+batching.fancy_primitive_batchers[constraint_p] = _batch
 mlir.register_lowering(constraint_p, lower)

@@ -105,6 +105,43 @@ def test_the_circular_schedule_equals_the_plain_loop_in_its_order(s, m, r, tp):
   assert (call.repeats, call.ticks) == (r, r * m + s - 1)
 
 
+def test_outside_sharded_jit_without_stages_it_is_the_plain_loop():
+  params, x = data()
+  got = jax.jit(lambda p, x: pipeline(layer_fn, p, x, microbatches=4))(params, x)
+  want = jax.jit(lambda p, x: plain_loss(p, x, range(L)))  # (a loss: compare the mean)
+  np.testing.assert_allclose(float(jnp.mean(got ** 2)), float(want(params, x)), rtol=1e-5)
+
+
+def test_constraints_inside_layer_fn_apply_within_each_stage():
+  """A with_sharding_constraint in layer_fn speaks of one stage's devices:
+  the program is the one without it (no gathering of the stages' data)."""
+  from sharding import with_sharding_constraint
+  def program(inner):
+    def layer(p, h):
+      a = jnp.tanh(h @ p["w1"])
+      return h + (a if inner is None else with_sharding_constraint(a, inner)) @ p["w2"]
+    loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=4) ** 2)
+    return sharded_jit(jax.value_and_grad(loss), in_parts=(stage_split(2, 4), None),
+                       out_parts=(None, stage_split(2, 4)))
+  with_it = program(P(1, 4))
+  check(with_it)
+  assert (explain(with_it.lower(*data()).compile()).collective_totals()
+          == explain(program(None).lower(*data()).compile()).collective_totals())
+  with pytest.raises(ValueError, match=r"requires 16 devices, but only 8"):
+    program(P(1, 8)).lower(*data())  # 8 tiles in each of the 2 stages
+
+
+def test_a_constraint_with_a_device_order_must_fit_one_stage():
+  from sharding._within import within
+  stages = P(2, 1, grid=(2, 4), axes=(0, None))  # 2 stages of 4 devices
+  assert within(P(1, 4), 0, stages, "here") == P(2, 1, 4)
+  minor = P(2, 1, grid=(4, 2), axes=(1, None))   # the stages on the minor axis
+  assert within(P(1, 4), 0, minor, "here") == P(2, 1, 4, grid=(4, 2), axes=(1, None, 0))
+  with pytest.raises(ValueError, match=r"here: the constraint PartitionSpec\(1, 8\) inside"
+                     r" partitioner.pipeline's layer_fn applies to one stage's 4 devices"):
+    within(P(1, 8), 0, minor, "here")
+
+
 def test_pipeline_order():
   assert pipeline_order(8, 2).tolist() == list(range(8))
   assert pipeline_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
