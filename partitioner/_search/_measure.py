@@ -25,19 +25,24 @@ from partitioner._search import _inputs
 
 # At most this many candidates are timed when the search decides to.
 AUTO_MEASURE = 2
+# A proxy's scores are scaled to the whole program by the cheap model:
+# their error is the device model's and the scaling's (24 layers: 1.5x).
+PROXY_ERROR = 1.5
 
 
 def how_many(measure: int | None, scores: Sequence[float], device: DeviceModel,
-             own_devices: bool, processes: int) -> int:
+             own_devices: bool, processes: int, proxy: bool = False) -> int:
   """How many of the best (``scores``: their estimated seconds, best first)
   to time: ``measure`` when given; else those within the model's error of
-  the best, when it is worth it (2 or more) and possible (the model's own
-  devices, one process)."""
+  the best (``PROXY_ERROR`` times it for scores scaled from a proxy), when
+  it is worth it (2 or more) and possible (the model's own devices, one
+  process)."""
   if measure is not None:
     return measure
   if not own_devices or processes > 1 or len(scores) < 2:
     return 0
-  close = sum(1 for s in scores if s <= scores[0] * (1 + device.error))
+  error = device.error * (PROXY_ERROR if proxy else 1.0)
+  close = sum(1 for s in scores if s <= scores[0] * (1 + error))
   return min(close, AUTO_MEASURE) if close >= 2 else 0
 
 

@@ -250,7 +250,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   own = device == default_model(devices[0].device_kind, devices[0].platform)
   processes = len({d.process_index for d in devices})
   k = _measure.how_many(measure, [x.score.seconds for x in fits], device,
-                        own and hosts == processes, processes)
+                        own and hosts == processes, processes, target.proxy is not None)
   if k:
     times = target.measure([(x.in_specs, x.out_specs) for x in fits[:k]], out_state,
                            [x.time_scale for x in fits[:k]])

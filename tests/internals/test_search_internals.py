@@ -127,6 +127,7 @@ def test_measure_decides_on_the_close_calls():
   assert _measure.how_many(None, [1.0, 1.1], cpu, True, 2) == 0  # several processes
   assert _measure.how_many(None, [1.0], h100, True, 1) == 0
   assert _measure.how_many(2, [1.0, 5.0], cpu, True, 1) == 2  # asked for
+  assert _measure.how_many(None, [1.0, 1.3], cpu, True, 1, proxy=True) == 2  # scaled: wider
 
 
 def test_grids_keep_the_model_axis_inside_a_host():
