@@ -69,3 +69,23 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
       smallest.setdefault((c.grid, c.batch, c.fsdp), i)
     picked += smallest.values()
   return [(i, *rows[i]) for i in sorted(set(picked))]
+
+
+# On a plan for hosts, layouts whose flops are within this factor of the
+# least do no duplicated work.
+LEAN_FLOPS = 1.1
+
+
+def plan_order(fits: list, error: float) -> list:
+  """The fitting results of an untimed plan for several hosts, best first:
+  among those the estimates cannot tell apart (within the device model's
+  ``error`` of the best), the one that sends the fewest bytes across hosts
+  without duplicating work (flops within ``LEAN_FLOPS`` of the least of
+  them) leads; the network is where a cluster's estimates err most."""
+  if len(fits) < 2:
+    return fits
+  band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + error)]
+  least = min(x.score.flops for x in band)
+  lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
+  lead = min(lean, key=lambda x: (x.score.network_bytes, x.score.seconds, x.index))
+  return [lead] + [x for x in fits if x is not lead]

@@ -12,6 +12,7 @@ import partitioner
 from partitioner import _compile
 from partitioner import _cost
 from partitioner._search._axes import logical_axes
+from partitioner._search import _select
 from sharding import PartitionSpec as P
 
 
@@ -172,3 +173,17 @@ def test_the_candidates_estimated_are_capped():
   dropped = [c for c in uncapped if c not in kept]
   assert max(len(c.model) for c in every) <= min(len(c.model) for c in dropped)
   assert every == [c for c in uncapped if c in kept]
+
+
+def test_an_untimed_plan_for_hosts_prefers_the_lean_quiet_layout_of_the_close_ones():
+  from types import SimpleNamespace as NS
+  def row(i, seconds, flops, network):
+    return NS(index=i, score=NS(seconds=seconds, flops=flops, network_bytes=network))
+  best, close_noisy, close_quiet, copies, far = (
+      row(0, 1.0, 100, 50), row(1, 1.1, 105, 40), row(2, 1.2, 108, 30),
+      row(3, 1.05, 300, 1), row(4, 2.0, 100, 0))
+  fits = [best, copies, close_noisy, close_quiet, far]
+  order = _select.plan_order(fits, error=0.3)
+  assert order[0] is close_quiet  # within the error, no duplicated work, fewest across hosts
+  assert order[1:] == [best, copies, close_noisy, far]
+  assert _select.plan_order([best], 0.3) == [best]
