@@ -57,7 +57,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 9
+RULES = 10
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
