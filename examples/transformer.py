@@ -323,9 +323,10 @@ def main(argv):
     step_fn = train_step(model)
     split = lambda seqs: seqs.reshape(dp, b // dp, t + 1)  # one row of sequences per replica
   elif layout == "pipeline":
-    # No activation constraints: inside the pipeline the blocks run under a
-    # vmap over the stages, where a constraint would leave the stage
-    # dimension whole (every stage's activations gathered to every device).
+    # No activation constraints: the model's specs count tiles over all the
+    # devices, so the embedding's and the logits' would lie across the
+    # stages, not inside each, and XLA would gather at the pipeline's edges
+    # (inside layer_fn a constraint applies within each stage).
     model = Model(mp, constrain=lambda x, spec: x, stages=dp, microbatches=by_batch, **sizes)
     step_fn, split = state_train_step(model), lambda seqs: seqs
   elif layout == "search":  # chosen below, once there are parameters to show it
