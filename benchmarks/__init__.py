@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|startup|multiprocess]
+  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 Sections (one module each):
@@ -38,6 +38,13 @@ Sections (one module each):
             layers: search time, candidates estimated and compiled, the
             found layout's steps/s against the fastest hand-written one
             (needs the thirdparty extra).
+  pipeline  partitioner.pipeline in a sharded_jit train step against the
+            GPipe a jax user writes by hand following MaxText (jax.jit,
+            a ('stage',) mesh, roll-shifted state buffer) on a 16-layer
+            residual MLP, 2, 4 and 8 stages: steps/s, collective bytes,
+            matmul flops against the ideal with the bubble, weights per
+            device;
+            and bytes across 2 hosts x 4 against data parallel 8.
 
 Not a section: ``python -m benchmarks.calibrate`` fits the search's ``cpu``
 device model to this host (see its docstring).

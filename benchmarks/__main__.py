@@ -10,12 +10,12 @@ import sys
 import time
 
 import benchmarks
-from benchmarks import (dispatch, fsdp, layout, multiprocess, report, scaling, search,
-                        search_models, startup)
+from benchmarks import (dispatch, fsdp, layout, multiprocess, pipeline, report, scaling,
+                        search, search_models, startup)
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
-            "startup": startup.run, "multiprocess": multiprocess.run}
+            "pipeline": pipeline.run, "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
                  help="cold and warm processes per startup case (medians)")
   p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
-  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp, search)")
+  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp, search, pipeline)")
   p.add_argument("--model-layers", type=lambda s: [int(n) for n in s.split(",")],
                  default=[2, 24], help="search_models: the decoder depths, e.g. 2,24")
   p.add_argument("--json", help="also write the results here")

@@ -41,6 +41,10 @@ def tables(results: dict) -> str:
   out += _search_table(results.get("search_models"), "partitioner.search on transformers'"
                        " FlaxGemmaForCausalLM (found / reference; the target is on the"
                        " ratio):")
+  out += _search_table(results.get("pipeline"), "partitioner.pipeline against the GPipe a jax"
+                       " user writes by hand (MaxText's: jax.jit, a ('stage',) mesh; a target"
+                       " is on the ratio, or on ours alone where it says none):",
+                       first="case: metric | ours")
   if "startup" in results:
     out += ["", "| startup, 4-layer MLP train step | cold | warm cache | cold/warm |",
             "|---|---|---|---|"]
@@ -119,7 +123,7 @@ def write(results: dict, command: str) -> None:
     with open(path) as f:
       merged = json.load(f)
   commands = merged.get("commands", {})
-  for name in ("dispatch", "scaling", "layout", "startup", "multiprocess"):
+  for name in ("dispatch", "scaling", "layout", "startup", "multiprocess", "pipeline"):
     if name in results:
       commands[name] = f"{command} ({results['date']})"
   merged.update(results)
@@ -150,11 +154,13 @@ def write(results: dict, command: str) -> None:
   print(f"wrote benchmarks/results.json, BENCHMARKS.md{''.join(', ' + os.path.relpath(p, ROOT) for p in images)}")
 
 
-def _search_table(rows: list | None, title: str) -> list[str]:
-  """A search section: found against a reference, the target on the ratio."""
+def _search_table(rows: list | None, title: str,
+                  first: str = "model: metric | found") -> list[str]:
+  """A search (or pipeline) section: found against a reference, the target
+  on the ratio; ``first`` heads the first two columns."""
   if not rows:
     return []
-  out = ["", title, "", "| model: metric | found | reference | against | ratio | target |",
+  out = ["", title, "", f"| {first} | reference | against | ratio | target |",
          "|---|---|---|---|---|---|"]
   out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
           f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in rows]

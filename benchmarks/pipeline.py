@@ -1,0 +1,119 @@
+"""Pipeline section: ``partitioner.pipeline`` against the GPipe a jax user
+writes by hand following MaxText (issue 29).
+
+The model (``benchmarks._gpipe``): 16 residual MLP layers ``h = h +
+tanh(h @ w1) @ w2``, d_model 256, d_ff 1024 (32 MiB of weights), batch
+128, loss ``mean(y ** 2)``, one SGD step; the parameters donated and fed
+back each step. For S = 2, 4, 8 stages on the first S devices and M = 2S
+microbatches:
+
+- ours: ``partitioner.pipeline`` in a ``sharded_jit`` step, ``P(S, 1, 1)``
+  on the stacked weights;
+- by hand: ``jax.jit`` with NamedShardings on a ``('stage',)`` mesh: the
+  weights reshaped to (S, L/S, ...), a state buffer split over 'stage', a
+  ``lax.scan`` over M + S - 1 ticks, ``vmap`` of a per-stage scan,
+  ``jnp.roll`` to shift.
+
+Reported per S: steps/s (--steps // 4 interleaved rounds of 2 steps, each
+function warmed right before its timed steps, medians); collective bytes
+per step per device (``partitioner.cost``, loops counted by their trip
+counts) and which collectives other than collective-permutes cross the
+stages; matmul flops per device against the ideal, one stage's share of
+the step's matmul flops (3x the forward's) times (M + S - 1) / M; argument
+bytes per device against one stage's share of the weights plus the batch.
+One more row plans a model whose weights outweigh a microbatch's
+activations 10:1 for 2 hosts x 4 devices: the bytes across hosts
+(``partitioner.cost(..., hosts=2)``) of 2 stages x
+tensor parallel 4 against data parallel 8."""
+
+from __future__ import annotations
+
+from benchmarks import _gpipe
+from benchmarks._common import setup_jax
+from benchmarks.search import interleaved
+
+LAYERS, D, F, BATCH = 16, 256, 1024, 128
+HOSTS_BATCH, HOSTS_MICROBATCHES = 160, 4  # 10.2:1 weights : a microbatch's activations
+REFERENCE = "by-hand GPipe (jax.jit)"
+
+
+def run(args) -> list[dict]:
+  jax = setup_jax(args.devices)
+  if args.devices < 8:
+    return []
+  rows = []
+  for s in (2, 4, 8):
+    rows += case(jax, s, 2 * s, max(3, args.steps // 4))
+  return rows + across_hosts(jax)
+
+
+def described(compiled) -> tuple:
+  """(its ``partitioner.cost``, how many collectives other than
+  collective-permutes it runs, and those as text)."""
+  import partitioner
+  ops = [c for c in partitioner.explain(compiled).collectives if c.kind != "collective-permute"]
+  text = ", ".join(f"{c.runs} {c.kind} {c.shape.split('{')[0]}" for c in ops) or "none"
+  return partitioner.cost(compiled), len(ops), text
+
+
+def case(jax, s: int, m: int, rounds: int) -> list[dict]:
+  """The rows of ``s`` stages and ``m`` microbatches, ours against by hand,
+  timed in ``rounds`` interleaved rounds."""
+  import numpy as np
+
+  params, x = _gpipe.init(LAYERS, D, F, BATCH)
+  theirs, split, rep = _gpipe.by_hand(jax, s, m)
+  ours = _gpipe.ours(s, m)
+  placed = lambda: (jax.device_put(params, split), jax.device_put(x, rep))
+  losses = [float(f(*placed())[1]) for f in (ours, theirs)]
+  if not np.isclose(*losses, rtol=1e-4):
+    raise AssertionError(f"pipeline: {s} stages, ours and by hand disagree: {losses}")
+  compiled = {"ours": ours.lower(*placed()).compile(), "jax": theirs.lower(*placed()).compile()}
+  step = interleaved({"ours": (ours, placed()), "jax": (theirs, placed())}, 1, rounds)
+  (oc, on, ot), (tc, tn, tt) = described(compiled["ours"]), described(compiled["jax"])
+  forward = 2 * BATCH * LAYERS * 2 * D * F  # two matmuls a layer
+  ideal = 3 * forward / s * (m + s - 1) / m
+  weight_bytes = sum(w.nbytes for w in params.values())
+  share = weight_bytes / s + x.nbytes
+  arg = {k: c.memory_analysis().argument_size_in_bytes for k, c in compiled.items()}
+  where = f"{s} stages, {m} microbatches"
+  table = [
+      ("steps/s", 1 / step["ours"], 1 / step["jax"], "steps/s", REFERENCE, ">= 0.95", ""),
+      ("collective bytes per step per device", oc.collective_bytes / 2**20,
+       tc.collective_bytes / 2**20, "MiB", REFERENCE, "<= 1.0",
+       f"{oc.collectives} collectives a step, by hand {tc.collectives}"),
+      ("collectives other than collective-permute across the stages", on, tn, "ops",
+       REFERENCE, "none (f32[] loss aside)", f"ours: {ot}; by hand: {tt}"),
+      ("matmul flops per device vs the ideal", oc.matmul_flops / 1e9, ideal / 1e9, "GFLOP",
+       "stage share x (M + S - 1) / M", "<= 1.05",
+       f"by hand {tc.matmul_flops / 1e9:.3g} GFLOP; all flops: ours {oc.flops / 1e9:.3g},"
+       f" by hand {tc.flops / 1e9:.3g} GFLOP"),
+      ("argument bytes per device vs one stage's weights + the batch", arg["ours"] / 2**20,
+       share / 2**20, "MiB", "weights / S + batch", "<= 1.0",
+       f"by hand {arg['jax'] / 2**20:.3g} MiB; all the weights {weight_bytes / 2**20:.3g} MiB"),
+  ]
+  return [{"case": f"{where}: {what}", "unit": unit, "ours": o, "jax": ref,
+           "ratio": o / ref if ref else float("nan"), "against": against, "target": target,
+           "detail": detail} for what, o, ref, unit, against, target, detail in table]
+
+
+def across_hosts(jax) -> list[dict]:
+  """2 hosts x 4 devices: 2 stages (one a host) x tensor parallel 4 against
+  data parallel 8, bytes across hosts per step per device."""
+  import partitioner
+
+  params, x = _gpipe.init(LAYERS, D, F, HOSTS_BATCH)
+  piped, data = _gpipe.hosts_layouts(HOSTS_MICROBATCHES)
+  cost = {k: partitioner.cost(f.lower(params, x).compile(), hosts=2)
+          for k, f in (("piped", piped), ("data", data))}
+  weights = sum(w.nbytes for w in params.values())
+  microbatch = HOSTS_BATCH // HOSTS_MICROBATCHES
+  activations = LAYERS * microbatch * (D + F) * 4  # what a microbatch's forward keeps
+  return [{"case": "2 hosts x 4, 2 stages x tensor parallel 4: bytes across hosts per step",
+           "unit": "MiB", "ours": cost["piped"].network_bytes / 2**20,
+           "jax": cost["data"].network_bytes / 2**20,
+           "ratio": cost["piped"].network_bytes / cost["data"].network_bytes,
+           "against": "data parallel 8", "target": "<= 0.1",
+           "detail": f"batch {HOSTS_BATCH}, {HOSTS_MICROBATCHES} microbatches: weights"
+                     f" {weights / 2**20:.3g} MiB, {weights / activations:.1f}x a microbatch's"
+                     f" activations ({activations / 2**20:.3g} MiB)"}]
