@@ -204,8 +204,7 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   # The last M ticks' outputs, then the last stage's: a slice of the tail
   # first, so that only the last stage's M microbatches move.
   ys = pin(outs[ticks - m:], wider(state_spec, 0), "stage outputs")[:, s - 1]
-  out_spec = x_spec if x_spec is not None else checks.output_spec(state_spec, x.ndim, s, mb)
-  return pin(ys.swapaxes(0, 1).reshape(x.shape), out_spec, "output")
+  return pin(ys.swapaxes(0, 1).reshape(x.shape), x_spec, "output")
 
 
 def pipeline_order(layers: int, stages: int, repeats: int = 1) -> np.ndarray:

@@ -201,20 +201,3 @@ def _common_grid(a: _layout.Layout, b: _layout.Layout) -> tuple | None:
 
   return sizes, remap(a), remap(b)
 
-
-def output_spec(state_spec: PartitionSpec | None, ndim: int, s: int,
-                microbatch: int) -> PartitionSpec | None:
-  """Where the result lies without ``x_parts``: its batch split over the
-  stages' devices (as the stage dimension of the buffer is), so that the
-  last stage's outputs are scattered (an all-to-all), not sent to every
-  device; None when S does not divide the microbatch (the split would cut
-  across microbatches, which XLA does by gathering)."""
-  if state_spec is None or s == 1 or microbatch % s:
-    return None
-  counts = (s, *(1,) * (ndim - 1))
-  lay = state_spec.layout
-  if lay is None:
-    return PartitionSpec(*counts, device_ids=state_spec.device_ids)
-  layout = _layout.canonical(lay.sizes, (lay.dims[0], *lay.dims[2:]))
-  return with_layout(counts, None if _layout.is_row_major(layout) else layout,
-                     state_spec.device_ids)
