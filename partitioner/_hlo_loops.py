@@ -51,7 +51,7 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
   return found
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4)  # (the texts are large: a score reads one a few times)
 def runs(hlo_text: str) -> dict[str, int]:
   """Computation name -> times it runs per call of the entry: a while
   body its trip count times its caller's (1 where XLA knows no trip
