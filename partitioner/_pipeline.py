@@ -127,7 +127,7 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     call = _tracing.PipelineCall(
         site=site, stages=s, microbatches=m, repeats=r, layers=num_layers,
         inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-        batch=x.shape[0], free=free)
+        free=free)
     if call not in tracing.pipelines:  # jax may trace a function twice
       tracing.pipelines.append(call)
   where = f"{site}, partitioner.pipeline(stages={s})"

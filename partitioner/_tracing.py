@@ -29,7 +29,6 @@ class PipelineCall:
     layers: L, the stacked layers.
     inputs: positions among the function's flat inputs of the leaves of
       ``layer_params`` that are inputs as they are (empty when none is).
-    batch: the batch (x's dimension 0).
     free: whether the stage count came from the inputs' specs (not from
       ``stages=`` or ``param_parts=``): ``partitioner.search`` chooses it.
   """
@@ -39,7 +38,6 @@ class PipelineCall:
   repeats: int
   layers: int
   inputs: tuple[int, ...] = ()
-  batch: int = 0
   free: bool = False
 
   @property
