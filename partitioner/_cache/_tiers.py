@@ -266,13 +266,22 @@ def _log_compile(name: str, num_devices: int, mode: str, elapsed: float,
       name, num_devices, mode, elapsed, summary)
 
 
+# Analysed, never run, on CPU: XLA's HLO passes as usual, legacy kernel code
+# generators (analyses within 1-2%, compiled 2-3x faster).
+SCORE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False,
+                  "xla_cpu_parallel_codegen_split_count": 1}
+
+
 def program_options(program: Program, *, score_only: bool = False) -> _compat.CompileOptions:
   """The program's compile options under the config; ``score_only``: a
-  program that is analysed, never run (XLA's HLO passes as usual, machine
-  code unoptimised: the same analyses, compiled in about half the time)."""
+  program that is analysed, never run (machine code unoptimised and, on
+  CPU, ``SCORE_ONLY_CPU``: the same analyses, compiled 3-4x faster)."""
+  xla_options = dict(config.xla_options or {})
+  if score_only and program.devices[0].platform == "cpu":
+    xla_options = {**SCORE_ONLY_CPU, **xla_options}
   return _compile.compile_options(
       len(program.devices), program.devices, program.mode,
-      xla_options=config.xla_options,
+      xla_options=xla_options,
       disable_most_optimizations=config.disable_most_optimizations or score_only,
       auto_outputs=program.auto_outputs, auto_inputs=program.auto_inputs)
 
