@@ -20,6 +20,7 @@ dim 1`` and ``blocks/1/wq dim 1``, or ``['layers']['0']`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -231,10 +232,17 @@ def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequen
               is_state: bool) -> tuple[tuple[int, ...], ...]:
   """Per dimension of one leaf, the grid axes (``DATA``, ``FSDP``,
   ``MODEL``) it is split over under ``candidate``."""
+  return role_dims(candidate, tuple(r.of_axis.get(a) for a in axes), tuple(shape), is_state)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
+              is_state: bool) -> tuple[tuple[int, ...], ...]:
+  """``leaf_dims`` of a leaf whose dimensions have the roles ``role``
+  (a model's layers share them: each is worked out once per candidate)."""
   grid = candidate.grid
   used: set[int] = set()
   dims: list[tuple[int, ...]] = [() for _ in shape]
-  role = [r.of_axis.get(a) for a in axes]
   batch_axes = tuple(a for a in BATCH_AXES if grid[a] > 1)
   for d in range(len(shape)):  # the batch role first, on data and fsdp
     if (batch_axes and role[d] is not None and role[d] == candidate.batch
@@ -265,6 +273,11 @@ def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequen
 
 def spec_of(dims: Sequence[tuple[int, ...]], grid: tuple[int, ...]) -> PartitionSpec | None:
   """The count spec (with its device order) of a leaf split as ``dims``."""
+  return _spec_of(tuple(tuple(d) for d in dims), tuple(grid))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _spec_of(dims: tuple[tuple[int, ...], ...], grid: tuple[int, ...]) -> PartitionSpec | None:
   if not any(dims):
     return None
   counts = [math.prod(grid[a] for a in ax) for ax in dims]
