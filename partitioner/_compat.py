@@ -290,3 +290,11 @@ def jax_device_assignment(compiled: Any) -> tuple[jax.Device, ...]:
   if not shardings:
     return tuple(compiled.runtime_executable().local_devices())
   return tuple(shardings[0]._device_assignment)
+
+
+def in_named_scope(eqn: Any, name: str) -> Any:
+  """The jaxpr equation ``eqn`` with ``name`` appended to its name stack:
+  evaluated (``jax.core.eval_jaxpr``), its ops are named as if traced under
+  ``jax.named_scope(name)``."""
+  info = eqn.source_info
+  return eqn.replace(source_info=info.replace(name_stack=info.name_stack.extend(name)))

@@ -90,6 +90,108 @@ def groups(line: str, n: int) -> list[list[int]]:
   return [list(range(n))]
 
 
+def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, float]:
+  """One collective's ``(runs, bytes sent, of those across processes)``
+  per call; nothing for a collective over one device."""
+  n = len(processes)
+  found = groups(op.line, n)
+  size = max((len(g) for g in found), default=1)
+  if size <= 1 and op.opcode != "collective-permute":
+    return 0, 0.0, 0.0  # a collective over one device moves nothing
+  sent = op.runs * op.bytes * _WEIGHT[op.opcode](
+      max(size, 2) if op.opcode == "collective-permute" else size)
+  across = any(len({processes[i] for i in g if i < n}) > 1 for g in found)
+  return op.runs, sent, sent if across else 0.0
+
+
+@dataclasses.dataclass
+class Part:
+  """What the ops of one named scope cost per call (see :func:`scoped`):
+  collectives, their weighted bytes and the part across processes, flops
+  (each line's, as often as it runs; dots and elementwise ops) and bytes
+  accessed (each top-level op's operands and result, as XLA's cost
+  analysis counts them)."""
+  collectives: float = 0.0
+  collective_bytes: float = 0.0
+  network_bytes: float = 0.0
+  flops: float = 0.0
+  matmul_flops: float = 0.0
+  accessed: float = 0.0
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+# Ops that move no data themselves (a loop's or call's body counts its own).
+_NO_ACCESS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                        "while", "conditional", "call", "after-all", "partition-id",
+                        "replica-id", "opt-barrier"})
+
+
+def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[str | None, Part]:
+  """The program's costs by the named scope its ops were traced under
+  (``scope``'s first group, searched in each op's ``op_name``); the key
+  None holds the whole program's. XLA keeps each op's name through its
+  passes (a fusion takes its root's); a collective is split over its
+  operands (XLA combines the gradients' all-reduces of many layers into
+  one), each operand's share going to the scope of the op that made it."""
+  parts: dict[str | None, Part] = {None: Part()}
+  counts = _hlo_loops.runs(hlo_text)
+  comps = _hlo_loops.computations(hlo_text)
+  called = {m for lines in comps.values() for line in lines for m in _hlo.CALLED.findall(line)}
+  made: dict[str, tuple[int, str | None]] = {}  # value -> (bytes, scope of its op)
+  defined = []
+  for name, lines in comps.items():
+    if not name:
+      continue
+    for line, f in _hlo_loops.line_flops(lines):  # (fusion bodies included)
+      where = _scope_of(line, scope)
+      for p in {None, where}:
+        part = parts.setdefault(p, Part())
+        part.flops += counts.get(name, 1) * f
+        part.matmul_flops += counts.get(name, 1) * f if " dot(" in line else 0.0
+    for line in lines:
+      m = _hlo_loops.DEFINITION.match(line)
+      if m is None:
+        continue
+      size = sum(_hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(m.group("shape")))
+      made[m.group("name")] = (size, _scope_of(line, scope))
+      if name not in called:
+        defined.append((m, line, counts.get(name, 1)))
+  for m, line, runs in defined:
+    kind = m.group("kind")
+    if kind in _NO_ACCESS or kind.endswith("-done"):
+      continue
+    size = made[m.group("name")][0] + sum(made.get(v, (0, None))[0]
+                                          for v in _OPERAND.findall(m.group("args")))
+    for p in {None, _scope_of(line, scope)}:
+      parts.setdefault(p, Part()).accessed += runs * size
+  for op in _hlo.instructions(hlo_text):
+    k, sent, across = _collective(op, processes)
+    if not k:
+      continue
+    own = _scope_of(op.line, scope)
+    m = _hlo_loops.DEFINITION.match(op.line)
+    operands = [made.get(v, (0, None)) for v in _OPERAND.findall(m.group("args") if m else "")]
+    total = sum(size for size, _ in operands)
+    # (one operand: the collective's own name says whom it serves; several:
+    # XLA combined them, under one name, so each operand's maker says)
+    shares = ([(size / total, where) for size, where in operands] if total and len(operands) > 1
+              else [(1.0, operands[0][1] if operands and operands[0][1] else own)])
+    for share, where in shares:
+      for p in {None, where}:
+        part = parts.setdefault(p, Part())
+        part.collectives += k * share
+        part.collective_bytes += sent * share
+        part.network_bytes += across * share
+  return parts
+
+
+def _scope_of(line: str, scope: re.Pattern) -> str | None:
+  name = _OP_NAME.search(line)
+  m = scope.search(name.group(1)) if name else None
+  return m.group(1) if m else None
+
+
 _WEIGHT = {
     "all-reduce": lambda g: 2 * (g - 1) / g,
     "all-gather": lambda g: (g - 1) / g,
@@ -104,19 +206,10 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
   HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
   each device of the assignment."""
-  n = len(processes)
   count, weighted, network = 0, 0.0, 0.0
   for op in _hlo.instructions(hlo_text):
-    found = groups(op.line, n)
-    size = max((len(g) for g in found), default=1)
-    if size <= 1 and op.opcode != "collective-permute":
-      continue  # a collective over one device moves nothing
-    count += op.runs
-    sent = op.runs * op.bytes * _WEIGHT[op.opcode](
-        max(size, 2) if op.opcode == "collective-permute" else size)
-    weighted += sent
-    if any(len({processes[i] for i in g if i < n}) > 1 for g in found):
-      network += sent
+    k, sent, across = _collective(op, processes)
+    count, weighted, network = count + k, weighted + sent, network + across
   flops = float(cost.get("flops", 0.0)) + _hlo_loops.repeated_flops(hlo_text)
   accessed = float(cost.get("bytes accessed", 0.0))
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -36,8 +36,8 @@ _COLLECTIVE = re.compile(
 _ANY = re.compile(r"^\s*(?P<root>ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
                   r"(?P<kind>[a-z][\w\-]*)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
-_CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
-_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
+CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
                     r"\[([\d,]*)\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
          "s32": 32, "u32": 32, "s64": 64, "u64": 64, "bf16": 16, "f16": 16,
@@ -68,7 +68,7 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
   holds)."""
   frames = stack_frames(hlo_text)
   lines = hlo_text.splitlines()
-  called = set() if not every else {m for line in lines for m in _CALLED.findall(line)}
+  called = set() if not every else {m for line in lines for m in CALLED.findall(line)}
   pattern = _ANY if every else _COLLECTIVE
   counts = _hlo_loops.runs(hlo_text)
   found, skip, runs = [], False, 1
@@ -83,7 +83,7 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
     kind = m.group("kind")
     start = kind.endswith("-start") if every else bool(m.group("start"))
     kind = kind[:-len("-start")] if every and start else kind
-    arrays = [array_bytes(t, d) for t, d in _ARRAY.findall(m.group("shape"))]
+    arrays = [array_bytes(t, d) for t, d in ARRAY.findall(m.group("shape"))]
     # Async starts return (operands..., results..., context): count the result.
     size = max(arrays, default=0) if start else sum(arrays)
     op_name = re.search(r'op_name="([^"]*)"', line)

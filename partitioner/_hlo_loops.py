@@ -20,7 +20,7 @@ _WHILE = re.compile(r"\swhile\(.*?\bbody=%?(?P<body>[\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
                          r"(?P<kind>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 # Ops XLA's cost analysis counts one flop per result element (transcendentals
@@ -93,10 +93,16 @@ def flops(lines: list[str], matmuls_only: bool = False) -> float:
   """The flops of one computation's lines: a dot's 2 x the result's
   elements x the contracted size of the left operand, an elementwise op's
   (or a reduction's) one per element (not with ``matmuls_only``)."""
+  return sum(f for _, f in line_flops(lines, matmuls_only))
+
+
+def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
+  """``(line, flops)`` of each line of one computation that does any (as
+  :func:`flops` counts them)."""
   shapes = {}
-  total = 0.0
+  found = []
   for line in lines:
-    m = _DEFINITION.match(line)
+    m = DEFINITION.match(line)
     if m is None:
       continue
     shapes[m.group("name")] = m.group("shape")
@@ -104,7 +110,8 @@ def flops(lines: list[str], matmuls_only: bool = False) -> float:
     if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
       arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
                              shapes.get(m.group("args").split(",")[0].strip().lstrip("%"), ""))
-      total += sum(math.prod(int(d) for d in a.split(",") if d) for a in arrays[:1])
+      found.append((line, float(sum(math.prod(int(d) for d in a.split(",") if d)
+                                    for a in arrays[:1]))))
       continue
     if kind != "dot":
       continue
@@ -117,8 +124,8 @@ def flops(lines: list[str], matmuls_only: bool = False) -> float:
     dims = [int(d) for d in lhs_dims.group(1).split(",") if d]
     k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) \
         if contracting else 1
-    total += 2.0 * math.prod(int(d) for d in out.group(1).split(",") if d) * k
-  return total
+    found.append((line, 2.0 * math.prod(int(d) for d in out.group(1).split(",") if d) * k))
+  return found
 
 
 def repeated_flops(hlo_text: str) -> float:

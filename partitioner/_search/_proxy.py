@@ -25,15 +25,15 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
+from partitioner import _compat
+from partitioner._search._signatures import signature_ids
 
 @dataclasses.dataclass(frozen=True)
 class Repeat:
@@ -67,15 +67,21 @@ class Proxy:
   jaxpr: jcore.ClosedJaxpr
   repeats: tuple[Repeat, ...]
   kept: int
+  marked: tuple[str | None, ...] = ()
 
   def fun(self) -> Callable[..., list[Any]]:
     """The proxy as a function.
 
     Returns:
-      ``f(*flat_args) -> list of flat outputs`` evaluating the proxy's
-      jaxpr, for ``jax.jit`` or ``jax.make_jaxpr``.
+      ``f(*flat_args) -> list of flat outputs`` for ``jax.jit``; each kept
+      repetition's ops named ``scope(k, i)`` (run ``k``, repetition ``i``):
+      the compiled program says what one costs (``_cost.scoped``).
     """
     closed = self.jaxpr
+    if any(self.marked):
+      eqns = [_compat.in_named_scope(eqn, k) if k else eqn
+              for eqn, k in zip(closed.jaxpr.eqns, self.marked)]
+      closed = jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
 
     def run(*args: Any) -> list[Any]:
       return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
@@ -83,72 +89,12 @@ class Proxy:
     return run
 
 
-class _Signatures:
-  """Structural signatures of equations, memoized per sub-jaxpr."""
-
-  def __init__(self) -> None:
-    # id -> (jaxpr, signature): the jaxpr is held so its id stays its own.
-    self._jaxprs: dict[int, tuple[Any, Hashable]] = {}
-
-  def eqn(self, eqn: jcore.JaxprEqn) -> Hashable:
-    """Primitive, params and avals; sub-jaxprs by structure, not identity."""
-    params = tuple(sorted(
-        (name, self._param(value)) for name, value in eqn.params.items()
-        # A call's name (a flax module's, a jitted function's) does not
-        # change what is compiled, and differs between layers.
-        if name != "name"))
-    return (eqn.primitive.name, params, tuple(v.aval for v in eqn.invars),
-            tuple(v.aval for v in eqn.outvars))
-
-  def _param(self, value: Any) -> Hashable:
-    if isinstance(value, jcore.ClosedJaxpr):
-      return ("closed", self.jaxpr(value.jaxpr))
-    if isinstance(value, jcore.Jaxpr):
-      return self.jaxpr(value)
-    if isinstance(value, (tuple, list)):
-      return tuple(self._param(v) for v in value)
-    # Function params (custom_jvp's rules) print with their address.
-    return _ADDRESS.sub("", repr(value))
-
-  def jaxpr(self, jaxpr: jcore.Jaxpr) -> Hashable:
-    """Each equation's signature and where its operands come from."""
-    memo = self._jaxprs.get(id(jaxpr))
-    if memo is not None:
-      return memo[1]
-    numbers: dict[jcore.Var, int] = {}
-    for v in (*jaxpr.constvars, *jaxpr.invars):
-      numbers[v] = len(numbers)
-
-    def ref(atom: Any) -> Hashable:
-      if isinstance(atom, jcore.Literal):
-        return ("literal", atom.aval)
-      return numbers.get(atom, -1)
-
-    eqns = []
-    for eqn in jaxpr.eqns:
-      eqns.append((self.eqn(eqn), tuple(ref(v) for v in eqn.invars)))
-      for v in eqn.outvars:
-        numbers[v] = len(numbers)
-    signature = (tuple(v.aval for v in jaxpr.constvars),
-                 tuple(v.aval for v in jaxpr.invars), tuple(eqns),
-                 tuple(ref(v) for v in jaxpr.outvars))
-    self._jaxprs[id(jaxpr)] = (jaxpr, signature)
-    return signature
+def scope(run: int, rep: int) -> str:
+  return f"proxy_repeat_{run}_{rep}"
 
 
-def signature_ids(closed: jcore.ClosedJaxpr) -> np.ndarray:
-  """The top-level equations' signatures, numbered.
-
-  Args:
-    closed: the program.
-
-  Returns:
-    One integer per top-level equation, equal where signatures are.
-  """
-  signatures = _Signatures()
-  ids: dict[Hashable, int] = {}
-  return np.fromiter((ids.setdefault(signatures.eqn(e), len(ids)) for e in closed.jaxpr.eqns),
-                     dtype=np.int64, count=len(closed.jaxpr.eqns))
+# Finds ``"run_rep"`` in an op's name (``op_name`` metadata) traced under scope().
+SCOPE = re.compile(r"\bproxy_repeat_(\d+_\d+)\b")
 
 
 def _segments(seq: np.ndarray, calls: np.ndarray, min_reps: int) -> list[tuple[int, int, int]]:
@@ -287,8 +233,14 @@ def proxy(closed: jcore.ClosedJaxpr, keep: int = 2, min_reps: int = 3) -> Proxy 
   def read(atom: Any) -> Any:
     return atom if isinstance(atom, jcore.Literal) else instead.get(atom, atom)
 
+  mark: list[str | None] = [None] * len(eqns)
+  for k, run in enumerate(runs):
+    for rep in range(keep):
+      first = run.start + rep * run.period
+      mark[first:first + run.period] = [scope(k, rep)] * run.period
   new_eqns = [eqn.replace(invars=[read(v) for v in eqn.invars])
               for eqn, gone in zip(eqns, removed) if not gone]
   jaxpr = closed.jaxpr.replace(eqns=new_eqns,
                                outvars=[read(v) for v in closed.jaxpr.outvars])
-  return Proxy(jcore.ClosedJaxpr(jaxpr, closed.consts), tuple(runs), keep)
+  return Proxy(jcore.ClosedJaxpr(jaxpr, closed.consts), tuple(runs), keep,
+               tuple(m for m, gone in zip(mark, removed) if not gone))

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _compile
+from partitioner import _compile, _cost
 from partitioner._api import sharded_jit
 from partitioner._cache._tiers import program_options
 from partitioner._cost import Cost, score
@@ -83,12 +83,16 @@ class Target:
     """The candidate's cost for the whole program, the factor from the
     compiled program's time to the whole's (1 without a proxy), and a
     digest of the compiled program (equal for identical programs)."""
-    got, digest = compile_and_score(self.fun, self.args, self.static, in_specs, out_specs,
-                                    self.out_tree, self.devices, self.hosts, self.device)
+    got, digest, text = compiled_score(self.fun, self.args, self.static, in_specs, out_specs,
+                                       self.out_tree, self.devices, self.hosts, self.device)
     if self.part is None:
       return got, 1.0, digest
-    scaled = extrapolate(got, whole, self.part.estimate(c, dims, self.device, self.hosts),
-                         self.device)
+    part = self.part.estimate(c, dims, self.device, self.hosts)
+    parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
+    if len(parts) > 1:
+      scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
+    else:  # no op kept its name: scaled as the cheap model sees the whole
+      scaled = extrapolate(got, whole, part, self.device)
     return scaled, scaled.seconds / got.seconds if got.seconds else 1.0, digest
 
   def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
@@ -131,11 +135,53 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
                              seconds=seconds)
 
 
+def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
+             part: Estimate, whole: Estimate, device: DeviceModel) -> Cost:
+  """A proxy's compiled cost for the whole program: each run's kept
+  repetitions (``parts["k_i"]``: the collectives, flops and bytes accessed
+  of run ``k``'s repetition ``i``, read from the compiled proxy) counted
+  as ``reps`` times its last one (an earlier one may have lost ops the
+  proxy leaves unused; every later use reads the last). The peak memory is
+  scaled by the cheap model's ratio of the whole to the proxy's equations."""
+  def more(field: str) -> float:
+    total = 0.0
+    for k, run in enumerate(runs):
+      copies = [getattr(parts[f"{k}_{i}"], field) if f"{k}_{i}" in parts else 0.0
+                for i in range(kept)]
+      total += run.reps * copies[-1] - sum(copies)
+    return total
+  flops = got.flops + more("flops")
+  accessed = got.bytes_accessed + more("accessed")
+  moved = got.collective_bytes + more("collective_bytes")
+  network = got.network_bytes + more("network_bytes")
+  count = max(0, round(got.collectives + more("collectives")))
+  peak = int(got.peak_memory * (whole.memory / part.memory if part.memory > 0 else 1.0))
+  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
+      moved - network, count, network)
+  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             matmul_flops=got.matmul_flops + more("matmul_flops"),
+                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
+                             seconds=seconds)
+
+
+def hosts_of(n: int, hosts: int) -> list[int]:
+  """The host of each of ``n`` devices, ``hosts`` hosts of consecutive ones."""
+  return [k * hosts // n for k in range(n)]
+
+
 def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
                       device) -> tuple[Cost, str]:
   """Partitions and compiles one layout through our pipeline (not run, not
   cached) and scores the program, its devices ``hosts`` hosts of
   consecutive ones; with a digest of the compiled program's text."""
+  cost, digest, _ = compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices,
+                                   hosts, device)
+  return cost, digest
+
+
+def compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
+                   device) -> tuple[Cost, str, str]:
+  """``compile_and_score``, with the compiled program's HLO text."""
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
   f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
@@ -146,10 +192,9 @@ def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
                                    program_options(program, score_only=True),
                                    program.host_callbacks)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
-  n = len(program.devices)
   cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
-               [k * hosts // n for k in range(n)], device)
-  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest()
+               hosts_of(len(program.devices), hosts), device)
+  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), text
 
 
 _METADATA = re.compile(r", metadata=\{[^}]*\}|, stack_frame_id=\d+")
