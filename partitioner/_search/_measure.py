@@ -30,20 +30,27 @@ AUTO_MEASURE = 2
 PROXY_ERROR = 1.5
 
 
-def how_many(measure: int | None, scores: Sequence[float], device: DeviceModel,
-             own_devices: bool, processes: int, proxy: bool = False) -> int:
-  """How many of the best (``scores``: their estimated seconds, best first)
-  to time: ``measure`` when given; else those within the model's error of
-  the best (``PROXY_ERROR`` times it for scores scaled from a proxy), when
-  it is worth it (2 or more) and possible (the model's own devices, one
-  process)."""
+def close_calls(measure: int | None, scores: Sequence[float], families: Sequence[str],
+                device: DeviceModel, own_devices: bool, processes: int,
+                proxy: bool = False) -> list[int]:
+  """Which of the best (``scores``: their estimated seconds, best first;
+  ``families``: their kinds) to time: the first ``measure`` when given;
+  else the best of each family whose estimate lies within the model's
+  error of the best (``PROXY_ERROR`` times it for scores scaled from a
+  proxy), at most ``AUTO_MEASURE``, when it is worth it (two families or
+  more: variants of one layout compile to near-identical programs) and
+  possible (the model's own devices, one process)."""
   if measure is not None:
-    return measure
+    return list(range(min(measure, len(scores))))
   if not own_devices or processes > 1 or len(scores) < 2:
-    return 0
+    return []
   error = device.error * (PROXY_ERROR if proxy else 1.0)
-  close = sum(1 for s in scores if s <= scores[0] * (1 + error))
-  return min(close, AUTO_MEASURE) if close >= 2 else 0
+  best: dict[str, int] = {}
+  for i, s in enumerate(scores):
+    if s <= scores[0] * (1 + error):
+      best.setdefault(families[i], i)
+  picked = sorted(best.values())[:AUTO_MEASURE]
+  return picked if len(picked) >= 2 else []
 
 
 def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],

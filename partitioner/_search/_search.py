@@ -80,9 +80,10 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
       None for the devices' own.
     measure: time the best ``measure`` candidates for a few steps on the
       devices and keep the fastest measured (one process only). By default
-      (None) the close calls are timed: the best candidates whose estimates
-      lie within the device model's error of the best (at most 2), when
-      the devices are the model's own; 0 never times.
+      (None) the close calls are timed: of the candidates whose estimates
+      lie within the device model's error of the best, the best of each
+      family (at most 2), when the devices are the model's own; 0 never
+      times.
     max_compiles: how many candidates to compile after the cheap ranking.
     progress: show a progress line on stderr (default: when it is a
       terminal).
@@ -249,14 +250,17 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   fits.sort(key=lambda x: (x.score.seconds, x.index))
   own = device == default_model(devices[0].device_kind, devices[0].platform)
   processes = len({d.process_index for d in devices})
-  k = _measure.how_many(measure, [x.score.seconds for x in fits], device,
-                        own and hosts == processes, processes, target.proxy is not None)
-  if k:
-    times = target.measure([(x.in_specs, x.out_specs) for x in fits[:k]], out_state,
-                           [x.time_scale for x in fits[:k]])
-    for x, t in zip(fits, times):
+  timed = _measure.close_calls(measure, [x.score.seconds for x in fits],
+                               [x.family for x in fits], device, own and hosts == processes,
+                               processes, target.proxy is not None)
+  if timed:
+    chosen = [fits[i] for i in timed]
+    times = target.measure([(x.in_specs, x.out_specs) for x in chosen], out_state,
+                           [x.time_scale for x in chosen])
+    for x, t in zip(chosen, times):
       x.measured = t
-    fits[:k] = sorted(fits[:k], key=lambda x: (x.measured, x.index))
+    fits = sorted(chosen, key=lambda x: (x.measured, x.index)) + [
+        x for x in fits if x not in chosen]
   elif hosts > 1:  # a plan nothing here can time: the lean, quiet layout of the close ones
     fits = _select.plan_order(fits, device.error)
   rest = sorted((x for x in results if x not in fits),

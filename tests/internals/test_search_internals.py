@@ -122,13 +122,19 @@ def test_family_names_and_layouts_that_copy_work():
 def test_measure_decides_on_the_close_calls():
   from partitioner._search import _measure
   cpu, h100 = partitioner.DEVICE_MODELS["cpu"], partitioner.DEVICE_MODELS["h100"]
-  assert _measure.how_many(None, [1.0, 1.1, 1.2, 1.22, 2.0], cpu, True, 1) == 2
-  assert _measure.how_many(None, [1.0, 1.3], cpu, True, 1) == 0  # clearly ahead
-  assert _measure.how_many(None, [1.0, 1.1], cpu, False, 1) == 0  # not the model's devices
-  assert _measure.how_many(None, [1.0, 1.1], cpu, True, 2) == 0  # several processes
-  assert _measure.how_many(None, [1.0], h100, True, 1) == 0
-  assert _measure.how_many(2, [1.0, 5.0], cpu, True, 1) == 2  # asked for
-  assert _measure.how_many(None, [1.0, 1.3], cpu, True, 1, proxy=True) == 2  # scaled: wider
+  def close(measure, scores, own=True, processes=1, proxy=False, families=None, device=cpu):
+    families = families or [f"family {k}" for k in range(len(scores))]
+    return _measure.close_calls(measure, scores, families, device, own, processes, proxy)
+  assert close(None, [1.0, 1.1, 1.2, 1.22, 2.0]) == [0, 1]
+  assert close(None, [1.0, 1.3]) == []  # clearly ahead
+  assert close(None, [1.0, 1.1], own=False) == []  # not the model's devices
+  assert close(None, [1.0, 1.1], processes=2) == []  # several processes
+  assert close(None, [1.0], device=h100) == []
+  assert close(2, [1.0, 5.0]) == [0, 1]  # asked for
+  assert close(None, [1.0, 1.3], proxy=True) == [0, 1]  # scaled: wider
+  # Variants of one family are one call: the best of the next family is timed.
+  assert close(None, [1.0, 1.01, 1.1], families=["a", "a", "b"]) == [0, 2]
+  assert close(None, [1.0, 1.01], families=["a", "a"]) == []
 
 
 def test_grids_keep_the_model_axis_inside_a_host():
