@@ -116,32 +116,43 @@ def bytes_floor(jax, fun, abstract, flops_limit: float):
              key=lambda c: c.collective_bytes)
 
 
+# A timed round lasts at least this long: a 15 ms step timed twice is noise.
+ROUND_SECONDS = 0.25
+
+
 def interleaved(fns: dict, n_state: int, rounds: int) -> dict[str, float]:
   """name -> median seconds per step of each ``(fn, args)`` in ``fns``,
-  timed in turn: ``rounds`` rounds of 2 steps each after one warm-up round,
-  so that the host's drift falls on every layout alike; each fed its own
-  state back (the parameters stay on the devices) and warmed by one
+  timed in turn: ``rounds`` rounds after one warm-up round, so that the
+  host's drift falls on every layout alike, each round at least 2 steps
+  and ``ROUND_SECONDS`` (the same count for every layout); each fed its
+  own state back (the parameters stay on the devices) and warmed by one
   untimed step right before its timed ones (a step that follows another
   layout's heavy step pays for its leftovers)."""
+  import math
   import statistics
 
   import jax
-  state = {}
+  state, warm = {}, {}
   for k, (fn, args) in fns.items():  # compile and warm up
-    state[k] = out = fn(*args)
+    state[k] = out = jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
     for _ in range(2):
       state[k] = out = fn(*out[:n_state], *args[n_state:])
     jax.block_until_ready(out)
+    warm[k] = (time.perf_counter() - t0) / 2
+  steps = max(2, math.ceil(ROUND_SECONDS / max(min(warm.values()), 1e-6)))
   times: dict[str, list[float]] = {k: [] for k in fns}
   for _ in range(rounds):
     for k, (fn, args) in fns.items():
       out = fn(*state[k][:n_state], *args[n_state:])  # warm, right before
       jax.block_until_ready(out)
       t0 = time.perf_counter()
-      for _ in range(2):
+      for i in range(steps):
         out = fn(*out[:n_state], *args[n_state:])
+        if i % 2 == 1:  # (XLA's CPU client deadlocks with many collective programs in flight)
+          jax.block_until_ready(out)
       jax.block_until_ready(out)
-      times[k].append((time.perf_counter() - t0) / 2)
+      times[k].append((time.perf_counter() - t0) / steps)
       state[k] = out
   return {k: statistics.median(ts) for k, ts in times.items()}
 

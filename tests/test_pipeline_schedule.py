@@ -216,3 +216,45 @@ def test_a_flax_linen_block_in_bfloat16():
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2)
   report = explain(f.lower(stacked, x).compile())
   assert report.pipelines[0].stages == 4 and report.collective_totals()["all-gather"][0] == 0
+
+
+def test_a_flax_nnx_stack():
+  """flax nnx: a block stacked by nnx.vmap (its own parameter names), split
+  into a graph and a state whose leaves carry the layer dimension; the
+  layer function merges one layer's state back into the module."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.norm = nnx.LayerNorm(D_MODEL, rngs=rngs)
+      self.up = nnx.Linear(D_MODEL, 64, rngs=rngs)
+      self.down = nnx.Linear(64, D_MODEL, rngs=rngs)
+
+    def __call__(self, h):
+      return h + self.down(nnx.gelu(self.up(self.norm(h))))
+
+  layers = 8
+
+  @nnx.split_rngs(splits=layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return Block(rngs)
+
+  graph, state = nnx.split(create(nnx.Rngs(0)))
+  layer = lambda p, h: nnx.merge(graph, p)(h)
+  x = jnp.asarray(data()[1])
+  loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=4) ** 2)
+  parts = jax.tree_util.tree_map(lambda w: P(2, *(1,) * (w.ndim - 1)), state)
+  f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
+  value, grads = f(state, x)
+
+  def plain(p, x):
+    for i in range(layers):
+      x = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], p), x)
+    return jnp.mean(x ** 2)
+
+  want, want_grads = jax.jit(jax.value_and_grad(plain))(state, x)
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  assert explain(f.lower(state, x).compile()).pipelines[0].stages == 2

@@ -32,7 +32,7 @@ class Result:
   in_specs: list
   out_specs: list
   measured: float | None = None
-  time_scale: float = 1.0  # compiled (proxy) time -> the whole program's
+  time_offset: float = 0.0  # the whole program's time less the compiled (proxy's)
   alike: int = 0  # other candidates that compiled to the same program
 
   @property

@@ -13,6 +13,7 @@ round per step.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,9 +26,13 @@ from partitioner._search import _inputs
 
 # At most this many candidates are timed when the search decides to.
 AUTO_MEASURE = 2
-# A proxy's scores are scaled to the whole program by the cheap model:
-# their error is the device model's and the scaling's (24 layers: 1.5x).
-PROXY_ERROR = 1.5
+# A timed round of a layout lasts at least this long (more calls for a
+# fast step: two 15 ms steps are noise).
+ROUND_SECONDS = 0.1
+# Steps dispatched before waiting for them: XLA's CPU client deadlocks
+# (a collective's rendezvous times out) with many programs of collectives
+# in flight.
+IN_FLIGHT = 2
 
 
 def close_calls(measure: int | None, scores: Sequence[float], families: Sequence[str],
@@ -36,15 +41,17 @@ def close_calls(measure: int | None, scores: Sequence[float], families: Sequence
   """Which of the best (``scores``: their estimated seconds, best first;
   ``families``: their kinds) to time: the first ``measure`` when given;
   else the best of each family whose estimate lies within the model's
-  error of the best (``PROXY_ERROR`` times it for scores scaled from a
-  proxy), at most ``AUTO_MEASURE``, when it is worth it (two families or
-  more: variants of one layout compile to near-identical programs) and
-  possible (the model's own devices, one process)."""
+  error of the best, at most ``AUTO_MEASURE``, when it is worth it (two
+  families or more: variants of one layout compile to near-identical
+  programs) and possible (the model's own devices, one process, and no
+  ``proxy``: timing a program's short proxy times another program, whose
+  non-repeated part weighs far more; on a 24-layer decoder it put data x
+  model 4 x 2 50% slower than it runs)."""
   if measure is not None:
     return list(range(min(measure, len(scores))))
-  if not own_devices or processes > 1 or len(scores) < 2:
+  if not own_devices or processes > 1 or len(scores) < 2 or proxy:
     return []
-  error = device.error * (PROXY_ERROR if proxy else 1.0)
+  error = device.error
   best: dict[str, int] = {}
   for i, s in enumerate(scores):
     if s <= scores[0] * (1 + error):
@@ -57,7 +64,8 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
             calls: int = 2, rounds: int = 3) -> list[float]:
-  """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``.
+  """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``:
+  ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS``.
 
   ``out_state[k]`` is the flat input that flat output ``k`` is the new
   value of (a train step's parameters), or None.
@@ -74,14 +82,25 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
     placed = jax.device_put(jax.tree_util.tree_leaves(dynamic),
                             list(compiled.input_shardings))
     feeds.append(_Feed(compiled, placed, out_state))
+  first = []
+  for feed in feeds:  # the first call, then one to learn how long a step is
+    feed.step()
+    jax.block_until_ready(feed.leaves)
+    begin = time.perf_counter()
+    feed.step()
+    jax.block_until_ready(feed.leaves)
+    first.append(time.perf_counter() - begin)
+  calls = max(calls, math.ceil(ROUND_SECONDS / max(min(first), 1e-6)))
   times: list[list[float]] = [[] for _ in feeds]
   for _ in range(rounds):
     for feed, t in zip(feeds, times):
       feed.step()  # warm, right before its timed steps
       jax.block_until_ready(feed.leaves)
       begin = time.perf_counter()
-      for _ in range(calls):
+      for k in range(calls):
         feed.step()
+        if k % IN_FLIGHT == IN_FLIGHT - 1:  # (see IN_FLIGHT)
+          jax.block_until_ready(feed.leaves)
       jax.block_until_ready(feed.leaves)
       t.append((time.perf_counter() - begin) / calls)
   return [sorted(t)[len(t) // 2] for t in times]

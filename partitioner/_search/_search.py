@@ -10,7 +10,8 @@ cost and memory analysis of the compiled candidates.
    and what crosses hosts costs the device model's network bandwidth.
 3. Rank them all with the cheap model (``_estimate``), then compile the
    best ``max_compiles`` (and the best of each hand-written family, for
-   comparison) through our own pipeline, without running them, and score
+   comparison; 2 of them are kept for variants of the best compiled
+   ones) through our own pipeline, without running them, and score
    the compiled programs (``partitioner._cost``) under a device model
    (``partitioner._device_model``); a program whose layers repeat is
    compiled as a short proxy and its scores scaled (``_target``).
@@ -57,7 +58,7 @@ _answers = call_caches.new()
 
 # The search's rules (candidates, shortlist, scoring); bump when they change,
 # so that a persistent cache does not answer with an older rule's choice.
-RULES = 10
+RULES = 11
 
 
 def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
@@ -84,7 +85,9 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
       lie within the device model's error of the best, the best of each
       family (at most 2), when the devices are the model's own; 0 never
       times.
-    max_compiles: how many candidates to compile after the cheap ranking.
+    max_compiles: how many candidates to compile: the cheap model's best
+      (and the best of each family), up to 2 of them kept for a second
+      round, variants (other model roles) of the best compiled layouts.
     progress: show a progress line on stderr (default: when it is a
       terminal).
     hosts: plan for this many hosts of ``num_devices / hosts`` consecutive
@@ -195,7 +198,8 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   staged = _stage_axis.candidates(pipelines, n, rows, r, axes.in_axes, shapes, state,
                                   program, device)
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  chosen = _select.shortlist(rows, max_compiles, budget is not None)
+  refine = min(_select.REFINE, max(0, max_compiles - _select.REFINE))
+  chosen = _select.shortlist(rows, max_compiles - refine, budget is not None)
   chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
              if i not in {k for k, *_ in chosen}]
   results: list = []
@@ -207,16 +211,16 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
       for k, (index, c, dims, est) in enumerate(batch):
         in_specs = [spec_of(d, c.layout_grid) for d in dims]
         out_specs = target.out_specs(c, in_specs, out_state)
-        factor, digest = 1.0, None
+        offset, digest = 0.0, None
         try:
-          got, factor, digest = target.score(c, dims, in_specs, out_specs, est)
+          got, offset, digest = target.score(c, dims, in_specs, out_specs, est)
         except Exception as e:  # a candidate XLA or our checks refuse: not a layout
           got = f"{type(e).__name__}: {str(e)[:300]}"
         if digest in programs:  # the same program as another: one row
           programs[digest].alike += 1
           continue
         results.append(_found.Result(index, c, c.describe(r.names), c.family(), est,
-                                     got, in_specs, out_specs, time_scale=factor))
+                                     got, in_specs, out_specs, time_offset=offset))
         if digest is not None:
           programs[digest] = results[-1]
         logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", who, c.describe(r.names),
@@ -231,6 +235,8 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
             and (budget is None or x.score.peak_memory <= budget)]
 
   compile_all(chosen)
+  if refine:  # the close neighbours of the best
+    compile_all(_select.variants(rows, results, refine))
   for _ in range(_select.BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
     if budget is None or fitting():
       break
@@ -256,7 +262,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   if timed:
     chosen = [fits[i] for i in timed]
     times = target.measure([(x.in_specs, x.out_specs) for x in chosen], out_state,
-                           [x.time_scale for x in chosen])
+                           [x.time_offset for x in chosen])
     for x, t in zip(chosen, times):
       x.measured = t
     fits = sorted(chosen, key=lambda x: (x.measured, x.index)) + [

@@ -22,6 +22,10 @@ PER_FAMILY = 5
 FAMILY_WITHIN = 2.0
 # Under a budget nothing fits: compile this many more rounds of candidates.
 BUDGET_ROUNDS = 3
+# Of ``max_compiles``, this many are kept for a second round: variants
+# (other model roles) of the best compiled configurations, which the cheap
+# model ranks within a percent or two of each other.
+REFINE = 2
 
 
 def memory_scale(results: list) -> Callable[[Candidate], float]:
@@ -69,6 +73,23 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
       smallest.setdefault((c.grid, c.batch, c.fsdp), i)
     picked += smallest.values()
   return [(i, *rows[i]) for i in sorted(set(picked))]
+
+
+def variants(rows: list, results: list, k: int) -> list:
+  """(index, candidate, dims, estimate) of up to ``k`` candidates not yet
+  compiled with the configuration (grid, batch, FSDP, stages) of the best
+  compiled ones, best compiled first, each configuration's by the cheap
+  model; in candidate order."""
+  done, picked = {x.index for x in results}, []
+  config = lambda c: (c.grid, c.batch, c.fsdp, c.stages)
+  for x in sorted((x for x in results if not x.failed), key=lambda x: (x.score.seconds, x.index)):
+    same = sorted((i for i in range(len(rows)) if i not in done and i not in picked
+                   and config(rows[i][0]) == config(x.candidate)),
+                  key=lambda i: (rows[i][2].seconds, i))
+    picked += same[:k - len(picked)]
+    if len(picked) >= k:
+      break
+  return [(i, *rows[i]) for i in sorted(picked)]
 
 
 # On a plan for hosts, layouts whose flops are within this factor of the

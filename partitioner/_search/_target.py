@@ -80,28 +80,32 @@ class Target:
 
   def score(self, c: Candidate, dims: Sequence[Any], in_specs: list, out_specs: list,
             whole: Estimate) -> tuple[Cost, float, str]:
-    """The candidate's cost for the whole program, the factor from the
-    compiled program's time to the whole's (1 without a proxy), and a
-    digest of the compiled program (equal for identical programs)."""
+    """The candidate's cost for the whole program, the estimated time of
+    what the proxy leaves out (0 without a proxy: the whole program's time
+    less the proxy's), and a digest of the compiled program (equal for
+    identical programs)."""
     got, digest, text = compiled_score(self.fun, self.args, self.static, in_specs, out_specs,
                                        self.out_tree, self.devices, self.hosts, self.device)
     if self.part is None:
-      return got, 1.0, digest
+      return got, 0.0, digest
     part = self.part.estimate(c, dims, self.device, self.hosts)
     parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
     if len(parts) > 1:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
       scaled = extrapolate(got, whole, part, self.device)
-    return scaled, scaled.seconds / got.seconds if got.seconds else 1.0, digest
+    return scaled, scaled.seconds - got.seconds, digest
 
   def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
-              factors: Sequence[float]) -> list[float]:
-    """Seconds per step of each layout, timed on the devices (as the proxy,
-    scaled by ``factors``)."""
+              offsets: Sequence[float]) -> list[float]:
+    """Seconds per step of each layout, timed on the devices: as the proxy,
+    plus the estimated time of what it leaves out (``offsets``; scaling
+    the proxy's time by the estimates' ratio would multiply the errors of
+    its non-repeated part, an embedding's, as many times as layers are
+    left out)."""
     times = _measure.measure(self.fun, self.args, self.static, self.in_tree, self.out_tree,
                              out_state, layouts, self.devices)
-    return [t * f for t, f in zip(times, factors)]
+    return [t + o for t, o in zip(times, offsets)]
 
   def out_specs(self, c: Candidate, in_specs: list, out_state: Sequence[int | None]) -> list:
     """Each output's spec: an input's when it is that input's new value (a

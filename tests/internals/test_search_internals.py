@@ -131,7 +131,8 @@ def test_measure_decides_on_the_close_calls():
   assert close(None, [1.0, 1.1], processes=2) == []  # several processes
   assert close(None, [1.0], device=h100) == []
   assert close(2, [1.0, 5.0]) == [0, 1]  # asked for
-  assert close(None, [1.0, 1.3], proxy=True) == [0, 1]  # scaled: wider
+  assert close(None, [1.0, 1.1], proxy=True) == []  # a proxy is another program
+  assert close(2, [1.0, 1.1], proxy=True) == [0, 1]  # unless asked for
   # Variants of one family are one call: the best of the next family is timed.
   assert close(None, [1.0, 1.01, 1.1], families=["a", "a", "b"]) == [0, 2]
   assert close(None, [1.0, 1.01], families=["a", "a"]) == []
