@@ -185,6 +185,23 @@ def test_a_program_without_pipeline_reports_none():
   assert report.pipelines == () and "Pipeline" not in str(report)
 
 
+def like_the_plain_loop(f, layer, stacked, x, layers, rtol, atol):
+  """``f`` (value and grads of the pipelined mean square) agrees with the
+  plain loop over the stacked layers, in jax.jit on one device."""
+  value, grads = f(stacked, x)
+
+  def plain(p, x):
+    for i in range(layers):
+      x = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], p), x)
+    return jnp.mean(x ** 2)
+
+  want, want_grads = jax.jit(jax.value_and_grad(plain))(stacked, x)
+  np.testing.assert_allclose(float(value), float(want), rtol=rtol)
+  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=rtol, atol=atol)
+
+
 def test_a_flax_linen_block_in_bfloat16():
   """A module nobody here wrote: flax linen (LayerNorm, Dense in bfloat16),
   its parameters stacked by vmapping init; stages read from in_parts."""
@@ -203,17 +220,7 @@ def test_a_flax_linen_block_in_bfloat16():
   loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=8) ** 2)
   parts = jax.tree_util.tree_map(lambda w: P(4, *(1,) * (w.ndim - 1)), stacked)
   f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
-  value, grads = f(stacked, x)
-
-  def plain(p, x):
-    for i in range(layers):
-      x = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], p), x)
-    return jnp.mean(x ** 2)
-
-  want, want_grads = jax.jit(jax.value_and_grad(plain))(stacked, x)
-  np.testing.assert_allclose(float(value), float(want), rtol=1e-3)
-  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2)
+  like_the_plain_loop(f, layer, stacked, x, layers, rtol=1e-3, atol=2e-2)
   report = explain(f.lower(stacked, x).compile())
   assert report.pipelines[0].stages == 4 and report.collective_totals()["all-gather"][0] == 0
 
@@ -246,15 +253,5 @@ def test_a_flax_nnx_stack():
   loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=4) ** 2)
   parts = jax.tree_util.tree_map(lambda w: P(2, *(1,) * (w.ndim - 1)), state)
   f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
-  value, grads = f(state, x)
-
-  def plain(p, x):
-    for i in range(layers):
-      x = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], p), x)
-    return jnp.mean(x ** 2)
-
-  want, want_grads = jax.jit(jax.value_and_grad(plain))(state, x)
-  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
-  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  like_the_plain_loop(f, layer, state, x, layers, rtol=1e-5, atol=1e-5)
   assert explain(f.lower(state, x).compile()).pipelines[0].stages == 2
