@@ -15,6 +15,9 @@ keeps its parameters on the devices (each step gets the last one's
 output); the layouts are timed in interleaved rounds, each warmed by one
 step right before its timed steps, and the medians compared.
 
+Then a cluster planned from one machine (``search_cluster``): 4 layers
+for 8 hosts x 8 H100s from 64 simulated devices, against Megatron 8 x 8.
+
 Needs the ``thirdparty`` extra (transformers 4.x); without it the section
 reports nothing."""
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from benchmarks import search_cluster
 from benchmarks._common import setup_jax
 
 SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
@@ -63,15 +67,22 @@ def gemma(jax, layers: int):
   return step, (params, optimizer.init(params)), ids.astype(np.int32)
 
 
+def megatron_rules(m: int) -> list:
+  """Megatron's rules on Gemma's parameter names, the model axis ``m`` ways:
+  columns of the projections in, rows of those out, the vocabulary."""
+  from sharding import PartitionSpec as P
+  return [(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(1, m)),
+          (r"(o_proj|down_proj)/kernel$", P(m, 1)),
+          (r"embed_tokens/embedding$", P(m, 1))]
+
+
 def hand_written(jax, state, ids) -> dict:
   """name -> (in_parts, out_parts) of the hand-written layouts."""
   from sharding import PartitionSpec as P
   from sharding import fsdp_specs, fsdp_tp_specs
 
   m = 2
-  megatron = [(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(1, m)),
-              (r"(o_proj|down_proj)/kernel$", P(m, 1)),
-              (r"embed_tokens/embedding$", P(m, 1))]
+  megatron = megatron_rules(m)
   layouts = {"data parallel 8": (jax.tree_util.tree_map(lambda _: None, state), P(8, 1)),
              "FSDP 8": (fsdp_specs(state, 8), P(8, 1)),
              "data x model 4 x 2": (fsdp_tp_specs(state, megatron, fsdp=4, tensor=m,
@@ -137,6 +148,7 @@ def run(args) -> list[dict]:
          "target": ">= 1.0", "detail": ""},
     ]
     del fns, state
+  rows += search_cluster.rows()  # 64 simulated devices: a process of its own
   for r in rows:
     r["ratio"] = r["ours"] / r["jax"] if r["jax"] else float("nan")
   return rows

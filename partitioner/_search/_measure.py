@@ -13,6 +13,7 @@ round per step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -73,12 +74,14 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
   concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
               for i, a in enumerate(args)]
   dynamic = [a for i, a in enumerate(concrete) if i not in static]
+  lowered = [sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
+                         out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
+                         static_argnums=static, devices=devices).lower(*concrete)
+             for in_specs, out_specs in layouts]
+  with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:  # side by side
+    every = list(pool.map(lambda low: low.compile(), lowered))
   feeds = []
-  for in_specs, out_specs in layouts:
-    f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
-                    out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
-                    static_argnums=static, devices=devices)
-    compiled = f.lower(*concrete).compile()
+  for compiled in every:
     placed = jax.device_put(jax.tree_util.tree_leaves(dynamic),
                             list(compiled.input_shardings))
     feeds.append(_Feed(compiled, placed, out_state))

@@ -110,3 +110,12 @@ def plan_order(fits: list, error: float) -> list:
   lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
   lead = min(lean, key=lambda x: (x.score.network_bytes, x.score.seconds, x.index))
   return [lead] + [x for x in fits if x is not lead]
+
+
+def budget_error(who: str, smallest: float, budget: float) -> ValueError:
+  """The error when no compiled layout's peak fits the budget."""
+  return ValueError(
+      f"{who}: no layout fits memory_budget_bytes={budget:,.0f}: the smallest peak"
+      f" per device found is {smallest:,.0f} bytes ({smallest / max(budget, 1):.2f}x"
+      " the budget). Hint: raise the budget, use more devices, or shrink the"
+      " batch.")

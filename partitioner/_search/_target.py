@@ -78,14 +78,18 @@ class Target:
             "kept": self.proxy.kept,
             "runs": [[run.period, run.reps] for run in self.proxy.repeats]}
 
-  def score(self, c: Candidate, dims: Sequence[Any], in_specs: list, out_specs: list,
-            whole: Estimate) -> tuple[Cost, float, str]:
-    """The candidate's cost for the whole program, the estimated time of
-    what the proxy leaves out (0 without a proxy: the whole program's time
-    less the proxy's), and a digest of the compiled program (equal for
-    identical programs)."""
-    got, digest, text = compiled_score(self.fun, self.args, self.static, in_specs, out_specs,
-                                       self.out_tree, self.devices, self.hosts, self.device)
+  def lower(self, in_specs: list, out_specs: list) -> Any:
+    """The program (or its proxy) with the candidate's specs, partitioned."""
+    return lower(self.fun, self.args, self.static, in_specs, out_specs, self.out_tree,
+                 self.devices)
+
+  def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
+            loaded: Any) -> tuple[Cost, float, str]:
+    """The candidate's cost for the whole program (``program``, compiled
+    as ``loaded``), the estimated time of what the proxy leaves out (0
+    without a proxy: the whole program's time less the proxy's), and a
+    digest of the compiled program (equal for identical programs)."""
+    got, digest, text = scored(program, loaded, self.hosts, self.device)
     if self.part is None:
       return got, 0.0, digest
     part = self.part.estimate(c, dims, self.device, self.hosts)
@@ -186,15 +190,31 @@ def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices,
 def compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
                    device) -> tuple[Cost, str, str]:
   """``compile_and_score``, with the compiled program's HLO text."""
+  program = lower(fun, args, static, in_specs, out_specs, out_tree, devices)
+  return scored(program, compile_program(program), hosts, device)
+
+
+def lower(fun, args, static, in_specs, out_specs, out_tree, devices) -> Any:
+  """One layout of ``fun`` partitioned by our pipeline: its ``Program``."""
   in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
                                               if i not in static))
   f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
                   out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
                   static_argnums=static, devices=devices)
-  program = f.lower(*args).program
-  loaded = _compile.compile_module(program.module, program.devices,
-                                   program_options(program, score_only=True),
-                                   program.host_callbacks)
+  return f.lower(*args).program
+
+
+def compile_program(program: Any) -> Any:
+  """The program compiled to be analysed, never run (not cached); safe to
+  call from several threads at once (XLA's compiles release the GIL)."""
+  return _compile.compile_module(program.module, program.devices,
+                                 program_options(program, score_only=True),
+                                 program.host_callbacks)
+
+
+def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel) -> tuple[Cost, str, str]:
+  """The compiled program's cost, its devices ``hosts`` hosts of
+  consecutive ones; a digest of its text; the text."""
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
                hosts_of(len(program.devices), hosts), device)

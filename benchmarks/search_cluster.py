@@ -1,0 +1,68 @@
+"""A cluster planned from one machine: partitioner.search on the Gemma
+decoder of ``search_models`` (4 layers) for 8 hosts of 8 H100s, from 64
+simulated CPU devices (``num_devices=64, hosts=8, device_model="h100"``),
+against Megatron 8 x 8 written by hand (the model axis inside a host).
+
+Runs in a child process (``python -m benchmarks.search_cluster``): the
+parent's jax has 8 devices. Reported: the search's time (cold) and the
+found layout's bytes across hosts per step against Megatron 8 x 8's, both
+scored by ``partitioner.cost`` with ``hosts=8`` under the H100 model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks._common import ROOT, setup_jax
+
+LAYERS, DEVICES, HOSTS = 4, 64, 8
+TIMEOUT = 1200
+
+
+def rows() -> list[dict]:
+  """The section's rows, from the child's last line of output."""
+  cmd = [sys.executable, "-m", "benchmarks.search_cluster"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+  if out.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  jax = setup_jax(DEVICES)
+  import partitioner
+  from benchmarks.search_models import gemma, megatron_rules
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+  from sharding import fsdp_tp_specs
+
+  step, state, ids = gemma(jax, LAYERS)
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    (*state, ids))
+  partitioner.clear_caches()
+  start = time.perf_counter()
+  found = partitioner.search(step, *abstract, num_devices=DEVICES, hosts=HOSTS,
+                             device_model="h100", progress=False)
+  seconds = time.perf_counter() - start
+  m = DEVICES // HOSTS
+  specs = fsdp_tp_specs(state, megatron_rules(m), fsdp=HOSTS, tensor=m, min_size=1 << 60)
+  megatron = sharded_jit(step, in_parts=(*specs, P(HOSTS, 1)), out_parts=(*specs, None))
+  theirs = megatron.lower(*abstract).compile().cost("h100", hosts=HOSTS)
+  best = found.best
+  name = f"Gemma, {LAYERS} layers, {HOSTS} hosts x {m} (64 simulated devices, H100 model)"
+  detail = (f"found: {best.family}, grid (data, fsdp, model) {tuple(best.grid)}, {best.layout};"
+            f" {found.compiled} compiled of {found.estimated} estimated")
+  print(json.dumps([
+      {"case": f"{name}: search time (cold)", "unit": "s", "ours": seconds, "jax": 300.0,
+       "against": "5 minutes", "target": "<= 1.0", "detail": detail},
+      {"case": f"{name}: bytes across hosts vs Megatron {HOSTS} x {m}", "unit": "MiB",
+       "ours": best.network_bytes / 2**20, "jax": theirs.network_bytes / 2**20,
+       "against": f"Megatron {HOSTS} x {m}", "target": "<= 1.0", "detail": ""}]))
+
+
+if __name__ == "__main__":
+  main()
