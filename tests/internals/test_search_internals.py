@@ -194,3 +194,31 @@ def test_an_untimed_plan_for_hosts_prefers_the_lean_quiet_layout_of_the_close_on
   assert order[0] is close_quiet  # within the error, no duplicated work, fewest across hosts
   assert order[1:] == [best, copies, close_noisy, far]
   assert _select.plan_order([best], 0.3) == [best]
+
+
+def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
+  """Of the uncompiled candidates, those with the best compiled one's grid,
+  batch and FSDP flag (other model roles), best by the cheap model; then
+  those of the next best compiled."""
+  from partitioner._search import _found, _select
+  from partitioner._search._candidates import Candidate
+  from partitioner._search._estimate import Estimate
+
+  def row(grid, model, seconds):
+    return (Candidate(grid, 0, False, model), [], Estimate(1.0, 0.0, 0, 1.0, seconds))
+  rows = [row((8, 1, 1), (), 1.0),          # 0: compiled, scored worst
+          row((4, 1, 2), (1,), 1.0),        # 1: compiled, scored best
+          row((4, 1, 2), (2,), 1.3),        # 2: a variant of 1
+          row((4, 1, 2), (1, 2), 1.1),      # 3: a variant of 1, cheaper
+          row((2, 1, 4), (1,), 0.9),        # 4: another grid
+          row((4, 1, 2), (3,), 1.2)]        # 5: a variant of 1
+
+  def compiled(i, seconds):
+    cost = _cost.Cost(1.0, 1.0, 0, 0.0, 0.0, 1, seconds)
+    c, _, est = rows[i]
+    return _found.Result(i, c, "", c.family(), est, cost, [], [])
+  results = [compiled(0, 2.0), compiled(1, 1.0)]
+  assert [i for i, *_ in _select.variants(rows, results, 2)] == [3, 5]
+  assert [i for i, *_ in _select.variants(rows, results, 0)] == []
+  # Once the best's variants run out, the next best's (none left here).
+  assert [i for i, *_ in _select.variants(rows, results, 5)] == [2, 3, 5]
