@@ -255,3 +255,30 @@ def test_a_flax_nnx_stack():
   f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
   like_the_plain_loop(f, layer, state, x, layers, rtol=1e-5, atol=1e-5)
   assert explain(f.lower(state, x).compile()).pipelines[0].stages == 2
+
+
+def test_an_equinox_stack():
+  """equinox: blocks made by filter_vmap over keys, partitioned into arrays
+  (the stacked parameters) and the rest, combined per layer."""
+  eqx = pytest.importorskip("equinox")
+
+  class Block(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.up, self.down = eqx.nn.Linear(D_MODEL, 64, key=k1), eqx.nn.Linear(64, D_MODEL, key=k2)
+
+    def __call__(self, h):
+      return h + jax.vmap(lambda v: self.down(jnp.tanh(self.up(v))))(h)
+
+  layers = 8
+  stack = eqx.filter_vmap(Block)(jax.random.split(jax.random.PRNGKey(0), layers))
+  params, static = eqx.partition(stack, eqx.is_array)
+  layer = lambda p, h: eqx.combine(p, static)(h)
+  loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=8) ** 2)
+  parts = jax.tree_util.tree_map(lambda w: P(4, *(1,) * (w.ndim - 1)), params)
+  f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
+  like_the_plain_loop(f, layer, params, jnp.asarray(data()[1]), layers, rtol=1e-5, atol=1e-5)
+  assert explain(f.lower(params, jnp.asarray(data()[1])).compile()).pipelines[0].stages == 4
