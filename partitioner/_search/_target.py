@@ -177,19 +177,11 @@ def hosts_of(n: int, hosts: int) -> list[int]:
   return [k * hosts // n for k in range(n)]
 
 
-def compile_and_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
-                      device) -> tuple[Cost, str]:
-  """Partitions and compiles one layout through our pipeline (not run, not
-  cached) and scores the program, its devices ``hosts`` hosts of
-  consecutive ones; with a digest of the compiled program's text."""
-  cost, digest, _ = compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices,
-                                   hosts, device)
-  return cost, digest
-
-
 def compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
                    device) -> tuple[Cost, str, str]:
-  """``compile_and_score``, with the compiled program's HLO text."""
+  """Partitions and compiles one layout through our pipeline (not run, not
+  cached) and scores the program, its devices ``hosts`` hosts of
+  consecutive ones: its cost, a digest of its text, the text."""
   program = lower(fun, args, static, in_specs, out_specs, out_tree, devices)
   return scored(program, compile_program(program), hosts, device)
 

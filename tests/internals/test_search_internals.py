@@ -97,7 +97,7 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   specs = {"w1": P(1, 4), "w2": P(4, 1)}
   real = partitioner.sharded_jit(step, in_parts=(specs, P(2, 1)), out_parts=specs)
   want = real.lower(params, x).compile().cost()
-  got, _ = _target.compile_and_score(
+  got, _, _ = _target.compiled_score(
       step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
       list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
       jax.devices()[:8], 1, MODELS["cpu"])
@@ -162,9 +162,9 @@ def test_candidates_that_compile_to_one_program_are_one_row():
   common = ((x,), (), [P(8, 1)], [P(8, 1)], jax.tree_util.tree_structure(0),
             jax.devices()[:8], 1, partitioner.DEVICE_MODELS["cpu"])
   f = lambda x: x * 2
-  a = _target.compile_and_score(f, *common)
-  b = _target.compile_and_score(f, *common)
-  c = _target.compile_and_score(f, *common[:2], [None], [None], *common[4:])
+  a = _target.compiled_score(f, *common)[:2]
+  b = _target.compiled_score(f, *common)[:2]
+  c = _target.compiled_score(f, *common[:2], [None], [None], *common[4:])[:2]
   assert a[1] == b[1] != c[1]
 
 

@@ -344,7 +344,7 @@ def test_a_proxy_scored_per_repetition_matches_the_whole_program(layout):
 
   def program(*a):
     return tuple(jax.tree.leaves(step(*jax.tree.unflatten(tree, a))))
-  true, _ = _target.compile_and_score(program, flat, (), in_specs, out_specs, out_tree,
+  true, _, _ = _target.compiled_score(program, flat, (), in_specs, out_specs, out_tree,
                                       devices, 1, device)
   assert true.collective_bytes > 2 * got.collective_bytes  # the proxy alone: far off
   # (XLA compiles the short program a little differently: under FSDP the
