@@ -203,7 +203,11 @@ class Model:
                   (r"wo$", P(*lead, mp, 1, 1)),          # [heads, head_dim, width]
                   (r"w1$", P(*lead, 1, mp)),             # [width, hidden]
                   (r"w2$", P(*lead, mp, 1)),             # [hidden, width]
-                  (r"unembed$", P(1, mp)),               # [width, vocabulary]
+                  # [width, vocabulary]; with stages, split over the devices
+                  # of each stage (the pipeline's result is split over the
+                  # stages along the batch: the logits stay where it is)
+                  (r"unembed$", P(1, mp, grid=(stages, mp), axes=(None, 1))
+                   if stages else P(1, mp)),
                   (r"ln[12]$", P(stages, 1) if stages else None),
                   (r".*", None)]                         # norms, embeddings: whole
     self.shapes = jax.eval_shape(init, jax.random.PRNGKey(0))

@@ -6,8 +6,13 @@ over the devices; a state buffer (stages, microbatch, ...) split the same
 way holds what each stage works on. Each tick (a ``lax.scan`` over
 R * M + S - 1 ticks) feeds the next microbatch into stage 0, runs every
 stage at once (``vmap`` of a per-stage ``lax.scan`` over its layers) and
-shifts the buffer one stage on (``jnp.roll`` on the split dimension, which
-XLA's SPMD partitioner turns into a collective-permute). With repeats R > 1
+shifts the buffer one stage on (a roll of the split dimension, which XLA's
+SPMD partitioner turns into a collective-permute, and whose transpose is
+the roll back). With M a multiple of S an I/O buffer (stages, M / S,
+microbatch, ...) on the stage devices holds the batch: stage 0 reads the
+next microbatch from it, the last stage writes what it finished, and one
+column of it shifts a stage on each tick, so the batch enters and leaves
+split over the stages and nothing is broadcast. With repeats R > 1
 (the circular schedule) a microbatch goes round the ring R times, each
 stage running one of its R chunks of layers per pass; what leaves the last
 stage waits at stage 0 in a buffer of its own until its next pass. The
@@ -25,6 +30,7 @@ import numpy as np
 
 from partitioner import _pipeline_checks as checks
 from partitioner import _tracing
+from partitioner._shift import roll
 from sharding._constraint import caller, constrain
 from sharding._partition_spec import PartitionSpec
 from sharding._spec_tree import broadcast_specs
@@ -44,8 +50,14 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   layers ``s*L/S ... (s+1)*L/S - 1`` on its own devices. Split the layer
   dimension of ``layer_params`` S ways in ``in_parts`` (e.g. ``P(S, 1, 1)``,
   or ``P(S, 1, T)`` with a tensor split inside each stage) so each device
-  holds only its stage's weights. Microbatch t holds the rows t, t + M,
-  t + 2M, ... of x, so a batch split over devices stays split.
+  holds only its stage's weights. With M a multiple of S, the batch (each
+  block of a data split of it) is cut S ways: stage s feeds in and gets
+  back the microbatches of its own cut, so only collective-permutes cross
+  between stages and the result is split over the stages as well (a loss
+  on it sums per stage, then adds S numbers). Otherwise microbatch t is
+  the rows t, t + M, t + 2M, ... of x, and the last stage's outputs are
+  sent to every stage after the loop. Either way a batch split over
+  devices stays split.
 
   Args:
     layer_fn: ``layer_fn(params_of_one_layer, h) -> h``, same shape and dtype.
@@ -80,7 +92,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
       microbatch whole.
 
   Returns:
-    An array shaped like ``x``.
+    An array shaped like ``x`` (with M a multiple of S, split over the
+    stages along its batch dimension).
 
   Raises:
     TypeError: ``layer_fn`` does not return one array, or a count is not an int.
@@ -146,63 +159,75 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
 
   stage_fn = jax.checkpoint(stage_fn) if remat else stage_fn
   x = pin(x, x_spec, "input")
-  # (M, mb, ...): microbatch t is the rows t, t + M, ... (a split batch stays split).
-  xs = x.reshape(mb, m, *x.shape[1:]).swapaxes(0, 1)
-  ticks = r * m + s - 1
-  # Ticks after the last microbatch entered run on real rows (microbatch 0),
-  # never on zeros that a layer might turn into inf or NaN (0 * NaN stays
-  # NaN in the gradients).
-  feed = jnp.concatenate([xs, jnp.broadcast_to(xs[:1], (s - 1, *xs.shape[1:]))])
-  state = pin(jnp.broadcast_to(xs[:1], (s, *xs.shape[1:])), state_spec, "stage buffer")
-  rows = (1,) * x.ndim
-  first = jax.lax.broadcasted_iota(jnp.int32, (s, *rows), 0) == 0
+  ticks, rows = r * m + s - 1, (1,) * x.ndim
+  stage_of = lambda at: jax.lax.broadcasted_iota(jnp.int32, (s, *rows), 0) == at
+  first, last = stage_of(0), stage_of(s - 1)
   stage_ids = jnp.arange(s, dtype=jnp.int32)
+  index = lambda a, i, axis=0: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+  # With M a multiple of S the batch enters and leaves split over the stages:
+  # an I/O buffer (S, M/S, mb, ...) on the stage devices, whose column t % (M/S)
+  # shifts one stage down every tick (a collective-permute of one microbatch):
+  # stage 0 reads microbatch t from it, the last stage writes what it finished.
+  # Nothing is broadcast from the last stage; the result stays split.
+  io = s > 1 and m % s == 0
+  d, k = (x_spec[0] if x_spec is not None else 1), m // s
+  if io:  # rows (data block, stage, row, slot): a data split of the batch stays put
+    rest = tuple(range(4, x.ndim + 3))
+    buf = pin(x.reshape(d, s, mb // d, k, *x.shape[1:]).transpose(1, 3, 0, 2, *rest)
+              .reshape(s, k, mb, *x.shape[1:]), wider(state_spec, 1), "I/O buffer")
+    start = buf[:, 0]  # every stage starts (and idles) on its own real rows
+  else:  # microbatch t is the rows t, t + M, ... (a split batch stays split)
+    buf, xs = None, x.reshape(mb, m, *x.shape[1:]).swapaxes(0, 1)
+    start = jnp.broadcast_to(xs[:1], (s, *xs.shape[1:]))
+  # What left the last stage waits for its next pass in a buffer on the
+  # stage devices (each stage's row; stage 0's is read): no extra traffic.
+  wait = None if r == 1 else pin(jnp.broadcast_to(start[:, None], (s, m, *start.shape[1:])),
+                                 wider(state_spec, 1), "circular buffer")
+  slots = jax.lax.broadcasted_iota(jnp.int32, (1, m, *rows), 1)
 
   # layer_fn's own constraints apply inside each stage: the vmap over the
   # stages keeps its dimension split as the stage buffer's.
   vmap = lambda f: jax.vmap(f, axis_name=None if state_spec is None or s == 1
                             else SplitAxis(state_spec))
 
-  def run(stage_params: Any, inputs: jax.Array, t: jax.Array | None) -> jax.Array:
-    if t is None:  # one pass: every stage runs its only chunk
+  def run(inputs: jax.Array, t: jax.Array) -> jax.Array:
+    if r == 1:  # one pass: every stage runs its only chunk
       return vmap(stage_fn)(jax.tree_util.tree_map(lambda w: w[:, 0], stage_params), inputs)
     # Stage s at tick t works on item t - s: pass (t - s) // M of its microbatch.
     passes = jnp.clip((t - stage_ids) // m, 0, r - 1)
-    pick = lambda p, i: jax.tree_util.tree_map(
-        lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), p)
+    pick = lambda p, i: jax.tree_util.tree_map(lambda w: index(w, i), p)
     return vmap(lambda p, h, i: stage_fn(pick(p, i), h))(stage_params, inputs, passes)
 
-  if r == 1:
-    def tick(state: jax.Array, x_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-      inputs = pin(jnp.where(first, x_t[None], jnp.roll(state, 1, axis=0)),
-                   state_spec, "stage buffer")
-      out = pin(run(stage_params, inputs, None), state_spec, "stage buffer")
-      return out, out
+  def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array | None]:
+    state, buf, wait = carry
+    shifted = roll(state, 1)  # stage S-1's output of item t - S lands on stage 0
+    # Ticks after the last microbatch entered run on real rows, never on
+    # zeros that a layer might turn into inf or NaN (0 * NaN stays NaN in
+    # the gradients).
+    column = None if buf is None else index(buf, t % k, axis=1)
+    fresh = column if buf is not None else index(xs, jnp.minimum(t, m - 1))
+    if wait is None:
+      fresh = jnp.where(t < m, fresh, start if buf is not None else xs[0])
+    else:
+      wait = pin(jnp.where(slots == (t - s) % m, shifted[:, None], wait),
+                 wider(state_spec, 1), "circular buffer")
+      fresh = jnp.where(t < m, fresh, index(wait, t % m, axis=1))
+    inputs = pin(jnp.where(first, fresh, shifted), state_spec, "stage buffer")
+    out = pin(run(inputs, t), state_spec, "stage buffer")
+    if buf is None:  # the last stage's outputs stay where they were computed
+      return (out, buf, wait), out
+    column = jnp.where(last, out, roll(column, -1))
+    buf = pin(jax.lax.dynamic_update_index_in_dim(buf, column, t % k, 1),
+              wider(state_spec, 1), "I/O buffer")
+    return (out, buf, wait), None
 
-    # The last stage's outputs are kept where they were computed and
-    # gathered once, after the loop (not one collective a tick).
-    _, outs = jax.lax.scan(tick, state, feed)
-  else:
-    # What left the last stage waits for its next pass in a buffer on the
-    # stage devices (each stage's row; stage 0's is read): no extra traffic.
-    wait = pin(jnp.broadcast_to(xs[:1][None], (s, m, *xs.shape[1:])),
-               wider(state_spec, 1), "circular buffer")
-    slots = jax.lax.broadcasted_iota(jnp.int32, (1, m, *rows), 1)
-
-    def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
-      state, wait = carry
-      shifted = jnp.roll(state, 1, axis=0)  # stage S-1's output of item t - S lands on stage 0
-      wait = jnp.where(slots == (t - s) % m, shifted[:, None], wait)
-      fresh = jnp.where(t < m, jax.lax.dynamic_index_in_dim(feed, jnp.minimum(t, m - 1),
-                                                            keepdims=False),
-                        jax.lax.dynamic_index_in_dim(wait, t % m, axis=1, keepdims=False))
-      inputs = pin(jnp.where(first, fresh, shifted), state_spec, "stage buffer")
-      out = pin(run(stage_params, inputs, t), state_spec, "stage buffer")
-      return (out, pin(wait, wider(state_spec, 1), "circular buffer")), out
-
-    _, outs = jax.lax.scan(tick, (state, wait), jnp.arange(ticks, dtype=jnp.int32))
-  # The last M ticks' outputs, then the last stage's: a slice of the tail
-  # first, so that only the last stage's M microbatches move.
+  state = pin(start, state_spec, "stage buffer")
+  (_, buf, _), outs = jax.lax.scan(tick, (state, buf, wait), jnp.arange(ticks, dtype=jnp.int32))
+  if io:  # microbatch u's output is on its own stage, in slot (u + S - 1) % (M/S)
+    ys = jnp.roll(buf, 1 - s, axis=1).reshape(s, k, d, mb // d, *x.shape[1:])
+    return ys.transpose(2, 0, 3, 1, *rest).reshape(x.shape)
+  # The last M ticks' outputs, then the last stage's (gathered once, after
+  # the loop): a slice of the tail first, so that only its M microbatches move.
   ys = pin(outs[ticks - m:], wider(state_spec, 0), "stage outputs")[:, s - 1]
   return pin(ys.swapaxes(0, 1).reshape(x.shape), x_spec, "output")
 

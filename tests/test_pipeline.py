@@ -81,13 +81,18 @@ def stage_split(s, tp=1):
   return ({"w1": P(s, 1, tp), "w2": P(s, tp, 1)}, None)
 
 
-@pytest.mark.parametrize("s, m", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 16), (8, 8), (8, 32)])
+@pytest.mark.parametrize("s, m", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 16), (8, 8), (8, 32),
+                                  (4, 2), (8, 4)])
 def test_values_and_gradients_equal_the_plain_loop(s, m):
   f = step(stage_split(s), microbatches=m, stages=s)
   check_matches(f)
   found, arg_bytes = totals(f)
   assert found["collective-permute"][0] > 0
   assert found["all-gather"][0] == 0  # the weights never move
+  if m % s == 0:  # the batch enters and leaves split over the stages: no broadcast
+    assert found["all-reduce"] == (1, 4)  # the loss
+  else:  # the last stage's outputs go to every device
+    assert found["all-reduce"][1] >= BATCH * D_MODEL * 4
   assert arg_bytes == PARAM_BYTES // s + BATCH * D_MODEL * 4  # one stage's share
 
 
@@ -216,8 +221,8 @@ def test_bad_input(kwargs, error, match):
 def test_more_stages_than_the_enclosing_program_has_partitions():
   f = sharded_jit(lambda p, x: pipeline(layer_fn, p, x, microbatches=8, stages=8),
                   in_parts=(None, None), out_parts=None, num_partitions=4)
-  with pytest.raises(ValueError, match=r"partitioner.pipeline\(stages=8\) stage buffer:"
-                     r" spec PartitionSpec\(8, 1, 1\) partitions into 8 tiles, which do"
+  with pytest.raises(ValueError, match=r"partitioner.pipeline\(stages=8\) I/O buffer:"
+                     r" spec PartitionSpec\(8, 1, 1, 1\) partitions into 8 tiles, which do"
                      r" not divide the 4 partitions"):
     f(*data())
 

@@ -163,6 +163,31 @@ def test_flops_are_the_stage_share_times_the_bubble(s, m, r):
   assert cost.matmul_flops < cost.flops == pytest.approx(explain(compiled).flops)
 
 
+def test_each_shift_is_one_collective_permute_each_way():
+  """Per tick the stage buffer and the I/O buffer's column each shift one
+  stage on, and back in the backward pass: four collective-permutes (jax
+  would transpose a roll into two padded slices: two each), nothing after
+  the loop, no all-reduce but the loss's."""
+  report = explain(step(stage_split(4), microbatches=8).lower(*data()).compile())
+  permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+  assert [c.runs for c in permutes] == [11] * 4
+  assert report.collective_totals()["all-reduce"] == (1, 4)
+
+
+@pytest.mark.parametrize("shift, axis", [(1, 0), (-1, 0), (2, 1), (1, -1)])
+def test_the_shift_is_a_roll_under_grad_jvp_and_vmap(shift, axis):
+  from partitioner._shift import roll
+  a = jnp.arange(24.0).reshape(4, 3, 2)
+  w = jnp.sin(a)
+  ours, theirs = (lambda a: f(a, shift, axis) for f in (roll, jnp.roll))
+  assert (ours(a) == theirs(a)).all()
+  grad = lambda f: jax.grad(lambda a: jnp.sum(f(a) * w))(a)
+  assert (grad(ours) == grad(theirs)).all()
+  assert (jax.jvp(ours, (a,), (w,))[1] == jax.jvp(theirs, (a,), (w,))[1]).all()
+  for d in range(3):
+    assert (jax.vmap(ours, d)(a) == jax.vmap(theirs, d)(a)).all()
+
+
 def test_explain_reports_the_pipeline():
   compiled = step(stage_split(4), microbatches=8).lower(*data()).compile()
   report = explain(compiled)
