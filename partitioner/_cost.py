@@ -137,40 +137,50 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[s
   parts: dict[str | None, Part] = {None: Part()}
   counts = _hlo_loops.runs(hlo_text)
   comps = _hlo_loops.computations(hlo_text)
-  called = {m for lines in comps.values() for line in lines for m in _hlo.CALLED.findall(line)}
   made: dict[str, tuple[int, str | None]] = {}  # value -> (bytes, scope of its op)
+  caller: dict[str, str | None] = {}  # computation -> scope of the op that calls it
   defined = []
   for name, lines in comps.items():
     if not name:
       continue
-    for line, f in _hlo_loops.line_flops(lines):  # (fusion bodies included)
-      where = _scope_of(line, scope)
-      for p in {None, where}:
-        part = parts.setdefault(p, Part())
-        part.flops += counts.get(name, 1) * f
-        part.matmul_flops += counts.get(name, 1) * f if " dot(" in line else 0.0
     for line in lines:
       m = _hlo_loops.DEFINITION.match(line)
       if m is None:
         continue
       size = sum(_hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(m.group("shape")))
-      made[m.group("name")] = (size, _scope_of(line, scope))
-      if name not in called:
-        defined.append((m, line, counts.get(name, 1)))
-  for m, line, runs in defined:
+      # A fusion XLA made without a name (a CPU library's) is its operands'
+      # scope; a fused computation's lines, their caller's. (Not a copy: a
+      # proxy's outputs copy its last repetition's values, once.)
+      where = _scope_of(line, scope)
+      if m.group("kind") == "fusion" and not _OP_NAME.search(line):
+        where = next((made[v][1] for v in _OPERAND.findall(m.group("args"))
+                      if made.get(v, (0, None))[1]), None)
+      made[m.group("name")] = (size, where)
+      caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
+      defined.append((name, m, where))
+  for name, lines in comps.items():
+    if not name:
+      continue
+    for line, f in _hlo_loops.line_flops(lines):  # (fusion bodies included)
+      where = _scope_of(line, scope) or caller.get(name)
+      for p in {None, where}:
+        part = parts.setdefault(p, Part())
+        part.flops += counts.get(name, 1) * f
+        part.matmul_flops += counts.get(name, 1) * f if " dot(" in line else 0.0
+  for name, m, where in defined:
     kind = m.group("kind")
-    if kind in _NO_ACCESS or kind.endswith("-done"):
+    if name in caller or kind in _NO_ACCESS or kind.endswith("-done"):
       continue
     size = made[m.group("name")][0] + sum(made.get(v, (0, None))[0]
                                           for v in _OPERAND.findall(m.group("args")))
-    for p in {None, _scope_of(line, scope)}:
-      parts.setdefault(p, Part()).accessed += runs * size
+    for p in {None, where}:
+      parts.setdefault(p, Part()).accessed += counts.get(name, 1) * size
   for op in _hlo.instructions(hlo_text):
     k, sent, across = _collective(op, processes)
     if not k:
       continue
-    own = _scope_of(op.line, scope)
     m = _hlo_loops.DEFINITION.match(op.line)
+    own = made.get(m.group("name"), (0, None))[1] if m else _scope_of(op.line, scope)
     operands = [made.get(v, (0, None)) for v in _OPERAND.findall(m.group("args") if m else "")]
     total = sum(size for size, _ in operands)
     # (one operand: the collective's own name says whom it serves; several:

@@ -33,11 +33,13 @@ from sharding._partition_spec import PartitionSpec, with_layout
 # Numbers in a leaf's path: a layer's index, whatever the library calls it.
 _NUMBER = re.compile(r"[0-9]+")
 _NUMBER_SPLIT = re.compile(r"([0-9]+)")
-# The model axis takes at most this many roles at once.
-MAX_MODEL_ROLES = 3
+# The model axis takes at most this many roles at once (Megatron on a
+# decoder splits six: the vocabulary, query, key, value and output heads,
+# the MLP's hidden units).
+MAX_MODEL_ROLES = 6
 # The cheap model ranks at most this many candidates (those with the fewest
 # model roles first: a model with many distinct weights makes the sets of
-# three roles numerous, and the sets of one or two already give each layout).
+# several roles numerous, and the sets of one or two already give each layout).
 MAX_CANDIDATES = 3000
 # The grid's axes, major to minor.
 DATA, FSDP, MODEL = 0, 1, 2
@@ -202,30 +204,38 @@ def grids(n: int, hosts: int = 1) -> list[tuple[tuple[int, int, int], bool]]:
   return out
 
 
+def role_sets(r: Roles):
+  """The sets of weight roles the model axis may take, fewest roles first
+  (lazily: sets of many roles are numerous). A model axis that two
+  dimensions of one weight compete for splits only one of them: such sets
+  say the same as a smaller one, or less."""
+  yield ()
+  for k in range(1, MAX_MODEL_ROLES + 1):
+    for c in itertools.combinations(r.weights, k):
+      if all(len(roles_of & set(c)) <= 1 for roles_of in r.state_roles):
+        yield c
+
+
 def enumerate_candidates(n: int, r: Roles, hosts: int = 1) -> list[Candidate]:
   """Every candidate on ``n`` devices (``hosts`` hosts of consecutive
-  devices), in a fixed order."""
-  out = []
-  # A model axis that two dimensions of one weight compete for splits only
-  # one of them: such sets say the same as a smaller one, or less.
-  subsets = [()] + [c for k in range(1, MAX_MODEL_ROLES + 1)
-                    for c in itertools.combinations(r.weights, k)
-                    if all(len(roles_of & set(c)) <= 1 for roles_of in r.state_roles)]
+  devices), in a fixed order: per configuration (grid, batch, FSDP), its
+  role sets. At most ``MAX_CANDIDATES``, those with the fewest model roles."""
+  configs = []
   for grid, sharded in grids(n, hosts):
-    replicas, model = grid[DATA] * grid[FSDP], grid[MODEL]
-    batches = [None] + list(r.batch) if replicas > 1 else [None]
-    for batch in batches:
+    replicas = grid[DATA] * grid[FSDP]
+    for batch in ([None] + list(r.batch) if replicas > 1 else [None]):
       for fsdp in ((False, True) if replicas == 1 else (sharded,)):
-        for chosen in (subsets if model > 1 else [()]):
-          if model > 1 and not chosen:
-            continue  # the model axis would do nothing: a smaller grid says it
-          if replicas > 1 and batch is None and not fsdp:
-            continue
-          out.append(Candidate(grid, batch, fsdp, tuple(chosen)))
-  if len(out) > MAX_CANDIDATES:
-    keep = set(sorted(range(len(out)), key=lambda i: (len(out[i].model), i))[:MAX_CANDIDATES])
-    out = [c for i, c in enumerate(out) if i in keep]
-  return out
+        if not (replicas > 1 and batch is None and not fsdp):
+          configs.append((grid, batch, fsdp))
+  kept = []  # (configuration, role set's rank, candidate)
+  for rank, chosen in enumerate(role_sets(r)):
+    # The model axis takes a role set, or does nothing (a smaller grid says it).
+    fits = [k for k, (grid, *_) in enumerate(configs) if (grid[MODEL] > 1) == bool(chosen)]
+    kept += [(k, rank, Candidate(*configs[k], tuple(chosen))) for k in fits]
+    if len(kept) >= MAX_CANDIDATES:
+      break
+  by_size = sorted(kept, key=lambda t: (len(t[2].model), t[1], t[0]))[:MAX_CANDIDATES]
+  return [c for *_, c in sorted(by_size, key=lambda t: t[:2])]
 
 
 def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequence[int],

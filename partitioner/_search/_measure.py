@@ -30,6 +30,10 @@ AUTO_MEASURE = 2
 # A timed round of a layout lasts at least this long (more calls for a
 # fast step: two 15 ms steps are noise).
 ROUND_SECONDS = 0.1
+# When the two fastest medians lie within this fraction of each other
+# after ``rounds`` rounds, up to this many more rounds are run (the host's
+# noise on a step is a few percent: a close call needs more samples).
+CLOSE, MORE_ROUNDS = 0.05, 4
 # Steps dispatched before waiting for them: XLA's CPU client deadlocks
 # (a collective's rendezvous times out) with many programs of collectives
 # in flight.
@@ -66,7 +70,8 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
             calls: int = 2, rounds: int = 3) -> list[float]:
   """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``:
-  ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS``.
+  ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS`` (up
+  to ``MORE_ROUNDS`` more while the two fastest are within ``CLOSE``).
 
   ``out_state[k]`` is the flat input that flat output ``k`` is the new
   value of (a train step's parameters), or None.
@@ -95,7 +100,12 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
     first.append(time.perf_counter() - begin)
   calls = max(calls, math.ceil(ROUND_SECONDS / max(min(first), 1e-6)))
   times: list[list[float]] = [[] for _ in feeds]
-  for _ in range(rounds):
+  median = lambda t: sorted(t)[len(t) // 2]
+  for done in range(rounds + MORE_ROUNDS):
+    if done >= rounds:
+      fast = sorted(map(median, times))[:2]
+      if len(fast) < 2 or fast[1] > fast[0] * (1 + CLOSE):
+        break  # the call is not close: more rounds would not change it
     for feed, t in zip(feeds, times):
       feed.step()  # warm, right before its timed steps
       jax.block_until_ready(feed.leaves)
@@ -106,7 +116,7 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
           jax.block_until_ready(feed.leaves)
       jax.block_until_ready(feed.leaves)
       t.append((time.perf_counter() - begin) / calls)
-  return [sorted(t)[len(t) // 2] for t in times]
+  return [median(t) for t in times]
 
 
 class _Feed:

@@ -138,6 +138,27 @@ def test_measure_decides_on_the_close_calls():
   assert close(None, [1.0, 1.01], families=["a", "a"]) == []
 
 
+@pytest.mark.parametrize("seconds, rounds", [((1.0, 1.02), 7), ((1.0, 1.5), 3)])
+def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, rounds):
+  """3 rounds, and up to 4 more while the two fastest are within 5% (a
+  fake clock: each layout's step takes ``seconds``)."""
+  from partitioner._search import _measure
+  clock, steps, real = [0.0], {}, _measure._Feed.step
+
+  def step(feed):
+    real(feed)
+    steps.setdefault(id(feed), []).append(1)
+    clock[0] += seconds[list(steps).index(id(feed))]
+  monkeypatch.setattr(_measure._Feed, "step", step)
+  monkeypatch.setattr(_measure.time, "perf_counter", lambda: clock[0])
+  f = lambda x: x * 2
+  times = _measure.measure(f, (jnp.ones(8),), (), jax.tree_util.tree_structure((0,)),
+                           jax.tree_util.tree_structure(0), [0], [([None], [None])] * 2,
+                           jax.devices()[:8])
+  assert times == pytest.approx(list(seconds))
+  assert [len(s) for s in steps.values()] == [2 + rounds * 3] * 2  # first, then warm + 2 a round
+
+
 def test_grids_keep_the_model_axis_inside_a_host():
   from partitioner._search._candidates import grids
   from partitioner._search._estimate import crossing
@@ -169,11 +190,12 @@ def test_candidates_that_compile_to_one_program_are_one_row():
 
 
 def test_the_candidates_estimated_are_capped():
+  # (40 roles: the sets of up to 6 of them are millions; enumerated lazily)
   from partitioner._search import _candidates
   r = _candidates.Roles({}, tuple(f"w{k}" for k in range(40)), (40,), tuple(range(40)))
   every = _candidates.enumerate_candidates(64, r, hosts=8)
   assert len(every) == _candidates.MAX_CANDIDATES
-  with mock.patch.object(_candidates, "MAX_CANDIDATES", 10**9):
+  with mock.patch.object(_candidates, "MAX_CANDIDATES", 4 * _candidates.MAX_CANDIDATES):
     uncapped = _candidates.enumerate_candidates(64, r, hosts=8)
   assert len(uncapped) > len(every)
   kept = set(every)  # the fewest model roles first, in the enumeration's order

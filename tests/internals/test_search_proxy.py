@@ -352,3 +352,34 @@ def test_a_proxy_scored_per_repetition_matches_the_whole_program(layout):
   assert whole.collective_bytes == pytest.approx(true.collective_bytes,
                                                  rel=0.05 if layout == "data parallel" else 0.35)
   assert whole.flops == pytest.approx(true.flops, rel=0.1)
+
+
+UNNAMED = """HloModule m
+
+%fused_computation.1 (param_0: f32[4,8], param_1: f32[8,8]) -> f32[4,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[8,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p0: f32[4,8], p1: f32[8,8]) -> (f32[4,8], f32[4,8]) {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  %tanh.1 = f32[4,8]{1,0} tanh(%p0), metadata={op_name="jit(f)/proxy_repeat_0_1/tanh"}
+  %ynn_fusion.1 = f32[4,8]{1,0} fusion(%tanh.1, %p1), kind=kCustom, calls=%fused_computation.1
+  %copy.1 = f32[4,8]{1,0} copy(%tanh.1)
+  ROOT %tuple.1 = (f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%ynn_fusion.1, %copy.1)
+}
+"""
+
+
+def test_a_fusion_without_a_name_is_its_operands_scope():
+  """XLA's CPU library fusions carry no op name: their matmuls (the
+  attention's, in a decoder) count for the scope of what they read; a copy
+  (the proxy's outputs, once) does not."""
+  from partitioner import _cost
+  parts = _cost.scoped(UNNAMED, [0], _proxy.SCOPE)
+  layer = parts["0_1"]
+  assert layer.matmul_flops == parts[None].matmul_flops == 2 * 4 * 8 * 8
+  assert layer.accessed == 4 * 8 * 4 * 2 + (4 * 8 * 4 * 2 + 8 * 8 * 4)  # tanh, the fusion
+  assert parts[None].accessed == layer.accessed + 4 * 8 * 4 * 2  # and the copy
