@@ -142,8 +142,10 @@ def interleaved(fns: dict, n_state: int, rounds: int) -> dict[str, float]:
     warm[k] = (time.perf_counter() - t0) / 2
   steps = max(2, math.ceil(ROUND_SECONDS / max(min(warm.values()), 1e-6)))
   times: dict[str, list[float]] = {k: [] for k in fns}
-  for _ in range(rounds):
-    for k, (fn, args) in fns.items():
+  names = list(fns)
+  for r in range(rounds):  # round r starts with layout r: none always goes first
+    for k in names[r % len(names):] + names[:r % len(names)]:
+      fn, args = fns[k]
       out = fn(*state[k][:n_state], *args[n_state:])  # warm, right before
       jax.block_until_ready(out)
       t0 = time.perf_counter()

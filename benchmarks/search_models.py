@@ -15,29 +15,30 @@ keeps its parameters on the devices (each step gets the last one's
 output); the layouts are timed in interleaved rounds, each warmed by one
 step right before its timed steps, and the medians compared.
 
-Then a cluster planned from one machine (``search_cluster``): 4 layers
-for 8 hosts x 8 H100s from 64 simulated devices, against Megatron 8 x 8.
+Then a cluster planned from one machine (``search_cluster``): the same
+decoder at Gemma 2B's size, 4 layers, for 8 hosts x 8 H100s from 64
+simulated devices, against Megatron 8 x 8.
 
 Needs the ``thirdparty`` extra (transformers 4.x); without it the section
 reports nothing."""
 
 from __future__ import annotations
 
-import statistics
-import time
 
 from benchmarks import search_cluster
 from benchmarks._common import setup_jax
+from benchmarks.search import interleaved
 
 SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
             num_key_value_heads=1, head_dim=64)
 BATCH, SEQ = 8, 128
-STEPS_PER_ROUND = 2
 
 
-def gemma(jax, layers: int):
+def gemma(jax, layers: int, size: dict = SIZE, batch: int = BATCH, seq: int = SEQ,
+          abstract: bool = False):
   """``(step, (params, opt_state), tokens)``: the AdamW train step of a
-  ``layers``-deep Gemma, its state and a batch of token ids."""
+  ``layers``-deep Gemma of ``size``, its state and a batch of token ids
+  (``abstract``: their shapes and dtypes only, for a plan)."""
   import jax.numpy as jnp
   import numpy as np
   import optax
@@ -46,10 +47,12 @@ def gemma(jax, layers: int):
   transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
   config = transformers.GemmaConfig(
       num_hidden_layers=layers, hidden_activation="gelu_pytorch_tanh",
-      max_position_embeddings=2 * SEQ, **SIZE)  # (its rotary table needs >= 2 x head_dim)
-  model = transformers.FlaxGemmaForCausalLM(config, input_shape=(1, SEQ), dtype=jnp.bfloat16,
+      max_position_embeddings=2 * seq, **size)  # (its rotary table needs >= 2 x head_dim)
+  model = transformers.FlaxGemmaForCausalLM(config, input_shape=(1, seq), dtype=jnp.bfloat16,
                                             _do_init=False)
-  params = jax.jit(model.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, SEQ))
+  init = lambda key: model.init_weights(key, (1, seq))
+  key = jax.random.PRNGKey(0)
+  params = jax.eval_shape(init, key) if abstract else jax.jit(init)(key)
   optimizer = optax.adamw(1e-3)
 
   def step(params, opt_state, ids):
@@ -63,7 +66,10 @@ def gemma(jax, layers: int):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  ids = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (BATCH, SEQ + 1))
+  if abstract:
+    return (step, (params, jax.eval_shape(optimizer.init, params)),
+            jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32))
+  ids = np.random.default_rng(0).integers(0, size["vocab_size"], (batch, seq + 1))
   return step, (params, optimizer.init(params)), ids.astype(np.int32)
 
 
@@ -90,25 +96,6 @@ def hand_written(jax, state, ids) -> dict:
   return {k: ((*s, b), (*s, None)) for k, (s, b) in layouts.items()}
 
 
-def steps_per_second(fns: dict, state: tuple, ids, rounds: int) -> dict[str, float]:
-  """name -> median steps/s of each function of ``fns`` from ``state``, in
-  ``rounds`` interleaved rounds: in each, every function runs one untimed
-  step, then ``STEPS_PER_ROUND`` timed ones, each fed the last one's state."""
-  import jax
-  states = {k: state for k in fns}
-  times: dict[str, list[float]] = {k: [] for k in fns}
-  for _ in range(rounds):
-    for k, fn in fns.items():
-      out = jax.block_until_ready(fn(*states[k], ids))  # warm, right before
-      t0 = time.perf_counter()
-      for _ in range(STEPS_PER_ROUND):
-        out = fn(*out[:2], ids)
-      jax.block_until_ready(out)
-      times[k].append((time.perf_counter() - t0) / STEPS_PER_ROUND)
-      states[k] = out[:2]
-  return {k: 1 / statistics.median(ts) for k, ts in times.items()}
-
-
 def run(args) -> list[dict]:
   jax = setup_jax(args.devices)
   if args.devices < 8:
@@ -132,7 +119,9 @@ def run(args) -> list[dict]:
     fns = {"found": found.sharded_jit()}
     for k, (ins, outs) in hand_written(jax, state, ids).items():
       fns[k] = sharded_jit(step, in_parts=ins, out_parts=outs)
-    rates = steps_per_second(fns, state, ids, 5 if layers <= 4 else 3)
+    seconds = interleaved({k: (fn, (*state, ids)) for k, fn in fns.items()}, 2,
+                          5 if layers <= 4 else 4)
+    rates = {k: 1 / v for k, v in seconds.items()}
     fastest = max((k for k in rates if k != "found"), key=rates.get)
     best = found.best
     detail = (f"found: {best.family}, {best.layout}; estimated {best.seconds * 1e3:.3g} ms;"
