@@ -7,8 +7,8 @@ timed on this host's CPU), the search runs them: each layout's arguments
 placed once and kept on the devices (each step is fed the state it returned,
 as in a training loop), each warmed right before its timed steps (a call
 that follows another layout's heavy step pays for its leftovers), in turn
-over rounds (the host's drift falls on every layout alike), the median
-round per step.
+over rounds (the host's drift falls on every layout alike; each round
+starts with another layout), the median round per step.
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ def close_calls(measure: int | None, scores: Sequence[float], families: Sequence
   return picked if len(picked) >= 2 else []
 
 
+def ranked(chosen: Sequence[Any]) -> list:
+  """The timed candidates (``.measured``, ``.score.seconds``, ``.index``),
+  fastest first; measured times within ``CLOSE`` of the fastest are a tie
+  (the host's noise: two layouts 6% apart measured 1% apart here), which
+  the estimate breaks."""
+  fastest = min(x.measured for x in chosen)
+  tied = [x for x in chosen if x.measured <= fastest * (1 + CLOSE)]
+  lead = min(tied, key=lambda x: (x.score.seconds, x.index))
+  return [lead] + sorted((x for x in chosen if x is not lead), key=lambda x: (x.measured, x.index))
+
+
 def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
@@ -106,7 +117,9 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
       fast = sorted(map(median, times))[:2]
       if len(fast) < 2 or fast[1] > fast[0] * (1 + CLOSE):
         break  # the call is not close: more rounds would not change it
-    for feed, t in zip(feeds, times):
+    order = list(range(len(feeds)))
+    for k in order[done % len(feeds):] + order[:done % len(feeds)]:  # none always first
+      feed, t = feeds[k], times[k]
       feed.step()  # warm, right before its timed steps
       jax.block_until_ready(feed.leaves)
       begin = time.perf_counter()

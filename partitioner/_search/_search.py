@@ -283,7 +283,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
                            [x.time_offset for x in chosen])
     for x, t in zip(chosen, times):
       x.measured = t
-    fits = sorted(chosen, key=lambda x: (x.measured, x.index)) + [
+    fits = _measure.ranked(chosen) + [
         x for x in fits if x not in chosen]
   elif hosts > 1:  # a plan nothing here can time: the lean, quiet layout of the close ones
     fits = _select.plan_order(fits, device.error)

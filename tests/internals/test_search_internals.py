@@ -159,6 +159,17 @@ def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, rounds):
   assert [len(s) for s in steps.values()] == [2 + rounds * 3] * 2  # first, then warm + 2 a round
 
 
+def test_measured_times_within_the_noise_are_a_tie_the_estimate_breaks():
+  from types import SimpleNamespace as NS
+  from partitioner._search._measure import ranked
+  row = lambda i, measured, estimated: NS(index=i, measured=measured,
+                                          score=NS(seconds=estimated))
+  a, b, c = row(0, 1.00, 2.0), row(1, 1.02, 1.0), row(2, 1.2, 0.5)
+  assert ranked([a, b, c]) == [b, a, c]  # a and b tie; b is estimated faster
+  d = row(3, 1.10, 1.0)
+  assert ranked([a, d]) == [a, d]  # 10% apart: the measurement decides
+
+
 def test_grids_keep_the_model_axis_inside_a_host():
   from partitioner._search._candidates import grids
   from partitioner._search._estimate import crossing
