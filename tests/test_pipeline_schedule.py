@@ -307,3 +307,34 @@ def test_an_equinox_stack():
   f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
   like_the_plain_loop(f, layer, params, jnp.asarray(data()[1]), layers, rtol=1e-5, atol=1e-5)
   assert explain(f.lower(params, jnp.asarray(data()[1])).compile()).pipelines[0].stages == 4
+
+
+def test_a_library_decoders_own_layer_list():
+  """transformers' FlaxGemma keeps its decoder layers as submodules of
+  their own ('0', '1', ...), not a stack: their parameters stacked, one
+  FlaxGemmaDecoderLayer applied per layer (the library's names, rotary
+  positions, one key/value head); stages read from in_parts."""
+  transformers = pytest.importorskip("transformers")
+  from transformers.models.gemma.modeling_flax_gemma import FlaxGemmaDecoderLayer
+  transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
+  layers, seq, width = 4, 16, 32
+  config = transformers.GemmaConfig(
+      vocab_size=64, hidden_size=width, intermediate_size=64, num_hidden_layers=layers,
+      num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=seq,
+      hidden_activation="gelu_pytorch_tanh")
+  model = transformers.FlaxGemmaForCausalLM(config, input_shape=(1, seq), seed=0)
+  own = model.params["model"]["layers"]
+  stacked = jax.tree_util.tree_map(lambda *w: jnp.stack(w), *(own[str(i)] for i in range(layers)))
+  block = FlaxGemmaDecoderLayer(config)
+
+  def layer(p, h):
+    positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
+    return block.apply({"params": p}, h, jnp.ones(h.shape[:2], jnp.int32), positions)[0]
+
+  x = jax.random.normal(jax.random.key(1), (8, seq, width))
+  parts = jax.tree_util.tree_map(lambda w: P(2, *(1,) * (w.ndim - 1)), stacked)
+  loss = lambda p, x: jnp.mean(pipeline(layer, p, x, microbatches=4) ** 2)
+  f = sharded_jit(jax.value_and_grad(loss), in_parts=(parts, None), out_parts=(None, parts))
+  like_the_plain_loop(f, layer, stacked, x, layers, rtol=1e-5, atol=1e-6)
+  report = explain(f.lower(stacked, x).compile())
+  assert report.pipelines[0].stages == 2 and report.collective_totals()["all-gather"][0] == 0
