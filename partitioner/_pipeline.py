@@ -206,8 +206,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     # the gradients).
     column = None if buf is None else index(buf, t % k, axis=1)
     fresh = column if buf is not None else index(xs, jnp.minimum(t, m - 1))
-    if wait is None:
-      fresh = jnp.where(t < m, fresh, start if buf is not None else xs[0])
+    if wait is None:  # (start: every stage's real first rows)
+      fresh = jnp.where(t < m, fresh, start)
     else:
       wait = pin(jnp.where(slots == (t - s) % m, shifted[:, None], wait),
                  wider(state_spec, 1), "circular buffer")
