@@ -8,7 +8,9 @@ placed once and kept on the devices (each step is fed the state it returned,
 as in a training loop), each warmed right before its timed steps (a call
 that follows another layout's heavy step pays for its leftovers), in turn
 over rounds (the host's drift falls on every layout alike; each round
-starts with another layout), the median round per step.
+starts with another layout); each layout's time is the first one's median
+times its median ratio to the first within a round (the host drifts by more
+than a close call between rounds).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def ranked(chosen: Sequence[Any]) -> list:
 def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
-            calls: int = 2, rounds: int = 3) -> list[float]:
+            calls: int = 2, rounds: int = 4) -> list[float]:
   """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``:
   ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS`` (up
   to ``MORE_ROUNDS`` more while the two fastest are within ``CLOSE``).
@@ -111,10 +113,9 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
     first.append(time.perf_counter() - begin)
   calls = max(calls, math.ceil(ROUND_SECONDS / max(min(first), 1e-6)))
   times: list[list[float]] = [[] for _ in feeds]
-  median = lambda t: sorted(t)[len(t) // 2]
   for done in range(rounds + MORE_ROUNDS):
     if done >= rounds:
-      fast = sorted(map(median, times))[:2]
+      fast = sorted(_paired(times))[:2]
       if len(fast) < 2 or fast[1] > fast[0] * (1 + CLOSE):
         break  # the call is not close: more rounds would not change it
     order = list(range(len(feeds)))
@@ -129,7 +130,17 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
           jax.block_until_ready(feed.leaves)
       jax.block_until_ready(feed.leaves)
       t.append((time.perf_counter() - begin) / calls)
-  return [median(t) for t in times]
+  return _paired(times)
+
+
+def _paired(times: Sequence[Sequence[float]]) -> list[float]:
+  """Seconds per step of each layout from its times in each round: the
+  first layout's median, times each one's median ratio to the first in the
+  same round (the host drifts by more than a close call between rounds; a
+  round's layouts are timed a fraction of a second apart)."""
+  median = lambda t: sorted(t)[len(t) // 2]
+  base = median(times[0])
+  return [base * median([a / b for a, b in zip(t, times[0])]) for t in times]
 
 
 class _Feed:
