@@ -19,8 +19,8 @@ flops, bytes and estimated time against the best hand-written layout's,
 its bytes against Megatron 2 x 4's, its measured steps/s against Megatron
 2 x 4's (all the layouts timed in interleaved rounds) and against the
 fastest hand-written layout (a final: the found layout against the
-fastest of those rounds, the two alone, more rounds, the median of their
-per-round ratio), its bytes across hosts when planned for 2 hosts x 4
+fastest of those rounds, the two alone, about a minute of rounds, the
+median of their per-round ratio), its bytes across hosts when planned for 2 hosts x 4
 (H100 model) against the hand-written layout that sends the fewest (of
 those within 1.1x the least flops), whether it fits a budget 5% above the
 smallest hand-written peak, and the search time (cold). On the small
@@ -177,28 +177,47 @@ def per_round(times: dict[str, list[float]], a: str, b: str) -> float:
   return statistics.median(y / x for x, y in zip(times[a], times[b]))
 
 
+# A final lasts about this long (at least ``final_rounds`` rounds): a round
+# of a 16 ms step, timed for 0.25 s, lands anywhere within 10% of the
+# next one's on this host, and a median of 12 rounds of one program
+# against itself 5% from 1.
+FINAL_SECONDS = 60.0
+
+
 def against_fastest(fns: dict, n_state: int, rounds: int, final_rounds: int):
   """Every layout of ``fns`` (``"found"`` among them) timed in ``rounds``
   interleaved rounds (the field: name -> median seconds per step), then
   the found layout against the fastest hand-written one of the field, the
-  two alone, in ``final_rounds`` more. Returns ``(field, final, fastest,
-  ratio)``: ``final`` the two's median seconds per step in the final,
-  ``ratio`` the found layout's steps/s over the fastest's (``per_round``).
+  two alone, in a final of ``final_rounds`` rounds or more, as many as fit
+  in ``FINAL_SECONDS``. Returns ``(field, final, fastest, ratio)``:
+  ``final`` the two's median seconds per step in the final, ``ratio`` the
+  found layout's steps/s over the fastest's (``per_round``).
 
   Why a final: among 8 layouts of up to 2x each other's step, two runs of
   one program measured up to 8% apart (the host drifts between a layout's
-  turn and another's; a step that follows a heavy one pays for it), 2% in
-  a final of three. And why against one layout, picked on other rounds:
-  the fastest of several layouts of one speed, picked and measured on the
-  same rounds, is the luckiest of them (the found data parallel 8 against
-  the hand-written data parallel 8 and two layouts within 10% of it, in
-  one final, measured 0.96 that way)."""
+  turn and another's; a step that follows a heavy one pays for it). And
+  why against one layout, picked on other rounds: the fastest of several
+  layouts of one speed, picked and measured on the same rounds, is the
+  luckiest of them (the found data parallel 8 against the hand-written
+  data parallel 8 and two layouts within 10% of it, in one final,
+  measured 0.96 that way)."""
+  import math
   import statistics
   field = interleaved(fns, n_state, rounds)
   fastest = min((k for k in field if k != "found"), key=field.get)
+  steps = max(2, math.ceil(ROUND_SECONDS / min(field["found"], field[fastest])))  # (rounds_of's)
+  per_round_seconds = (steps + 1) * (field["found"] + field[fastest])
+  final_rounds = max(final_rounds, int(FINAL_SECONDS / per_round_seconds))
   times = rounds_of({"found": fns["found"], fastest: fns[fastest]}, n_state, final_rounds)
   final = {k: statistics.median(ts) for k, ts in times.items()}
   return field, final, fastest, per_round(times, "found", fastest)
+
+
+def same_program(timed: dict, fastest: str) -> str:
+  """", the same program as the fastest" when the found layout compiles to
+  the hand-written one's program (their ratio is then the host's noise)."""
+  text = lambda k: timed[k][0].lower(*timed[k][1]).compile().as_text()
+  return ", the same program as the fastest" if text("found") == text(fastest) else ""
 
 
 def run(args) -> list[dict]:
@@ -274,7 +293,7 @@ def run(args) -> list[dict]:
                                    f" {found_gpu.best.family}",
                "measured steps/s vs the fastest hand-written layout":
                    f"found {best.family}" + (" (a close call, timed)" if best.measured_seconds
-                                             else ""),
+                                             else "") + same_program(timed, fastest),
                "2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that"
                " sends the fewest": f"found: {planned.best.family}, flops"
                f" {planned.best.flops / max(lean, 1):.2f}x the least"}
