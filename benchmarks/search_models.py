@@ -13,9 +13,10 @@ steps/s against the fastest hand-written layout: data parallel 8, FSDP 8
 Megatron rules on Gemma's names, weights copied over data). Each layout
 keeps its parameters on the devices (each step gets the last one's
 output); the layouts are timed in interleaved rounds, each warmed by one
-step right before its timed steps, then the found one against the
-fastest of them, the two alone, in a final of more rounds: the median of
-their per-round ratio (``benchmarks.search.against_fastest``).
+step right before its timed steps, then the found one against the two
+fastest of them, the three alone, in a final of more rounds: the median
+of the per-round ratio against the finalist it fares worst against
+(``benchmarks.search.against_fastest``).
 
 Then a cluster planned from one machine (``search_cluster``): the same
 decoder at Gemma 2B's size, 4 layers, for 8 hosts x 8 H100s from 64
