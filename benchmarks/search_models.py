@@ -9,8 +9,11 @@ step on 8 sequences of 128 token ids. Reported per depth: the search's
 time (cold: ``partitioner.clear_caches()`` first), how many layouts it
 estimated and compiled, the found layout's family, and its measured
 steps/s against the fastest hand-written layout: data parallel 8, FSDP 8
-(``fsdp_specs``) and Megatron data x model 4 x 2 (``fsdp_tp_specs`` with
-Megatron rules on Gemma's names, weights copied over data). Each layout
+(``fsdp_specs``), Megatron data x model 4 x 2 (``fsdp_tp_specs`` with
+Megatron rules on Gemma's names, weights copied over data), the same with
+the single key/value head left whole (as MaxText lays out a multi-query
+model) at 4 x 2 and 2 x 4, tensor parallel 8 and FSDP x TP 4 x 2 (both
+with the key/value head whole). Each layout
 keeps its parameters on the devices (each step gets the last one's
 output); the layouts are timed in interleaved rounds, each warmed by one
 step right before its timed steps, then the found one against the two
@@ -76,26 +79,41 @@ def gemma(jax, layers: int, size: dict = SIZE, batch: int = BATCH, seq: int = SE
   return step, (params, optimizer.init(params)), ids.astype(np.int32)
 
 
-def megatron_rules(m: int) -> list:
+def megatron_rules(m: int, kv_heads: int | None = None) -> list:
   """Megatron's rules on Gemma's parameter names, the model axis ``m`` ways:
-  columns of the projections in, rows of those out, the vocabulary."""
+  columns of the projections in, rows of those out, the vocabulary. With
+  ``kv_heads`` the key and value projections are split only where ``m``
+  divides their heads, else left whole (the way a multi-query model is
+  laid out by hand, MaxText's: a single key/value head is not cut)."""
   from sharding import PartitionSpec as P
-  return [(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(1, m)),
+  kv = kv_heads is None or kv_heads % m == 0
+  return [(r"(q_proj|gate_proj|up_proj)/kernel$", P(1, m)),
+          *([(r"(k_proj|v_proj)/kernel$", P(1, m))] if kv else []),
           (r"(o_proj|down_proj)/kernel$", P(m, 1)),
           (r"embed_tokens/embedding$", P(m, 1))]
 
 
 def hand_written(jax, state, ids) -> dict:
-  """name -> (in_parts, out_parts) of the hand-written layouts."""
+  """name -> (in_parts, out_parts) of the hand-written layouts: data
+  parallel, FSDP, Megatron d x m (the single key/value head cut, as
+  Megatron's rules cut it, and whole), tensor parallel and FSDP x TP."""
   from sharding import PartitionSpec as P
   from sharding import fsdp_specs, fsdp_tp_specs
 
-  m = 2
-  megatron = megatron_rules(m)
+  kv = SIZE["num_key_value_heads"]
+  copied = 1 << 60  # (min_size: Megatron copies the weights it does not split)
   layouts = {"data parallel 8": (jax.tree_util.tree_map(lambda _: None, state), P(8, 1)),
              "FSDP 8": (fsdp_specs(state, 8), P(8, 1)),
-             "data x model 4 x 2": (fsdp_tp_specs(state, megatron, fsdp=4, tensor=m,
-                                                  min_size=1 << 60), P(4, 1))}
+             "data x model 4 x 2": (fsdp_tp_specs(state, megatron_rules(2), fsdp=4, tensor=2,
+                                                  min_size=copied), P(4, 1))}
+  for d, m in ((4, 2), (2, 4)):
+    layouts[f"data x model {d} x {m}, key/value head whole"] = (
+        fsdp_tp_specs(state, megatron_rules(m, kv), fsdp=d, tensor=m, min_size=copied),
+        P(d, 1))
+  layouts["tensor parallel 8"] = (fsdp_tp_specs(state, megatron_rules(8, kv), fsdp=1,
+                                                tensor=8), None)
+  layouts["FSDP x TP 4 x 2"] = (fsdp_tp_specs(state, megatron_rules(2, kv), fsdp=4, tensor=2),
+                                P(4, 1))
   return {k: ((*s, b), (*s, None)) for k, (s, b) in layouts.items()}
 
 
@@ -111,7 +129,7 @@ def run(args) -> list[dict]:
   import partitioner
   from partitioner import sharded_jit
 
-  rows = []
+  rows, shallow = [], None  # (the first depth's search seconds)
   for layers in args.model_layers:
     name = f"Gemma, {layers} layers"
     step, state, ids = gemma(jax, layers)
@@ -128,15 +146,21 @@ def run(args) -> list[dict]:
     best = found.best
     detail = (f"found: {best.family}, {best.layout}; estimated {best.seconds * 1e3:.3g} ms;"
               f" measured steps/s: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()))
+    if shallow is None:  # issue 28: the first depth (2) in 30 s, the deeper ones in 1.5x that
+      shallow = found.search_seconds
+      time_row = {"jax": 30.0, "against": "30 s", "target": "<= 1.0"}
+    else:
+      time_row = {"jax": shallow, "against": f"the {args.model_layers[0]}-layer search",
+                  "target": "<= 1.5"}
     rows += [
         {"case": f"{name}: search time (cold)", "unit": "s", "ours": found.search_seconds,
-         "jax": 60.0, "against": "60 s", "target": "<= 1.0", "detail": detail},
+         **time_row, "detail": detail},
         {"case": f"{name}: layouts compiled of those estimated", "unit": "",
          "ours": float(len(found.candidates)), "jax": float(found.estimated),
          "against": "estimated", "target": "-", "detail": ""},
         {"case": f"{name}: measured steps/s vs the fastest hand-written", "unit": "steps/s",
          "ours": 1 / final["found"], "jax": 1 / final[fastest], "ratio": ratio,
-         "against": fastest, "target": ">= 1.0", "detail": ""},
+         "against": fastest, "target": ">= 0.97", "detail": ""},
     ]
     del fns, state
   rows += search_cluster.rows()  # 64 simulated devices: a process of its own
