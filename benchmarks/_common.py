@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,6 +19,20 @@ def setup_jax(devices: int):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   return jax
+
+
+def child_rows(module: str, *argv: str, timeout: float) -> list[dict]:
+  """The rows a section's child process prints as JSON on its last line of
+  output: ``python -m module *argv`` with this environment but for
+  ``XLA_FLAGS`` (the child sets its own device count). A child starts from
+  a clean heap: a 24-layer model timed in 8 layouts holds 13-17 GB, and
+  the sections before it leave theirs behind."""
+  cmd = [sys.executable, "-m", module, *argv]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  if out.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def kinds(ops) -> str:

@@ -17,12 +17,9 @@ scored by ``partitioner.cost`` with ``hosts=8`` under the H100 model."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
-from benchmarks._common import ROOT, setup_jax
+from benchmarks._common import child_rows, setup_jax
 
 LAYERS, DEVICES, HOSTS = 4, 64, 8
 SIZE = dict(vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_attention_heads=8,
@@ -32,13 +29,8 @@ TIMEOUT = 1200
 
 
 def rows() -> list[dict]:
-  """The section's rows, from the child's last line of output."""
-  cmd = [sys.executable, "-m", "benchmarks.search_cluster"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-  if out.returncode:
-    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  """The section's rows, from a child process of 64 devices."""
+  return child_rows("benchmarks.search_cluster", timeout=TIMEOUT)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 
 from benchmarks import search_cluster
-from benchmarks._common import setup_jax
+from benchmarks._common import child_rows, setup_jax
 from benchmarks.search import against_fastest
 
 SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
@@ -117,8 +117,45 @@ def hand_written(jax, state, ids) -> dict:
   return {k: ((*s, b), (*s, None)) for k, (s, b) in layouts.items()}
 
 
+# A depth's child: its search, the field's compiles and rounds (24 layers: about 8 minutes).
+TIMEOUT = 2400
+
+
+def depth_rows(layers: int) -> list[dict]:
+  """The rows of one depth, on 8 devices: the search's time (its target
+  left to the parent), the layouts compiled of those estimated, and the
+  found layout's steps/s against the fastest hand-written one."""
+  jax = setup_jax(8)
+  import partitioner
+  from partitioner import sharded_jit
+
+  name = f"Gemma, {layers} layers"
+  step, state, ids = gemma(jax, layers)
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    (*state, ids))
+  partitioner.clear_caches()
+  found = partitioner.search(step, *abstract, progress=False)
+  fns = {"found": found.sharded_jit()}
+  for k, (ins, outs) in hand_written(jax, state, ids).items():
+    fns[k] = sharded_jit(step, in_parts=ins, out_parts=outs)
+  seconds, final, fastest, ratio = against_fastest(
+      {k: (fn, (*state, ids)) for k, fn in fns.items()}, 2, *((5, 12) if layers <= 4 else (4, 8)))
+  best = found.best
+  detail = (f"found: {best.family}, {best.layout}; estimated {best.seconds * 1e3:.3g} ms;"
+            f" measured steps/s: " + ", ".join(f"{k} {1 / v:.3g}" for k, v in seconds.items()))
+  return [
+      {"case": f"{name}: search time (cold)", "unit": "s", "ours": found.search_seconds,
+       "detail": detail},
+      {"case": f"{name}: layouts compiled of those estimated", "unit": "",
+       "ours": float(len(found.candidates)), "jax": float(found.estimated),
+       "against": "estimated", "target": "-", "detail": ""},
+      {"case": f"{name}: measured steps/s vs the fastest hand-written", "unit": "steps/s",
+       "ours": 1 / final["found"], "jax": 1 / final[fastest], "ratio": ratio,
+       "against": fastest, "target": ">= 0.97", "detail": ""},
+  ]
+
+
 def run(args) -> list[dict]:
-  jax = setup_jax(args.devices)
   if args.devices < 8:
     return []
   try:
@@ -126,44 +163,24 @@ def run(args) -> list[dict]:
   except ImportError:
     print("(transformers is not installed: no search_models section; pip install -e .[thirdparty])")
     return []
-  import partitioner
-  from partitioner import sharded_jit
-
   rows, shallow = [], None  # (the first depth's search seconds)
-  for layers in args.model_layers:
-    name = f"Gemma, {layers} layers"
-    step, state, ids = gemma(jax, layers)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                      (*state, ids))
-    partitioner.clear_caches()
-    found = partitioner.search(step, *abstract, progress=False)
-    fns = {"found": found.sharded_jit()}
-    for k, (ins, outs) in hand_written(jax, state, ids).items():
-      fns[k] = sharded_jit(step, in_parts=ins, out_parts=outs)
-    seconds, final, fastest, ratio = against_fastest(
-        {k: (fn, (*state, ids)) for k, fn in fns.items()}, 2, *((5, 12) if layers <= 4 else (4, 8)))
-    rates = {k: 1 / v for k, v in seconds.items()}
-    best = found.best
-    detail = (f"found: {best.family}, {best.layout}; estimated {best.seconds * 1e3:.3g} ms;"
-              f" measured steps/s: " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()))
+  for layers in args.model_layers:  # each depth in a child process of its own
+    depth = child_rows("benchmarks.search_models", str(layers), timeout=TIMEOUT)
+    searched = depth[0]["ours"]
     if shallow is None:  # issue 28: the first depth (2) in 30 s, the deeper ones in 1.5x that
-      shallow = found.search_seconds
-      time_row = {"jax": 30.0, "against": "30 s", "target": "<= 1.0"}
+      shallow = searched
+      depth[0].update(jax=30.0, against="30 s", target="<= 1.0")
     else:
-      time_row = {"jax": shallow, "against": f"the {args.model_layers[0]}-layer search",
-                  "target": "<= 1.5"}
-    rows += [
-        {"case": f"{name}: search time (cold)", "unit": "s", "ours": found.search_seconds,
-         **time_row, "detail": detail},
-        {"case": f"{name}: layouts compiled of those estimated", "unit": "",
-         "ours": float(len(found.candidates)), "jax": float(found.estimated),
-         "against": "estimated", "target": "-", "detail": ""},
-        {"case": f"{name}: measured steps/s vs the fastest hand-written", "unit": "steps/s",
-         "ours": 1 / final["found"], "jax": 1 / final[fastest], "ratio": ratio,
-         "against": fastest, "target": ">= 0.97", "detail": ""},
-    ]
-    del fns, state
+      depth[0].update(jax=shallow, against=f"the {args.model_layers[0]}-layer search",
+                      target="<= 1.5")
+    rows += depth
   rows += search_cluster.rows()  # 64 simulated devices: a process of its own
   for r in rows:
     r.setdefault("ratio", r["ours"] / r["jax"] if r["jax"] else float("nan"))
   return rows
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+  print(json.dumps(depth_rows(int(sys.argv[1]))))
