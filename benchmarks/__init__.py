@@ -35,9 +35,12 @@ Sections (one module each):
             hosts x 4 against the hand-written layouts' bytes across hosts.
   search_models  the search on a third-party decoder (transformers'
             FlaxGemmaForCausalLM, bf16, one key/value head) at 2 and 24
-            layers: search time, candidates estimated and compiled, the
-            found layout's steps/s against the fastest hand-written one
-            (needs the thirdparty extra).
+            layers, each depth a ``python -m benchmarks.search_models N``
+            child: search time, candidates estimated and compiled, the
+            found layout's steps/s against the fastest hand-written one;
+            then a plan for 8 hosts x 8 H100s from 64 simulated devices
+            (``python -m benchmarks.search_cluster``) (needs the
+            thirdparty extra; the 24-layer child holds about 17 GB).
   pipeline  partitioner.pipeline in a sharded_jit train step against the
             GPipe a jax user writes by hand following MaxText (jax.jit,
             a ('stage',) mesh, roll-shifted state buffer) on a 16-layer
