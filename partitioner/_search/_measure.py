@@ -32,10 +32,15 @@ AUTO_MEASURE = 2
 # A timed round of a layout lasts at least this long (more calls for a
 # fast step: two 15 ms steps are noise).
 ROUND_SECONDS = 0.1
-# When the two fastest medians lie within this fraction of each other
-# after ``rounds`` rounds, up to this many more rounds are run (the host's
-# noise on a step is a few percent: a close call needs more samples).
-CLOSE, MORE_ROUNDS = 0.05, 4
+# When the two fastest lie within ``CLOSE`` of each other after ``rounds``
+# rounds, more rounds are run, up to ``MAX_ROUNDS`` in all, until the rounds
+# have taken ``CLOSE_SECONDS`` (the host's noise on a round is up to 10%:
+# the median of 8 rounds of a 20 ms step put two layouts 5% apart the
+# wrong way round; a 20 ms step gets about 30 rounds, a 160 ms one 8).
+CLOSE, MAX_ROUNDS, CLOSE_SECONDS = 0.05, 32, 8.0
+# Measured times within this fraction of the fastest are a tie, which the
+# estimate breaks (what the rounds above cannot tell apart).
+TIE = 0.02
 # Steps dispatched before waiting for them: XLA's CPU client deadlocks
 # (a collective's rendezvous times out) with many programs of collectives
 # in flight.
@@ -69,11 +74,10 @@ def close_calls(measure: int | None, scores: Sequence[float], families: Sequence
 
 def ranked(chosen: Sequence[Any]) -> list:
   """The timed candidates (``.measured``, ``.score.seconds``, ``.index``),
-  fastest first; measured times within ``CLOSE`` of the fastest are a tie
-  (the host's noise: two layouts 6% apart measured 1% apart here), which
-  the estimate breaks."""
+  fastest first; measured times within ``TIE`` of the fastest are a tie
+  (the host's noise), which the estimate breaks."""
   fastest = min(x.measured for x in chosen)
-  tied = [x for x in chosen if x.measured <= fastest * (1 + CLOSE)]
+  tied = [x for x in chosen if x.measured <= fastest * (1 + TIE)]
   lead = min(tied, key=lambda x: (x.score.seconds, x.index))
   return [lead] + sorted((x for x in chosen if x is not lead), key=lambda x: (x.measured, x.index))
 
@@ -83,8 +87,9 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
             layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
             calls: int = 2, rounds: int = 4) -> list[float]:
   """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``:
-  ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS`` (up
-  to ``MORE_ROUNDS`` more while the two fastest are within ``CLOSE``).
+  ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS``, and
+  more while the two fastest are within ``CLOSE`` (up to ``MAX_ROUNDS``
+  rounds, until they have taken ``CLOSE_SECONDS``).
 
   ``out_state[k]`` is the flat input that flat output ``k`` is the new
   value of (a train step's parameters), or None.
@@ -113,11 +118,14 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
     first.append(time.perf_counter() - begin)
   calls = max(calls, math.ceil(ROUND_SECONDS / max(min(first), 1e-6)))
   times: list[list[float]] = [[] for _ in feeds]
-  for done in range(rounds + MORE_ROUNDS):
+  start = time.perf_counter()
+  for done in range(max(rounds, MAX_ROUNDS)):
     if done >= rounds:
       fast = sorted(_paired(times))[:2]
       if len(fast) < 2 or fast[1] > fast[0] * (1 + CLOSE):
         break  # the call is not close: more rounds would not change it
+      if time.perf_counter() - start >= CLOSE_SECONDS:
+        break
     order = list(range(len(feeds)))
     for k in order[done % len(feeds):] + order[:done % len(feeds)]:  # none always first
       feed, t = feeds[k], times[k]

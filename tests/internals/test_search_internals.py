@@ -138,10 +138,15 @@ def test_measure_decides_on_the_close_calls():
   assert close(None, [1.0, 1.01], families=["a", "a"]) == []
 
 
-@pytest.mark.parametrize("seconds, rounds", [((1.0, 1.02), 8), ((1.0, 1.5), 4)])
-def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, rounds):
-  """4 rounds, and up to 4 more while the two fastest are within 5% (a
-  fake clock: each layout's step takes ``seconds``)."""
+# A round of two layouts whose steps take 0.1 s (2 steps and a warm one
+# each) takes 0.606 s: 14 rounds fill the 8 s of a close call; 12 ms steps
+# (9 a round: 0.24 s) reach the 32 rounds first.
+@pytest.mark.parametrize("seconds, calls, rounds", [((0.1, 0.102), 2, 14),
+                                                    ((0.012, 0.01224), 9, 32),
+                                                    ((0.1, 0.15), 2, 4)])
+def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, calls, rounds):
+  """4 rounds, and more while the two fastest are within 5%, until 8 s
+  or 32 rounds (a fake clock: each layout's step takes ``seconds``)."""
   from partitioner._search import _measure
   clock, steps, real = [0.0], {}, _measure._Feed.step
 
@@ -156,7 +161,7 @@ def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, rounds):
                            jax.tree_util.tree_structure(0), [0], [([None], [None])] * 2,
                            jax.devices()[:8])
   assert times == pytest.approx(list(seconds))
-  assert [len(s) for s in steps.values()] == [2 + rounds * 3] * 2  # first, then warm + 2 a round
+  assert [len(s) for s in steps.values()] == [2 + rounds * (1 + calls)] * 2  # first, then warm + calls
 
 
 def test_layouts_are_compared_within_each_round():
@@ -174,10 +179,10 @@ def test_measured_times_within_the_noise_are_a_tie_the_estimate_breaks():
   from partitioner._search._measure import ranked
   row = lambda i, measured, estimated: NS(index=i, measured=measured,
                                           score=NS(seconds=estimated))
-  a, b, c = row(0, 1.00, 2.0), row(1, 1.02, 1.0), row(2, 1.2, 0.5)
+  a, b, c = row(0, 1.00, 2.0), row(1, 1.015, 1.0), row(2, 1.2, 0.5)
   assert ranked([a, b, c]) == [b, a, c]  # a and b tie; b is estimated faster
-  d = row(3, 1.10, 1.0)
-  assert ranked([a, d]) == [a, d]  # 10% apart: the measurement decides
+  d = row(3, 1.04, 1.0)
+  assert ranked([a, d]) == [a, d]  # 4% apart: the measurement decides
 
 
 def test_grids_keep_the_model_axis_inside_a_host():
