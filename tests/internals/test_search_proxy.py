@@ -43,6 +43,13 @@ def x_batch() -> jax.Array:
   return jnp.linspace(-1.0, 1.0, 4 * WIDTH).reshape(4, WIDTH)
 
 
+def same(proxy_value, value) -> None:
+  """The proxy's value is the short model's, to float32 rounding: the two
+  are different programs, which XLA may fuse and vectorise differently
+  (on one host's CPU they agreed bitwise, on another 1.4e-7 apart)."""
+  np.testing.assert_allclose(proxy_value, value, rtol=1e-6)
+
+
 def check(closed: jcore.ClosedJaxpr, found: _proxy.Proxy, args: Any) -> list[jax.Array]:
   """The proxy type-checks, keeps the inputs and output avals, and runs."""
   jcore.check_jaxpr(found.jaxpr.jaxpr)
@@ -74,7 +81,7 @@ def test_a_train_step_has_forward_backward_and_update_runs(layers):
   outs = check(closed, found, args)
   # The forward run keeps layers 0 and 1 and the loss reads layer 1's
   # output: the proxy's loss is the two-layer model's.
-  assert outs[0] == jax.jit(residual_mlp)(args[0][:2], args[1])
+  same(outs[0], jax.jit(residual_mlp)(args[0][:2], args[1]))
 
 
 def test_the_proxy_does_not_grow_with_the_layers():
@@ -92,7 +99,7 @@ def test_keeping_every_repetition_is_no_proxy_and_keeping_some_is_that_model():
   for keep in (1, 2, 7):
     found = _proxy.proxy(closed, keep=keep)
     (loss,) = check(closed, found, (params, x))
-    assert loss == jax.jit(residual_mlp)(params[:keep], x)
+    same(loss, jax.jit(residual_mlp)(params[:keep], x))
 
 
 def elementwise_triple(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -163,7 +170,7 @@ def test_rematerialized_layers_are_one_equation_each():
   assert len(runs) == 2 and all(r.period <= 3 and r.reps >= 5 for r in runs)
   found = _proxy.proxy(closed)
   (loss, *_) = check(closed, found, (ws, x))
-  assert loss == jax.jit(remat_mlp)(ws[:2], x)
+  same(loss, jax.jit(remat_mlp)(ws[:2], x))
 
 
 class Block(nn.Module):
