@@ -50,9 +50,10 @@ def release() -> None:
   jax.clear_caches()
   gc.collect()
   try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # (glibc keeps freed pages otherwise)
-  except (OSError, AttributeError):
-    pass
+    trim = ctypes.CDLL("libc.so.6").malloc_trim  # (glibc keeps freed pages otherwise)
+  except (OSError, AttributeError):  # not glibc: nothing more to hand back
+    return
+  trim(0)
 
 
 def main(argv: list[str] | None = None) -> None:
