@@ -1,9 +1,10 @@
 """``python -m benchmarks.calibrate``: fits the ``cpu`` device model of
 ``partitioner.search`` to this host.
 
-Times every hand-written layout of the search section's four models (the
+Times every hand-written layout of the search section's five models (the
 transformer example's train step at d_model 256 and 1024, a wide and a
-narrow MLP: 24 programs plus the example's own Megatron 2 x 4 step),
+narrow MLP, the recommender: 32 programs plus the example's own Megatron
+2 x 4 step),
 interleaved, the median of ``--rounds`` rounds of 2 steps each; reads
 each program's flops, bytes accessed and weighted collective bytes with
 ``Compiled.cost()``; and fits
@@ -14,13 +15,13 @@ each program's flops, bytes accessed and weighted collective bytes with
 by non-negative least squares on the relative error (the latency is held
 at the current model's). Prints the fitted constants, the error, and which
 layout the fitted and the current model pick on each model against the
-fastest measured, including fitted on the other three models only (does
+fastest measured, including fitted on the other models only (does
 it predict, or only describe?). The ``cpu`` entry of
 ``partitioner.DEVICE_MODELS`` holds what this printed here;
 on another host, pass the printed ``DeviceModel`` as ``search(...,
 device_model=)``.
 
-Takes about 3 minutes on 8 simulated devices and 2 cores.
+Takes about 5 minutes on 8 simulated devices and 2 cores.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def main() -> None:
   for model in dict.fromkeys(r["model"] for r in rows):
     others = [r for r in rows if r["model"] != model]
     held_out[model] = picks(rows, predict(rows, fit(others, latency), latency))[model]
-  print("\nmodel: pick of the fitted model / fitted on the other three / current model"
+  print("\nmodel: pick of the fitted model / fitted on the other models / current model"
         " (measured time over the fastest hand-written layout's)")
   fitted_picks, current_picks = picks(rows, predicted), picks(rows, current)
   for model in fitted_picks:
