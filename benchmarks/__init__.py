@@ -40,7 +40,7 @@ Sections (one module each):
             found layout's steps/s against the fastest hand-written one;
             then a plan for 8 hosts x 8 H100s from 64 simulated devices
             (``python -m benchmarks.search_cluster``) (needs the
-            thirdparty extra; the 24-layer child holds about 17 GB).
+            thirdparty extra; the 24-layer child holds about 21 GB).
   pipeline  partitioner.pipeline in a sharded_jit train step against the
             GPipe a jax user writes by hand following MaxText (jax.jit,
             a ('stage',) mesh, roll-shifted state buffer) on a 16-layer

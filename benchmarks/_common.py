@@ -25,7 +25,7 @@ def child_rows(module: str, *argv: str, timeout: float) -> list[dict]:
   """The rows a section's child process prints as JSON on its last line of
   output: ``python -m module *argv`` with this environment but for
   ``XLA_FLAGS`` (the child sets its own device count). A child starts from
-  a clean heap: a 24-layer model timed in 8 layouts holds 13-17 GB, and
+  a clean heap: a 24-layer model timed in 8 layouts holds 13-21 GB, and
   the sections before it leave theirs behind."""
   cmd = [sys.executable, "-m", module, *argv]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -86,10 +86,10 @@ def measure(jax, rounds: int) -> list[dict]:
   from partitioner import sharded_jit
 
   rows = []
-  for name, (fun, example, rules, n_state, megatron) in search.models(jax).items():
+  for name, (fun, example, rules, n_state, megatron, by_hand) in search.models(jax).items():
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     fns = {k: (sharded_jit(fun, in_parts=i, out_parts=o), example, True)
-           for k, (i, o) in search.hand_written(jax, example, rules, n_state).items()}
+           for k, (i, o) in search.hand_written(jax, example, rules, n_state, by_hand).items()}
     if megatron is not None:
       fns["Megatron 2 x 4 (the example's step)"] = (megatron[0], megatron[1], False)
     times = search.interleaved({k: (f, a) for k, (f, a, _) in fns.items()}, n_state, rounds)

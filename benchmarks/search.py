@@ -73,7 +73,7 @@ def models(jax):
     megatron = (example.train_step(example.Model(4, **size)),
                 (params, opt, seqs.reshape(2, batch // 2, -1)),
                 jax_megatron(jax, example, size, 2, 4, donate=False)[0])
-    out[name] = (model.step, (params, opt, seqs), rules, 2, megatron)
+    out[name] = (model.step, (params, opt, seqs), rules, 2, megatron, ())
   for name, d, h, b in (("MLP wide, batch 16", 1024, 4096, 16),
                         ("MLP narrow, batch 4096", 128, 512, 4096)):
     rng = np.random.default_rng(0)
@@ -88,7 +88,7 @@ def models(jax):
       return optax.apply_updates(params, jax.tree_util.tree_map(lambda v: -0.01 * v, g)), value
 
     mlp_rules = lambda m: [("w1", P(1, m)), ("w2", P(m, 1))]
-    out[name] = (mlp_step, (params, x), mlp_rules, 1, None)
+    out[name] = (mlp_step, (params, x), mlp_rules, 1, None, ())
   out["embedding bag + MLP, batch 4096"] = recommender(jax)
   return out
 
@@ -100,8 +100,9 @@ VOCAB, DIM, HIDDEN, BAG, REC_BATCH = 262144, 64, 256, 16, 4096
 
 
 def recommender(jax):
-  """``(step, (params, opt_state, ids, labels), rules, 2, None)``: an
-  Adam step of the embedding-bag click model, its state and a batch."""
+  """``(step, (params, opt_state, ids, labels), rules, 2, None, by_hand)``:
+  an Adam step of the embedding-bag click model, its state, a batch, and
+  the layouts a recommender's table is given by hand (``hand_written``)."""
   import jax.numpy as jnp
   import numpy as np
   import optax
@@ -127,11 +128,16 @@ def recommender(jax):
   # Megatron's: the vocabulary split (as for a language model's), the MLP's
   # columns in and rows out.
   rules = lambda m: [("table", P(m, 1)), ("w1", P(1, m)), ("w2", P(m, 1))]
-  return step, (params, optimizer.init(params), ids, labels), rules, 2, None
+  # TorchRec's row-wise (DLRM's: the rest data parallel) and column-wise.
+  by_hand = (("table rows 8, the rest data parallel 8", [("table", P(8, 1))], 8),
+             ("table columns 8, batch whole", [("table", P(1, 8))], 1))
+  return step, (params, optimizer.init(params), ids, labels), rules, 2, None, by_hand
 
 
-def hand_written(jax, args, rules, n_state):
-  """name -> (in_parts, out_parts) of every hand-written layout."""
+def hand_written(jax, args, rules, n_state, by_hand=()):
+  """name -> (in_parts, out_parts) of every hand-written layout, and of
+  ``by_hand``'s: ``(name, rules, batch split)`` over 8 devices, the leaves
+  no rule splits copied."""
   from sharding import PartitionSpec as P
   from sharding import fsdp_specs, fsdp_tp_specs
 
@@ -149,15 +155,9 @@ def hand_written(jax, args, rules, n_state):
                                   batch_spec(1))
   layouts["FSDP x TP 2 x 4"] = (fsdp_tp_specs(state, rules(4), fsdp=2, tensor=4),
                                 batch_spec(2))
-  if any("table" in name for name, _ in rules(8)):  # an embedding model: how a
-    # recommender's table is laid out by hand (TorchRec's row-wise and
-    # column-wise sharding), the rest data parallel or copied
-    by_rows = [("table", P(8, 1))]
-    layouts["table rows 8, the rest data parallel 8"] = (
-        fsdp_tp_specs(state, by_rows, fsdp=1, tensor=8, min_size=BIG), batch_spec(8))
-    layouts["table columns 8, batch whole"] = (
-        fsdp_tp_specs(state, [("table", P(1, 8))], fsdp=1, tensor=8, min_size=BIG),
-        batch_spec(1))
+  for name, own_rules, split in by_hand:
+    layouts[name] = (fsdp_tp_specs(state, own_rules, fsdp=1, tensor=8, min_size=BIG),
+                     batch_spec(split))
   return {k: ((*s, *b), (*s, None)) for k, (s, b) in layouts.items()}
 
 
@@ -291,10 +291,10 @@ def run(args) -> list[dict]:
   from partitioner import sharded_jit
 
   rows = []
-  for name, (fun, example, rules, n_state, megatron) in models(jax).items():
+  for name, (fun, example, rules, n_state, megatron, by_hand) in models(jax).items():
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     costs, gpu = {}, {}
-    layouts = hand_written(jax, example, rules, n_state)
+    layouts = hand_written(jax, example, rules, n_state, by_hand)
     cluster = {}  # each hand-written layout as 2 hosts of 4 H100s
     for lname, (ins, outs) in layouts.items():
       compiled = sharded_jit(fun, in_parts=ins, out_parts=outs).lower(*abstract).compile()
