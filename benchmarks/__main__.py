@@ -10,8 +10,18 @@ import sys
 import time
 
 import benchmarks
-from benchmarks import (dispatch, fsdp, layout, multiprocess, pipeline, report, scaling,
-                        search, search_models, startup)
+from benchmarks import (
+  dispatch,
+  fsdp,
+  layout,
+  multiprocess,
+  pipeline,
+  report,
+  scaling,
+  search,
+  search_models,
+  startup,
+)
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,

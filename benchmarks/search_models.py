@@ -30,7 +30,6 @@ reports nothing."""
 
 from __future__ import annotations
 
-
 from benchmarks import search_cluster
 from benchmarks._common import child_rows, setup_jax
 from benchmarks.search import against_fastest

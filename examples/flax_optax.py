@@ -58,8 +58,8 @@ def main(argv):
 
   import partitioner
   from partitioner import sharded_jit
-  from sharding import AUTO, PartitionSpec as P, broadcast_specs, spec_tree, tiling
-  from sharding import with_sharding_constraint
+  from sharding import AUTO, broadcast_specs, spec_tree, tiling, with_sharding_constraint
+  from sharding import PartitionSpec as P
 
   if _PARTITIONER.value:
     partitioner.config.partitioner = _PARTITIONER.value

@@ -48,7 +48,8 @@ def main(argv):
 
   import partitioner
   from partitioner import sharded_jit
-  from sharding import PartitionSpec as P, with_sharding_constraint
+  from sharding import PartitionSpec as P
+  from sharding import with_sharding_constraint
 
   if _PARTITIONER.value:
     partitioner.config.partitioner = _PARTITIONER.value

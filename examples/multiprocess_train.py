@@ -80,7 +80,6 @@ def main(argv):
   import partitioner
   world = partitioner.initialize()
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax import lax

@@ -251,7 +251,6 @@ def fsdp_train_step(model: Model, fsdp: int, tensor: int):
   ``fsdp x tensor`` devices. Parameters and Adam moments get FSDP specs
   (with the model's tensor-parallel rules when ``tensor > 1``); the batch
   is split ``fsdp`` ways. Takes (params, opt, seqs of shape [batch, seq + 1])."""
-  from partitioner import sharded_jit
   from sharding import PartitionSpec as P
   from sharding import fsdp_specs, fsdp_tp_specs
 
@@ -283,9 +282,10 @@ def main(argv):
   os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), n)
   import logging
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  from pydoc_data import topics
+
   import jax
   import numpy as np
-  from pydoc_data import topics
 
   import partitioner
 

@@ -41,36 +41,36 @@ stages inside one program, called in a traced function), ``_inspect``
 that touches jax's private APIs.
 """
 
-from partitioner._analysis import cost as cost
-from partitioner._analysis import explain as explain
-from partitioner._api import ShardedJitFunction as ShardedJitFunction
-from partitioner._api import sharded_jit as sharded_jit
-from partitioner._cache import CacheStore as CacheStore
-from partitioner._check import PartitionerMismatchError as PartitionerMismatchError
-from partitioner._cache import DiskStore as DiskStore
-from partitioner._cache import MemoryStore as MemoryStore
-from partitioner._cache import clear_caches as clear_caches
+from partitioner._compile.cache import CacheStore as CacheStore
+from partitioner._compile.cache import DiskStore as DiskStore
+from partitioner._compile.cache import MemoryStore as MemoryStore
+from partitioner._compile.cache import clear_caches as clear_caches
+from partitioner._compile.check import PartitionerMismatchError as PartitionerMismatchError
+from partitioner._compile.stages import Compiled as Compiled
+from partitioner._compile.stages import Lowered as Lowered
+from partitioner._compile.stats import compilation_stats as compilation_stats
 from partitioner._config import Config as Config
 from partitioner._config import config as config
-from partitioner._cost import Cost as Cost
-from partitioner._device_model import MODELS as DEVICE_MODELS
-from partitioner._device_model import DeviceModel as DeviceModel
 from partitioner._distributed import PeerError as PeerError
 from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
-from partitioner._global_arrays import to_global as to_global
-from partitioner._global_arrays import to_local as to_local
-from partitioner._pipeline import pipeline as pipeline
-from partitioner._pipeline import pipeline_order as pipeline_order
-from partitioner._pmap import PmapFunction as PmapFunction
-from partitioner._pmap import pmap as pmap
-from partitioner._report import Explanation as Explanation
+from partitioner._distributed.global_arrays import to_global as to_global
+from partitioner._distributed.global_arrays import to_local as to_local
+from partitioner._front.analysis import cost as cost
+from partitioner._front.analysis import explain as explain
+from partitioner._front.pmap import PmapFunction as PmapFunction
+from partitioner._front.pmap import pmap as pmap
+from partitioner._front.sharded_jit import ShardedJitFunction as ShardedJitFunction
+from partitioner._front.sharded_jit import sharded_jit as sharded_jit
+from partitioner._pipeline.schedule import pipeline as pipeline
+from partitioner._pipeline.schedule import pipeline_order as pipeline_order
+from partitioner._report.cost import Cost as Cost
+from partitioner._report.device_models import MODELS as DEVICE_MODELS
+from partitioner._report.device_models import DeviceModel as DeviceModel
+from partitioner._report.explanation import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
 from partitioner._search import FoundLayout as FoundLayout
 from partitioner._search import search as search
-from partitioner._stages import Compiled as Compiled
-from partitioner._stages import Lowered as Lowered
-from partitioner._stats import compilation_stats as compilation_stats
 from partitioner._version import __version__ as __version__
 
 __all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config", "Cost",

@@ -169,7 +169,7 @@ def base_array(x: Any) -> Any:
   return x._base_array  # pylint: disable=protected-access
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_array_dtype(dtype: np.dtype) -> bool:
   """Whether jax can hold arrays of ``dtype`` (numbers, bool, ml_dtypes;
   not object, str, bytes, structured or datetime)."""

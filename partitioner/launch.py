@@ -37,12 +37,12 @@ import sys
 import tempfile
 import threading
 
-from partitioner._distributed import _console
-from partitioner._distributed._env import LAUNCHER_ENV as LAUNCHER_ENV
-from partitioner._distributed._env import launcher_world as launcher_world
-from partitioner._distributed._env import read_marks
-from partitioner._distributed._job_report import EXIT_LINE as _EXIT_LINE
-from partitioner._distributed._job_report import exit_statuses, how_it_ended
+from partitioner._distributed import console as _console
+from partitioner._distributed.env import LAUNCHER_ENV as LAUNCHER_ENV
+from partitioner._distributed.env import launcher_world as launcher_world
+from partitioner._distributed.env import read_marks
+from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
+from partitioner._distributed.job_report import exit_statuses, how_it_ended
 
 __all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]

@@ -3,6 +3,7 @@
 No compilation and no execution happens in this package; see ``partitioner``.
 """
 
+from sharding._auto import AUTO as AUTO
 from sharding._constraint import (
     with_sharding_constraint as with_sharding_constraint,
 )
@@ -11,7 +12,6 @@ from sharding._fsdp import fsdp_tp_specs as fsdp_tp_specs
 from sharding._local import global_shape as global_shape
 from sharding._local import local_shape as local_shape
 from sharding._local import local_spec as local_spec
-from sharding._auto import AUTO as AUTO
 from sharding._named import from_named as from_named
 from sharding._partition_spec import PartitionSpec as PartitionSpec
 from sharding._picture import picture as picture

@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from partitioner import CacheStore, DiskStore, MemoryStore
-from partitioner._cache._store import UntrustedCacheError
+from partitioner._compile.cache.store import UntrustedCacheError
 
 K1, K2, K3 = "a" * 64, "b" * 64, "c" * 64
 

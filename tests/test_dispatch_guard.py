@@ -1,5 +1,5 @@
 """Calls that donate or have static arguments run in jax's C++ dispatch too
-(``partitioner._dispatch_guard``), with our answers kept: a donated array
+(``partitioner._compile.dispatch``), with our answers kept: a donated array
 used again is a ValueError naming it, never a crash; an unhashable static
 argument is a TypeError naming it."""
 

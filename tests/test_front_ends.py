@@ -4,7 +4,6 @@ partitioner.pmap (which says the spec applies per replica), under jax.jit or
 nested in another sharded_jit; one cache (with one bound)
 that clear_caches() and compilation_stats() see whole, pmap included."""
 
-import re
 
 import jax
 import numpy as np

@@ -3,8 +3,15 @@
 - Imports inside ``partitioner/`` and ``sharding/`` run one way: no circle,
   counting imports inside functions (a lazy import that reaches back up is
   a hidden circle).
-- Examples, benchmarks and scripts use the public API only.
-- No library module is over 300 lines.
+- Between the folders of ``partitioner/`` imports run down one order of
+  stages (:data:`LAYERS`): a folder imports only the folders below it and
+  the base modules at the top level (``_compat``, ``_config``,
+  ``_version``).
+- Examples, benchmarks and scripts use the public API only, and the
+  benchmarks import no circle either.
+
+Module length is not bounded; function length and complexity are (ruff's
+``max-statements``, ``max-branches``, ``max-args`` in ``pyproject.toml``).
 """
 
 import ast
@@ -112,11 +119,63 @@ def test_examples_benchmarks_and_scripts_use_the_public_api(path):
   assert private == []
 
 
-def test_no_module_is_over_300_lines():
-  long = {}
-  for name, path in _modules().items():
+# The folders of partitioner/, lowest first: each imports only those before it.
+LAYERS = ("_report", "_lower", "_distributed", "_compile", "_front", "_pipeline", "_search")
+BASE = ("partitioner._compat", "partitioner._config", "partitioner._version")
+
+
+def _folder(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 and parts[0] == "partitioner" and parts[1] in LAYERS else None
+
+
+def test_partitioner_has_few_modules_besides_its_folders():
+  top = sorted(f for f in os.listdir(os.path.join(ROOT, "partitioner"))
+               if f.endswith(".py") and f not in ("__init__.py", "launch.py"))
+  folders = {f for f in os.listdir(os.path.join(ROOT, "partitioner"))
+             if os.path.isdir(os.path.join(ROOT, "partitioner", f)) and f != "__pycache__"}
+  assert len(top) <= 10, top
+  assert folders == set(LAYERS)
+
+
+def test_folders_import_only_the_folders_below_them():
+  modules = _modules()
+  upward = []
+  for name, path in modules.items():
+    here = _folder(name)
+    if here is None:
+      continue
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
     with open(path) as f:
-      n = sum(1 for _ in f)
-    if n > 300:
-      long[name] = n
-  assert long == {}
+      tree = ast.parse(f.read(), path)
+    for target in _imported(tree, package, modules):
+      there = _folder(target)
+      if there is None:
+        if target.startswith("partitioner") and target not in BASE:
+          upward.append(f"{name} -> {target}")
+      elif LAYERS.index(there) > LAYERS.index(here):
+        upward.append(f"{name} -> {target}")
+  assert upward == []
+
+
+def test_benchmarks_import_no_circle():
+  graph = {}
+  folder = os.path.join(ROOT, "benchmarks")
+  names = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+  for n in names:
+    with open(os.path.join(folder, n + ".py")) as f:
+      tree = ast.parse(f.read())
+    deps = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom):
+        mod = node.module or ""
+        if node.level == 1 or mod == "benchmarks":
+          deps |= {a.name for a in node.names if a.name in names}
+          if mod.split(".")[-1] in names:
+            deps.add(mod.split(".")[-1])
+        elif mod.startswith("benchmarks."):
+          deps.add(mod.split(".")[1])
+      elif isinstance(node, ast.Import):
+        deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+    graph[n] = {d for d in deps if d != n and d != "__init__"}
+  assert _cycle(graph) == []

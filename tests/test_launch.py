@@ -7,10 +7,10 @@ import re
 import subprocess
 import sys
 
+import mpi_jobs as mp
 import pytest
 
-import mpi_jobs as mp
-from partitioner._distributed import _console
+from partitioner._distributed import console as _console
 from partitioner.launch import _EXIT_LINE, launcher_world, with_cpu_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -75,9 +75,9 @@ def test_checkpoint_of_per_process_pieces_restores_elsewhere(tmp_path):
   # 2 ranks save their local_out_parts pieces (to_global + orbax) and
   # restore them split another way (to_local); then one process restores
   # the same checkpoint over 4 devices, split yet another way.
-  import orbax.checkpoint as ocp  # (the examples extra)
   import jax
   import numpy as np
+  import orbax.checkpoint as ocp  # (the examples extra)
 
   from sharding import PartitionSpec as P
   from sharding import tiling

@@ -176,7 +176,7 @@ def test_each_shift_is_one_collective_permute_each_way():
 
 @pytest.mark.parametrize("shift, axis", [(1, 0), (-1, 0), (2, 1), (1, -1)])
 def test_the_shift_is_a_roll_under_grad_jvp_and_vmap(shift, axis):
-  from partitioner._shift import roll
+  from partitioner._pipeline.shift import roll
   a = jnp.arange(24.0).reshape(4, 3, 2)
   w = jnp.sin(a)
   ours, theirs = (lambda a: f(a, shift, axis) for f in (roll, jnp.roll))

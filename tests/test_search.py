@@ -70,8 +70,8 @@ def test_search_is_deterministic_and_cached(tmp_path):
     from_disk = partitioner.search(mlp_step, *abstract, max_compiles=3)
     assert from_disk.search_seconds == first.search_seconds
     partitioner.clear_caches()
-    from partitioner._search import _search
-    with mock.patch.object(_search, "RULES", _search.RULES + 1):  # newer rules: search again
+    from partitioner._search import flow as _flow
+    with mock.patch.object(_flow, "RULES", _flow.RULES + 1):  # newer rules: search again
       newer = partitioner.search(mlp_step, *abstract, max_compiles=3)
     assert newer.search_seconds != first.search_seconds and len(os.listdir(tmp_path)) == 2
   partitioner.clear_caches()

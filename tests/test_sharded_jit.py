@@ -1,7 +1,4 @@
-import os
 import re
-import subprocess
-import sys
 from functools import partial
 
 import jax

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from mpi_jobs import HERE, ROOT, found, srun
 
 pytestmark = [pytest.mark.slow]

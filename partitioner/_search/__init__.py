@@ -1,5 +1,5 @@
-"""partitioner.search: automatic layout search (see ``_search``)."""
+"""partitioner.search: the layout of every argument, found by compiling candidates."""
 
-from partitioner._search._found import CandidateResult as CandidateResult
-from partitioner._search._found import FoundLayout as FoundLayout
-from partitioner._search._search import search as search
+from partitioner._search.flow import search as search
+from partitioner._search.found import CandidateResult as CandidateResult
+from partitioner._search.found import FoundLayout as FoundLayout

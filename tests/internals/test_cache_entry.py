@@ -1,6 +1,6 @@
 import pytest
 
-from partitioner._cache import _entry as ce
+from partitioner._compile.cache import entry as ce
 
 ENTRY = ce.Entry(b"executable bytes " * 100, 1.25)
 KEY = "ab" * 32

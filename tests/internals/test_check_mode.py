@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-import partitioner._insert
+import partitioner._lower.insert
 from partitioner import PartitionerMismatchError, config, sharded_jit
 from sharding import PartitionSpec as P
 
@@ -19,7 +19,7 @@ def pad(x):
 
 
 def test_check_mode_raises_naming_the_output(monkeypatch):
-  monkeypatch.setattr(partitioner._insert, "guard", lambda module, mode: [])
+  monkeypatch.setattr(partitioner._lower.insert, "guard", lambda module, mode: [])
   f = sharded_jit(lambda x: (x * 2, pad(x)), in_parts=None, out_parts=(None, P(2)))
   x = np.array([3.0], np.float32)
   assert np.asarray(f(x)[1]).tolist() == [3.0, 3.0]  # XLA's wrong answer, unguarded
@@ -34,8 +34,8 @@ def test_check_mode_raises_naming_the_output(monkeypatch):
 
 def test_check_mode_passes_right_results_and_checks_each_program_once(monkeypatch):
   calls = []
-  real = partitioner._check.reference
-  monkeypatch.setattr(partitioner._check, "reference",
+  real = partitioner._compile.check.reference
+  monkeypatch.setattr(partitioner._compile.check, "reference",
                       lambda *a: calls.append(1) or real(*a))
   f = sharded_jit(lambda x, k: x * k, in_parts=P(2), out_parts=P(2), static_argnums=1,
                   donate_argnums=0)  # the reference runs before the donation

@@ -1,23 +1,24 @@
 import numpy as np
 import pytest
 
-from partitioner import _compile, sharded_jit
+from partitioner import sharded_jit
+from partitioner._compile import program as _program
 from sharding import PartitionSpec as P
 from sharding import tiling
 
 
 def test_compile_options(devices):
-  options = _compile.compile_options(4, devices[:4], "shardy")
+  options = _program.compile_options(4, devices[:4], "shardy")
   assert options.num_partitions == 4 and options.num_replicas == 1
   build = options.executable_build_options
   assert build.use_spmd_partitioning and build.use_shardy_partitioner
-  assert not _compile.compile_options(2, devices[:2], "gspmd") \
+  assert not _program.compile_options(2, devices[:2], "gspmd") \
       .executable_build_options.use_shardy_partitioner
 
 
 def test_compile_options_reject_wrong_assignment(devices):
   with pytest.raises(ValueError, match=r"shape \(3,\), but num_partitions=4 needs shape \(4,\) or \(1, 4\)"):
-    _compile.compile_options(4, devices[:3], "shardy")
+    _program.compile_options(4, devices[:3], "shardy")
 
 
 class _SwappedOutputs:
@@ -39,6 +40,6 @@ def test_verify_shardings_catches_a_layout_mismatch(devices):
   loaded = compiled.executable.loaded
   ins = [tiling(P(2, 1), devices[:2], 2)]
   outs = [tiling(P(1, 2), devices[:2], 2)]
-  _compile.verify_shardings(loaded, 2, ins, outs)  # the real one agrees
+  _program.verify_shardings(loaded, 2, ins, outs)  # the real one agrees
   with pytest.raises(RuntimeError, match=r"output 0 as \{devices=\[2,1\].*asked for \{devices=\[1,2\]0,1\}.*bug"):
-    _compile.verify_shardings(_SwappedOutputs(loaded), 2, ins, outs)
+    _program.verify_shardings(_SwappedOutputs(loaded), 2, ins, outs)

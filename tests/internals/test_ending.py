@@ -10,8 +10,9 @@ import threading
 
 import pytest
 
-from partitioner._distributed import _ending, _steps
-from partitioner._distributed._errors import PeerError
+from partitioner._distributed import ending as _ending
+from partitioner._distributed import steps as _steps
+from partitioner._distributed.errors import PeerError
 
 
 class Exited(BaseException):

@@ -1,6 +1,6 @@
 """White-box: explain()'s parser of XLA's partitioned HLO text."""
 
-from partitioner import _explain
+from partitioner._report import collect as _collect
 
 _HLO = """\
 HloModule m, num_partitions=4
@@ -29,7 +29,7 @@ StackFrames
 
 
 def test_collectives_parser():
-  ops = _explain.collectives(_HLO)
+  ops = _collect.collectives(_HLO)
   assert [(o.kind, o.bytes) for o in ops] == [
       ("all-reduce", 256), ("all-gather", 256), ("all-to-all", 16)]
   assert ops[0].source == "/src/model.py:42 (layer)" and ops[0].op_name == "jit(f)/add"
@@ -75,7 +75,7 @@ StackFrames
 
 
 def test_source_is_the_first_frame_in_user_code():
-  (op,) = _explain.collectives(_FLAX_HLO)
+  (op,) = _collect.collectives(_FLAX_HLO)
   # 4 (flax) -> 3 (optax) -> 2 (model.py: the user's) -> 1
   assert op.source == "/home/me/model.py:7 (forward)"
   assert op.via == "/venv/lib/python3.11/site-packages/flax/nnx/nn/linear.py:422 (Linear.__call__)"
@@ -89,12 +89,12 @@ def test_a_table_with_correct_parent_ids_is_read_as_written():
   for k in (2, 3, 4):
     fixed = fixed.replace(f"{k} {{file_location_id={k} parent_frame_id={k}}}",
                           f"{k} {{file_location_id={k} parent_frame_id={k - 1}}}")
-  (op,) = _explain.collectives(fixed)
+  (op,) = _collect.collectives(fixed)
   assert op.source == "/home/me/model.py:7 (forward)"
 
 
 def test_only_library_frames_give_the_innermost():
   hlo = _FLAX_HLO.replace('"/home/me/model.py"', '"/venv/lib/python3.11/site-packages/jax/x.py"')
   hlo = hlo.replace('"/home/me/train.py"', '"/venv/lib/python3.11/site-packages/orbax/y.py"')
-  (op,) = _explain.collectives(hlo)
+  (op,) = _collect.collectives(hlo)
   assert op.source.endswith("flax/nnx/nn/linear.py:422 (Linear.__call__)") and op.via == ""

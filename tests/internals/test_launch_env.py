@@ -5,9 +5,14 @@ import socket
 
 import pytest
 
-from partitioner._distributed import _channels
-from partitioner._distributed._env import (Launch, choose_local_device_ids, detect,
-                                           slurm_coordinator, slurm_tasks_on_node)
+from partitioner._distributed import channels as _channels
+from partitioner._distributed.env import (
+  Launch,
+  choose_local_device_ids,
+  detect,
+  slurm_coordinator,
+  slurm_tasks_on_node,
+)
 
 _SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1",
          "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",

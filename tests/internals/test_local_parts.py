@@ -2,7 +2,7 @@
 
 import pytest
 
-from partitioner._distributed._local_parts import check_local_specs
+from partitioner._distributed.local_parts import check_local_specs
 from sharding import PartitionSpec as P
 
 

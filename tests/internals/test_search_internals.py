@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import partitioner
-from partitioner import _compile
-from partitioner import _cost
-from partitioner._search._axes import logical_axes
-from partitioner._search import _select
+from partitioner._compile import program as _program
+from partitioner._report import cost as _cost
+from partitioner._search import select as _select
+from partitioner._search.axes import logical_axes
 from sharding import PartitionSpec as P
 
 
@@ -40,7 +40,7 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
     calls.append(1)
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(_compile, "compile_module", interrupt)
+  monkeypatch.setattr(_program, "compile_module", interrupt)
   f = lambda w, x: (x @ w).sum()
   with partitioner.config.override(cache_dir=str(tmp_path)):
     with pytest.raises(KeyboardInterrupt):
@@ -82,8 +82,8 @@ def test_calibration_recovers_the_rates_that_made_the_times():
 
 
 def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
-  from partitioner._search import _target
-  from partitioner._device_model import MODELS
+  from partitioner._report.device_models import MODELS
+  from partitioner._search import target as _target
   from sharding import PartitionSpec as P
   rng = np.random.default_rng(0)
   params = {"w1": rng.normal(size=(64, 256)).astype(np.float32),
@@ -105,7 +105,7 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
 
 
 def test_family_names_and_layouts_that_copy_work():
-  from partitioner._search._candidates import Candidate
+  from partitioner._search.candidates import Candidate
   cases = [(Candidate((8, 1, 1), None, False, ()), "replicated", True),
            (Candidate((8, 1, 1), 0, False, ()), "data parallel 8", False),
            (Candidate((1, 8, 1), 0, True, ()), "FSDP 8", False),
@@ -120,7 +120,7 @@ def test_family_names_and_layouts_that_copy_work():
 
 
 def test_measure_decides_on_the_close_calls():
-  from partitioner._search import _measure
+  from partitioner._search import measure as _measure
   cpu, h100 = partitioner.DEVICE_MODELS["cpu"], partitioner.DEVICE_MODELS["h100"]
   def close(measure, scores, own=True, processes=1, proxy=False, families=None, device=cpu):
     families = families or [f"family {k}" for k in range(len(scores))]
@@ -147,7 +147,7 @@ def test_measure_decides_on_the_close_calls():
 def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, calls, rounds):
   """4 rounds, and more while the two fastest are within 5%, until 8 s
   or 32 rounds (a fake clock: each layout's step takes ``seconds``)."""
-  from partitioner._search import _measure
+  from partitioner._search import measure as _measure
   clock, steps, real = [0.0], {}, _measure._Feed.step
 
   def step(feed):
@@ -168,7 +168,7 @@ def test_layouts_are_compared_within_each_round():
   """b is 5% slower than a in two rounds of three (the host slow for both
   in the second); in the third the host was slow for a's turn only: their
   medians alone would put b first."""
-  from partitioner._search._measure import _paired
+  from partitioner._search.measure import _paired
   a, b = [1.0, 2.0, 2.0], [1.05, 2.1, 1.05]
   assert sorted(b)[1] < sorted(a)[1]
   assert _paired([a, b]) == pytest.approx([2.0, 2.1])
@@ -176,7 +176,8 @@ def test_layouts_are_compared_within_each_round():
 
 def test_measured_times_within_the_noise_are_a_tie_the_estimate_breaks():
   from types import SimpleNamespace as NS
-  from partitioner._search._measure import ranked
+
+  from partitioner._search.measure import ranked
   row = lambda i, measured, estimated: NS(index=i, measured=measured,
                                           score=NS(seconds=estimated))
   a, b, c = row(0, 1.00, 2.0), row(1, 1.015, 1.0), row(2, 1.2, 0.5)
@@ -186,8 +187,8 @@ def test_measured_times_within_the_noise_are_a_tie_the_estimate_breaks():
 
 
 def test_grids_keep_the_model_axis_inside_a_host():
-  from partitioner._search._candidates import grids
-  from partitioner._search._estimate import crossing
+  from partitioner._search.candidates import grids
+  from partitioner._search.estimate import crossing
   one = grids(8)
   assert ((8, 1, 1), False) in one and ((1, 8, 1), True) in one and ((1, 1, 8), False) in one
   assert all(g[0] == 1 or g[1] == 1 for g, _ in one)  # no hybrid on one host
@@ -204,7 +205,7 @@ def test_grids_keep_the_model_axis_inside_a_host():
 def test_candidates_that_compile_to_one_program_are_one_row():
   """Two rule sets whose specs differ only where nothing reads them compile
   to the same program: the search keeps one row and counts the other."""
-  from partitioner._search import _target
+  from partitioner._search import target as _target
   x = jax.ShapeDtypeStruct((16, 8), np.float32)
   common = ((x,), (), [P(8, 1)], [P(8, 1)], jax.tree_util.tree_structure(0),
             jax.devices()[:8], 1, partitioner.DEVICE_MODELS["cpu"])
@@ -217,7 +218,7 @@ def test_candidates_that_compile_to_one_program_are_one_row():
 
 def test_the_candidates_estimated_are_capped():
   # (40 roles: the sets of up to 6 of them are millions; enumerated lazily)
-  from partitioner._search import _candidates
+  from partitioner._search import candidates as _candidates
   r = _candidates.Roles({}, tuple(f"w{k}" for k in range(40)), (40,), tuple(range(40)))
   every = _candidates.enumerate_candidates(64, r, hosts=8)
   assert len(every) == _candidates.MAX_CANDIDATES
@@ -248,9 +249,10 @@ def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
   """Of the uncompiled candidates, those with the best compiled one's grid,
   batch and FSDP flag (other model roles), best by the cheap model; then
   those of the next best compiled."""
-  from partitioner._search import _found, _select
-  from partitioner._search._candidates import Candidate
-  from partitioner._search._estimate import Estimate
+  from partitioner._search import found as _found
+  from partitioner._search import select as _select
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import Estimate
 
   def row(grid, model, seconds):
     return (Candidate(grid, 0, False, model), [], Estimate(1.0, 0.0, 0, 1.0, seconds))

@@ -1,4 +1,4 @@
-"""partitioner._search._proxy: repeated layers found in a jaxpr, and the
+"""partitioner._search.proxy: repeated layers found in a jaxpr, and the
 short proxy program that keeps two of each run."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import optax
 import pytest
 from jax.extend import core as jcore
 
-from partitioner._search import _proxy
+from partitioner._search import proxy as _proxy
 
 WIDTH = 16
 
@@ -317,9 +317,9 @@ def test_a_proxy_scored_per_repetition_matches_the_whole_program(layout):
   for the removed ones: the collectives (XLA combines the gradients'
   all-reduces of every layer into one op: each operand counts for the
   layer that made it) and flops of the whole program."""
-  from partitioner import _cost
-  from partitioner._device_model import resolve
-  from partitioner._search import _target
+  from partitioner._report import cost as _cost
+  from partitioner._report.device_models import resolve
+  from partitioner._search import target as _target
   from sharding import PartitionSpec as P
 
   width, layers = 64, 8
@@ -384,7 +384,7 @@ def test_a_fusion_without_a_name_is_its_operands_scope():
   """XLA's CPU library fusions carry no op name: their matmuls (the
   attention's, in a decoder) count for the scope of what they read; a copy
   (the proxy's outputs, once) does not."""
-  from partitioner import _cost
+  from partitioner._report import cost as _cost
   parts = _cost.scoped(UNNAMED, [0], _proxy.SCOPE)
   layer = parts["0_1"]
   assert layer.matmul_flops == parts[None].matmul_flops == 2 * 4 * 8 * 8

@@ -1,0 +1,1 @@
+"""Compile and run: the partition step, stage objects, compile, load, execute, the cache."""

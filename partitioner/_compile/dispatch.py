@@ -1,0 +1,105 @@
+"""What runs in Python around jax's C++ dispatch of a front end's calls.
+
+jax's C++ dispatch (``_compat.cpp_dispatch``) runs a known call signature
+without Python, but two of its answers are worse than ours: an array
+already donated crashes a multi-device program, and an unhashable static
+argument gets an error that names no argument. These thin wrappers, one
+Python frame each, keep our answers; ``_execute.Dispatched`` puts them in
+front of the functions that donate or have static arguments.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import jax
+
+from partitioner import _compat
+from partitioner._lower.args import ArgumentLayout
+
+_ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
+
+
+def static_guard(dispatch: Callable, layout: ArgumentLayout) -> Callable:
+  """``dispatch`` for a function with static arguments: jax's C++ dispatch
+  refuses an unhashable one with a ValueError that names no argument."""
+  def call(*args, **kwargs):
+    try:
+      return dispatch(*args, **kwargs)
+    except ValueError:
+      _check_hashable(layout, args)
+      raise
+  return call
+
+
+def _check_hashable(layout: ArgumentLayout, args: tuple) -> None:
+  """Raises the TypeError that names an unhashable static argument."""
+  try:
+    layout.split(args)
+  except TypeError as e:
+    raise e from None
+  except ValueError:
+    pass  # (the error being raised says it already)
+
+
+def donation_guard(dispatch: Callable, layout: ArgumentLayout, refuse: Callable) -> Callable:
+  """``dispatch`` (jax's C++ dispatch) for a function that donates the
+  arguments at ``layout.donate_argnums``.
+
+  jaxlib 0.10.2 crashes (signal 11) when a multi-device program is given an
+  array already donated to an earlier call, and on one device its error
+  names no argument; it only notices arrays deleted with ``.delete()``,
+  which it hands to Python. So a call first looks at the donated arguments'
+  arrays (about 0.3 us for one array): one already gone goes to
+  ``refuse``, the Python path, which names it. After the call the arrays
+  the program took are deleted for good, so that any jax dispatch (another
+  sharded_jit function, jax.jit) refuses them instead of crashing.
+  """
+  positions = layout.donate_argnums
+  if layout.static_argnums:
+    dispatch = static_guard(dispatch, layout)
+  tree_leaves, is_deleted = jax.tree_util.tree_leaves, _ArrayImpl.is_deleted
+  drain = collections.deque(maxlen=0).extend
+  # With fewer arguments the Python path names the missing position.
+  need = max(k + 1 if k >= 0 else -k for k in positions)
+  first = positions[0]
+
+  def call(*args, **kwargs):
+    if len(args) < need:
+      return dispatch(*args, **kwargs)
+    for k in positions:
+      x = args[k]
+      if type(x) is not _ArrayImpl or x.is_deleted():
+        return checked(args, kwargs)
+    out = dispatch(*args, **kwargs)
+    for k in positions:
+      x = args[k]
+      if x.is_deleted():
+        x.delete()
+    return out
+
+  def call_one(*args, **kwargs):  # the same for one donated position, ~0.1 us less
+    if len(args) < need:
+      return dispatch(*args, **kwargs)
+    x = args[first]
+    if type(x) is not _ArrayImpl or x.is_deleted():
+      return checked(args, kwargs)
+    out = dispatch(*args, **kwargs)
+    if x.is_deleted():
+      x.delete()
+    return out
+
+  def checked(args, kwargs):  # donated pytrees, non-arrays, deleted arrays
+    leaves = tree_leaves(tuple(map(args.__getitem__, positions)))
+    try:
+      gone = any(map(is_deleted, leaves))
+    except TypeError:  # not only jax.Arrays (numpy arrays, tracers, ...)
+      leaves = [x for x in leaves if type(x) is _ArrayImpl]
+      gone = any(map(is_deleted, leaves))
+    if gone:
+      return refuse(*args, **kwargs)
+    out = dispatch(*args, **kwargs)
+    drain(map(_ArrayImpl.delete, filter(is_deleted, leaves)))
+    return out
+  return call_one if len(positions) == 1 else call

@@ -1,0 +1,241 @@
+"""Stage 4: put inputs on devices, run the compiled program, wrap outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from partitioner import _compat
+from partitioner._compile.cache.calls import call_caches
+from partitioner._compile.dispatch import donation_guard, static_guard
+from partitioner._distributed.steps import steps
+from partitioner._lower.trace import TracedProgram
+from partitioner._lower.values import host_copy
+
+_ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
+_unflatten = jax.tree_util.tree_unflatten
+
+
+class Dispatched:
+  """A front end whose calls go through jax's C++ dispatch.
+
+  Arguments whose signature (structure, avals, shardings, static values)
+  already ran a program that needs no Python per call (see
+  :meth:`Executable.fastpath`) run in C++, as ``jax.jit``'s do; anything
+  else reaches the subclass's ``_cache_miss(*args, **kwargs) -> (outputs,
+  fastpath data or None)``. The subclass sets ``_layout`` (its
+  ``ArgumentLayout``: static and donated positions) before
+  :meth:`start_dispatch`.
+  """
+
+  def start_dispatch(self, who: str) -> None:
+    layout = self._layout
+    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss,
+                                          layout.static_argnums)
+    call_caches.on_clear(self)
+    call = self._dispatch
+    if layout.donate_argnums:
+      call = donation_guard(call, layout, self._unjitted)
+    elif layout.static_argnums:
+      call = static_guard(call, layout)
+    # The C++ callable (or its guard: _dispatch_guard) is this object's own
+    # __call__, so that a call runs no other Python frame of ours: on
+    # simulated devices, whose threads keep the cores busy, one frame costs
+    # microseconds. Special methods are looked up on the type, hence a class
+    # of its own per function.
+    cls = type(self)
+    self.__class__ = type(cls.__name__, (cls,), {
+        "__call__": staticmethod(call), "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+  def __call__(self, *args, **kwargs):  # (replaced per object: start_dispatch)
+    return self._dispatch(*args, **kwargs)
+
+  def clear_cache(self) -> None:
+    """Forgets the C++ dispatch's programs (``clear_caches()`` calls it, and
+    so does a change of the compile settings)."""
+    self._dispatch._clear_cache()
+
+  def _unjitted(self, *args, **kwargs):
+    """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded."""
+    return self._cache_miss(*args, **kwargs)[0]
+
+
+class Executable:
+  """A compiled SPMD program and everything its per-call path needs.
+
+  The per-call path is flatten -> place -> execute -> wrap; every object it
+  uses (target shardings, output handlers) is built here, once.
+
+  Args:
+    loaded: jaxlib's loaded executable.
+    in_shardings, out_shardings: where each flat input and output lives
+      (jax shardings over the program's devices).
+    traced: the traced program (avals, effects, what callbacks keep alive).
+    globalize: multi-process front ends whose processes pass their own
+      pieces: turns the flat inputs into global arrays before running.
+    localize: turns the flat global outputs into this process's pieces.
+    process: (rank, number of processes).
+    in_names: each flat input's name, for errors.
+    donated: flat indices of the donated inputs.
+  """
+
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
+               "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
+               "_bounded", "_process", "_names", "_donated", "_empty")
+
+  def __init__(self, loaded: _compat.LoadedExecutable,
+               in_shardings: Sequence[jax.sharding.Sharding],
+               out_shardings: Sequence[jax.sharding.Sharding],
+               traced: TracedProgram, *,
+               globalize: Callable[[Sequence[Any]], list] | None = None,
+               localize: Callable[[list], list] | None = None,
+               process: tuple[int, int] = (0, 1), in_names: Sequence[str] = (),
+               donated: Sequence[int] = ()):
+    self.loaded = loaded
+    self._names = tuple(in_names)
+    self._donated = tuple(donated)
+    self.in_shardings = tuple(in_shardings)
+    self.out_shardings = tuple(out_shardings)
+    self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
+    self._out_avals = traced.out_avals
+    self._globalize = globalize
+    self._localize = localize
+    # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
+    unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+              for a in traced.in_avals]
+    self._unwrap = unwrap if any(unwrap) else None
+    self._effects = traced.effects        # host callbacks: run with runtime tokens
+    self._keepalive = traced.keepalive    # what the callbacks need while we live
+    self._process = process
+    self._bounded = process[1] > 1        # multi-process: see _steps.Steps
+    # Outputs with no elements: Shardy hands back whole-shaped buffers for
+    # them whatever was asked; they hold no data, so make them afresh.
+    self._empty = tuple((k, a.shape, a.dtype) for k, a in enumerate(traced.out_avals)
+                        if 0 in a.shape)
+
+  def call_flat(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Runs the program on flat inputs (placing them first); flat outputs."""
+    given = leaves
+    if self._donated:
+      self.check_deleted(leaves)
+    if self._globalize is not None:
+      leaves = self._globalize(leaves)
+    for x, s in zip(leaves, self.in_shardings):
+      if type(x) is not _ArrayImpl or x.sharding != s:
+        try:
+          leaves = self.place(leaves)
+        except RuntimeError:
+          self.check_deleted(leaves)  # a clear error for a deleted input, else re-raise
+          raise
+        break
+    if self._unwrap is not None:
+      leaves = [_compat.base_array(x) if u else x for x, u in zip(leaves, self._unwrap)]
+    outs = self._execute(leaves)  # (deleted inputs were checked above)
+    for k in self._donated:  # what the program took, gone for every dispatch
+      if type(given[k]) is _ArrayImpl and given[k].is_deleted():  # (_dispatch_guard)
+        given[k].delete()
+    return outs
+
+  def runs_as_is(self, leaves: Sequence[Any]) -> bool:
+    """Whether these inputs can go to :meth:`run` without any conversion
+    (then so can any inputs with the same types, avals and shardings)."""
+    return (self._globalize is None and self._unwrap is None and
+            all(type(x) is _ArrayImpl and x.sharding == s
+                for x, s in zip(leaves, self.in_shardings)))
+
+  def fastpath(self, outputs: Any) -> Any | None:
+    """What jax's C++ dispatch needs to run this program itself (see
+    ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
+    passed :meth:`runs_as_is`); None when the per-call path needs Python:
+    effects, a multi-process step bound (each execution's runtime token,
+    see ``_steps``), empty outputs, per-process conversions. A donating
+    program's front end must check its donated inputs first (``Dispatched``
+    does)."""
+    if (self._effects or self._bounded or self._empty or
+        self._localize is not None or self._globalize is not None or
+        self._unwrap is not None):
+      return None
+    return _compat.fastpath(self.loaded, outputs, self.in_shardings,
+                            self.out_shardings, self._out_avals)
+
+  def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
+    """A closure for the hottest path: inputs known to be placed, no effects,
+    no per-process conversion; returns the outputs' pytree."""
+    if self._effects or self._bounded or self._empty or self._localize is not None:
+      return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
+    execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
+    check, donated = self.check_deleted, self._donated
+
+    def run(leaves):
+      for k in donated:  # XLA crashes (not raises) on a deleted donated buffer
+        if leaves[k].is_deleted():
+          check(leaves)
+      try:
+        results = execute(leaves)
+      except jax.errors.JaxRuntimeError:
+        check(leaves)  # a clear error for a deleted input, else re-raise
+        raise
+      return unflatten(out_tree, results.consume_with_handlers(handlers))
+    return run
+
+  def check_deleted(self, leaves: Sequence[Any]) -> None:
+    """Raises a ValueError naming the first input whose buffers are gone."""
+    for k, x in enumerate(leaves):
+      if isinstance(x, jax.Array) and x.is_deleted():
+        raise ValueError(
+            f"{self._name(k)} (shape {x.shape}) has been deleted: it was donated to an"
+            " earlier call (donate_argnums) or deleted with .delete(). Hint:"
+            " pass the array that call returned instead, or drop"
+            " donate_argnums to keep the inputs.")
+
+  def run(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Executes on inputs already placed as ``in_shardings``."""
+    if self._donated:  # XLA crashes (not raises) on a deleted donated buffer
+      self.check_deleted(leaves)
+    return self._execute(leaves)
+
+  def _execute(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    try:
+      return self._execute_unchecked(leaves)
+    except jax.errors.JaxRuntimeError:
+      self.check_deleted(leaves)  # a clear error for a deleted input, else re-raise
+      raise
+
+  def _execute_unchecked(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    if self._effects or self._bounded:
+      if self._bounded:
+        steps.before(*self._process)
+      results = self.loaded.execute_sharded(leaves, with_tokens=True)
+      token = results.consume_token()
+      if self._effects:
+        _compat.record_runtime_token(token, self.loaded)
+      if self._bounded:
+        steps.add(token)
+      outs = results.consume_with_handlers(self._handlers)
+    else:
+      outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)
+    for k, shape, dtype in self._empty:
+      outs[k] = jax.device_put(np.empty(shape, dtype), self.out_shardings[k])
+    if self._localize is not None:
+      outs = self._localize(outs)
+    return outs
+
+  def place(self, leaves: Sequence[Any]) -> list[jax.Array]:
+    """Puts each input on the devices with its sharding.
+
+    An array whose sharding is equivalent (same devices, same tiles) is
+    re-labelled without a copy; anything else is copied or resharded. Numpy
+    inputs are copied first: the transfer may finish after this call
+    returns, and the caller may change its array at once.
+    """
+    return [x if type(x) is _compat.ArrayImpl and x.sharding == s
+            else jax.device_put(host_copy(x, self._name(k)) if isinstance(x, np.ndarray)
+                                else x, s)
+            for k, (x, s) in enumerate(zip(leaves, self.in_shardings))]
+
+  def _name(self, k: int) -> str:
+    return self._names[k] if k < len(self._names) else f"input {k}"

@@ -1,0 +1,1 @@
+"""Lowering: arguments, jax's trace, device choice, the partition plan, sharding insertion."""

@@ -1,0 +1,1 @@
+"""partitioner.pipeline: pipeline parallelism inside the one SPMD program."""

@@ -1,0 +1,1 @@
+"""Reading compiled programs: HLO text, device models, cost, explain()'s report."""

@@ -1,0 +1,95 @@
+"""explain(): what the partitioner did, gathered from the compiled program.
+
+The tiling of every argument and output (with a picture of which device
+holds which block), the collectives XLA's SPMD partitioner inserted (from
+the partitioned HLO, with the user's line behind each where XLA recorded
+its call stack), and XLA's per-device cost and memory analyses. How the
+report holds and how it prints (its value types) is ``_report``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partitioner._report import hlo as _hlo
+from partitioner._report.explanation import (
+  LARGEST_TEMPORARIES,
+  Collective,
+  PipelineReport,
+  ValueLayout,
+)
+from sharding._partition_spec import PartitionSpec
+from sharding._picture import picture
+from sharding._tiling import Tiling
+
+
+def layout(name: str, shape: Sequence[int], dtype: np.dtype, tiling: Tiling,
+           rule: str = "") -> ValueLayout:
+  """The :class:`ValueLayout` of one value (``rule``: see there)."""
+  shard = tiling.shard_shape(shape)
+  itemsize = np.dtype(dtype).itemsize
+  spec = "replicated" if tiling.replicated else repr(tiling.spec)
+  return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
+                     math.prod(shard) * itemsize, tiling.picture(), rule)
+
+
+def layout_of(name: str, shape: Sequence[int], dtype: np.dtype,
+              sharding: Any) -> ValueLayout:
+  """The :class:`ValueLayout` of a value with a jax ``Sharding``: its spec
+  is the number of blocks along each dimension, its picture
+  :func:`sharding.picture`'s."""
+  shard = tuple(sharding.shard_shape(tuple(shape)))
+  counts = [-(-s // t) if t else 1 for s, t in zip(shape, shard)]
+  spec = repr(PartitionSpec(*counts)) if math.prod(counts) > 1 else "replicated"
+  return ValueLayout(name, tuple(shape), np.dtype(dtype).name, spec, shard,
+                     math.prod(shard) * np.dtype(dtype).itemsize,
+                     picture(sharding, tuple(shape)))
+
+
+def memory(stats: Any) -> dict[str, int]:
+  """Per-device bytes from XLA's memory statistics (see Explanation)."""
+  out = {"arguments": stats.argument_size_in_bytes,
+         "outputs": stats.output_size_in_bytes,
+         "temporaries": stats.temp_size_in_bytes,
+         "aliased": stats.alias_size_in_bytes}
+  out["peak_estimate"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+  return out
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective op in XLA's partitioned HLO text."""
+  return [Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes, op_name=op.op_name,
+                     source=op.source, via=op.via, runs=op.runs)
+          for op in _hlo.instructions(hlo_text) if op.opcode in _hlo.COLLECTIVE_KINDS]
+
+
+def temporaries(hlo_text: str, n: int = LARGEST_TEMPORARIES) -> tuple[Collective, ...]:
+  """The ``n`` largest values the program computes per device (not its
+  parameters), largest first: what XLA's temporaries hold at some point."""
+  ops = [op for op in _hlo.instructions(hlo_text, every=True)
+         if op.opcode not in _hlo.NOT_COMPUTED and not op.root]
+  ops.sort(key=lambda op: -op.bytes)
+  return tuple(Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes,
+                          op_name=op.op_name, source=op.source, via=op.via)
+               for op in ops[:n])
+
+
+def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[PipelineReport, ...]:
+  """A report per ``partitioner.pipeline`` call (``_tracing.PipelineCall``):
+  its collective-permutes are the program's (the ones at its line, when
+  several calls share a program)."""
+  out = []
+  for call in calls:
+    line = call.site.split(" (")[0]
+    mine = [c for c in found if c.kind == "collective-permute"
+            and (len(calls) == 1 or c.source.split(" (")[0] == line)]
+    out.append(PipelineReport(
+        site=call.site, stages=call.stages, microbatches=call.microbatches,
+        repeats=call.repeats, layers=call.layers, ticks=call.ticks, bubble=call.bubble,
+        stage_bytes=sum(c.bytes * c.runs for c in mine),
+        permutes=sum(c.runs for c in mine)))
+  return tuple(out)

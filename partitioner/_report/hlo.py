@@ -1,0 +1,316 @@
+"""Reading XLA's partitioned HLO text: its instructions, their result
+bytes per device, replica groups and the user's line behind each.
+
+``explain()`` reads collectives and the largest values from it;
+``partitioner.search`` reads collectives and their groups to weigh them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+
+# Frames in these packages are not "the user's line" of an op.
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
+_LIBRARY_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:jax|jaxlib|flax|optax|orbax"
+                           r"|partitioner|sharding)[/\\]")
+_TOOLKIT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p)
+                 + os.sep for p in ("partitioner", "sharding"))
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+# Ops whose result is no new value on the device: not a temporary.
+NOT_COMPUTED = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                          "after-all", "partition-id", "replica-id", "opt-barrier"})
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\(")
+_ANY = re.compile(r"^\s*(?P<root>ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+                  r"(?P<kind>[a-z][\w\-]*)\(")
+CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
+                    r"\[([\d,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+         "s32": 32, "u32": 32, "s64": 64, "u64": 64, "bf16": 16, "f16": 16,
+         "f32": 32, "f64": 64, "c64": 64, "c128": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: ``opcode`` without ``-start``, the bytes of its
+  result per device (an async start's: its largest array), ``op_name``,
+  the user's line behind it (``source``, ``via``: see ``source()``), its
+  text (``line``: replica groups and the rest) and how many times it runs
+  per call (``runs``: inside a while loop, the loop's trip count)."""
+  opcode: str
+  shape: str
+  bytes: int
+  op_name: str
+  source: str
+  via: str
+  root: bool
+  line: str
+  runs: int = 1
+
+
+def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
+  """The collectives of the HLO text, or with ``every`` each instruction
+  outside fusion bodies and reduction computations (the values the device
+  holds)."""
+  frames = stack_frames(hlo_text)
+  lines = hlo_text.splitlines()
+  called = set() if not every else {m for line in lines for m in CALLED.findall(line)}
+  pattern = _ANY if every else _COLLECTIVE
+  counts = runs(hlo_text)
+  found, skip, times = [], False, 1
+  for line in lines:
+    if c := _COMPUTATION.match(line):
+      skip = every and c.group("name") in called
+      times = counts.get(c.group("name"), 1)
+      continue
+    m = None if skip else pattern.match(line)
+    if m is None:
+      continue
+    kind = m.group("kind")
+    start = kind.endswith("-start") if every else bool(m.group("start"))
+    kind = kind[:-len("-start")] if every and start else kind
+    arrays = [array_bytes(t, d) for t, d in ARRAY.findall(m.group("shape"))]
+    # Async starts return (operands..., results..., context): count the result.
+    size = max(arrays, default=0) if start else sum(arrays)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    where, via = source(line, frames)
+    found.append(Instruction(
+        opcode=kind, shape=m.group("shape"), bytes=size,
+        op_name=op_name.group(1) if op_name else "", source=where, via=via,
+        root=bool(every and m.group("root")), line=line, runs=times))
+  return found
+
+
+def array_bytes(dtype: str, dims: str) -> int:
+  n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+  return n * _BITS.get(dtype, 32) // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+  """One entry of the module's ``StackFrames`` table."""
+  file: str
+  line: str
+  function: str
+  parent: int  # 0: the outermost frame
+
+  def __str__(self) -> str:
+    return f"{self.file}:{self.line}" + (f" ({self.function})" if self.function else "")
+
+
+def stack_frames(hlo_text: str) -> dict[int, _Frame]:
+  """stack_frame_id -> its frame, from the module's tables."""
+  tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+  section = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line
+      continue
+    m = re.match(r"^(\d+) (.*)$", line)
+    if section and m:
+      tables[section][int(m.group(1))] = m.group(2)
+    elif not line.strip():
+      section = None
+  parents = {fid: re.search(r"parent_frame_id=(\d+)", text)
+             for fid, text in tables["StackFrames"].items()}
+  parents = {fid: int(p.group(1)) if p else 0 for fid, p in parents.items()}
+  # XLA's printer writes each parent id one too high (frame 1, always the
+  # outermost, shows parent_frame_id=1); a correct table has no such cycle.
+  shift = 1 if parents.get(1) == 1 else 0
+  frames = {}
+  for fid, text in tables["StackFrames"].items():
+    loc = re.search(r"file_location_id=(\d+)", text)
+    loc_text = tables["FileLocations"].get(int(loc.group(1)), "") if loc else ""
+    f = re.search(r"file_name_id=(\d+)", loc_text)
+    fn = re.search(r"function_name_id=(\d+)", loc_text)
+    ln = re.search(r"\bline=(\d+)", loc_text)
+    if f and ln:
+      frames[fid] = _Frame(
+          file=tables["FileNames"].get(int(f.group(1)), "?").strip('"'),
+          line=ln.group(1),
+          function=tables["FunctionNames"].get(int(fn.group(1)), "").strip('"') if fn else "",
+          parent=max(parents[fid] - shift, 0))
+  return frames
+
+
+def source(line: str, frames: dict[int, _Frame]) -> tuple[str, str]:
+  """(the first frame in user code, the innermost frame if it is a library
+  line before it) of one HLO instruction."""
+  m = re.search(r"stack_frame_id=(\d+)", line)
+  if m:
+    innermost = frames.get(int(m.group(1)))
+    frame, seen = innermost, set()
+    while frame is not None and id(frame) not in seen:
+      if not _is_library(frame.file):
+        via = "" if frame is innermost or _in_toolkit(innermost.file) else str(innermost)
+        return str(frame), via
+      seen.add(id(frame))
+      frame = frames.get(frame.parent)
+    return (str(innermost), "") if innermost is not None else ("", "")
+  f = re.search(r'source_file="([^"]*)"', line)
+  ln = re.search(r"source_line=(\d+)", line)
+  return (f"{f.group(1)}:{ln.group(1)}", "") if f and ln else ("", "")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+  """The installed directories of jax, jaxlib, flax, optax and orbax."""
+  dirs = []
+  for name in _LIBRARIES:
+    spec = importlib.util.find_spec(name)
+    if spec is not None:
+      dirs += [os.path.realpath(d) + os.sep for d in spec.submodule_search_locations or ()]
+  return tuple(dirs)
+
+
+def _in_toolkit(path: str) -> bool:
+  return path.startswith(_TOOLKIT)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(path: str) -> bool:
+  """Whether a frame's file is library code (or this toolkit), not the user's."""
+  return bool(_LIBRARY_PATH.search(path) or _in_toolkit(path)
+              or os.path.realpath(path).startswith(_library_dirs()))
+
+
+# ---- How many times each computation of an HLO module runs per call ----
+
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*?\bbody=%?(?P<body>[\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+                         r"(?P<kind>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+# Ops XLA's cost analysis counts one flop per result element (transcendentals
+# included, as it counts them apart).
+_ELEMENTWISE = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic",
+    "sqrt", "rsqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf",
+    "select", "compare", "clamp", "remainder", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "sign", "and", "or", "xor", "not"})
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines (the entry's name is the
+  key ``""`` too)."""
+  found: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      current = found.setdefault(m.group("name"), [])
+      if m.group("entry"):
+        found[""] = current
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  return found
+
+
+@functools.lru_cache(maxsize=4)  # (the texts are large: a score reads one a few times)
+def runs(hlo_text: str) -> dict[str, int]:
+  """Computation name -> times it runs per call of the entry: a while
+  body its trip count times its caller's (1 where XLA knows no trip
+  count), a called computation (fusion, reduction) its caller's."""
+  comps = computations(hlo_text)
+  callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+  for name, lines in comps.items():
+    if not name:
+      continue
+    for line in lines:
+      w = _WHILE.search(line)
+      if w:
+        trip = _TRIP.search(line)
+        callers[w.group("body")].append((name, int(trip.group(1)) if trip else 1))
+        cond = _CONDITION.search(line)
+        if cond:
+          callers[cond.group(1)].append((name, int(trip.group(1)) + 1 if trip else 1))
+        continue
+      for group in _CALLS.findall(line):
+        for callee in re.split(r",\s*", group):
+          callers[callee.lstrip("%")].append((name, 1))
+  entry = next((n for n, lines in comps.items() if n and lines is comps.get("")), None)
+  done: dict[str, int] = {}
+
+  def count(name: str, seen: frozenset = frozenset()) -> int:
+    if name not in done:
+      if name == entry or name in seen:
+        return 1
+      # The most a caller makes it run (XLA gives each loop body and fusion
+      # a computation of its own; max keeps a shared one from counting twice).
+      done[name] = max((count(c, seen | {name}) * k for c, k in callers.get(name, ())),
+                       default=1)
+    return done[name]
+
+  return {name: count(name) for name in comps if name}
+
+
+def flops(lines: list[str], matmuls_only: bool = False) -> float:
+  """The flops of one computation's lines: a dot's 2 x the result's
+  elements x the contracted size of the left operand, an elementwise op's
+  (or a reduction's) one per element (not with ``matmuls_only``)."""
+  return sum(f for _, f in line_flops(lines, matmuls_only))
+
+
+def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
+  """``(line, flops)`` of each line of one computation that does any (as
+  :func:`flops` counts them)."""
+  shapes = {}
+  found = []
+  for line in lines:
+    m = DEFINITION.match(line)
+    if m is None:
+      continue
+    shapes[m.group("name")] = m.group("shape")
+    kind = m.group("kind")
+    if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
+      arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
+                             shapes.get(m.group("args").split(",")[0].strip().lstrip("%"), ""))
+      found.append((line, float(sum(math.prod(int(d) for d in a.split(",") if d)
+                                    for a in arrays[:1]))))
+      continue
+    if kind != "dot":
+      continue
+    out = _DIMS.search(m.group("shape"))
+    lhs = m.group("args").split(",")[0].strip().lstrip("%")
+    lhs_dims = _DIMS.search(shapes.get(lhs, ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    if out is None or lhs_dims is None:
+      continue
+    dims = [int(d) for d in lhs_dims.group(1).split(",") if d]
+    k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) \
+        if contracting else 1
+    found.append((line, 2.0 * math.prod(int(d) for d in out.group(1).split(",") if d) * k))
+  return found
+
+
+def repeated_flops(hlo_text: str) -> float:
+  """The flops ``cost_analysis()`` leaves out: a loop body's counted for
+  every iteration after the first."""
+  counts = runs(hlo_text)
+  return sum((counts[name] - 1) * flops(lines)
+             for name, lines in computations(hlo_text).items()
+             if name and counts.get(name, 1) > 1)
+
+
+def matmul_flops(hlo_text: str) -> float:
+  """The flops of every dot of the program, each as often as it runs."""
+  counts = runs(hlo_text)
+  return sum(counts.get(name, 1) * flops(lines, matmuls_only=True)
+             for name, lines in computations(hlo_text).items() if name)

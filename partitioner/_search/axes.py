@@ -1,0 +1,336 @@
+"""Logical axes of a program: which dimensions of its values are "the same".
+
+The search splits *logical axes* (batch, width, heads, hidden units,
+vocabulary...) over the device grid, as MaxText's logical axis rules do,
+but finds them itself: a union-find over (value, dimension) pairs of the
+function's jaxpr, joined where an op carries a dimension through (the
+elementwise ops, transposes, reductions, broadcasts, reshapes that keep a
+dimension, the batch and free dimensions of a dot_general and its
+contracting pairs, gathers and scatters, sub-jaxprs). Each class is one
+logical axis (``_candidates`` names them by the arguments' dimensions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend import core as jex_core
+
+# Primitives whose sub-jaxpr maps its inputs and outputs one to one.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+# Primitives that keep every dimension, whatever their sizes do.
+_SAME_DIMS = ("slice", "pad", "dynamic_slice", "dynamic_update_slice", "rev", "cumsum",
+              "cumprod", "cummax", "cummin", "sort", "select_and_scatter_add",
+              "reduce_precision", "copy", "copy_p")
+
+
+@dataclasses.dataclass
+class Axes:
+  """The logical axes of one function.
+
+  Attributes:
+    jaxpr: the closed jaxpr it was read from.
+    of: ``of[(var, dim)]`` -> the class id of every (value, dimension).
+    in_axes: per flat input, the class id of each dimension.
+    out_axes: per flat output, the class id of each dimension.
+  """
+  jaxpr: Any
+  of: dict
+  in_axes: list[tuple[int, ...]]
+  out_axes: list[tuple[int | None, ...]]
+
+  def axis(self, ctx: tuple, var: Any, dim: int) -> int | None:
+    """The class of ``var``'s dimension ``dim`` inside the call ``ctx``."""
+    if isinstance(var, jex_core.Literal):
+      return None
+    return self.of.get(((ctx, var), dim))
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: dict = {}
+
+  def find(self, x):
+    parent = self.parent
+    parent.setdefault(x, x)
+    root = x
+    while parent[root] != root:
+      root = parent[root]
+    while parent[x] != root:
+      parent[x], x = root, parent[x]
+    return root
+
+  def join(self, a, b):
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[rb] = ra
+
+
+def logical_axes(closed: Any) -> Axes:
+  """The logical axes of ``closed`` (a ClosedJaxpr)."""
+  uf = _UnionFind()
+  _walk(closed.jaxpr, uf, ())
+  ids: dict = {}
+
+  def cls(var, d):
+    if isinstance(var, jex_core.Literal):
+      return None
+    root = uf.find((((), var), d))
+    return ids.setdefault(root, len(ids))
+
+  jaxpr = closed.jaxpr
+  in_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
+  out_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.outvars]
+  of = {key: ids.setdefault(uf.find(key), len(ids)) for key in list(uf.parent)}
+  return Axes(closed, of, in_axes, out_axes)
+
+
+class _Scoped:
+  """A union-find seen from inside one call: values are keyed by the call
+  path (``ctx``), as one sub-jaxpr may be called in many places."""
+
+  def __init__(self, uf: _UnionFind, ctx: tuple, inner: tuple | None = None):
+    self.uf, self.ctx, self.inner = uf, ctx, inner
+
+  def join(self, a: Any, da: int, b: Any, db: int, b_inner: bool = False) -> None:
+    if isinstance(a, jex_core.Literal) or isinstance(b, jex_core.Literal):
+      return
+    cb = self.inner if b_inner else self.ctx
+    self.uf.join(((self.ctx, a), da), ((cb, b), db))
+
+
+def _join_dims(uf: _Scoped, a: Any, da: int, b: Any, db: int) -> None:
+  uf.join(a, da, b, db)
+
+
+def _walk(jaxpr: Any, base: _UnionFind, ctx: tuple) -> None:
+  uf = _Scoped(base, ctx)
+  for v in [*jaxpr.invars, *jaxpr.constvars]:
+    for d in range(len(shape_of(v))):
+      base.find(((ctx, v), d))
+  for k, eqn in enumerate(jaxpr.eqns):
+    _eqn(eqn, uf, k)
+
+
+def _eqn(eqn: Any, uf: _Scoped, k: int) -> None:
+  name, p = eqn.primitive.name, eqn.params
+  ins, outs = eqn.invars, eqn.outvars
+  for v in outs:
+    for d in range(len(shape_of(v))):
+      uf.uf.find(((uf.ctx, v), d))
+  out = outs[0] if outs else None
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    lhs, rhs = ins
+    for a, b in zip(lc, rc):
+      _join_dims(uf, lhs, a, rhs, b)
+    k = 0
+    for a, b in zip(lb, rb):
+      _join_dims(uf, lhs, a, out, k)
+      _join_dims(uf, rhs, b, out, k)
+      k += 1
+    for side, skip in ((lhs, (*lc, *lb)), (rhs, (*rc, *rb))):
+      for d in range(len(shape_of(side))):
+        if d not in skip:
+          _join_dims(uf, side, d, out, k)
+          k += 1
+  elif name == "transpose":
+    for i, d in enumerate(p["permutation"]):
+      _join_dims(uf, ins[0], d, out, i)
+  elif name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                "reduce_or", "argmax", "argmin", "reduce_xor"):
+    kept = [d for d in range(len(shape_of(ins[0]))) if d not in p["axes"]]
+    for i, d in enumerate(kept):
+      _join_dims(uf, ins[0], d, out, i)
+  elif name == "broadcast_in_dim":
+    src = shape_of(ins[0])
+    for i, d in enumerate(p["broadcast_dimensions"]):
+      if src[i] == shape_of(out)[d]:
+        _join_dims(uf, ins[0], i, out, d)
+  elif name == "squeeze":
+    kept = [d for d in range(len(shape_of(ins[0]))) if d not in p["dimensions"]]
+    for i, d in enumerate(kept):
+      _join_dims(uf, ins[0], d, out, i)
+  elif name == "reshape":
+    for a, b in kept_by_reshape(shape_of(ins[0]), shape_of(out)):
+      _join_dims(uf, ins[0], a, out, b)
+  elif name == "concatenate":
+    for v in ins:
+      for d in range(len(shape_of(out))):
+        if d != p["dimension"]:
+          _join_dims(uf, v, d, out, d)
+  elif name == "split":
+    for o in outs:
+      for d in range(len(shape_of(o))):
+        if d != p["axis"]:
+          _join_dims(uf, ins[0], d, o, d)
+  elif name == "gather":
+    gather(uf, eqn)
+  elif name.startswith("scatter"):
+    scatter(uf, eqn)
+  elif name in _SAME_DIMS:
+    for v in ins:
+      if len(shape_of(v)) == len(shape_of(out)):
+        for d in range(len(shape_of(out))):
+          _join_dims(uf, v, d, out, d)
+  elif _sub_jaxprs(eqn):
+    _calls(eqn, _Scoped(uf.uf, uf.ctx, (*uf.ctx, k)))
+  else:  # elementwise and the like: equal dimensions of equal-rank values
+    for v in ins:
+      for o in outs:
+        s, t = shape_of(v), shape_of(o)
+        if len(s) == len(t):
+          for d in range(len(t)):
+            if s[d] == t[d] and t[d] > 1:
+              _join_dims(uf, v, d, o, d)
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+  found = []
+  for value in eqn.params.values():
+    for item in value if isinstance(value, tuple | list) else (value,):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns") and hasattr(inner, "invars"):
+        found.append(inner)
+  return found
+
+
+def _calls(eqn: Any, uf: _Scoped) -> None:
+  """Sub-jaxprs (walked in their own scope, ``uf.inner``): pjit and friends
+  map inputs and outputs one to one; scan maps its sliced inputs and
+  stacked outputs without their leading axis; while and cond map their
+  carries and operands."""
+  name, p = eqn.primitive.name, eqn.params
+  subs = _sub_jaxprs(eqn)
+  if name == "cond":  # each branch gets its own scope
+    for b, branch in enumerate(p["branches"]):
+      scope = _Scoped(uf.uf, uf.ctx, (*uf.inner, b))
+      _walk(branch.jaxpr, uf.uf, scope.inner)
+      for outer, iv in zip(eqn.invars[1:], branch.jaxpr.invars):
+        _map(scope, outer, iv)
+      for outer, ov in zip(eqn.outvars, branch.jaxpr.outvars):
+        _map(scope, outer, ov)
+    return
+  for n, inner in enumerate(subs):  # (while: cond then body)
+    _walk(inner, uf.uf, (*uf.inner, n))
+  scope = lambda n: _Scoped(uf.uf, uf.ctx, (*uf.inner, n))
+  if name == "scan":
+    inner, s = p["jaxpr"].jaxpr, scope(0)
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    for k, (outer, iv) in enumerate(zip(eqn.invars, inner.invars)):
+      lead = 1 if k >= nc + ncarry else 0
+      for d in range(len(shape_of(iv))):
+        s.join(outer, d + lead, iv, d, b_inner=True)
+    for k, (outer, ov) in enumerate(zip(eqn.outvars, inner.outvars)):
+      lead = 1 if k >= ncarry else 0
+      for d in range(len(shape_of(ov))):
+        s.join(outer, d + lead, ov, d, b_inner=True)
+    for k in range(ncarry):  # carry in and out: through the outer values
+      _map(s, eqn.invars[nc + k], inner.invars[nc + k])
+      _map(s, eqn.invars[nc + k], inner.outvars[k])
+    return
+  if name == "while":
+    cond_n = p["cond_nconsts"]
+    body = p["body_jaxpr"].jaxpr
+    index = next(n for n, x in enumerate(subs) if x is body)
+    s = scope(index)
+    carries = eqn.invars[cond_n + p["body_nconsts"]:]
+    for outer, iv in zip(eqn.invars[cond_n:], body.invars):
+      _map(s, outer, iv)
+    for outer, ov, carry in zip(eqn.outvars, body.outvars, carries):
+      _map(s, outer, ov)
+      _map(uf, outer, carry, inner=False)
+    return
+  inner, s = subs[0], scope(0)
+  if len(inner.invars) == len(eqn.invars):
+    for outer, iv in zip(eqn.invars, inner.invars):
+      _map(s, outer, iv)
+  if len(inner.outvars) == len(eqn.outvars):
+    for outer, ov in zip(eqn.outvars, inner.outvars):
+      _map(s, outer, ov)
+
+
+def _map(uf: _Scoped, a: Any, b: Any, inner: bool = True) -> None:
+  if len(shape_of(a)) == len(shape_of(b)):
+    for d in range(len(shape_of(a))):
+      uf.join(a, d, b, d, b_inner=inner)
+
+
+
+# ---- How gathers, scatters and reshapes carry dimensions (see ``_axes``) ----
+
+
+def shape_of(v: Any) -> tuple[int, ...]:
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def kept_by_reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int]]:
+  """Pairs (source dim, result dim) that a reshape keeps whole: groups of
+  equal product, one dimension on each side (size-1 dimensions aside)."""
+  pairs, i, j = [], 0, 0
+  while i < len(src) and j < len(dst):
+    if src[i] == 1:
+      i += 1
+      continue
+    if dst[j] == 1:
+      j += 1
+      continue
+    a, b, gi, gj = src[i], dst[j], [i], [j]
+    while a != b:
+      if a < b:
+        i += 1
+        if i >= len(src):
+          return pairs
+        a *= src[i]
+        gi.append(i)
+      else:
+        j += 1
+        if j >= len(dst):
+          return pairs
+        b *= dst[j]
+        gj.append(j)
+    big_i = [d for d in gi if src[d] > 1]
+    big_j = [d for d in gj if dst[d] > 1]
+    if len(big_i) == 1 and len(big_j) == 1:
+      pairs.append((big_i[0], big_j[0]))
+    elif big_i and big_j and src[big_i[0]] == dst[big_j[0]]:
+      pairs.append((big_i[0], big_j[0]))  # a split or merge keeps its major dimension
+    i, j = i + 1, j + 1
+  return pairs
+
+
+def gather(uf: Any, eqn: Any) -> None:
+  operand, indices = eqn.invars[0], eqn.invars[1]
+  out = eqn.outvars[0]
+  dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+  skip = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+  window = [d for d in range(len(shape_of(operand))) if d not in skip]
+  for o, d in zip(dn.offset_dims, window):
+    if sizes[d] == shape_of(operand)[d]:
+      uf.join(operand, d, out, o)
+  batch_out = [d for d in range(len(shape_of(out))) if d not in dn.offset_dims]
+  index_dims = list(range(len(shape_of(indices)) - 1))  # the last is the index vector
+  for o, d in zip(batch_out, index_dims):
+    uf.join(indices, d, out, o)
+  obd = getattr(dn, "operand_batching_dims", ())
+  ibd = getattr(dn, "start_indices_batching_dims", ())
+  for a, b in zip(obd, ibd):
+    uf.join(operand, a, indices, b)
+
+
+def scatter(uf: Any, eqn: Any) -> None:
+  operand, indices, updates = eqn.invars[0], eqn.invars[1], eqn.invars[2]
+  out = eqn.outvars[0]
+  for d in range(len(shape_of(out))):
+    uf.join(operand, d, out, d)
+  dn = eqn.params["dimension_numbers"]
+  skip = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
+  window = [d for d in range(len(shape_of(operand))) if d not in skip]
+  for u, d in zip(dn.update_window_dims, window):
+    if shape_of(updates)[u] == shape_of(operand)[d]:
+      uf.join(updates, u, operand, d)
+  scatter_dims = [d for d in range(len(shape_of(updates))) if d not in dn.update_window_dims]
+  for u, d in zip(scatter_dims, range(len(shape_of(indices)) - 1)):
+    uf.join(updates, u, indices, d)

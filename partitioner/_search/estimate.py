@@ -1,0 +1,236 @@
+"""The cheap model: a candidate's cost read off the jaxpr, no compiling.
+
+Each value's dimensions are laid over the grid by the candidate's rules
+(its role on ``data`` and ``fsdp`` or on ``model``; a value uses a grid axis once, the
+batch role first); arguments as their specs say (FSDP splits only the
+state). Walking the ops, per device:
+
+- flops: a dot_general's ``2 * out * contracted`` over the devices its
+  operands are split over; an elementwise op's elements likewise;
+- communication: an operand split where the op does not want it is
+  all-gathered (an elementwise op runs on an argument's pieces as they
+  are: a sharded optimizer update gathers nothing); a dot_general
+  contracting (or a reduction over) a split dimension all-reduces its
+  result;
+- memory: the arguments' pieces plus the dot_generals' results (the
+  activations kept for the backward pass) and the gathered copies;
+- bytes accessed: every op's operands and results, for the roofline.
+
+It only ranks candidates for compiling: the compiled program (``partitioner._report.cost``)
+decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from partitioner._report.device_models import DeviceModel
+from partitioner._search.axes import Axes, _sub_jaxprs
+from partitioner._search.candidates import BATCH_AXES, MODEL, Candidate, Roles
+
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+  shape: tuple[int, ...]
+  itemsize: int
+  roles: tuple[int | None, ...]
+  source: int | None = None  # an argument: the first flat input alike (see Program)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  kind: str            # "dot", "reduce", "elementwise", "other"
+  ins: tuple[_Value, ...]
+  outs: tuple[_Value, ...]
+  contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
+  reduced: tuple[int, ...] = ()                # reduce: operand dims
+  times: int = 1                               # scan bodies run length times; alike ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  flops: float
+  collective_bytes: float
+  collectives: int
+  memory: float
+  seconds: float
+  network_bytes: float = 0.0  # the part of collective_bytes that crosses hosts
+  bytes_accessed: float = 0.0
+
+
+def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
+  """Per grid axis (row-major over ``hosts`` hosts of consecutive devices),
+  whether a collective over it crosses hosts."""
+  per_host = math.prod(grid) // hosts
+  out, stride = [], 1
+  for size in reversed(grid):
+    out.append(size > 1 and per_host % (stride * size) != 0)
+    stride *= size
+  return tuple(reversed(out))
+
+
+class Program:
+  """A jaxpr flattened once into ops whose values carry their roles, alike
+  ops counted once.
+
+  Under any candidate a value is laid out by its roles and shape alone,
+  and an argument by its roles, shape and whether it is state (its spec is
+  the rules'): so ops whose values match in those cost the same, and the
+  same op in every layer of a model is one op run ``times`` times. The
+  estimate's cost does not grow with depth.
+
+  Args:
+    axes: the logical axes of the function.
+    r: their roles.
+    state: per flat input, whether it is state (FSDP splits it).
+    skip: top-level equations to leave out (those a proxy removes).
+  """
+
+  def __init__(self, axes: Axes, r: Roles, state: Sequence[bool],
+               skip: frozenset[int] = frozenset()):
+    self.r = r
+    self._axes = axes
+    invars = axes.jaxpr.jaxpr.invars
+    alike: dict = {}
+    self.sources: dict = {}  # ((), var) -> the first flat input alike
+    self.inputs: list[tuple[int, int, _Value]] = []  # (first alike, how many, value)
+    counts: dict[int, int] = {}
+    for k, (v, st) in enumerate(zip(invars, state)):
+      val = self._value((), v)
+      first = alike.setdefault((val.shape, val.itemsize, val.roles, st), k)
+      self.sources[((), v)] = first
+      counts[first] = counts.get(first, 0) + 1
+    self.inputs = [(k, n, dataclasses.replace(self._value((), invars[k]), source=k))
+                   for k, n in counts.items()]
+    ops: dict[_Op, int] = {}
+    self._skip = skip
+    self._flatten(axes.jaxpr.jaxpr, (), 1, ops)
+    self.ops = [dataclasses.replace(op, times=op.times * n) for op, n in ops.items()]
+
+  def _value(self, ctx: tuple, v: Any) -> _Value:
+    shape = tuple(getattr(v.aval, "shape", ()))
+    # (jax's own dtypes first: a PRNG key's key<fry> is no numpy dtype)
+    itemsize = getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
+    roles = tuple(self.r.of_axis.get(self._axes.axis(ctx, v, d)) for d in range(len(shape)))
+    source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
+    return _Value(shape, itemsize, roles, source)
+
+  def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict) -> None:
+    for k, eqn in enumerate(jaxpr.eqns):
+      if not ctx and k in self._skip:
+        continue
+      subs = _sub_jaxprs(eqn)
+      if subs:
+        length = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        if eqn.primitive.name == "cond":
+          for b, branch in enumerate(eqn.params["branches"]):
+            self._flatten(branch.jaxpr, (*ctx, k, b), times, ops)
+        else:
+          for n, inner in enumerate(subs):
+            self._flatten(inner, (*ctx, k, n), times * length, ops)
+        continue
+      ins = tuple(self._value(ctx, v) for v in eqn.invars)
+      outs = tuple(self._value(ctx, v) for v in eqn.outvars)
+      name = eqn.primitive.name
+      if name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), times=times)
+      elif name in _REDUCTIONS:
+        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times)
+      elif len(outs) == 1 and all(x.shape in (outs[0].shape, ()) for x in ins):
+        op = _Op("elementwise", ins, outs, times=times)
+      else:
+        op = _Op("other", ins, outs, times=times)
+      ops[op] = ops.get(op, 0) + 1
+
+  def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
+               device: DeviceModel, hosts: int = 1) -> Estimate:
+    """The candidate's per-device cost; ``in_dims``: per flat input, the
+    grid axes of each dimension (from its spec); ``hosts``: the devices
+    are that many hosts of consecutive devices."""
+    sizes = c.grid
+    model = sizes[MODEL]
+    batch_axes = tuple(a for a in BATCH_AXES if sizes[a] > 1)
+    remote = crossing(sizes, hosts)
+    wanted_cache: dict = {}
+
+    def wanted(val: _Value) -> tuple[tuple[int, ...], ...]:
+      key = (val.roles, val.shape)
+      hit = wanted_cache.get(key)
+      if hit is not None:
+        return hit
+      dims: list[tuple[int, ...]] = [() for _ in val.shape]
+      used = set()
+      for d, role in enumerate(val.roles):
+        if (batch_axes and role is not None and role == c.batch
+            and val.shape[d] % c.replicas == 0):
+          dims[d], used = batch_axes, set(batch_axes)
+          break
+      for d, role in enumerate(val.roles):
+        if (model > 1 and role in c.model and MODEL not in used and not dims[d]
+            and val.shape[d] % model == 0):
+          dims[d] = (MODEL,)
+          used.add(MODEL)
+      wanted_cache[key] = out = tuple(dims)
+      return out
+
+    def local_bytes(val: _Value, dims) -> float:
+      split = math.prod(sizes[a] for ax in dims for a in ax)
+      return math.prod(val.shape) * val.itemsize / split
+
+    flops = comm = network = count = memory = accessed = 0.0
+    alike = {k: n for k, n, _ in self.inputs}
+    for k, n, val in self.inputs:
+      memory += local_bytes(val, in_dims[k]) * n
+    gathered: set = set()
+    for op in self.ops:
+      want_in = [wanted(x) for x in op.ins]
+      for x, want in zip(op.ins, want_in):
+        if x.source is None:
+          continue
+        if op.kind == "elementwise":  # (it runs on the argument's pieces as they are)
+          continue
+        have = in_dims[x.source]
+        for d, ax in enumerate(have):
+          for a in ax:
+            if a not in want[d]:  # split here, not where the op wants: gather
+              sent = local_bytes(x, have) * (sizes[a] - 1) * op.times
+              comm += sent
+              network += sent if remote[a] else 0.0
+              count += op.times
+              if x.source not in gathered:  # the gathered copies are temporaries
+                gathered.add(x.source)
+                memory += local_bytes(x, want) * alike[x.source]
+      outs = [wanted(o) for o in op.outs]
+      accessed += (sum(local_bytes(x, w) for x, w in zip(op.ins, want_in))
+                   + sum(local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
+      split_axes = {a for w in want_in for ax in w for a in ax}
+      devices = math.prod(sizes[a] for a in split_axes)
+      if op.kind == "dot":
+        lhs, rhs = op.ins
+        contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
+        flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
+        memory += local_bytes(op.outs[0], outs[0]) * op.times
+        summed = {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
+      elif op.kind == "reduce":
+        flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times
+        summed = {a for d in op.reduced for a in want_in[0][d]}
+      else:
+        flops += sum(math.prod(o.shape) for o in op.outs) / max(devices, 1) * op.times
+        summed = set()
+      for a in summed:  # partial results: all-reduce (ring: 2 (g - 1) / g)
+        g = sizes[a]
+        sent = local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
+        comm += sent
+        network += sent if remote[a] else 0.0
+        count += op.times
+    seconds = (device.compute_seconds(flops, accessed)
+               + device.comm_seconds(comm - network, count, network))
+    return Estimate(flops, comm, count, memory, seconds, network, accessed)

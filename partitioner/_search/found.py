@@ -1,0 +1,192 @@
+"""What partitioner.search returns: the layout it found, every candidate it
+scored, and a one-screen report; their JSON form for the caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from partitioner._front.analysis import explain
+from partitioner._front.sharded_jit import sharded_jit
+from partitioner._report.cost import Cost
+from partitioner._report.device_models import DeviceModel
+from partitioner._search import table as _table
+from partitioner._search.candidates import Candidate
+from partitioner._search.estimate import Estimate
+from sharding._constraint import decode_spec, encode_spec
+
+
+@dataclasses.dataclass
+class Result:
+  """One compiled candidate while the search runs."""
+  index: int
+  candidate: Candidate
+  description: str
+  family: str
+  estimate: Estimate
+  got: Cost | str
+  in_specs: list
+  out_specs: list
+  measured: float | None = None
+  time_offset: float = 0.0  # the whole program's time less the compiled (proxy's)
+  alike: int = 0  # other candidates that compiled to the same program
+
+  @property
+  def failed(self) -> bool:
+    return isinstance(self.got, str)
+
+  @property
+  def score(self) -> Cost:
+    return self.got  # type: ignore[return-value]
+
+  @property
+  def error(self) -> str:
+    return self.got if isinstance(self.got, str) else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateResult:
+  """A layout the search compiled and scored (per device, per call).
+
+  Attributes:
+    layout: the rules, e.g. ``"data 4: seqs dim 0; model 2: params['w1'] dim 1"``.
+    family: the kind of layout: a hand-written one's name (``"data x model
+      2 x 4"``, ``"FSDP 8"``...), with ``", batch whole"`` or ``"copied"``
+      when the data axis splits no batch.
+    grid: ``(data, fsdp, model)`` devices, major to minor (of each stage).
+    seconds: estimated time of one call under the device model.
+    flops: per-device flops of the compiled program.
+    collectives: collective ops in it.
+    collective_bytes: their bytes, weighted by algorithm and group size.
+    network_bytes: the part that crosses hosts (processes, or the hosts
+      of ``search(hosts=)``).
+    peak_memory: XLA's peak estimate per device.
+    estimated_seconds: the cheap model's time, which shortlisted it.
+    measured_seconds: its measured time per call (``measure=``), or None.
+    fits: within the memory budget.
+    error: why it did not compile ("" if it did).
+    alike: how many other candidates compiled to this very program (one
+      row for all of them).
+    stages: pipeline stages (``partitioner.pipeline``), major to ``grid``;
+      1: none.
+  """
+  layout: str
+  family: str
+  grid: tuple[int, int, int]
+  seconds: float
+  flops: float
+  collectives: int
+  collective_bytes: float
+  network_bytes: float
+  peak_memory: int
+  estimated_seconds: float
+  measured_seconds: float | None
+  fits: bool
+  error: str = ""
+  alike: int = 0
+  stages: int = 1
+
+
+def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
+            estimated: int, seconds: float, hosts: int = 1,
+            grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None) -> bytes:
+  rows = []
+  for x in results:
+    s = None if x.failed else x.score
+    rows.append({
+        "layout": x.description, "family": x.family, "grid": list(x.candidate.grid),
+        "seconds": s.seconds if s else None, "flops": s.flops if s else None,
+        "collectives": s.collectives if s else None,
+        "collective_bytes": s.collective_bytes if s else None,
+        "network_bytes": s.network_bytes if s else None,
+        "peak_memory": s.peak_memory if s else None,
+        "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
+        "fits": bool(s) and (budget is None or s.peak_memory <= budget),
+        "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
+        "in": [encode_spec(p) for p in x.in_specs],
+        "out": [encode_spec(p) for p in x.out_specs]})
+  return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
+                     "search_seconds": seconds, "hosts": hosts,
+                     "grouped": [list(g) for g in grouped], "proxy": proxy or {},
+                     "candidates": rows}).encode()
+
+
+class FoundLayout:
+  """The layout :func:`partitioner.search` found.
+
+  Attributes:
+    in_parts: a spec tree per positional argument (None for static ones),
+      for ``sharded_jit(fun, in_parts=..., out_parts=...)``.
+    out_parts: the outputs' spec tree.
+    candidates: every layout it compiled and scored, best first (then
+      those over the budget, then those that failed).
+    best: ``candidates[0]``.
+    estimated: how many layouts the cheap model ranked.
+    compiled: how many it compiled and scored (candidates that compiled to
+      one program are one of ``candidates``).
+    measured: how many it timed on the devices.
+    grouped: ``(role, count)`` of each logical axis that repeats across
+      layers and was decided once for all of them.
+    hosts: the hosts it planned for.
+    proxy: when the program's layers repeat, what was compiled in its
+      place: ``{"ops": top-level equations, "proxy_ops": those compiled,
+      "kept": repetitions kept, "runs": [[period, repetitions], ...]}``;
+      else ``{}``.
+    search_seconds: how long the search took (the first time).
+    device_model: the name of the device model it scored with.
+  """
+
+  def __init__(self, fun: Callable[..., Any], static: Sequence[int], data: dict,
+               in_parts: tuple, out_parts: Any, candidates: tuple[CandidateResult, ...]):
+    self.fun, self.static = fun, tuple(static)
+    self.in_parts, self.out_parts = in_parts, out_parts
+    self.candidates = candidates
+    self.best = candidates[0]
+    self.estimated = data["estimated"]
+    self.compiled = sum(1 + c.alike for c in candidates)
+    self.measured = sum(1 for c in candidates if c.measured_seconds)
+    self.grouped = tuple((name, n) for name, n in data["grouped"])
+    self.hosts = data["hosts"]
+    self.proxy = data["proxy"]
+    self.search_seconds = data["search_seconds"]
+    self.device_model = data["device_model"]
+    self.budget = data["budget"]
+
+  @classmethod
+  def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
+                in_tree: Any, out_tree: Any, nargs: int, who: str) -> FoundLayout:
+    data = json.loads(blob)
+    rows = data["candidates"]
+    winner = rows[0]
+    dyn = jax.tree_util.tree_unflatten(in_tree, [decode_spec(t) for t in winner["in"]])
+    it = iter(dyn)
+    in_parts = tuple(None if i in static else next(it) for i in range(nargs))
+    out_parts = jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in winner["out"]])
+    fields = {f.name for f in dataclasses.fields(CandidateResult)}
+    candidates = tuple(CandidateResult(**{k: (tuple(v) if k == "grid" else v)
+                                          for k, v in r.items() if k in fields})
+                       for r in rows)
+    return cls(fun, static, data, in_parts, out_parts, candidates)
+
+  def sharded_jit(self, **kwargs) -> Any:
+    """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``
+    with this layout (more keyword arguments pass through)."""
+    return sharded_jit(self.fun, in_parts=self.in_parts, out_parts=self.out_parts,
+                       static_argnums=self.static, **kwargs)
+
+  def explain(self, *args) -> Any:
+    """``explain()`` of the winner for these arguments (compiles it)."""
+    return explain(self.sharded_jit(), *args)
+
+  def report(self, rows: int = 12) -> str:
+    """A one-screen table of the candidates and why the winner won."""
+    return _table.table(self, rows)
+
+  __str__ = report
+
+  def __repr__(self) -> str:
+    return f"<FoundLayout {self.best.layout!r}: {len(self.candidates)} candidates>"

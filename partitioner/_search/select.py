@@ -1,0 +1,121 @@
+"""Which candidates the search compiles: the shortlist, the rounds under a
+memory budget, and which of two rule sets with the same specs to keep."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from partitioner._search.candidates import Candidate
+
+
+def plainer(c: Candidate, other: Candidate) -> bool:
+  """Of two rule sets giving the same specs, the one named more plainly:
+  no FSDP flag, fewer model roles, a batch that is split."""
+  return ((c.fsdp, len(c.model), c.batch is None, c.grid)
+          < (other.fsdp, len(other.model), other.batch is None, other.grid))
+
+
+# Of the k best by the cheap model, at most k / PER_FAMILY (and 2) of one family.
+PER_FAMILY = 5
+# The best of each family is compiled too, when the cheap model puts it
+# within this factor of the best (beyond, it is no close call).
+FAMILY_WITHIN = 2.0
+# Under a budget nothing fits: compile this many more rounds of candidates.
+BUDGET_ROUNDS = 3
+# Of ``max_compiles``, this many are kept for a second round: variants
+# (other model roles) of the best compiled configurations, which the cheap
+# model ranks within a percent or two of each other.
+REFINE = 2
+
+
+def memory_scale(results: list) -> Callable[[Candidate], float]:
+  """How far the cheap model's memory is off, learnt from the compiled
+  candidates: per (grid, batch, FSDP) configuration, else overall, the
+  median of compiled peak / estimated memory."""
+  by: dict = {}
+  for x in results:
+    if not x.failed and x.estimate.memory > 0:
+      c = x.candidate
+      by.setdefault((c.grid, c.batch, c.fsdp), []).append(x.score.peak_memory / x.estimate.memory)
+  every = sorted(r for rs in by.values() for r in rs)
+  overall = every[len(every) // 2] if every else 1.0
+
+  def scale(c: Candidate) -> float:
+    rs = sorted(by.get((c.grid, c.batch, c.fsdp), ()))
+    return rs[len(rs) // 2] if rs else overall
+  return scale
+
+
+def shortlist(rows: list, k: int, low_memory: bool) -> list:
+  """(index, candidate, dims, estimate) of the ``k`` best by the cheap
+  model (at most ``k / PER_FAMILY`` of a family), the best of each family that
+  does not copy work (within ``FAMILY_WITHIN`` of the best) and, under a
+  memory budget,
+  the smallest of each (grid, batch, FSDP) configuration; in candidate
+  order."""
+  order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
+  family = [c.family() for c, *_ in rows]
+  picked, per_family, cap = [], {}, max(2, k // PER_FAMILY)
+  for i in order:  # the k best, few of a kind: variants of a family score alike
+    if len(picked) < max(1, k) and per_family.get(family[i], 0) < cap:
+      picked.append(i)
+      per_family[family[i]] = per_family.get(family[i], 0) + 1
+  best_of: dict[str, int] = {}
+  worst = FAMILY_WITHIN * rows[order[0]][2].seconds if order else 0.0
+  for i in order:  # no layout copies work on purpose: those compete by rank only
+    if not rows[i][0].copies_work and rows[i][2].seconds <= worst:
+      best_of.setdefault(family[i], i)
+  picked += best_of.values()
+  if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
+    smallest: dict = {}
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
+      c = rows[i][0]
+      smallest.setdefault((c.grid, c.batch, c.fsdp), i)
+    picked += smallest.values()
+  return [(i, *rows[i]) for i in sorted(set(picked))]
+
+
+def variants(rows: list, results: list, k: int) -> list:
+  """(index, candidate, dims, estimate) of up to ``k`` candidates not yet
+  compiled with the configuration (grid, batch, FSDP, stages) of the best
+  compiled ones, best compiled first, each configuration's by the cheap
+  model; in candidate order."""
+  done, picked = {x.index for x in results}, []
+  config = lambda c: (c.grid, c.batch, c.fsdp, c.stages)
+  for x in sorted((x for x in results if not x.failed), key=lambda x: (x.score.seconds, x.index)):
+    same = sorted((i for i in range(len(rows)) if i not in done and i not in picked
+                   and config(rows[i][0]) == config(x.candidate)),
+                  key=lambda i: (rows[i][2].seconds, i))
+    picked += same[:k - len(picked)]
+    if len(picked) >= k:
+      break
+  return [(i, *rows[i]) for i in sorted(picked)]
+
+
+# On a plan for hosts, layouts whose flops are within this factor of the
+# least do no duplicated work.
+LEAN_FLOPS = 1.1
+
+
+def plan_order(fits: list, error: float) -> list:
+  """The fitting results of an untimed plan for several hosts, best first:
+  among those the estimates cannot tell apart (within the device model's
+  ``error`` of the best), the one that sends the fewest bytes across hosts
+  without duplicating work (flops within ``LEAN_FLOPS`` of the least of
+  them) leads; the network is where a cluster's estimates err most."""
+  if len(fits) < 2:
+    return fits
+  band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + error)]
+  least = min(x.score.flops for x in band)
+  lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
+  lead = min(lean, key=lambda x: (x.score.network_bytes, x.score.seconds, x.index))
+  return [lead] + [x for x in fits if x is not lead]
+
+
+def budget_error(who: str, smallest: float, budget: float) -> ValueError:
+  """The error when no compiled layout's peak fits the budget."""
+  return ValueError(
+      f"{who}: no layout fits memory_budget_bytes={budget:,.0f}: the smallest peak"
+      f" per device found is {smallest:,.0f} bytes ({smallest / max(budget, 1):.2f}x"
+      " the budget). Hint: raise the budget, use more devices, or shrink the"
+      " batch.")

@@ -1,0 +1,94 @@
+"""FoundLayout.report(): the candidates as a table, and why the winner won."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partitioner._report.text import size
+
+
+def _time(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
+def table(found: Any, rows: int) -> str:
+  c = found.candidates
+  ok = [x for x in c if not x.error]
+  measured = f" ({found.measured} measured)" if found.measured else ""
+  folded = found.compiled - len(c)
+  head = (f"search({getattr(found.fun, '__name__', 'fun')}): {len(ok) + folded} layouts compiled"
+          + (f" ({folded} to a program another one has)" if folded else "")
+          + f"{measured} of {found.estimated} estimated, in {found.search_seconds:.1f} s;"
+          f" device model: {found.device_model}")
+  if found.hosts > 1:
+    head += f"; {found.hosts} hosts"
+  if found.budget is not None:
+    head += f"; memory budget {size(found.budget)}"
+  lines = [head]
+  if found.grouped:
+    counts = sorted({n for _, n in found.grouped})
+    lines.append(f"Repeated across layers, one decision each: {len(found.grouped)} axes"
+                 f" (x{'/'.join(map(str, counts))}), e.g. {found.grouped[0][0]}")
+  if found.proxy:
+    p = found.proxy
+    lines.append(f"Compiled as a proxy of {p['proxy_ops']} of its {p['ops']} top-level ops"
+                 f" (each repeated block kept {p['kept']} of up to"
+                 f" {max(reps for _, reps in p['runs'])} times), costs scaled to the whole")
+  hosts = found.hosts > 1
+  lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}"
+                + (f"  {'across hosts':>12}" if hosts else "")
+                + f"  {'peak mem':>9}  {'family':<31} layout"]
+  for k, x in enumerate(c[:rows]):
+    if x.error:
+      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<31}"
+                   f" {x.layout}: {x.error[:80]}")
+      continue
+    mark = "" if x.fits else "  (over budget)"
+    timed = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
+    lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
+                 f"  {size(x.collective_bytes):>11}"
+                 + (f"  {size(x.network_bytes):>12}" if hosts else "")
+                 + f"  {size(x.peak_memory):>9}  {x.family:<31} {x.layout}{timed}{mark}")
+  if len(c) > rows:
+    lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
+  lines += ["", why(found)]
+  return "\n".join(lines)
+
+
+def why(found: Any) -> str:
+  """One paragraph: the winner against the best of every other family."""
+  best = found.best
+  others = {}
+  for x in found.candidates[1:]:
+    if not x.error and x.fits and x.family != best.family:
+      others.setdefault(x.family, x)
+  text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
+          f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
+          f" per device, peak {size(best.peak_memory)}.")
+  timed = [x for x in found.candidates[1:] if x.measured_seconds]
+  if best.measured_seconds and timed:  # a close call, decided on the devices
+    rival = min(timed, key=lambda x: x.measured_seconds)
+    return text + (f" A close call, timed on the devices: {_time(best.measured_seconds)} a"
+                   f" step against {_time(rival.measured_seconds)} for {rival.family}"
+                   f" ({len(timed) + 1} timed).")
+  if best.measured_seconds:
+    text += f" Measured {_time(best.measured_seconds)} a call."
+  if not others:
+    return text
+  runner = min(others.values(), key=lambda x: x.seconds)
+  parts = []
+  if best.collective_bytes < runner.collective_bytes:
+    parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
+                 " bytes")
+  if best.flops < runner.flops * 0.99:
+    parts.append(f"does {best.flops / max(runner.flops, 1):.2f}x the flops")
+  if best.peak_memory < runner.peak_memory:
+    parts.append(f"needs {best.peak_memory / max(runner.peak_memory, 1):.2f}x the memory")
+  cost = [] if best.flops <= runner.flops * 1.01 else [
+      f"at {best.flops / max(runner.flops, 1):.2f}x its flops"]
+  text += (f" Against the best other layout, {runner.family} ({_time(runner.seconds)}), it "
+           + (", ".join(parts) or "is faster under the device model")
+           + (f" ({', '.join(cost)})" if cost else "") + ".")
+  return text

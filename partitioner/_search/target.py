@@ -1,0 +1,226 @@
+"""What the search compiles and times for each candidate: the program, or
+its proxy when the program's layers repeat.
+
+A model of many layers compiles as many times slower as it has layers,
+yet the layers are one decision (one role each). When the jaxpr has runs
+of repeated blocks (``_proxy``), each candidate is compiled as the proxy
+(every run kept twice) and its compiled cost scaled to the whole program,
+per part (flops, bytes accessed, collective bytes, bytes across hosts,
+collectives, peak memory), by what the cheap model says of the whole
+against the equations the proxy keeps. Timing a close call runs the proxy
+too, scaled alike. Estimating and compiling then cost about the same at
+any depth; only the final compile of the winner (by ``sharded_jit``)
+grows with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from partitioner._compile import program as _program
+from partitioner._compile.cache.tiers import program_options
+from partitioner._front.sharded_jit import sharded_jit
+from partitioner._report import cost as _cost
+from partitioner._report.cost import Cost, score
+from partitioner._report.device_models import DeviceModel
+from partitioner._search import measure as _measure
+from partitioner._search import proxy as _proxy
+from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of
+from partitioner._search.estimate import Estimate, Program
+
+
+class Target:
+  """The program each candidate is compiled as.
+
+  Args:
+    fun, args, static, out_tree: the user's function, its (abstract)
+      arguments, static positions and output structure.
+    closed: its jaxpr.
+    axes, r, state: its logical axes, their roles, which inputs are state.
+    devices, hosts, device: where it runs and what that costs.
+    proxy: compile a short proxy when the layers repeat (not when the
+      function's pipelines take their stages from the specs: the proxy
+      replays the jaxpr traced as one stage).
+  """
+
+  def __init__(self, fun: Any, args: Sequence[Any], static: Sequence[int], out_tree: Any,
+               closed: Any, axes: Any, r: Roles, state: Sequence[bool],
+               devices: Sequence[jax.Device], hosts: int, device: DeviceModel,
+               proxy: bool = True):
+    self.devices, self.hosts, self.device = devices, hosts, device
+    self.closed, self.axes, self.r = closed, axes, r
+    self.proxy = _proxy.proxy(closed) if proxy else None
+    if self.proxy is None:
+      self.fun, self.args, self.static, self.out_tree = fun, list(args), tuple(static), out_tree
+      self.part: Program | None = None
+    else:
+      dynamic = [a for i, a in enumerate(args) if i not in static]
+      run = self.proxy.fun()
+      self.fun = lambda *flat: tuple(run(*flat))
+      self.args, self.static = jax.tree_util.tree_leaves(dynamic), ()
+      self.out_tree = jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars))
+      removed = {k for run in self.proxy.repeats
+                 for k in range(run.start + self.proxy.kept * run.period, run.stop)}
+      self.part = Program(axes, r, state, skip=frozenset(removed))
+    self.in_tree = jax.tree_util.tree_structure(
+        tuple(a for i, a in enumerate(self.args) if i not in self.static))
+
+  def describe(self) -> dict:
+    """What was compiled, for the report: the top-level equations of the
+    program and of the proxy, and each run (period, repetitions)."""
+    if self.proxy is None:
+      return {}
+    return {"ops": len(self.closed.jaxpr.eqns), "proxy_ops": len(self.proxy.jaxpr.jaxpr.eqns),
+            "kept": self.proxy.kept,
+            "runs": [[run.period, run.reps] for run in self.proxy.repeats]}
+
+  def lower(self, in_specs: list, out_specs: list) -> Any:
+    """The program (or its proxy) with the candidate's specs, partitioned."""
+    return lower(self.fun, self.args, self.static, in_specs, out_specs, self.out_tree,
+                 self.devices)
+
+  def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
+            loaded: Any) -> tuple[Cost, float, str]:
+    """The candidate's cost for the whole program (``program``, compiled
+    as ``loaded``), the estimated time of what the proxy leaves out (0
+    without a proxy: the whole program's time less the proxy's), and a
+    digest of the compiled program (equal for identical programs)."""
+    got, digest, text = scored(program, loaded, self.hosts, self.device)
+    if self.part is None:
+      return got, 0.0, digest
+    part = self.part.estimate(c, dims, self.device, self.hosts)
+    parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
+    if len(parts) > 1:
+      scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
+    else:  # no op kept its name: scaled as the cheap model sees the whole
+      scaled = extrapolate(got, whole, part, self.device)
+    return scaled, scaled.seconds - got.seconds, digest
+
+  def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
+              offsets: Sequence[float]) -> list[float]:
+    """Seconds per step of each layout, timed on the devices: as the proxy,
+    plus the estimated time of what it leaves out (``offsets``; scaling
+    the proxy's time by the estimates' ratio would multiply the errors of
+    its non-repeated part, an embedding's, as many times as layers are
+    left out)."""
+    times = _measure.measure(self.fun, self.args, self.static, self.in_tree, self.out_tree,
+                             out_state, layouts, self.devices)
+    return [t + o for t, o in zip(times, offsets)]
+
+  def out_specs(self, c: Candidate, in_specs: list, out_state: Sequence[int | None]) -> list:
+    """Each output's spec: an input's when it is that input's new value (a
+    train step's parameters), else the rules' for its logical axes."""
+    out = []
+    for k, v in enumerate(self.closed.jaxpr.outvars):
+      if out_state[k] is not None:
+        out.append(in_specs[out_state[k]])
+        continue
+      dims = leaf_dims(c, self.r, self.axes.out_axes[k], tuple(v.aval.shape), False)
+      out.append(spec_of(c.on_layout(dims), c.layout_grid))
+    return out
+
+
+def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel) -> Cost:
+  """A proxy's compiled cost scaled to the whole program, each part by the
+  cheap model's ratio of the whole to the proxy's equations."""
+  def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and a > 0 else 1.0
+  flops = got.flops * ratio(whole.flops, part.flops)
+  accessed = got.bytes_accessed * ratio(whole.bytes_accessed, part.bytes_accessed)
+  moved = got.collective_bytes * ratio(whole.collective_bytes, part.collective_bytes)
+  network = min(moved, got.network_bytes * ratio(whole.network_bytes, part.network_bytes))
+  count = round(got.collectives * ratio(whole.collectives, part.collectives))
+  peak = int(got.peak_memory * ratio(whole.memory, part.memory))
+  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
+      moved - network, count, network)
+  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             matmul_flops=got.matmul_flops * ratio(whole.flops, part.flops),
+                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
+                             seconds=seconds)
+
+
+def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
+             part: Estimate, whole: Estimate, device: DeviceModel) -> Cost:
+  """A proxy's compiled cost for the whole program: each run's kept
+  repetitions (``parts["k_i"]``: the collectives, flops and bytes accessed
+  of run ``k``'s repetition ``i``, read from the compiled proxy) counted
+  as ``reps`` times its last one (an earlier one may have lost ops the
+  proxy leaves unused; every later use reads the last). The peak memory is
+  scaled by the cheap model's ratio of the whole to the proxy's equations."""
+  def more(field: str) -> float:
+    total = 0.0
+    for k, run in enumerate(runs):
+      copies = [getattr(parts[f"{k}_{i}"], field) if f"{k}_{i}" in parts else 0.0
+                for i in range(kept)]
+      total += run.reps * copies[-1] - sum(copies)
+    return total
+  flops = got.flops + more("flops")
+  accessed = got.bytes_accessed + more("accessed")
+  moved = got.collective_bytes + more("collective_bytes")
+  network = got.network_bytes + more("network_bytes")
+  count = max(0, round(got.collectives + more("collectives")))
+  peak = int(got.peak_memory * (whole.memory / part.memory if part.memory > 0 else 1.0))
+  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
+      moved - network, count, network)
+  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             matmul_flops=got.matmul_flops + more("matmul_flops"),
+                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
+                             seconds=seconds)
+
+
+def hosts_of(n: int, hosts: int) -> list[int]:
+  """The host of each of ``n`` devices, ``hosts`` hosts of consecutive ones."""
+  return [k * hosts // n for k in range(n)]
+
+
+def compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
+                   device) -> tuple[Cost, str, str]:
+  """Partitions and compiles one layout through our pipeline (not run, not
+  cached) and scores the program, its devices ``hosts`` hosts of
+  consecutive ones: its cost, a digest of its text, the text."""
+  program = lower(fun, args, static, in_specs, out_specs, out_tree, devices)
+  return scored(program, compile_program(program), hosts, device)
+
+
+def lower(fun, args, static, in_specs, out_specs, out_tree, devices) -> Any:
+  """One layout of ``fun`` partitioned by our pipeline: its ``Program``."""
+  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
+                                              if i not in static))
+  f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
+                  out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
+                  static_argnums=static, devices=devices)
+  return f.lower(*args).program
+
+
+def compile_program(program: Any) -> Any:
+  """The program compiled to be analysed, never run (not cached); safe to
+  call from several threads at once (XLA's compiles release the GIL)."""
+  return _program.compile_module(program.module, program.devices,
+                                 program_options(program, score_only=True),
+                                 program.host_callbacks)
+
+
+def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel) -> tuple[Cost, str, str]:
+  """The compiled program's cost, its devices ``hosts`` hosts of
+  consecutive ones; a digest of its text; the text."""
+  text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
+  cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
+               hosts_of(len(program.devices), hosts), device)
+  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), text
+
+
+_METADATA = re.compile(r", metadata=\{[^}]*\}|, stack_frame_id=\d+")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _program_only(hlo_text: str) -> str:
+  """The HLO text without what says where it was traced from (op names,
+  source lines, stack frames): two programs that compute alike match."""
+  return "\n\n".join(_METADATA.sub("", block) for block in hlo_text.split("\n\n")
+                     if not block.startswith(_TABLES))
