@@ -63,7 +63,7 @@ def find_mpiexec() -> str:
 
 
 _RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "_distributed", "_rank_main.py")
+                          "_distributed", "rank_main.py")
 
 
 def command(num_processes: int, target: list[str], module: bool) -> list[str]:
@@ -115,7 +115,8 @@ def environment(devices_per_process: int | None, marker_dir: str,
   return env
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+  """The launcher's command line."""
   parser = argparse.ArgumentParser(
       prog="python -m partitioner.launch",
       description="Run a sharded_jit script on several MPI processes.",
@@ -140,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="run a module (like python -m) instead of a script")
   parser.add_argument("target", nargs=argparse.REMAINDER,
                       help="script.py (or module with -m) and its arguments")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = _parser()
   args = parser.parse_args(argv)
   if not args.target:
     parser.error("give the script to run")
@@ -174,16 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     marks = read_marks(markers, args.num_processes)
   if all("done" in m for m in marks.values()):
     return code
+  return _report_failure(cmd, code, marks, (output.tail(), errors.tail()), args.num_processes)
+
+
+def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],
+                    n: int) -> int:
+  """Says on stderr how a failed job ended (mpiexec's own failure, or each
+  rank's ending) and returns the launcher's exit code; ``tails`` are the
+  ends of the job's stdout and stderr."""
   if not any("started" in m for m in marks.values()):  # mpiexec's own failure
-    said = (output.tail() + errors.tail()).decode(errors="replace")
+    said = (tails[0] + tails[1]).decode(errors="replace")
     hint = (" Hint: Open MPI refuses to run as root; if you mean to, set"
             " OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1."
             if "allow-run-as-root" in said else "")
     sys.stderr.write(f"partitioner.launch: {cmd[0]} did not start the"
-                     f" {args.num_processes} processes (exit code {code}); its"
+                     f" {n} processes (exit code {code}); its"
                      f" own message is above.{hint}\n")
     return code or 1
-  statuses = exit_statuses(output.tail(), args.num_processes)
+  statuses = exit_statuses(tails[0], n)
   cause_known = any(statuses.values()) or any(
       "failed" in m or "ended" in m for m in marks.values())
   endings = sorted((order, r, text) for r, m in marks.items()
@@ -191,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
   return code or 1
+
+
 
 
 class _Forward(threading.Thread):

@@ -179,3 +179,12 @@ def test_benchmarks_import_no_circle():
         deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
     graph[n] = {d for d in deps if d != n and d != "__init__"}
   assert _cycle(graph) == []
+
+
+def test_paths_computed_from_file_point_at_the_packages():
+  # Moving a module to another folder changes what __file__'s parents are:
+  # the user's line in explain() and the stack level of warnings rest on these.
+  from partitioner._lower import values
+  from partitioner._report import hlo
+  assert values._PACKAGE_DIR == os.path.join(ROOT, "partitioner") + os.sep
+  assert hlo._TOOLKIT == tuple(os.path.join(ROOT, p) + os.sep for p in PACKAGES)

@@ -230,7 +230,7 @@ def test_a_rank_that_ends_early_ends_the_job_within_seconds(how):
   tracebacks = proc.stderr.count("Traceback (most recent call last)")
   assert tracebacks == (how in ("raise", "late")), proc.stderr  # printed once
   # (it used to end in a C++ abort, after ~33 s)
-  assert "_rank_main.py" not in proc.stderr and "Check failure" not in out
+  assert "rank_main.py" not in proc.stderr and "Check failure" not in out
   report = proc.stderr[proc.stderr.index("partitioner.launch: the job failed"):]
   for line in launcher_says:
     choices = line if isinstance(line, tuple) else (line,)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,6 +17,13 @@ from partitioner._lower.values import host_copy
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
 _unflatten = jax.tree_util.tree_unflatten
+
+
+class Shardings(NamedTuple):
+  """Where a compiled program's flat inputs and outputs live."""
+  in_shardings: Sequence[jax.sharding.Sharding]
+  out_shardings: Sequence[jax.sharding.Sharding]
+
 
 
 class Dispatched:
@@ -87,9 +94,7 @@ class Executable:
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
                "_bounded", "_process", "_names", "_donated", "_empty")
 
-  def __init__(self, loaded: _compat.LoadedExecutable,
-               in_shardings: Sequence[jax.sharding.Sharding],
-               out_shardings: Sequence[jax.sharding.Sharding],
+  def __init__(self, loaded: _compat.LoadedExecutable, shardings: Shardings,
                traced: TracedProgram, *,
                globalize: Callable[[Sequence[Any]], list] | None = None,
                localize: Callable[[list], list] | None = None,
@@ -98,8 +103,8 @@ class Executable:
     self.loaded = loaded
     self._names = tuple(in_names)
     self._donated = tuple(donated)
-    self.in_shardings = tuple(in_shardings)
-    self.out_shardings = tuple(out_shardings)
+    self.in_shardings = tuple(shardings.in_shardings)
+    self.out_shardings = tuple(shardings.out_shardings)
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
     self._out_avals = traced.out_avals
     self._globalize = globalize

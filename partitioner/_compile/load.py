@@ -13,23 +13,14 @@ layout from the loaded program (``lay_out``) and in their conversions.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
-
-import jax
+from typing import Any, Protocol, TypeVar
 
 from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
-from partitioner._compile.execute import Executable
+from partitioner._compile.execute import Executable, Shardings
 from partitioner._compile.program import Program
 from partitioner._lower import inspect as _inspect
 from partitioner._lower.trace import TracedProgram
-
-
-class Shardings(NamedTuple):
-  """Where a compiled program's flat inputs and outputs live."""
-  in_shardings: Sequence[jax.sharding.Sharding]
-  out_shardings: Sequence[jax.sharding.Sharding]
-
 
 L = TypeVar("L")  # a front end's layout: has in_shardings and out_shardings
 
@@ -74,7 +65,7 @@ def executable(program: Program, traced: TracedProgram,
   _inspect.deliver(program.inspect_sites, program.devices)
   layout = lay_out(loaded)
   return layout, Executable(
-      loaded, layout.in_shardings, layout.out_shardings, traced,
+      loaded, Shardings(layout.in_shardings, layout.out_shardings), traced,
       globalize=None if ranks is None else ranks.globalizer(layout),
       localize=None if ranks is None else ranks.localizer(layout),
       process=process, in_names=in_names, donated=donated)

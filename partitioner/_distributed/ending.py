@@ -198,7 +198,7 @@ def _from_user_code(tb: Any) -> Any:
   """The traceback without the frames of ``partitioner.launch``'s entry
   point (as ``python script.py`` shows none of its own)."""
   while tb is not None and tb.tb_next is not None and (
-      tb.tb_frame.f_code.co_filename.endswith("_rank_main.py") or
+      tb.tb_frame.f_code.co_filename.endswith(os.path.join("_distributed", "rank_main.py")) or
       "runpy" in tb.tb_frame.f_code.co_filename):
     tb = tb.tb_next
   return tb

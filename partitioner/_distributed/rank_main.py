@@ -1,6 +1,6 @@
 """Runs one rank's script for ``partitioner.launch`` and records a clean exit.
 
-Run as a file (``python .../_rank_main.py script.py args``), so that nothing
+Run as a file (``python .../rank_main.py script.py args``), so that nothing
 is imported before the user's script. It leaves markers in
 ``$SHARDED_JIT_LAUNCH_DIR``: ``rank-<r>.started`` (its PID) at once and
 ``rank-<r>.done`` when the interpreter exits normally. A rank that was
@@ -29,8 +29,8 @@ def _sibling(name: str):
 
 
 def main() -> None:
-  env = _sibling("_env")
-  _sibling("_console").show_ready_line(sys.stdout)
+  env = _sibling("env")
+  _sibling("console").show_ready_line(sys.stdout)
   rank, _ = env.launcher_world()
   env.mark(rank, "started", str(os.getpid()))
   atexit.register(env.mark, rank, "done")

@@ -16,6 +16,7 @@ compile, cache and execute stages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -304,6 +305,7 @@ class PmapFunction(Dispatched):
 FRONT_END = "pmap"
 
 
+@dataclasses.dataclass(eq=False)
 class MappedProgram:
   """partitioner.pmap's ``jax.jit(shard_map(...))`` for one input signature,
   and its compiled programs per input layout.
@@ -321,18 +323,18 @@ class MappedProgram:
     ranks: in a multi-process run, this rank's conversions.
   """
 
-  def __init__(self, name, jitted, axes_context, num_partitions, mesh, placements,
-               in_names, donated, ranks):
-    self.name = name
-    self.jitted = jitted
-    self.num_partitions = num_partitions
-    self.mesh = mesh
-    self.devices = tuple(mesh.devices.flat)
-    self.in_names = in_names
-    self.ranks = ranks
-    self._axes_context = axes_context
-    self._placements = placements
-    self._donated = donated
+  name: str
+  jitted: Any
+  axes_context: Any
+  num_partitions: int
+  mesh: jax.sharding.Mesh
+  placements: Sequence[Any]
+  in_names: tuple[str, ...]
+  donated: tuple[int, ...]
+  ranks: Any
+
+  def __post_init__(self):
+    self.devices = tuple(self.mesh.devices.flat)
     self._on_devices: set[jax.sharding.Sharding] = set()  # shardings over the mesh
     self._compiled = call_caches.new()  # input layout -> MappedCompiled
     self._gspmd_checked = False
@@ -364,7 +366,7 @@ class MappedProgram:
     if self.ranks is not None:
       return self.ranks.layout(leaves)
     out = []
-    for x, placement in zip(leaves, self._placements):
+    for x, placement in zip(leaves, self.placements):
       if isinstance(x, jax.Array):
         sharding = x.sharding
         if sharding in self._on_devices:
@@ -426,7 +428,7 @@ class MappedProgram:
     return MappedLowered(
         name=f"pmap({self.name})", program=program, traced=traced, mesh=self.mesh,
         num_partitions=self.num_partitions, layout=tuple(layout),
-        in_names=self.in_names, out_names=out_names, donated=self._donated,
+        in_names=self.in_names, out_names=out_names, donated=self.donated,
         ranks=self.ranks)
 
   def staged(self, leaves: Sequence[Any]) -> Any:
@@ -460,7 +462,7 @@ class MappedProgram:
     the sharded_jit functions inside inline as constraints) and jax's
     partitioner set to ``config.partitioner``."""
     context = _compose.pmap_context
-    saved, context.axes = context.axes, self._axes_context
+    saved, context.axes = context.axes, self.axes_context
     try:
       with _compat.jax_partitioner(config.partitioner):
         return fn(*args)

@@ -38,7 +38,7 @@ _tree_flatten = jax.tree_util.tree_flatten  # bound once for the per-call path
 _tree_unflatten = jax.tree_util.tree_unflatten
 
 
-def sharded_jit(
+def sharded_jit(  # noqa: PLR0913 (jax.jit's keywords, and sharded_jit's own)
     fun: Callable[..., Any] | None = None,
     in_parts: Any = None,
     out_parts: Any = None,
@@ -104,38 +104,36 @@ def sharded_jit(
         donate_argnums=donate_argnums, devices=devices,
         local_in_parts=local_in_parts, local_out_parts=local_out_parts,
         local_num_partitions=local_num_partitions)
-  return ShardedJitFunction(fun, in_parts, out_parts, num_partitions,
-                            static_argnums, donate_argnums, devices,
-                            local_in_parts, local_out_parts, local_num_partitions)
+  if not callable(fun):
+    raise TypeError(f"sharded_jit expects a callable, got {fun!r}")
+  # Under an MPI launch, join the other ranks now, while jax has not set
+  # up its devices yet (a no-op in a single process).
+  _distributed.world()
+  name = getattr(fun, "__name__", type(fun).__name__)
+  layout = ArgumentLayout(fun, argnums(static_argnums, "static_argnums"),
+                          argnums(donate_argnums, "donate_argnums"),
+                          f"sharded_jit function {name}")
+  return ShardedJitFunction(fun, _partition.Request(
+      fun=fun, name=name, layout=layout,
+      in_parts=check_parts(in_parts, "in_parts"),
+      out_parts=check_parts(out_parts, "out_parts"),
+      num_partitions=positive_or_none(num_partitions, "num_partitions"),
+      devices=check_devices_argument(devices),
+      local_in_parts=(None if local_in_parts is None else
+                      check_parts(local_in_parts, "local_in_parts")),
+      local_out_parts=(None if local_out_parts is None else
+                       check_parts(local_out_parts, "local_out_parts")),
+      local_num_partitions=positive_or_none(local_num_partitions,
+                                            "local_num_partitions")))
 
 
 class ShardedJitFunction(Dispatched):
   """A function compiled by :func:`sharded_jit`; see there."""
 
-  def __init__(self, fun, in_parts, out_parts, num_partitions, static_argnums,
-               donate_argnums, devices, local_in_parts=None,
-               local_out_parts=None, local_num_partitions=None):
-    if not callable(fun):
-      raise TypeError(f"sharded_jit expects a callable, got {fun!r}")
-    # Under an MPI launch, join the other ranks now, while jax has not set
-    # up its devices yet (a no-op in a single process).
-    _distributed.world()
-    name = getattr(fun, "__name__", type(fun).__name__)
-    layout = ArgumentLayout(fun, argnums(static_argnums, "static_argnums"),
-                            argnums(donate_argnums, "donate_argnums"),
-                            f"sharded_jit function {name}")
-    self._request = _partition.Request(
-        fun=fun, name=name, layout=layout,
-        in_parts=check_parts(in_parts, "in_parts"),
-        out_parts=check_parts(out_parts, "out_parts"),
-        num_partitions=positive_or_none(num_partitions, "num_partitions"),
-        devices=check_devices_argument(devices),
-        local_in_parts=(None if local_in_parts is None else
-                        check_parts(local_in_parts, "local_in_parts")),
-        local_out_parts=(None if local_out_parts is None else
-                         check_parts(local_out_parts, "local_out_parts")),
-        local_num_partitions=positive_or_none(local_num_partitions,
-                                               "local_num_partitions"))
+  def __init__(self, fun: Callable[..., Any], request: _partition.Request):
+    """``fun`` under ``request``: its checked specs and argument layout."""
+    self._request = request
+    name, layout = request.name, request.layout
     self._name = name
     self._layout = layout
     self._has_static = bool(layout.static_argnums)

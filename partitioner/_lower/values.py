@@ -163,7 +163,8 @@ def _user_stacklevel() -> int:
   return level
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# partitioner/ (this file is partitioner/_lower/values.py)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _x64() -> bool:

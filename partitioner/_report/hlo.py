@@ -19,8 +19,10 @@ import re
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
 _LIBRARY_PATH = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:jax|jaxlib|flax|optax|orbax"
                            r"|partitioner|sharding)[/\\]")
-_TOOLKIT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p)
-                 + os.sep for p in ("partitioner", "sharding"))
+# The repository (or site-packages) holding partitioner/ and sharding/:
+# this file is partitioner/_report/hlo.py.
+_TOOLKIT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), p) + os.sep for p in ("partitioner", "sharding"))
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
