@@ -92,7 +92,7 @@ def test_concurrent_processes_never_see_partial_entries(tmp_path):
 
 
 def test_temporary_file_of_a_killed_writer_is_removed_once_stale(tmp_path):
-  """Issue 10, item 6: a writer killed between write and rename left it forever."""
+  """A writer killed between write and rename left it forever."""
   store = DiskStore(tmp_path, max_bytes=10_000)
   orphan = tmp_path / ".tmp-abc.sjc"
   orphan.write_bytes(b"x" * 100)

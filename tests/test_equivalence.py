@@ -82,7 +82,7 @@ def test_sharded_matches_jax_jit(case):
       assert jax.tree_util.tree_leaves(got)[0].sharding.num_devices == spec.total
 
 
-# --- ops XLA's SPMD partitioner gets wrong when split (issue 10, item 7) -------
+# --- ops XLA's SPMD partitioner gets wrong when split ---------------------
 # pad with interior or negative padding, strided slices and dynamic_slice with
 # starts that get clamped, on split dimensions: sharded_jit must guard them
 # (partitioner/_guard.py) and give exactly the unsharded result.

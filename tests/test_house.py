@@ -188,3 +188,24 @@ def test_paths_computed_from_file_point_at_the_packages():
   from partitioner._report import hlo
   assert values._PACKAGE_DIR == os.path.join(ROOT, "partitioner") + os.sep
   assert hlo._TOOLKIT == tuple(os.path.join(ROOT, p) + os.sep for p in PACKAGES)
+
+
+def test_no_text_refers_to_numbered_sessions_or_issues():
+  # Text in the repository speaks to its readers; git keeps the history.
+  import re
+  import subprocess
+  pattern = re.compile(r"(?i)\b(?:sessions?|issues?)\s+#?\d+|\bissue-\d+")
+  files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+  found = []
+  for name in files:
+    if not name.endswith((".py", ".md", ".toml", ".txt", ".sh")) and "/" in name:
+      continue
+    path = os.path.join(ROOT, name)
+    if not os.path.isfile(path):
+      continue
+    with open(path, errors="replace") as f:
+      for k, line in enumerate(f, 1):
+        if pattern.search(line):
+          found.append(f"{name}:{k}: {line.strip()[:80]}")
+  assert found == []

@@ -62,7 +62,7 @@ def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
 
 
 def test_pipeline_stage_on_each_rank_moves_only_activations():
-  # Issue 29: partitioner.pipeline's 2 stages on the 2 ranks x 4 devices
+  # partitioner.pipeline's 2 stages on the 2 ranks x 4 devices
   # (tensor parallel inside each): value and grads of the plain loop on one
   # device, no all-gather of the weights; SGD on per-process pieces.
   proc, _ = launch("mp_pipeline.py", devices=4)
@@ -178,7 +178,7 @@ def test_too_late_to_initialize_is_a_clear_error():
 
 @pytest.mark.parametrize("ranks,devices", [(2, 4), (4, 2)])
 def test_async_training_loop_without_per_step_reads_does_not_hang(ranks, devices):
-  """Issue 10, item 1: local_out_parts pieces fed back as local_in_parts for
+  """local_out_parts pieces fed back as local_in_parts for
   1000 steps, reading nothing until the end, used to deadlock every rank."""
   proc, elapsed = launch("mp_async.py", "1000", n=ranks, devices=devices, timeout=240)
   assert proc.returncode != 124, f"hung: {proc.stdout[-2000:]}"
@@ -187,7 +187,7 @@ def test_async_training_loop_without_per_step_reads_does_not_hang(ranks, devices
       and len(found(r"\(match", proc.stdout)) == ranks, proc.stdout
 
 
-# Issue 10, item 3: one rank's ending ends the job within seconds, says which
+# One rank's ending ends the job within seconds, says which
 # rank did what, and exits non-zero; ranks that finish together exit 0. (The
 # tests check that it ends, not how fast: a hang ends at the launch's timeout
 # with exit code 124, which no ending below expects.)

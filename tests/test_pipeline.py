@@ -1,4 +1,4 @@
-"""partitioner.pipeline: pipeline stages inside one SPMD program (issue 29).
+"""partitioner.pipeline: pipeline stages inside one SPMD program.
 
 A 16-layer residual MLP (h = h + tanh(h @ w1) @ w2) run as S stages of
 L / S layers with M microbatches inside a sharded_jit equals the plain loop

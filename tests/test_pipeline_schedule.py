@@ -1,4 +1,4 @@
-"""partitioner.pipeline's schedule as a user sees it (issue 29): the stage
+"""partitioner.pipeline's schedule as a user sees it: the stage
 count read from the enclosing sharded_jit's in_parts, the circular schedule
 (repeats) and its layer order, and what explain() and partitioner.cost say
 of a pipelined program (loop bodies counted by their trip count)."""

@@ -1,4 +1,4 @@
-"""partitioner.search chooses pipeline stages (issue 29): when the function
+"""partitioner.search chooses pipeline stages: when the function
 calls partitioner.pipeline without stages=, the stage count is one more
 axis of the candidates (major: across hosts first, tensor parallel
 inside), compiled and scored like the others; the layout found runs as is

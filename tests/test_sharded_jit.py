@@ -408,7 +408,7 @@ def test_programs_with_callbacks_are_never_reused_or_stored():
 
 @pytest.mark.parametrize("mode", ["shardy", "gspmd"])
 def test_ops_xla_splits_wrongly_are_guarded_and_reported(mode, caplog):
-  """Issue 10, item 7: XLA's partitioner gives [x0, x0] here (and aborts the
+  """XLA's partitioner gives [x0, x0] here (and aborts the
   process on the negative padding); sharded_jit keeps the dimension unsplit."""
   def f(x, y):
     a = jax.lax.pad(x, np.float32(0.5), [(0, 1, 1)])      # interior padding
@@ -430,7 +430,7 @@ def test_ops_xla_splits_wrongly_are_guarded_and_reported(mode, caplog):
 @pytest.mark.parametrize("mode", ["shardy", "gspmd"])
 @pytest.mark.parametrize("shape", [(2, 0), (0, 4), (8, 0)])
 def test_zero_size_arrays_with_a_split_spec(mode, shape):
-  """Issue 11: Shardy used to fail with "XLA laid out flat output 0 as
+  """Shardy used to fail with "XLA laid out flat output 0 as
   {replicated} ... This is a bug in sharded_jit"."""
   f = sharded_jit(lambda x: (x + 1, x.sum()), in_parts=P(2, 1), out_parts=(P(2, 1), None))
   with config.override(partitioner=mode):

@@ -1,4 +1,4 @@
-"""A long run: resident memory must stay flat (issue 10).
+"""A long run: resident memory must stay flat.
 
   mp_memory.py STEPS
 
