@@ -4,7 +4,7 @@ Each row is (what, call, expected). ``expected`` is ``(ExceptionType,
 regex)``: the call raises that type with a message matching the regex (which
 names the argument or setting), never an internal message; or ``OK(value)``:
 the call returns ``value``. Bigger scenarios with their own test live in
-test_errors.py.
+test_error_scenarios.py.
 """
 
 import math

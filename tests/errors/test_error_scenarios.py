@@ -70,7 +70,7 @@ def test_inner_constraint_that_does_not_divide_the_outer_parts():
   def h(x):
     return wsc(x[:6] * 2, P(3, 1)).sum()
   g = sharded_jit(h, in_parts=P(2, 2), out_parts=None)
-  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_errors.py:\d+ \(h\): spec PartitionSpec\(3, 1\) partitions into 3 tiles, which do not divide the 4 partitions of sharded_jit function \S+ \(from in_parts for argument `x` \(args\[0\]\) = PartitionSpec\(2, 2\)\)"):
+  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_error_scenarios.py:\d+ \(h\): spec PartitionSpec\(3, 1\) partitions into 3 tiles, which do not divide the 4 partitions of sharded_jit function \S+ \(from in_parts for argument `x` \(args\[0\]\) = PartitionSpec\(2, 2\)\)"):
     g(X)
 
 
