@@ -1,4 +1,4 @@
-"""to_global / to_local in one process (the 2-rank case: test_multiprocess)."""
+"""to_global / to_local in one process (the 2-rank case: tests/multiprocess/test_multiprocess.py)."""
 
 import jax
 import numpy as np

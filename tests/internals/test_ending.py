@@ -1,7 +1,7 @@
 """A peer's departure is reported once, whichever thread of a rank sees it
 first (the watcher, or the main thread starting its next step).
 
-The 2-rank tests in test_multiprocess.py run the whole protocol; the race
+The 2-rank tests in tests/multiprocess/test_multiprocess.py run the whole protocol; the race
 between the two threads is rare there (CI met it once), so it is pinned here.
 """
 

@@ -1,7 +1,7 @@
 """2 ranks x 4 simulated devices: sharded_jit functions under jax.jit and
 jax.grad keep their partitions across processes.
 
-Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2`.
+Run by tests/multiprocess/test_multiprocess.py under `python -m partitioner.launch -n 2`.
 """
 
 import partitioner

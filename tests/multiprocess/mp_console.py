@@ -1,7 +1,7 @@
 """2 ranks x 2 devices: an absl script (its root logger at INFO) whose
 cross-process sum makes gloo print its connection lines.
 
-Run by tests/test_launch.py under `python -m partitioner.launch -n 2`.
+Run by tests/multiprocess/test_launch.py under `python -m partitioner.launch -n 2`.
 """
 
 from absl import app

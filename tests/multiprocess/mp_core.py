@@ -1,6 +1,6 @@
 """2 ranks x 2 simulated devices: global and local specs, constraints, a train step.
 
-Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2`.
+Run by tests/multiprocess/test_multiprocess.py under `python -m partitioner.launch -n 2`.
 """
 
 import partitioner

@@ -1,6 +1,6 @@
 """2 ranks x 4 simulated devices: partitioner.pipeline with one stage a rank.
 
-Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2
+Run by tests/multiprocess/test_multiprocess.py under `python -m partitioner.launch -n 2
 --devices-per-process 4`. The layer dimension is split 2 ways, so stage s
 (layers 2s, 2s + 1) lives on rank s's 4 devices, tensor parallel there; only
 activations cross between the ranks.

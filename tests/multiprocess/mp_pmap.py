@@ -1,7 +1,7 @@
 """2 ranks x 4 simulated devices: partitioner.pmap with replicas across ranks
 and partitions inside each rank (data parallel x tensor parallel).
 
-Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2`.
+Run by tests/multiprocess/test_multiprocess.py under `python -m partitioner.launch -n 2`.
 """
 
 import partitioner

@@ -1,6 +1,6 @@
 """2 ranks x 2 simulated devices: rank 0 searches, every rank gets its answer.
 
-Run by tests/test_multiprocess.py under `python -m partitioner.launch -n 2`.
+Run by tests/multiprocess/test_multiprocess.py under `python -m partitioner.launch -n 2`.
 """
 
 import partitioner

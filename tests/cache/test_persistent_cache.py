@@ -16,7 +16,7 @@ import partitioner
 from partitioner import MemoryStore, clear_caches, compilation_stats, config, sharded_jit
 from sharding import PartitionSpec as P
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def mlp(w, x):

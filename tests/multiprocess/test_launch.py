@@ -13,7 +13,7 @@ import pytest
 from partitioner._distributed import console as _console
 from partitioner.launch import _EXIT_LINE, launcher_world, with_cpu_device_count
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("env,want", [

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess")
+HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT = 180
 
