@@ -11,6 +11,7 @@ import time
 
 import benchmarks
 from benchmarks import (
+  _scale,
   dispatch,
   fsdp,
   layout,
@@ -29,19 +30,25 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
 
 
 def parser() -> argparse.ArgumentParser:
+  """The flags; those left ``None`` take their value from the scale
+  (``benchmarks._scale``: the default's, or ``--full``'s)."""
   p = argparse.ArgumentParser(prog="python -m benchmarks",
                               description=benchmarks.__doc__.splitlines()[0])
+  p.add_argument("--full", action="store_true",
+                 help="the whole run: every model at every size, more rounds"
+                      " (about 32 minutes and 21 GB; the default about 8 minutes, 8 GB)")
   p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--calls", type=int, default=10000, help="timed calls per dispatch case")
-  p.add_argument("--first-calls", type=int, default=7,
+  p.add_argument("--calls", type=int, help="timed calls per dispatch case")
+  p.add_argument("--first-calls", type=int,
                  help="fresh functions traced and compiled per case")
-  p.add_argument("--startup-runs", type=int, default=3,
+  p.add_argument("--startup-runs", type=int,
                  help="cold and warm processes per startup case (medians)")
   p.add_argument("--only", choices=list(SECTIONS))
   p.add_argument("--no-write", action="store_true", help="only print the tables")
-  p.add_argument("--steps", type=int, default=30, help="timed train steps (multiprocess, scaling, layout, fsdp, search, pipeline)")
-  p.add_argument("--model-layers", type=lambda s: [int(n) for n in s.split(",")],
-                 default=[2, 24], help="search_models: the decoder depths, e.g. 2,24")
+  p.add_argument("--steps", type=int,
+                 help="timed train steps (multiprocess, scaling, layout, fsdp, pipeline)")
+  p.add_argument("--model-layers", type=lambda s: tuple(int(n) for n in s.split(",")),
+                 help="search_models: the decoder depths, e.g. 2,24")
   p.add_argument("--json", help="also write the results here")
   return p
 
@@ -69,12 +76,15 @@ def release() -> None:
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = parser().parse_args(argv)
+  _scale.apply(args)
   results = {"devices": args.devices, "cores": os.cpu_count(),
              "date": time.strftime("%Y-%m-%d")}
   for name, run in SECTIONS.items():
     if args.only in (None, name):
+      start = time.perf_counter()
       results[name] = run(args)
       release()
+      print(f"({name}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
   import jax
   results["jax"] = jax.__version__
   results["platform"] = jax.devices()[0].platform

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,3 +42,27 @@ def kinds(ops) -> str:
   for c in ops:
     counts[c.kind] = counts.get(c.kind, 0) + 1
   return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class Row:
+  """One table row: ours (or the found layout) against a reference, as a
+  section measures it; ``record`` turns it into results.json's dict."""
+  what: str
+  ours: float
+  ref: float
+  unit: str
+  against: str = ""
+  target: str = ""
+  detail: str = ""
+
+  def record(self, where: str, ratio: float | None = None) -> dict:
+    """``{"case": "where: what", "unit", "ours", "jax", "ratio", ...}``;
+    the ratio ours/ref unless given, ``against`` and ``target`` where set."""
+    if ratio is None:
+      ratio = self.ours / self.ref if self.ref else float("nan")
+    out = {"case": f"{where}: {self.what}", "unit": self.unit, "ours": self.ours,
+           "jax": self.ref, "ratio": ratio}
+    if self.against or self.target:
+      out.update(against=self.against, target=self.target)
+    return {**out, "detail": self.detail}

@@ -86,13 +86,17 @@ def measure(jax, rounds: int) -> list[dict]:
   from partitioner import sharded_jit
 
   rows = []
-  for name, (fun, example, rules, n_state, megatron, by_hand) in search.models(jax).items():
+  for name, model in search.models(jax).items():
+    example = model.example
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
-    fns = {k: (sharded_jit(fun, in_parts=i, out_parts=o), example, True)
-           for k, (i, o) in search.hand_written(jax, example, rules, n_state, by_hand).items()}
-    if megatron is not None:
-      fns["Megatron 2 x 4 (the example's step)"] = (megatron[0], megatron[1], False)
-    times = search.interleaved({k: (f, a) for k, (f, a, _) in fns.items()}, n_state, rounds)
+    layouts = search.hand_written(jax, example, model.rules, model.n_state, model.by_hand)
+    fns = {k: (sharded_jit(model.step, in_parts=i, out_parts=o), example, True)
+           for k, (i, o) in layouts.items()}
+    if model.megatron is not None:
+      fns["Megatron 2 x 4 (the example's step)"] = (model.megatron.step, model.megatron.args,
+                                                     False)
+    times = search.interleaved({k: (f, a) for k, (f, a, _) in fns.items()}, model.n_state,
+                               rounds)
     for k, (f, a, hand) in fns.items():
       cost = f.lower(*(abstract if hand else a)).compile().cost()
       rows.append({"model": name, "layout": k, "hand_written": hand, "seconds": times[k],

@@ -1,5 +1,6 @@
 """FSDP section: FSDP over 8 and FSDP x TP 2 x 4, against jax.jit with
-MaxText's specs on a ('fsdp', 'tensor') mesh, at two model sizes.
+MaxText's specs on a ('fsdp', 'tensor') mesh, at two model sizes (the default
+run: the example's alone).
 
 - ours: ``examples/transformer.py``'s ``fsdp_train_step``: one sharded_jit,
   parameters and Adam moments from ``sharding.fsdp_specs`` /
@@ -17,13 +18,23 @@ which holds every parameter whole), steps/s."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from benchmarks._common import kinds, setup_jax
+from benchmarks._common import Row, kinds, setup_jax
 from benchmarks.scaling import SIZE, load_example, race
 
-# The example's size, and a wide one (issue 22's second transformer).
-SIZES = {"transformer d_model 128": (SIZE, 16),
-         "transformer d_model 1024, d_ff 4096": (dict(SIZE, width=1024), 8)}
+
+@dataclass(frozen=True)
+class Size:
+  """A transformer of the example's, at ``size`` (``example.Model``'s
+  keywords), trained on ``batch`` sequences."""
+  size: dict
+  batch: int
+
+
+# The example's size, and a wide one (the search section's second transformer).
+SIZES = {"transformer d_model 128": Size(SIZE, 16),
+         "transformer d_model 1024, d_ff 4096": Size(dict(SIZE, width=1024), 8)}
 LAYOUTS = {"FSDP 8": (8, 1), "FSDP x TP 2 x 4": (2, 4)}
 
 # MaxText's specs for the example's parameters (the last matching pattern
@@ -41,10 +52,12 @@ def run(args) -> list[dict]:
   if args.devices < 8:
     return []
   rows = []
-  for size_name, (size, batch) in SIZES.items():
+  for size_name in args.fsdp_sizes:
+    model = SIZES[size_name]
     for layout_name, (fsdp, tensor) in LAYOUTS.items():
-      steps = args.steps if size["width"] <= 256 else max(2, args.steps // 10)
-      rows += case(jax, f"{size_name}, {layout_name}", size, batch, fsdp, tensor, steps)
+      steps = args.steps if model.size["width"] <= 256 else max(2, args.steps // 10)
+      rows += case(jax, f"{size_name}, {layout_name}", model.size, model.batch, fsdp, tensor,
+                   steps)
   return rows
 
 
@@ -98,18 +111,16 @@ def case(jax, where, size, batch, fsdp, tensor, steps) -> list[dict]:
 
   whole = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
   table = [
-      ("collectives per step", len(ours_report.collectives), len(jax_ops), "ops",
-       f"ours: {kinds(ours_report.collectives)}; jax: {kinds(jax_ops)}"),
-      ("bytes moved per step per device", ours_report.total_bytes() / 1e6,
-       sum(c.bytes for c in jax_ops) / 1e6, "MB", ""),
-      ("peak memory per device (XLA's estimate)",
-       ours_report.memory["peak_estimate"] / 1e6, jax_memory["peak_estimate"] / 1e6, "MB", ""),
-      ("parameter bytes per device", param_bytes("ours") / 1e6, param_bytes("jax") / 1e6,
-       "MB", f"ours 1/{whole / param_bytes('ours'):.1f}, jax"
-             f" 1/{whole / param_bytes('jax'):.1f} of data parallel's {whole / 1e6:.1f} MB"),
-      ("steps/s", rates["ours"], rates["jax"], "steps/s", ""),
+      Row("collectives per step", len(ours_report.collectives), len(jax_ops), "ops",
+          detail=f"ours: {kinds(ours_report.collectives)}; jax: {kinds(jax_ops)}"),
+      Row("bytes moved per step per device", ours_report.total_bytes() / 1e6,
+          sum(c.bytes for c in jax_ops) / 1e6, "MB"),
+      Row("peak memory per device (XLA's estimate)",
+          ours_report.memory["peak_estimate"] / 1e6, jax_memory["peak_estimate"] / 1e6, "MB"),
+      Row("parameter bytes per device", param_bytes("ours") / 1e6, param_bytes("jax") / 1e6,
+          "MB", detail=f"ours 1/{whole / param_bytes('ours'):.1f}, jax"
+                       f" 1/{whole / param_bytes('jax'):.1f} of data parallel's"
+                       f" {whole / 1e6:.1f} MB"),
+      Row("steps/s", rates["ours"], rates["jax"], "steps/s"),
   ]
-  return [{"case": f"{where}: {what}", "unit": unit, "ours": o, "jax": j,
-           "ratio": o / j if j else float("nan"), "detail": detail}
-          for what, o, j, unit, detail in table]
-
+  return [r.record(where) for r in table]

@@ -14,7 +14,7 @@ compiled program's HLO), parameter bytes per device, steps/s."""
 
 from __future__ import annotations
 
-from benchmarks._common import kinds, setup_jax
+from benchmarks._common import Row, kinds, setup_jax
 from benchmarks.scaling import SIZE, load_example, race
 
 
@@ -86,14 +86,12 @@ def run(args) -> list[dict]:
 
   where = f"transformer train step, {dp} x {mp} (data x model), Megatron layout"
   rows = [
-      ("collectives per step", len(ours_ops), len(jax_ops), "ops",
-       f"ours: {kinds(ours_ops)}; jax: {kinds(jax_ops)}"),
-      ("bytes moved per step per device", sum(c.bytes for c in ours_ops) / 1e6,
-       sum(c.bytes for c in jax_ops) / 1e6, "MB", ""),
-      ("parameter bytes per device", param_bytes("ours") / 1e6, param_bytes("jax") / 1e6,
-       "MB", ""),
-      ("steps/s", rates["ours"], rates["jax"], "steps/s", ""),
+      Row("collectives per step", len(ours_ops), len(jax_ops), "ops",
+          detail=f"ours: {kinds(ours_ops)}; jax: {kinds(jax_ops)}"),
+      Row("bytes moved per step per device", sum(c.bytes for c in ours_ops) / 1e6,
+          sum(c.bytes for c in jax_ops) / 1e6, "MB"),
+      Row("parameter bytes per device", param_bytes("ours") / 1e6, param_bytes("jax") / 1e6,
+          "MB"),
+      Row("steps/s", rates["ours"], rates["jax"], "steps/s"),
   ]
-  return [{"case": f"{where}: {what}", "unit": unit, "ours": o, "jax": j,
-           "ratio": o / j if j else float("nan"), "detail": detail}
-          for what, o, j, unit, detail in rows]
+  return [r.record(where) for r in rows]

@@ -1,5 +1,5 @@
 """Pipeline section: ``partitioner.pipeline`` against the GPipe a jax user
-writes by hand following MaxText (issue 29).
+writes by hand following MaxText.
 
 The model (``benchmarks._gpipe``): 16 residual MLP layers ``h = h +
 tanh(h @ w1) @ w2``, d_model 256, d_ff 1024 (32 MiB of weights), batch
@@ -32,7 +32,7 @@ tensor parallel 4 against data parallel 8."""
 from __future__ import annotations
 
 from benchmarks import _gpipe
-from benchmarks._common import setup_jax
+from benchmarks._common import Row, setup_jax
 from benchmarks.search import per_round, rounds_of
 
 LAYERS, D, F, BATCH = 16, 256, 1024, 128
@@ -85,26 +85,25 @@ def case(jax, s: int, m: int, rounds: int) -> list[dict]:
   arg = {k: c.memory_analysis().argument_size_in_bytes for k, c in compiled.items()}
   where = f"{s} stages, {m} microbatches"
   table = [
-      ("steps/s", 1 / step["ours"], 1 / step["jax"], "steps/s", REFERENCE, ">= 0.95", ""),
-      ("collective bytes per step per device", oc.collective_bytes / 2**20,
-       tc.collective_bytes / 2**20, "MiB", REFERENCE, "<= 1.0",
-       f"{oc.collectives} collectives a step, by hand {tc.collectives}"),
-      ("bytes of collectives other than collective-permute (the loss's scalar aside)",
-       on / 2**10, tn / 2**10, "KiB", REFERENCE, "<= 1.0 (activations, no weights)",
-       f"ours: {ot}; by hand: {tt}"),
-      ("matmul flops per device vs the ideal", oc.matmul_flops / 1e9, ideal / 1e9, "GFLOP",
-       "stage share x (M + S - 1) / M", "<= 1.05",
-       f"by hand {tc.matmul_flops / 1e9:.3g} GFLOP; all flops: ours {oc.flops / 1e9:.3g},"
-       f" by hand {tc.flops / 1e9:.3g} GFLOP"),
-      ("argument bytes per device vs one stage's weights + the batch", arg["ours"] / 2**20,
-       share / 2**20, "MiB", "weights / S + batch", "<= 1.0",
-       f"by hand {arg['jax'] / 2**20:.3g} MiB; all the weights {weight_bytes / 2**20:.3g} MiB"),
+      Row("steps/s", 1 / step["ours"], 1 / step["jax"], "steps/s", REFERENCE, ">= 0.95"),
+      Row("collective bytes per step per device", oc.collective_bytes / 2**20,
+          tc.collective_bytes / 2**20, "MiB", REFERENCE, "<= 1.0",
+          f"{oc.collectives} collectives a step, by hand {tc.collectives}"),
+      Row("bytes of collectives other than collective-permute (the loss's scalar aside)",
+          on / 2**10, tn / 2**10, "KiB", REFERENCE, "<= 1.0 (activations, no weights)",
+          f"ours: {ot}; by hand: {tt}"),
+      Row("matmul flops per device vs the ideal", oc.matmul_flops / 1e9, ideal / 1e9, "GFLOP",
+          "stage share x (M + S - 1) / M", "<= 1.05",
+          f"by hand {tc.matmul_flops / 1e9:.3g} GFLOP; all flops: ours {oc.flops / 1e9:.3g},"
+          f" by hand {tc.flops / 1e9:.3g} GFLOP"),
+      Row("argument bytes per device vs one stage's weights + the batch", arg["ours"] / 2**20,
+          share / 2**20, "MiB", "weights / S + batch", "<= 1.0",
+          f"by hand {arg['jax'] / 2**20:.3g} MiB; all the weights {weight_bytes / 2**20:.3g}"
+          " MiB"),
   ]
-  rows = [{"case": f"{where}: {what}", "unit": unit, "ours": o, "jax": ref,
-           "ratio": o / ref if ref else float("nan"), "against": against, "target": target,
-           "detail": detail} for what, o, ref, unit, against, target, detail in table]
-  rows[0]["ratio"] = per_round(times, "ours", "jax")  # (the host's drift between rounds cancels)
-  return rows
+  # steps/s: the median per-round ratio (the host's drift between rounds cancels)
+  paired = per_round(times, "ours", "jax")
+  return [r.record(where, paired if r.what == "steps/s" else None) for r in table]
 
 
 def across_hosts(jax) -> list[dict]:

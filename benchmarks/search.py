@@ -41,8 +41,9 @@ a bytes-first search): the found layout's bytes against that floor."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from benchmarks._common import setup_jax
+from benchmarks._common import Row, setup_jax
 from benchmarks.layout import jax_megatron
 from benchmarks.scaling import SIZE, load_example
 
@@ -51,46 +52,80 @@ BIG = 1 << 60
 FLOOR_COMPILES = 40
 
 
-def models(jax):
+@dataclass(frozen=True)
+class ByHand:
+  """A layout a model is given by hand beyond the common field: ``rules``
+  on the model axis over 8, the batch split ``split`` ways."""
+  name: str
+  rules: list
+  split: int
+
+
+@dataclass(frozen=True)
+class Megatron:
+  """A transformer's own Megatron 2 x 4 step (``partitioner.pmap`` x
+  sharded_jit, with its constraints) and its arguments, and jax.jit's
+  (NamedShardings, the same constraints)."""
+  step: object
+  args: tuple
+  jax_step: object
+
+
+@dataclass(frozen=True)
+class Model:
+  """A model of the section: its step, example arguments (the first
+  ``n_state`` its state, fed back), its Megatron rules (``rules(m)``), its
+  own Megatron step if it has one, its own hand-written layouts, and the
+  most rounds its field and final are timed for (a slow step, fewer)."""
+  step: object
+  example: tuple
+  rules: object
+  n_state: int
+  megatron: Megatron | None = None
+  by_hand: tuple[ByHand, ...] = ()
+  max_rounds: tuple[int, int] = (BIG, BIG)
+
+
+def transformer(jax, width: int, batch: int) -> Model:
+  """The transformer example's Adam step at ``width``, no constraints."""
+  import numpy as np
+
+  example = load_example()
+  size = dict(SIZE, width=width)
+  model = example.Model(1, constrain=lambda x, s: x, **size)
+  params, opt = model.init(jax.random.PRNGKey(0))
+  seqs = np.random.default_rng(0).integers(0, 100, (batch, size["seq"] + 1)).astype(np.int32)
+  rules = lambda m: example.Model(m, constrain=lambda x, s: x, **size).rules
+  # The example's own data x model step (partitioner.pmap over 2 replicas
+  # of sharded_jit over 4, with its constraints): the layout it uses today.
+  # And jax.jit's (NamedShardings, the same constraints), on (params, opt, seqs).
+  megatron = Megatron(example.train_step(example.Model(4, **size)),
+                      (params, opt, seqs.reshape(2, batch // 2, -1)),
+                      jax_megatron(jax, example, size, 2, 4, donate=False)[0])
+  return Model(model.step, (params, opt, seqs), rules, 2, megatron,
+               max_rounds=(4, 8) if width >= 1024 else (BIG, BIG))
+
+
+def mlp(jax, d: int, h: int, b: int) -> Model:
+  """A 2-layer MLP's SGD step, ``d -> h -> d``, batch ``b``."""
   import jax.numpy as jnp
   import numpy as np
   import optax
 
   from sharding import PartitionSpec as P
 
-  example = load_example()
-  out = {}
-  for name, width, batch in (("transformer d_model 256", 256, 16),
-                             ("transformer d_model 1024", 1024, 8)):
-    size = dict(SIZE, width=width)
-    model = example.Model(1, constrain=lambda x, s: x, **size)
-    params, opt = model.init(jax.random.PRNGKey(0))
-    seqs = np.random.default_rng(0).integers(0, 100, (batch, size["seq"] + 1)).astype(np.int32)
-    rules = lambda m, size=size: example.Model(m, constrain=lambda x, s: x, **size).rules
-    # The example's own data x model step (partitioner.pmap over 2 replicas
-    # of sharded_jit over 4, with its constraints): the layout it uses today.
-    # And jax.jit's (NamedShardings, the same constraints), on (params, opt, seqs).
-    megatron = (example.train_step(example.Model(4, **size)),
-                (params, opt, seqs.reshape(2, batch // 2, -1)),
-                jax_megatron(jax, example, size, 2, 4, donate=False)[0])
-    out[name] = (model.step, (params, opt, seqs), rules, 2, megatron, ())
-  for name, d, h, b in (("MLP wide, batch 16", 1024, 4096, 16),
-                        ("MLP narrow, batch 4096", 128, 512, 4096)):
-    rng = np.random.default_rng(0)
-    params = {"w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
-              "w2": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32)}
-    x = rng.normal(size=(b, d)).astype(np.float32)
+  rng = np.random.default_rng(0)
+  params = {"w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+            "w2": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32)}
+  x = rng.normal(size=(b, d)).astype(np.float32)
 
-    def mlp_step(params, x):
-      def loss(p):
-        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
-      value, g = jax.value_and_grad(loss)(params)
-      return optax.apply_updates(params, jax.tree_util.tree_map(lambda v: -0.01 * v, g)), value
+  def mlp_step(params, x):
+    def loss(p):
+      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+    value, g = jax.value_and_grad(loss)(params)
+    return optax.apply_updates(params, jax.tree_util.tree_map(lambda v: -0.01 * v, g)), value
 
-    mlp_rules = lambda m: [("w1", P(1, m)), ("w2", P(m, 1))]
-    out[name] = (mlp_step, (params, x), mlp_rules, 1, None, ())
-  out["embedding bag + MLP, batch 4096"] = recommender(jax)
-  return out
+  return Model(mlp_step, (params, x), lambda m: [("w1", P(1, m)), ("w2", P(m, 1))], 1)
 
 
 # The recommender: a table of VOCAB x DIM, BAG ids per example summed, an
@@ -100,9 +135,8 @@ VOCAB, DIM, HIDDEN, BAG, REC_BATCH = 262144, 64, 256, 16, 4096
 
 
 def recommender(jax):
-  """``(step, (params, opt_state, ids, labels), rules, 2, None, by_hand)``:
-  an Adam step of the embedding-bag click model, its state, a batch, and
-  the layouts a recommender's table is given by hand (``hand_written``)."""
+  """An Adam step of the embedding-bag click model, its state, a batch of
+  ids and labels, and the layouts a recommender's table is given by hand."""
   import jax.numpy as jnp
   import numpy as np
   import optax
@@ -129,15 +163,29 @@ def recommender(jax):
   # columns in and rows out.
   rules = lambda m: [("table", P(m, 1)), ("w1", P(1, m)), ("w2", P(m, 1))]
   # TorchRec's row-wise (DLRM's: the rest data parallel) and column-wise.
-  by_hand = (("table rows 8, the rest data parallel 8", [("table", P(8, 1))], 8),
-             ("table columns 8, batch whole", [("table", P(1, 8))], 1))
-  return step, (params, optimizer.init(params), ids, labels), rules, 2, None, by_hand
+  by_hand = (ByHand("table rows 8, the rest data parallel 8", [("table", P(8, 1))], 8),
+             ByHand("table columns 8, batch whole", [("table", P(1, 8))], 1))
+  return Model(step, (params, optimizer.init(params), ids, labels), rules, 2,
+               by_hand=by_hand)
+
+
+# The section's models by name (``--full`` runs them all; the default a few).
+MODELS = {"transformer d_model 256": lambda jax: transformer(jax, 256, 16),
+          "transformer d_model 1024": lambda jax: transformer(jax, 1024, 8),
+          "MLP wide, batch 16": lambda jax: mlp(jax, 1024, 4096, 16),
+          "MLP narrow, batch 4096": lambda jax: mlp(jax, 128, 512, 4096),
+          "embedding bag + MLP, batch 4096": recommender}
+
+
+def models(jax, names=None) -> dict[str, Model]:
+  """name -> the built ``Model`` of each of ``names`` (all by default)."""
+  return {name: MODELS[name](jax) for name in (names or MODELS)}
 
 
 def hand_written(jax, args, rules, n_state, by_hand=()):
   """name -> (in_parts, out_parts) of every hand-written layout, and of
-  ``by_hand``'s: ``(name, rules, batch split)`` over 8 devices, the leaves
-  no rule splits copied."""
+  ``by_hand``'s (``ByHand``) over 8 devices, the leaves no rule splits
+  copied."""
   from sharding import PartitionSpec as P
   from sharding import fsdp_specs, fsdp_tp_specs
 
@@ -155,9 +203,9 @@ def hand_written(jax, args, rules, n_state, by_hand=()):
                                   batch_spec(1))
   layouts["FSDP x TP 2 x 4"] = (fsdp_tp_specs(state, rules(4), fsdp=2, tensor=4),
                                 batch_spec(2))
-  for name, own_rules, split in by_hand:
-    layouts[name] = (fsdp_tp_specs(state, own_rules, fsdp=1, tensor=8, min_size=BIG),
-                     batch_spec(split))
+  for own in by_hand:
+    layouts[own.name] = (fsdp_tp_specs(state, own.rules, fsdp=1, tensor=8, min_size=BIG),
+                         batch_spec(own.split))
   return {k: ((*s, *b), (*s, None)) for k, (s, b) in layouts.items()}
 
 
@@ -243,12 +291,13 @@ FINAL_SECONDS = 90.0
 FINALISTS = 2
 
 
-def against_fastest(fns: dict, n_state: int, rounds: int, final_rounds: int):
+def against_fastest(fns: dict, n_state: int, rounds: int, final_rounds: int,
+                    final_seconds: float = FINAL_SECONDS):
   """Every layout of ``fns`` (``"found"`` among them) timed in ``rounds``
   interleaved rounds (the field: name -> median seconds per step), then
   the found layout against the ``FINALISTS`` fastest hand-written ones of
   the field, those alone, in a final of ``final_rounds`` rounds or more,
-  as many as fit in ``FINAL_SECONDS``. Returns ``(field, final, fastest,
+  as many as fit in ``final_seconds``. Returns ``(field, final, fastest,
   ratio)``: ``final`` the finalists' median seconds per step, ``fastest``
   the finalist the found layout fares worst against and ``ratio`` the
   found layout's steps/s over that one's (``per_round``).
@@ -266,7 +315,7 @@ def against_fastest(fns: dict, n_state: int, rounds: int, final_rounds: int):
   racing = ["found", *sorted((k for k in field if k != "found"), key=field.get)[:FINALISTS]]
   steps = max(2, math.ceil(ROUND_SECONDS / min(field[k] for k in racing)))  # (rounds_of's)
   per_round_seconds = (steps + 1) * sum(field[k] for k in racing)
-  final_rounds = max(final_rounds, int(FINAL_SECONDS / per_round_seconds))
+  final_rounds = max(final_rounds, int(final_seconds / per_round_seconds))
   times = rounds_of({k: fns[k] for k in racing}, n_state, final_rounds)
   ratios = {k: per_round(times, "found", k) for k in racing[1:]}
   fastest = min(ratios, key=ratios.get)
@@ -285,100 +334,192 @@ def run(args) -> list[dict]:
   jax = setup_jax(args.devices)
   if args.devices < 8:
     return []
+  rows = []
+  for name, model in models(jax, args.search_models).items():
+    rows += model_rows(jax, args, name, model)
+  return rows
+
+
+@dataclass(frozen=True)
+class Scores:
+  """The hand-written layouts' costs (name -> ``Cost``): under the CPU
+  model, the H100 model, and as 2 hosts of 4 H100s."""
+  cpu: dict
+  gpu: dict
+  hosts: dict
+
+  def best(self, key: str) -> str:
+    """The hand-written layout with the least ``key`` under the CPU model."""
+    return min(self.cpu, key=lambda k: getattr(self.cpu[k], key))
+
+
+def scores(model: Model, layouts: dict, abstract) -> Scores:
+  from partitioner import sharded_jit
+  cpu, gpu, hosts = {}, {}, {}
+  for name, (ins, outs) in layouts.items():
+    compiled = sharded_jit(model.step, in_parts=ins, out_parts=outs).lower(*abstract).compile()
+    cpu[name], gpu[name] = compiled.cost(), compiled.cost("h100")
+    hosts[name] = compiled.cost("h100", hosts=2)
+  return Scores(cpu, gpu, hosts)
+
+
+@dataclass(frozen=True)
+class Reference:
+  """The Megatron 2 x 4 the found layout is measured against: a
+  transformer's own step, or the hand-written specs (what a user writes)."""
+  fn: object
+  args: tuple
+  name: str
+
+
+def reference(model: Model, layouts: dict) -> Reference:
+  from partitioner import sharded_jit
+  if model.megatron is None:
+    ins, outs = layouts["data x model 2 x 4"]
+    return Reference(sharded_jit(model.step, in_parts=ins, out_parts=outs), model.example,
+                     "Megatron 2 x 4 (specs)")
+  return Reference(model.megatron.step, model.megatron.args,
+                   "Megatron 2 x 4 (the example's step)")
+
+
+@dataclass(frozen=True)
+class Found:
+  """What the search finds (cold caches): under the CPU model, the H100
+  model, a memory ``budget`` and planned for 2 hosts x 4 H100s."""
+  cpu: object
+  gpu: object
+  fitted: object
+  planned: object
+  budget: float
+
+
+def searched(model: Model, abstract, hand: Scores) -> Found:
+  import partitioner
+  fun = model.step
+  partitioner.clear_caches()
+  found = partitioner.search(fun, *abstract, progress=False)
+  gpu = partitioner.search(fun, *abstract, device_model="h100", progress=False)
+  budget = 1.05 * min(c.peak_memory for c in hand.cpu.values())
+  fitted = partitioner.search(fun, *abstract, memory_budget_bytes=budget, progress=False)
+  planned = partitioner.search(fun, *abstract, hosts=2, device_model="h100", progress=False)
+  return Found(found, gpu, fitted, planned, budget)
+
+
+@dataclass(frozen=True)
+class Race:
+  """The found layout's race: the field's median seconds per step
+  (``field``), the final's (``final``), the finalist it fares worst
+  against and its steps/s over that one's, and a note when it is that
+  one's own program."""
+  field: dict
+  final: dict
+  fastest: str
+  ratio: float
+  same: str
+
+
+def race(jax, model: Model, layouts: dict, ref: Reference, found: Found, args) -> Race:
+  """Every hand-written layout, the reference and the found one, timed in
+  interleaved rounds, then the final (``against_fastest``)."""
   import numpy as np
 
-  import partitioner
   from partitioner import sharded_jit
+  own = lambda a: jax.tree_util.tree_map(np.array, a)  # (a step may donate its state)
+  timed = {"found": (found.cpu.sharded_jit(), own(model.example)),
+           "mega": (ref.fn, own(ref.args))}
+  timed.update({k: (sharded_jit(model.step, in_parts=i, out_parts=o), own(model.example))
+                for k, (i, o) in layouts.items()})
+  rounds = [min(a, b) for a, b in zip(args.search_rounds, model.max_rounds)]
+  field, final, fastest, ratio = against_fastest(timed, model.n_state, *rounds,
+                                                 args.final_seconds)
+  return Race(field, final, fastest, ratio, same_program(timed, fastest))
 
-  rows = []
-  for name, (fun, example, rules, n_state, megatron, by_hand) in models(jax).items():
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
-    costs, gpu = {}, {}
-    layouts = hand_written(jax, example, rules, n_state, by_hand)
-    cluster = {}  # each hand-written layout as 2 hosts of 4 H100s
-    for lname, (ins, outs) in layouts.items():
-      compiled = sharded_jit(fun, in_parts=ins, out_parts=outs).lower(*abstract).compile()
-      costs[lname], gpu[lname] = compiled.cost(), compiled.cost("h100")
-      cluster[lname] = compiled.cost("h100", hosts=2)
-    if megatron is None:  # the hand-written specs are what a user writes
-      mega_fn = sharded_jit(fun, in_parts=layouts["data x model 2 x 4"][0],
-                            out_parts=layouts["data x model 2 x 4"][1])
-      mega_args, mega_name = example, "Megatron 2 x 4 (specs)"
-    else:
-      mega_fn, mega_args, jax_step = megatron
-      mega_name = "Megatron 2 x 4 (the example's step)"
-    mega = mega_fn.lower(*mega_args).compile().cost()
-    partitioner.clear_caches()
-    found = partitioner.search(fun, *abstract, progress=False)
-    found_gpu = partitioner.search(fun, *abstract, device_model="h100", progress=False)
-    budget = 1.05 * min(c.peak_memory for c in costs.values())
-    fitted = partitioner.search(fun, *abstract, memory_budget_bytes=budget, progress=False)
-    planned = partitioner.search(fun, *abstract, hosts=2, device_model="h100", progress=False)
-    lean = min(c.flops for c in cluster.values())  # hand-written, flops within 1.1x the least
-    fair = {k: c for k, c in cluster.items() if c.flops <= 1.1 * lean}
-    least_across = min(fair, key=lambda k: (fair[k].network_bytes, fair[k].seconds))
-    best, small = found.best, name.startswith("transformer d_model 256")
-    # Picked by its measured steps over the estimate's favourite: then fewer
-    # bytes and a lower estimate are not what it won on (no target for them).
-    favourite = min((c for c in found.candidates if not c.error), key=lambda c: c.seconds)
-    overruled = (f"picked by measuring, over the estimate's favourite {favourite.family}"
-                 if best.measured_seconds and favourite is not best else "")
-    by = lambda key: min(costs, key=lambda k: getattr(costs[k], key))
-    fl, cb, tm = by("flops"), by("collective_bytes"), by("seconds")
-    own = lambda args: jax.tree_util.tree_map(np.array, args)  # (a step may donate its state)
-    timed = {"found": (found.sharded_jit(), own(example)), "mega": (mega_fn, own(mega_args))}
-    timed.update({k: (sharded_jit(fun, in_parts=i, out_parts=o), own(example))
-                  for k, (i, o) in layouts.items()})
-    step, final, fastest, vs_fastest = against_fastest(timed, n_state,
-                                                       *((4, 8) if "1024" in name else (5, 12)))
-    rate_found, rate_mega = 1 / step["found"], 1 / step["mega"]
-    fastest_name = mega_name if fastest == "mega" else fastest
-    gpu_best = min(gpu, key=lambda k: gpu[k].seconds)
-    table = [
-        ("flops per device", best.flops / 1e9, costs[fl].flops / 1e9, "GFLOP", fl, "<= 1.1"),
-        ("collective bytes per device", best.collective_bytes / 2**20,
-         costs[cb].collective_bytes / 2**20, "MiB", cb, "-" if overruled else "<= 1.05"),
-        ("collective bytes vs Megatron 2 x 4", best.collective_bytes / 2**20,
-         mega.collective_bytes / 2**20, "MiB", mega_name, "-"),
-        ("estimated time, CPU model", best.seconds * 1e3, costs[tm].seconds * 1e3, "ms", tm,
-         "-" if overruled else "<= 1.0"),
-        ("estimated time, H100 model", found_gpu.best.seconds * 1e3,
-         gpu[gpu_best].seconds * 1e3, "ms", gpu_best, "<= 1.0"),
-        ("measured steps/s vs Megatron 2 x 4", rate_found, rate_mega, "steps/s", mega_name,
-         "-"),
-        ("measured steps/s vs the fastest hand-written layout", 1 / final["found"],
-         1 / final[fastest], "steps/s", fastest_name, ">= 0.97"),
-        ("2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that sends"
-         " the fewest", planned.best.network_bytes / 2**20,
-         fair[least_across].network_bytes / 2**20, "MiB", least_across, "<= 1.0"),
-        ("peak memory under a budget 5% above the smallest", fitted.best.peak_memory / 2**20,
-         budget / 2**20, "MiB", "the budget", "<= 1.0"),
-        ("search time (cold)", found.search_seconds, 60.0, "s", "60 s", "<= 1.0"),
-    ]
-    details = {"flops per device": f"found: {best.family}, {best.layout}; H100 model:"
-                                   f" {found_gpu.best.family}",
-               "collective bytes per device": overruled,
-               "estimated time, CPU model": overruled,
-               "measured steps/s vs the fastest hand-written layout":
-                   f"found {best.family}" + (" (a close call, timed)" if best.measured_seconds
-                                             else "") + same_program(timed, fastest),
-               "2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that"
-               " sends the fewest": f"found: {planned.best.family}, flops"
-               f" {planned.best.flops / max(lean, 1):.2f}x the least"}
-    if megatron is not None:  # the same layout under jax.jit, by the same scorer
-      jax_bytes = partitioner.cost(jax_step.lower(*example).compile()).collective_bytes
-      table.insert(3, ("collective bytes vs jax.jit's Megatron 2 x 4",
-                       best.collective_bytes / 2**20, jax_bytes / 2**20, "MiB",
-                       "jax.jit, NamedShardings", "-"))
-    if small:
-      floor = bytes_floor(jax, fun, abstract, 1.1 * costs[fl].flops)
-      table.insert(4, ("collective bytes vs the fewest of any layout without duplicated work",
-                       best.collective_bytes / 2**20, floor.collective_bytes / 2**20, "MiB",
-                       "bytes-first search", "<= 1.05"))
-      details[table[4][0]] = f"fewest bytes without duplicated work: {floor.family}, {floor.layout}; {floor.flops / 1e9:.3g} GFLOP"
-    paired = {"measured steps/s vs the fastest hand-written layout": vs_fastest}
-    for what, o, ref, unit, against, target in table:
-      rows.append({"case": f"{name}: {what}", "unit": unit, "ours": o, "jax": ref,
-                   "ratio": paired.get(what, o / ref if ref else float("nan")),
-                   "against": against, "target": target, "detail": details.get(what, "")})
-  return rows
+
+def model_rows(jax, args, name: str, model: Model) -> list[dict]:
+  """A model's rows: the found layout against the hand-written ones."""
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    model.example)
+  layouts = hand_written(jax, model.example, model.rules, model.n_state, model.by_hand)
+  hand = scores(model, layouts, abstract)
+  ref = reference(model, layouts)
+  found = searched(model, abstract, hand)
+  timed = race(jax, model, layouts, ref, found, args)
+  rows = table(hand, ref, found, timed)
+  if model.megatron is not None:  # the same layout under jax.jit, by the same scorer
+    rows.insert(3, jax_megatron_row(model, found))
+  if args.floor and name.startswith("transformer d_model 256"):
+    rows.insert(4, floor_row(jax, model, abstract, hand, found))
+  paired = {"measured steps/s vs the fastest hand-written layout": timed.ratio}
+  return [r.record(name, paired.get(r.what)) for r in rows]
+
+
+def overruled(found: Found) -> str:
+  """Why the bytes and estimate rows carry no target, where the search
+  picked its layout by measuring it faster than the estimate's favourite
+  (fewer bytes and a lower estimate are then not what it won on)."""
+  best = found.cpu.best
+  favourite = min((c for c in found.cpu.candidates if not c.error), key=lambda c: c.seconds)
+  if best.measured_seconds and favourite is not best:
+    return f"picked by measuring, over the estimate's favourite {favourite.family}"
+  return ""
+
+
+def table(hand: Scores, ref: Reference, found: Found, timed: Race) -> list[Row]:
+  """The rows every model has."""
+  best, why = found.cpu.best, overruled(found)
+  fl, cb, tm = hand.best("flops"), hand.best("collective_bytes"), hand.best("seconds")
+  gpu_best = min(hand.gpu, key=lambda k: hand.gpu[k].seconds)
+  lean = min(c.flops for c in hand.hosts.values())  # hand-written, flops within 1.1x the least
+  fair = {k: c for k, c in hand.hosts.items() if c.flops <= 1.1 * lean}
+  least_across = min(fair, key=lambda k: (fair[k].network_bytes, fair[k].seconds))
+  mega = ref.fn.lower(*ref.args).compile().cost()
+  planned = found.planned.best
+  fastest_name = ref.name if timed.fastest == "mega" else timed.fastest
+  return [
+      Row("flops per device", best.flops / 1e9, hand.cpu[fl].flops / 1e9, "GFLOP", fl, "<= 1.1",
+          f"found: {best.family}, {best.layout}; H100 model: {found.gpu.best.family}"),
+      Row("collective bytes per device", best.collective_bytes / 2**20,
+          hand.cpu[cb].collective_bytes / 2**20, "MiB", cb, "-" if why else "<= 1.05", why),
+      Row("collective bytes vs Megatron 2 x 4", best.collective_bytes / 2**20,
+          mega.collective_bytes / 2**20, "MiB", ref.name, "-"),
+      Row("estimated time, CPU model", best.seconds * 1e3, hand.cpu[tm].seconds * 1e3, "ms", tm,
+          "-" if why else "<= 1.0", why),
+      Row("estimated time, H100 model", found.gpu.best.seconds * 1e3,
+          hand.gpu[gpu_best].seconds * 1e3, "ms", gpu_best, "<= 1.0"),
+      Row("measured steps/s vs Megatron 2 x 4", 1 / timed.field["found"],
+          1 / timed.field["mega"], "steps/s", ref.name, "-"),
+      Row("measured steps/s vs the fastest hand-written layout", 1 / timed.final["found"],
+          1 / timed.final[timed.fastest], "steps/s", fastest_name, ">= 0.97",
+          f"found {best.family}" + (" (a close call, timed)" if best.measured_seconds else "")
+          + timed.same),
+      Row("2 hosts x 4 (H100 model): bytes across hosts vs the hand-written layout that sends"
+          " the fewest", planned.network_bytes / 2**20, fair[least_across].network_bytes / 2**20,
+          "MiB", least_across, "<= 1.0",
+          f"found: {planned.family}, flops {planned.flops / max(lean, 1):.2f}x the least"),
+      Row("peak memory under a budget 5% above the smallest",
+          found.fitted.best.peak_memory / 2**20, found.budget / 2**20, "MiB", "the budget",
+          "<= 1.0"),
+      Row("search time (cold)", found.cpu.search_seconds, 60.0, "s", "60 s", "<= 1.0"),
+  ]
+
+
+def jax_megatron_row(model: Model, found: Found) -> Row:
+  """The found layout's bytes against jax.jit's Megatron 2 x 4 of the same
+  transformer, scored the same way."""
+  import partitioner
+  jax_bytes = partitioner.cost(
+      model.megatron.jax_step.lower(*model.example).compile()).collective_bytes
+  return Row("collective bytes vs jax.jit's Megatron 2 x 4",
+             found.cpu.best.collective_bytes / 2**20, jax_bytes / 2**20, "MiB",
+             "jax.jit, NamedShardings", "-")
+
+
+def floor_row(jax, model: Model, abstract, hand: Scores, found: Found) -> Row:
+  """The found layout's bytes against the fewest of any layout that does
+  no duplicated work (flops within 1.1x the best hand-written layout's)."""
+  floor = bytes_floor(jax, model.step, abstract, 1.1 * hand.cpu[hand.best("flops")].flops)
+  return Row("collective bytes vs the fewest of any layout without duplicated work",
+             found.cpu.best.collective_bytes / 2**20, floor.collective_bytes / 2**20, "MiB",
+             "bytes-first search", "<= 1.05",
+             f"fewest bytes without duplicated work: {floor.family}, {floor.layout};"
+             f" {floor.flops / 1e9:.3g} GFLOP")

@@ -1,5 +1,5 @@
 """A cluster planned from one machine: partitioner.search on the Gemma
-decoder of ``search_models`` at the size of Gemma 2B (d_model 2048, MLP
+decoder of ``search_models`` (``benchmarks._gemma``) at the size of Gemma 2B (d_model 2048, MLP
 16384, 8 query heads of 256 sharing one key/value head, vocabulary
 256000; 4 of its 18 layers: the layers are one decision), an AdamW step
 on 64 sequences of 1024 tokens, for 8 hosts of 8 H100s, from 64 simulated
@@ -36,7 +36,7 @@ def rows() -> list[dict]:
 def main() -> None:
   jax = setup_jax(DEVICES)
   import partitioner
-  from benchmarks.search_models import gemma, megatron_rules
+  from benchmarks._gemma import gemma, megatron_rules
   from partitioner import sharded_jit
   from sharding import PartitionSpec as P
   from sharding import fsdp_tp_specs

@@ -1,7 +1,7 @@
 """Search on a library's model: partitioner.search on transformers'
 FlaxGemmaForCausalLM, a decoder none of our rules were written for (its
 own parameter tree, bfloat16 compute, one key/value head), at 2 and 24
-layers over 8 devices.
+layers over 8 devices (the default run: 2 layers).
 
 The model: d_model 256, vocabulary 4096, 4 query heads of 64 sharing one
 key/value head, MLP 1024, float32 weights computing in bfloat16; an AdamW
@@ -30,66 +30,12 @@ reports nothing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from benchmarks import search_cluster
 from benchmarks._common import child_rows, setup_jax
+from benchmarks._gemma import SIZE, gemma, megatron_rules
 from benchmarks.search import against_fastest
-
-SIZE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=64)
-BATCH, SEQ = 8, 128
-
-
-def gemma(jax, layers: int, size: dict = SIZE, batch: int = BATCH, seq: int = SEQ,
-          abstract: bool = False):
-  """``(step, (params, opt_state), tokens)``: the AdamW train step of a
-  ``layers``-deep Gemma of ``size``, its state and a batch of token ids
-  (``abstract``: their shapes and dtypes only, for a plan)."""
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-  import transformers
-
-  transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
-  config = transformers.GemmaConfig(
-      num_hidden_layers=layers, hidden_activation="gelu_pytorch_tanh",
-      max_position_embeddings=2 * seq, **size)  # (its rotary table needs >= 2 x head_dim)
-  model = transformers.FlaxGemmaForCausalLM(config, input_shape=(1, seq), dtype=jnp.bfloat16,
-                                            _do_init=False)
-  init = lambda key: model.init_weights(key, (1, seq))
-  key = jax.random.PRNGKey(0)
-  params = jax.eval_shape(init, key) if abstract else jax.jit(init)(key)
-  optimizer = optax.adamw(1e-3)
-
-  def step(params, opt_state, ids):
-    def loss(p):
-      inputs = ids[:, :-1]
-      positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-      logits = model.module.apply({"params": p}, inputs, jnp.ones_like(inputs),
-                                  positions).logits.astype(jnp.float32)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-    value, grads = jax.value_and_grad(loss)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  if abstract:
-    return (step, (params, jax.eval_shape(optimizer.init, params)),
-            jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32))
-  ids = np.random.default_rng(0).integers(0, size["vocab_size"], (batch, seq + 1))
-  return step, (params, optimizer.init(params)), ids.astype(np.int32)
-
-
-def megatron_rules(m: int, kv_heads: int | None = None) -> list:
-  """Megatron's rules on Gemma's parameter names, the model axis ``m`` ways:
-  columns of the projections in, rows of those out, the vocabulary. With
-  ``kv_heads`` the key and value projections are split only where ``m``
-  divides their heads, else left whole (the way a multi-query model is
-  laid out by hand, MaxText's: a single key/value head is not cut)."""
-  from sharding import PartitionSpec as P
-  kv = kv_heads is None or kv_heads % m == 0
-  return [(r"(q_proj|gate_proj|up_proj)/kernel$", P(1, m)),
-          *([(r"(k_proj|v_proj)/kernel$", P(1, m))] if kv else []),
-          (r"(o_proj|down_proj)/kernel$", P(m, 1)),
-          (r"embed_tokens/embedding$", P(m, 1))]
 
 
 def hand_written(jax, state, ids) -> dict:
@@ -120,7 +66,19 @@ def hand_written(jax, state, ids) -> dict:
 TIMEOUT = 2400
 
 
-def depth_rows(layers: int) -> list[dict]:
+@dataclass(frozen=True)
+class Timing:
+  """How a depth's child times the field: ``rounds`` interleaved rounds,
+  then a final of at least ``final_rounds`` rounds and ``final_seconds``."""
+  rounds: int
+  final_rounds: int
+  final_seconds: float
+
+  def argv(self) -> list[str]:
+    return [str(self.rounds), str(self.final_rounds), str(self.final_seconds)]
+
+
+def depth_rows(layers: int, timing: Timing) -> list[dict]:
   """The rows of one depth, on 8 devices: the search's time (its target
   left to the parent), the layouts compiled of those estimated, and the
   found layout's steps/s against the fastest hand-written one."""
@@ -138,7 +96,8 @@ def depth_rows(layers: int) -> list[dict]:
   for k, (ins, outs) in hand_written(jax, state, ids).items():
     fns[k] = sharded_jit(step, in_parts=ins, out_parts=outs)
   seconds, final, fastest, ratio = against_fastest(
-      {k: (fn, (*state, ids)) for k, fn in fns.items()}, 2, *((5, 12) if layers <= 4 else (4, 8)))
+      {k: (fn, (*state, ids)) for k, fn in fns.items()}, 2, timing.rounds, timing.final_rounds,
+      timing.final_seconds)
   best = found.best
   detail = (f"found: {best.family}, {best.layout}; estimated {best.seconds * 1e3:.3g} ms;"
             f" measured steps/s: " + ", ".join(f"{k} {1 / v:.3g}" for k, v in seconds.items()))
@@ -154,6 +113,24 @@ def depth_rows(layers: int) -> list[dict]:
   ]
 
 
+def timing_of(args, layers: int) -> Timing:
+  """The field's rounds of ``args.search_rounds``, at most 4 and 8 for a
+  deep decoder (a 2 s step), and the final's seconds."""
+  rounds, final_rounds = args.search_rounds
+  if layers > 4:
+    rounds, final_rounds = min(rounds, 4), min(final_rounds, 8)
+  return Timing(rounds, final_rounds, args.final_seconds)
+
+
+def search_targets(depths: list[list[dict]], layers: tuple[int, ...]) -> None:
+  """The search times' targets: the first depth in 30 s, the deeper ones
+  in 1.5x the first's time."""
+  shallow = depths[0][0]["ours"]
+  depths[0][0].update(jax=30.0, against="30 s", target="<= 1.0")
+  for depth in depths[1:]:
+    depth[0].update(jax=shallow, against=f"the {layers[0]}-layer search", target="<= 1.5")
+
+
 def run(args) -> list[dict]:
   if args.devices < 8:
     return []
@@ -162,18 +139,13 @@ def run(args) -> list[dict]:
   except ImportError:
     print("(transformers is not installed: no search_models section; pip install -e .[thirdparty])")
     return []
-  rows, shallow = [], None  # (the first depth's search seconds)
-  for layers in args.model_layers:  # each depth in a child process of its own
-    depth = child_rows("benchmarks.search_models", str(layers), timeout=TIMEOUT)
-    searched = depth[0]["ours"]
-    if shallow is None:  # issue 28: the first depth (2) in 30 s, the deeper ones in 1.5x that
-      shallow = searched
-      depth[0].update(jax=30.0, against="30 s", target="<= 1.0")
-    else:
-      depth[0].update(jax=shallow, against=f"the {args.model_layers[0]}-layer search",
-                      target="<= 1.5")
-    rows += depth
-  rows += search_cluster.rows()  # 64 simulated devices: a process of its own
+  depths = [child_rows("benchmarks.search_models", str(layers),
+                       *timing_of(args, layers).argv(), timeout=TIMEOUT)
+            for layers in args.model_layers]  # each depth in a child process of its own
+  search_targets(depths, args.model_layers)
+  rows = [r for depth in depths for r in depth]
+  if args.cluster:
+    rows += search_cluster.rows()  # 64 simulated devices: a process of its own
   for r in rows:
     r.setdefault("ratio", r["ours"] / r["jax"] if r["jax"] else float("nan"))
   return rows
@@ -182,4 +154,6 @@ def run(args) -> list[dict]:
 if __name__ == "__main__":
   import json
   import sys
-  print(json.dumps(depth_rows(int(sys.argv[1]))))
+  layers, rounds, final_rounds, final_seconds = sys.argv[1:5]
+  print(json.dumps(depth_rows(int(layers), Timing(int(rounds), int(final_rounds),
+                                                   float(final_seconds)))))

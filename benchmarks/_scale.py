@@ -1,0 +1,66 @@
+"""How much a run measures: the default's smaller field, or ``--full``'s.
+
+Every section runs in both; the default measures fewer and smaller models
+and times fewer rounds, so that ``scripts/bench`` fits in about 8 minutes
+and 8 GB on a 2-core host, while ``scripts/bench --full`` is the whole run
+(about 32 minutes and 21 GB at its peak: the 24-layer decoder's field).
+A flag given on the command line overrides its scale's value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Scale:
+  """The sizes and counts the sections read from their ``args``.
+
+  calls, first_calls: dispatch's timed calls per case and fresh functions
+    compiled per case. startup_runs: cold and warm processes per startup
+    case. steps: timed train steps (scaling, layout, fsdp, pipeline,
+    multiprocess). fsdp_sizes: the fsdp section's models (names of
+    ``benchmarks.fsdp.SIZES``). search_models: the search section's
+    models (names of ``benchmarks.search.MODELS``). floor: the search's
+    bytes-first floor row (40 more compiles). search_rounds: the field's
+    interleaved rounds and the final's least rounds. final_seconds: how
+    long a final lasts at least. model_layers: the decoder's depths
+    (search_models). cluster: the 64-device plan of Gemma 2B's size.
+  """
+  calls: int
+  first_calls: int
+  startup_runs: int
+  steps: int
+  fsdp_sizes: tuple[str, ...]
+  search_models: tuple[str, ...]
+  floor: bool
+  search_rounds: tuple[int, int]
+  final_seconds: float
+  model_layers: tuple[int, ...]
+  cluster: bool
+
+
+FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
+             fsdp_sizes=("transformer d_model 128", "transformer d_model 1024, d_ff 4096"),
+             search_models=("transformer d_model 256", "transformer d_model 1024",
+                            "MLP wide, batch 16", "MLP narrow, batch 4096",
+                            "embedding bag + MLP, batch 4096"),
+             floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
+             cluster=True)
+
+DEFAULT = Scale(calls=10000, first_calls=5, startup_runs=2, steps=12,
+                fsdp_sizes=("transformer d_model 128",),
+                search_models=("transformer d_model 256", "MLP narrow, batch 4096",
+                               "embedding bag + MLP, batch 4096"),
+                floor=False, search_rounds=(3, 6), final_seconds=20.0, model_layers=(2,),
+                cluster=True)
+
+
+def apply(args) -> None:
+  """Fills every field of ``args`` left ``None`` from ``--full``'s scale or
+  the default's."""
+  scale = FULL if args.full else DEFAULT
+  for field in dataclasses.fields(Scale):
+    if getattr(args, field.name, None) is None:
+      setattr(args, field.name, getattr(scale, field.name))
