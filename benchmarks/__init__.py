@@ -4,8 +4,13 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|startup|multiprocess]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
+
+By default every section runs at a smaller size (fewer and smaller models,
+fewer rounds: ``benchmarks._scale.DEFAULT``), in about WALL and PEAK on 2
+cores; ``--full`` is the whole run (``FULL``: about 32 minutes, 21 GB at its
+peak). The sections below say what ``--full`` measures.
 
 Sections (one module each):
   dispatch  per-call time (inputs already placed) and first-call time
@@ -31,16 +36,17 @@ Sections (one module each):
             ('fsdp', 'tensor') mesh: collectives, bytes, peak memory and
             parameter bytes per device, steps/s.
   search    the layout partitioner.search finds against every hand-written
-            layout, on two transformers and two MLPs; also planned for 2
+            layout, on two transformers, two MLPs and a recommender; also planned for 2
             hosts x 4 against the hand-written layouts' bytes across hosts.
   search_models  the search on a third-party decoder (transformers'
             FlaxGemmaForCausalLM, bf16, one key/value head) at 2 and 24
-            layers, each depth a ``python -m benchmarks.search_models N``
+            layers, each depth a ``python -m benchmarks.search_models LAYERS ...``
             child: search time, candidates estimated and compiled, the
             found layout's steps/s against the fastest hand-written one;
             then a plan for 8 hosts x 8 H100s from 64 simulated devices
             (``python -m benchmarks.search_cluster``) (needs the
-            thirdparty extra; the 24-layer child holds about 21 GB).
+            thirdparty extra; the 24-layer child, --full only, holds about
+            21 GB).
   pipeline  partitioner.pipeline in a sharded_jit train step against the
             GPipe a jax user writes by hand following MaxText (jax.jit,
             a ('stage',) mesh, roll-shifted state buffer) on a 16-layer
