@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
@@ -130,7 +131,7 @@ def constrain(x: Any, spec: Any, origin: str) -> Any:
               "with_sharding_constraint spec")
   out = []
   for (path, leaf), leaf_spec in zip(path_leaves, specs):
-    if not isinstance(leaf, jax.Array | jax.core.Tracer):
+    if not isinstance(leaf, jax.Array | Tracer):
       try:
         leaf = jnp.asarray(leaf)
       except TypeError:

@@ -12,12 +12,12 @@ one, so ``W_out`` (rows split for TP) gets
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
+from sharding._checks import positive_count
 from sharding._layout import Layout, canonical, is_row_major
 from sharding._partition_spec import PartitionSpec, with_layout
 from sharding._rules import RuleSpec, _check_rules, _shape, path_name
@@ -26,6 +26,8 @@ from sharding._spec_tree import describe_leaf
 # Leaves with fewer elements than this stay whole (replicated): gathering
 # them costs more in latency than their memory is worth.
 DEFAULT_MIN_SIZE = 4096
+_SIZE_HINT = ("fsdp and tensor are the device grid's sizes (num_devices for fsdp_specs),"
+              " min_size a number of elements: whole numbers of at least 1.")
 
 
 def fsdp_specs(tree: Any, num_devices: int, *, min_size: int = DEFAULT_MIN_SIZE) -> Any:
@@ -50,7 +52,8 @@ def fsdp_specs(tree: Any, num_devices: int, *, min_size: int = DEFAULT_MIN_SIZE)
     which dimension it split (``partitioner.explain`` shows it).
 
   Raises:
-    ValueError: ``num_devices`` or ``min_size`` is not a positive int, or a
+    TypeError: ``num_devices`` or ``min_size`` is not an int.
+    ValueError: ``num_devices`` or ``min_size`` is smaller than 1, or a
       leaf has no shape.
 
   Example:
@@ -86,11 +89,12 @@ def fsdp_tp_specs(tree: Any, rules: Sequence[tuple[Any, PartitionSpec | None]], 
     min_size: leaves with fewer elements are not split for FSDP.
 
   Raises:
-    ValueError: a size is not a positive int, a rule's spec has another
+    TypeError: a size is not an int.
+    ValueError: a size is smaller than 1, a rule's spec has another
       rank than its leaf, or splits more than one dimension, or not
       ``tensor`` ways (named by the rule and the leaf's path).
   """
-  fsdp, tensor, min_size = (_positive(v, n) for v, n in
+  fsdp, tensor, min_size = (positive_count(v, f"fsdp specs: {n}", hint=_SIZE_HINT) for v, n in
                             ((fsdp, "fsdp"), (tensor, "tensor"), (min_size, "min_size")))
   compiled = _check_rules(rules)
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -131,7 +135,9 @@ def _compose(name: str, shape: tuple[int, ...], rule: str, tp: PartitionSpec | N
     by_size = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
     # A leaf without a tensor-parallel split is split over the whole grid
     # when it can be (ZeRO-3: nothing whole), else over fsdp alone.
-    ways = [(fsdp * tensor, (0, 1))] if tp_dim is None and tensor > 1 else []
+    ways: list[tuple[int, tuple[int, ...]]] = []
+    if tp_dim is None and tensor > 1:
+      ways.append((fsdp * tensor, (0, 1)))
     ways.append((fsdp, (0,)))
     others = [d for d in by_size if d != tp_dim] + ([tp_dim] if tp_dim is not None else [])
     found = next(((d, n, axes) for n, axes in ways if n > 1 for d in others
@@ -146,13 +152,3 @@ def _compose(name: str, shape: tuple[int, ...], rule: str, tp: PartitionSpec | N
   layout = canonical((fsdp, tensor), dims)
   order: Layout | None = None if is_row_major(layout) else layout
   return RuleSpec(with_layout(counts, order), " + ".join([r for r in (rule,) if r] + how))
-
-
-def _positive(value: Any, name: str) -> int:
-  try:
-    number = operator.index(value)
-  except TypeError:
-    number = 0
-  if isinstance(value, bool) or number < 1:
-    raise ValueError(f"fsdp specs: {name} must be a positive int, got {value!r}.")
-  return number

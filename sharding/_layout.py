@@ -18,9 +18,11 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from sharding._checks import positive_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +159,10 @@ def parse(counts: Sequence[int], grid: object, axes: object, what: str) -> Layou
   if grid is None or axes is None:
     raise TypeError(f"{shown}: give both grid= (the device grid's axis sizes)"
                     " and axes= (per dimension, the grid axes it is split over).")
-  try:
-    sizes = tuple(operator.index(s) for s in grid)
-  except TypeError:
-    raise TypeError(f"{shown}: grid must be a tuple of positive ints, e.g."
-                    " grid=(2, 4).") from None
-  if any(s < 1 for s in sizes):
-    raise ValueError(f"{shown}: grid sizes must be >= 1.")
+  hint = "grid must be a tuple of positive ints, e.g. grid=(2, 4)."
+  if not isinstance(grid, Iterable) or isinstance(grid, str):
+    raise TypeError(f"{shown}: {hint}")
+  sizes = tuple(positive_count(s, f"{shown}: grid[{k}]", hint=hint) for k, s in enumerate(grid))
   if not isinstance(axes, Sequence) or isinstance(axes, str) or len(axes) != len(counts):
     raise ValueError(f"{shown}: axes must give one entry per dimension ({len(counts)}):"
                      " a grid axis, a tuple of grid axes (major first), or None.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from sharding._layout import is_row_major
+from sharding._layout import Layout, is_row_major
 from sharding._partition_spec import PartitionSpec, with_layout
 
 
@@ -40,7 +40,7 @@ def local_spec(spec: PartitionSpec | None, num_processes: int,
         f"{what}: spec {spec!r} has {spec.total} tiles, which cannot be shared"
         f" equally by {num_processes} processes.")
   if spec.layout is not None:
-    return _ordered_local_spec(spec, num_processes, what)
+    return _ordered_local_spec(spec, spec.layout, num_processes, what)
   remaining = spec.total // num_processes
   local = [1] * len(spec)
   for d in reversed(range(len(spec))):
@@ -64,11 +64,11 @@ def local_spec(spec: PartitionSpec | None, num_processes: int,
   return PartitionSpec(*local)
 
 
-def _ordered_local_spec(spec: PartitionSpec, num_processes: int,
+def _ordered_local_spec(spec: PartitionSpec, layout: Layout, num_processes: int,
                         what: str) -> PartitionSpec | None:
   """local_spec of a spec with a device order: its grid without the major
   factor ``num_processes`` (the processes own equal runs of devices)."""
-  found = spec.layout.without_major(num_processes)
+  found = layout.without_major(num_processes)
   if found is None:
     raise ValueError(
         f"{what}: spec {spec!r} over {num_processes} processes does not give"

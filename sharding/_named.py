@@ -36,7 +36,8 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
     ``named`` replicates the array: on its mesh's devices).
 
   Raises:
-    TypeError: ``named`` is not a NamedSharding.
+    TypeError: ``named`` is not a NamedSharding, or is over an abstract
+      mesh (no devices).
     ValueError: its spec is longer than ``ndim``, has unconstrained
       entries, or (across processes) its mesh interleaves the processes'
       devices in an order no grid of them gives.
@@ -51,6 +52,10 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
     raise ValueError(f"from_named: {named.spec} has {len(entries)} entries, more than"
                      f" the array's rank {ndim}. Hint: pass ndim= the array's rank.")
   mesh = named.mesh
+  if not isinstance(mesh, jax.sharding.Mesh):  # (an AbstractMesh has no devices)
+    raise TypeError(f"from_named: {named!r} is over an abstract mesh, which names no"
+                    " devices, so it gives no device order. Hint: use a NamedSharding"
+                    " over a jax.sharding.Mesh, e.g. from jax.make_mesh.")
   names = list(mesh.axis_names)
   dims = []
   for d, entry in enumerate([*entries, *[None] * (ndim - len(entries))]):

@@ -5,9 +5,17 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterator, Sequence
+from types import EllipsisType
 
 from sharding import _layout
+from sharding._checks import positive_count
 from sharding._fit import nearest_counts
+
+_ENTRY_HINT = ("its entries are partition counts (ints >= 1), one per dimension, e.g."
+               " PartitionSpec(2, 1);"
+               " use 1 for a dimension that is not split, and None instead of the"
+               " whole spec for a replicated array. Mesh axis names belong to"
+               " jax.sharding.PartitionSpec.")
 
 
 class PartitionSpec:
@@ -65,7 +73,7 @@ class PartitionSpec:
 
   __slots__ = ("_counts", "_total", "_layout", "_device_ids", "_open")
 
-  def __init__(self, *counts: int, grid: Sequence[int] | None = None,
+  def __init__(self, *counts: int | EllipsisType, grid: Sequence[int] | None = None,
                axes: Sequence[object] | None = None,
                device_ids: Sequence[int] | None = None):
     given = counts
@@ -77,20 +85,8 @@ class PartitionSpec:
         raise TypeError(
             f"PartitionSpec: ... stands only last (for any further dimensions,"
             f" unsplit), got it at position {i} in {given!r}.")
-      if isinstance(c, bool) or not hasattr(c, "__index__"):
-        raise TypeError(
-            f"PartitionSpec entries must be positive ints (partition counts),"
-            f" got {c!r} at position {i} in {counts!r}. Hint: this"
-            " PartitionSpec counts tiles per dimension, e.g. PartitionSpec(2,"
-            " 1); use 1 for an unpartitioned dimension and None instead of"
-            " the whole spec for a replicated array. Mesh axis names belong"
-            " to jax.sharding.PartitionSpec.")
-      c = operator.index(c)
-      if c < 1:
-        raise ValueError(
-            f"PartitionSpec entries must be >= 1, got {c!r} at position {i} in"
-            f" {counts!r}. Hint: use 1 for a dimension that is not split.")
-      canonical.append(int(c))
+      canonical.append(positive_count(c, f"PartitionSpec entry {i} of {given!r}",
+                                      hint=_ENTRY_HINT))
     object.__setattr__(self, "_counts", tuple(canonical))
     object.__setattr__(self, "_total", math.prod(canonical))
     layout = None

@@ -71,7 +71,7 @@ def picture(x: Any, shape: Sequence[int] | None = None) -> str:
     if shape is not None:
       raise TypeError(f"picture(x, shape) takes a shape only with a Sharding; this"
                       f" {type(x).__name__} has its own, {tuple(x.shape)}. Hint: picture(x).")
-    shape = x.shape
+    shape = tuple(x.shape)
   return _draw(sharding, tuple(int(s) for s in shape))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -100,7 +100,7 @@ def broadcast_prefix(leaves: list, prefix_def: Any, tree: Any, what: str,
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError):
     prefix = jax.tree_util.tree_unflatten(prefix_def, leaves)
-    return _match(prefix, prefix_def, leaves, tree, (), (what, hint, prefix))
+    return _match(prefix, prefix_def, leaves, tree, (), _Described(what, hint, prefix))
   out = []
   for leaf, sub in zip(leaves, subtrees):
     out.extend([leaf] * len(jax.tree_util.tree_leaves(sub)))
@@ -126,7 +126,7 @@ def _is_leaf_def(treedef: Any) -> bool:
 
 
 def _match(prefix: Any, prefix_def: Any, leaves: list, tree: Any, path: tuple,
-           error: tuple) -> list:
+           error: _Described) -> list:
   """broadcast_prefix, walking both trees node by node (in ``tree``'s order)."""
   if _is_leaf_def(prefix_def):
     return leaves * len(jax.tree_util.tree_leaves(tree))
@@ -146,15 +146,27 @@ def _match(prefix: Any, prefix_def: Any, leaves: list, tree: Any, path: tuple,
     by_key = dict(zip([k.key for k in p_keys], parts))
     pairs = [(by_key[k.key], k, c) for k, c in zip(t_keys, t_children)]
   else:
-    raise _mismatch(prefix, p_keys, tree, t_keys, t_def, path, *error)
+    raise _mismatch(prefix, p_keys, tree, t_keys, t_def, path, error)
   out = []
   for (child, child_def, child_leaves), key, sub in pairs:
     out.extend(_match(child, child_def, child_leaves, sub, (*path, key), error))
   return out
 
 
+class _Described(NamedTuple):
+  """What a mismatch error names: the prefix tree's name (``in_parts``),
+  the hint, and the whole prefix tree."""
+  what: str
+  hint: str
+  whole: Any
+
+
 def _mismatch(prefix: Any, p_keys: list, tree: Any, t_keys: list, t_def: Any,
-              path: tuple, what: str, hint: str, whole: Any) -> ValueError:
+              path: tuple, error: _Described) -> ValueError:
+  """The error for a node of ``prefix`` (keys ``p_keys``) that does not
+  match the node of ``tree`` at ``path`` (keys ``t_keys``, structure
+  ``t_def``)."""
+  what, hint, whole = error
   where = f"at {what}{jax.tree_util.keystr(path)}" if path else "at the top"
   found = describe_leaf(tree) if _is_leaf_def(t_def) else _describe_node(tree, t_keys)
   expected = _describe_node(prefix, p_keys)

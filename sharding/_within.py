@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import cast
 
 import numpy as np
 
@@ -39,7 +40,9 @@ def within(spec: PartitionSpec, d: int, split: PartitionSpec, origin: str) -> Pa
   s = split[0]
   if split.layout is None and spec.layout is None:
     return spec.insert(d, s)  # row-major both: each slice's devices are consecutive
-  outer = split.layout or _layout.row_major(split.counts, s * spec.layout.total)
+  # (one of the two has a layout: here spec's, when split has none)
+  outer = split.layout or _layout.row_major(
+      split.counts, s * cast(_layout.Layout, spec.layout).total)
   n = outer.total
   stage = outer.blocks()[:, 0]
   inner_total = n // s

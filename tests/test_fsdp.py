@@ -49,7 +49,6 @@ def test_fsdp_tp_puts_tp_on_the_minor_axis_and_fsdp_on_the_major():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: fsdp_specs(PARAMS, 0), "num_devices|fsdp must be a positive int"),
-    (lambda: fsdp_tp_specs(PARAMS, TP, fsdp=2, tensor=4, min_size="x"), "min_size"),
     (lambda: fsdp_tp_specs(PARAMS, [("w_in", P(2, 2))], fsdp=2, tensor=4),
      r"rules\[0\] \('w_in'\) gives PartitionSpec\(2, 2\) to 'w_in' \(shape \(64, 256\)\)"),
     (lambda: fsdp_tp_specs(PARAMS, [("w_in", P(1, 2))], fsdp=2, tensor=4),
@@ -59,6 +58,11 @@ def test_fsdp_tp_puts_tp_on_the_minor_axis_and_fsdp_on_the_major():
 def test_bad_input(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_a_size_that_is_not_an_int():
+  with pytest.raises(TypeError, match="min_size must be a positive int, got 'x'"):
+    fsdp_tp_specs(PARAMS, TP, fsdp=2, tensor=4, min_size="x")
 
 
 def loss(params, x):
