@@ -43,6 +43,7 @@ from partitioner._distributed.env import launcher_world as launcher_world
 from partitioner._distributed.env import read_marks
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
 from partitioner._distributed.job_report import exit_statuses, how_it_ended
+from sharding._checks import positive_count
 
 __all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]
@@ -149,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not args.target:
     parser.error("give the script to run")
-  if args.num_processes < 1:
-    parser.error("-n must be at least 1")
+  try:
+    positive_count(args.num_processes, "-n", hint="-n is the number of processes, e.g. -n 2.")
+  except ValueError as e:
+    parser.error(str(e))
   if args.prefix_rank and not _is_hydra(find_mpiexec()):
     parser.error(f"--prefix-rank needs MPICH's mpiexec (Hydra), not {find_mpiexec()}."
                  " Hint: pip install 'sharded-jit[mpi]' (the mpich wheel).")

@@ -25,7 +25,7 @@ from partitioner._lower.plan import Placement
 from partitioner._lower.trace import TracedProgram
 from partitioner._report import collect as _collect
 from partitioner._report import hlo as _hlo
-from partitioner._report.cost import Cost, score
+from partitioner._report.cost import Cost, device_hosts, score
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
 from sharding._partition_spec import PartitionSpec
@@ -191,13 +191,7 @@ class Analyses:
     devices (default: the processes that hold them)."""
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
-    n = len(devices)
-    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)
-                              or hosts < 1 or n % hosts):
-      raise ValueError(f"cost: hosts must be a positive number that divides the {n}"
-                       f" devices of the program, got {hosts!r}")
-    where = ([d.process_index for d in devices] if hosts is None
-             else [k * hosts // n for k in range(n)])
+    where = device_hosts(devices, hosts, "cost")
     return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
 
   def explanation(self, *, name: str, partitioner: str, num_partitions: int,

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from partitioner._lower.values import NotAnArray, describe, signature, to_aval, why_not
+from sharding._checks import positive_count
 from sharding._spec_tree import check_specs
 
 
@@ -254,10 +255,8 @@ def check_parts(tree: Any, what: str) -> Any:
 
 
 def positive_or_none(value: Any, what: str) -> int | None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                            or value < 1):
-    raise ValueError(f"{what} must be a positive int or None, got {value!r}")
-  return value
+  """None, or ``value`` as a positive int (see ``positive_count``)."""
+  return None if value is None else positive_count(value, what, or_none=True)
 
 
 def reject_kwargs(who: str, kwargs: dict) -> None:

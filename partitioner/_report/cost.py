@@ -26,6 +26,7 @@ import numpy as np
 
 from partitioner._report import hlo as _hlo
 from partitioner._report.device_models import DeviceModel
+from sharding._checks import positive_count
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -60,6 +61,38 @@ class Cost:
   peak_memory: int
   seconds: float
   matmul_flops: float = 0.0
+
+
+def hosts_of(n: int, hosts: int) -> list[int]:
+  """The host of each of ``n`` devices, ``hosts`` hosts of consecutive
+  ones (``hosts`` divides ``n``)."""
+  return [k * hosts // n for k in range(n)]
+
+
+def device_hosts(devices: Sequence[Any], hosts: object, who: str) -> list[int]:
+  """The host of each device of a program's assignment, for the
+  ``hosts=`` argument of ``cost()`` and ``search()``: with ``hosts=H``, H
+  hosts of consecutive devices; with None, the process that holds it.
+
+  Args:
+    devices: the assignment (anything with ``process_index``).
+    hosts: what the user gave.
+    who: how the error names the call, e.g. ``"cost"``.
+
+  Raises:
+    TypeError: ``hosts`` is not an int (or None).
+    ValueError: ``hosts`` is below 1 or does not divide the devices.
+  """
+  n = len(devices)
+  if hosts is None:
+    return [d.process_index for d in devices]
+  hint = (f"hosts=H treats the {n} devices as H hosts of {n} / H consecutive devices"
+          " each; None, the processes that hold them.")
+  count = positive_count(hosts, f"{who}: hosts", hint=hint, or_none=True)
+  if n % count:
+    raise ValueError(f"{who}: hosts must be a positive number that divides the {n}"
+                     f" devices, got {hosts!r}. Hint: {hint}")
+  return hosts_of(n, count)
 
 
 def groups(line: str, n: int) -> list[list[int]]:
@@ -137,9 +170,34 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[s
   parts: dict[str | None, Part] = {None: Part()}
   counts = _hlo.runs(hlo_text)
   comps = _hlo.computations(hlo_text)
-  made: dict[str, tuple[int, str | None]] = {}  # value -> (bytes, scope of its op)
-  caller: dict[str, str | None] = {}  # computation -> scope of the op that calls it
-  defined = []
+  values = _values(comps, scope)
+  _add_flops(parts, comps, counts, values, scope)
+  _add_accessed(parts, counts, values)
+  _add_collectives(parts, hlo_text, processes, values, scope)
+  return parts
+
+
+@dataclasses.dataclass
+class _Values:
+  """What :func:`scoped` reads of each value of the program once: the
+  bytes and scope of the op that made it, the scope of the op that calls
+  each computation, and every definition ``(computation, match, scope)``."""
+  made: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
+  caller: dict[str, str | None] = dataclasses.field(default_factory=dict)
+  defined: list[tuple[str, re.Match, str | None]] = dataclasses.field(default_factory=list)
+
+  def scope(self, value: str) -> str | None:
+    """The scope of the op that made ``value`` (None: unknown)."""
+    return self.made.get(value, (0, None))[1]
+
+  def size(self, value: str) -> int:
+    """The bytes of ``value`` (0: unknown)."""
+    return self.made.get(value, (0, None))[0]
+
+
+def _values(comps: dict[str, list[str]], scope: re.Pattern) -> _Values:
+  """Every value's bytes and scope, in program order."""
+  values = _Values()
   for name, lines in comps.items():
     if not name:
       continue
@@ -153,47 +211,69 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[s
       # proxy's outputs copy its last repetition's values, once.)
       where = _scope_of(line, scope)
       if m.group("kind") == "fusion" and not _OP_NAME.search(line):
-        where = next((made[v][1] for v in _OPERAND.findall(m.group("args"))
-                      if made.get(v, (0, None))[1]), None)
-      made[m.group("name")] = (size, where)
-      caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
-      defined.append((name, m, where))
+        where = next((values.scope(v) for v in _OPERAND.findall(m.group("args"))
+                      if values.scope(v)), None)
+      values.made[m.group("name")] = (size, where)
+      values.caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
+      values.defined.append((name, m, where))
+  return values
+
+
+def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
+               counts: dict[str, int], values: _Values, scope: re.Pattern) -> None:
+  """Each line's flops (fusion bodies included), as often as it runs, to
+  its scope (or its caller's) and the whole program's."""
   for name, lines in comps.items():
     if not name:
       continue
-    for line, f in _hlo.line_flops(lines):  # (fusion bodies included)
-      where = _scope_of(line, scope) or caller.get(name)
+    for line, f in _hlo.line_flops(lines):
+      where = _scope_of(line, scope) or values.caller.get(name)
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.flops += counts.get(name, 1) * f
         part.matmul_flops += counts.get(name, 1) * f if " dot(" in line else 0.0
-  for name, m, where in defined:
+
+
+def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
+                  values: _Values) -> None:
+  """Each top-level op's operand and result bytes, as XLA's cost analysis
+  counts them (not inside fusions, not ops that move no data)."""
+  for name, m, where in values.defined:
     kind = m.group("kind")
-    if name in caller or kind in _NO_ACCESS or kind.endswith("-done"):
+    if name in values.caller or kind in _NO_ACCESS or kind.endswith("-done"):
       continue
-    size = made[m.group("name")][0] + sum(made.get(v, (0, None))[0]
-                                          for v in _OPERAND.findall(m.group("args")))
+    size = values.size(m.group("name")) + sum(values.size(v)
+                                              for v in _OPERAND.findall(m.group("args")))
     for p in {None, where}:
       parts.setdefault(p, Part()).accessed += counts.get(name, 1) * size
+
+
+def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
+                     values: _Values, scope: re.Pattern) -> None:
+  """Each collective's runs and bytes, shared among its operands' scopes."""
   for op in _hlo.instructions(hlo_text):
     k, sent, across = _collective(op, processes)
     if not k:
       continue
-    m = _hlo.DEFINITION.match(op.line)
-    own = made.get(m.group("name"), (0, None))[1] if m else _scope_of(op.line, scope)
-    operands = [made.get(v, (0, None)) for v in _OPERAND.findall(m.group("args") if m else "")]
-    total = sum(size for size, _ in operands)
-    # (one operand: the collective's own name says whom it serves; several:
-    # XLA combined them, under one name, so each operand's maker says)
-    shares = ([(size / total, where) for size, where in operands] if total and len(operands) > 1
-              else [(1.0, operands[0][1] if operands and operands[0][1] else own)])
-    for share, where in shares:
+    for share, where in _shares(op.line, values, scope):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.collectives += k * share
         part.collective_bytes += sent * share
         part.network_bytes += across * share
-  return parts
+
+
+def _shares(line: str, values: _Values, scope: re.Pattern) -> list[tuple[float, str | None]]:
+  """Whom a collective serves: ``(share, scope)`` pairs. One operand: the
+  collective's own name says; several: XLA combined them, under one name,
+  so each operand's maker says, by its share of the bytes."""
+  m = _hlo.DEFINITION.match(line)
+  own = values.scope(m.group("name")) if m else _scope_of(line, scope)
+  operands = [values.made.get(v, (0, None)) for v in _OPERAND.findall(m.group("args") if m else "")]
+  total = sum(size for size, _ in operands)
+  if total and len(operands) > 1:
+    return [(size / total, where) for size, where in operands]
+  return [(1.0, operands[0][1] if operands and operands[0][1] else own)]
 
 
 def _scope_of(line: str, scope: re.Pattern) -> str | None:

@@ -95,8 +95,7 @@ class Program:
 
   def __init__(self, axes: Axes, r: Roles, state: Sequence[bool],
                skip: frozenset[int] = frozenset()):
-    self.r = r
-    self._axes = axes
+    self.r, self.axes, self.state = r, axes, tuple(state)
     invars = axes.jaxpr.jaxpr.invars
     alike: dict = {}
     self.sources: dict = {}  # ((), var) -> the first flat input alike
@@ -118,7 +117,7 @@ class Program:
     shape = tuple(getattr(v.aval, "shape", ()))
     # (jax's own dtypes first: a PRNG key's key<fry> is no numpy dtype)
     itemsize = getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
-    roles = tuple(self.r.of_axis.get(self._axes.axis(ctx, v, d)) for d in range(len(shape)))
+    roles = tuple(self.r.of_axis.get(self.axes.axis(ctx, v, d)) for d in range(len(shape)))
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
     return _Value(shape, itemsize, roles, source)
 

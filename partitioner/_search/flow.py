@@ -28,9 +28,11 @@ rank 0 searches and every rank gets its answer.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import os
+import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,10 +43,13 @@ from partitioner import _distributed
 from partitioner._compile.cache.calls import call_caches
 from partitioner._compile.cache.tiers import compilation_cache
 from partitioner._config import config
-from partitioner._lower import trace as _trace
+from partitioner._lower import trace as _trace_lib
 from partitioner._lower.args import argnums
 from partitioner._lower.devices import choose_devices
 from partitioner._lower.trace import reusing_traces
+from partitioner._report import cost as _cost
+from partitioner._report import device_models as _device_models
+from partitioner._report import hlo as _hlo
 from partitioner._report.device_models import DeviceModel, default_model, resolve
 from partitioner._search import found as _found
 from partitioner._search import inputs as _inputs
@@ -64,18 +69,35 @@ logger = logging.getLogger(__name__)
 _answers = call_caches.new()
 
 
-# The search's rules (candidates, shortlist, scoring); bump when they change,
-# so that a persistent cache does not answer with an older rule's choice.
-RULES = 11
+
+
+def _rules_digest() -> str:
+  """A digest of the sources of the search's rules (candidates, shortlist,
+  scoring): this folder's modules and the report modules whose answers it
+  keeps (the compiled cost, the device models, the HLO reading)."""
+  root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
+  files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
+  files += [pathlib.Path(m.__file__ or "") for m in (_cost, _device_models, _hlo)]
+  digest = hashlib.sha256()
+  for path in files:
+    digest.update(f"{path.relative_to(root)}\n".encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
+# In the cache key, so that a persistent cache never answers with an older
+# rule's choice: any change to those sources searches again.
+RULES_DIGEST = _rules_digest()
 # Candidates compiled side by side (on 2 cores: 0.65x the time of in turn).
 COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
-           memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
-           device_model: DeviceModel | str | None = None, measure: int | None = None,
-           max_compiles: int = 10, progress: bool | None = None,
-           hosts: int | None = None) -> _found.FoundLayout:
+def search(  # noqa: PLR0913 (the search's keywords)
+    fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
+    memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
+    device_model: DeviceModel | str | None = None, measure: int | None = None,
+    max_compiles: int = 10, progress: bool | None = None,
+    hosts: int | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
 
   Args:
@@ -119,38 +141,104 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
   """
   if not callable(fun):
     raise TypeError(f"search expects a callable, got {fun!r}")
-  name = getattr(fun, "__name__", type(fun).__name__)
-  who = f"search({name})"
+  who = f"search({getattr(fun, '__name__', type(fun).__name__)})"
   world = _distributed.world()
   static = argnums(static_argnums, "static_argnums")
+  request = _request(who, world, num_devices, device_model, hosts)
+  request = dataclasses.replace(
+      request, budget=_budget(who, memory_budget_bytes),
+      measure=_measure_count(who, measure, world.size), max_compiles=max_compiles,
+      progress=progress)
+  args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
+               for i, a in enumerate(example_args))
+  closed, out_shape, pipelines = _trace(fun, args, example_args, static, who)
+  key = _key(request, closed, [repr(example_args[i]) for i in static])
+  f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
+  blob = _answers.get(key)
+  if blob is None:
+    store = compilation_cache.store()
+    blob = store.get(key) if store is not None else None
+    if blob is None:
+      run = lambda: _run(f, closed, request, pipelines)
+      blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
+      if store is not None and world.rank == 0:
+        store.put(key, blob)
+    _answers.put(key, blob)
+  return _found.FoundLayout.from_json(blob, fun, static, f.in_tree, f.out_tree, len(args), who)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """One search's checked settings (``search``'s arguments, resolved).
+
+  Attributes:
+    who: how errors and logs name the search, ``search(f)``.
+    devices: the devices it lays the function over.
+    hosts: they are that many hosts of consecutive devices.
+    device: the device model that prices them.
+    budget: the memory budget per device in bytes, or None.
+    measure: how many candidates to time (None: the close calls).
+    max_compiles: how many candidates to compile.
+    progress: show a progress line (None: on a terminal).
+  """
+  who: str
+  devices: tuple
+  hosts: int
+  device: DeviceModel
+  budget: float | None = None
+  measure: int | None = None
+  max_compiles: int = 10
+  progress: bool | None = None
+
+  @property
+  def place(self) -> _target.Place:
+    """Where the candidates run and what that costs."""
+    return _target.Place(self.devices, self.hosts, self.device)
+
+
+def _request(who: str, world: Any, num_devices: Any, device_model: Any,
+             hosts: Any) -> _Request:
+  """The devices, their hosts and their model, checked."""
   n = _inputs.count(num_devices, world.size, who)
-  devices = choose_devices(n // world.size, None, world.size, who)
+  devices = tuple(choose_devices(n // world.size, None, world.size, who))
   device = resolve(device_model, devices[0].device_kind, devices[0].platform)
-  hosts = world.size if hosts is None else hosts
-  if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or n % hosts:
-    raise ValueError(f"{who}: hosts must be a positive number that divides the {n}"
-                     f" devices, got {hosts!r}. Hint: hosts=H plans for H hosts of"
-                     f" {n} / H devices each.")
-  if memory_budget_bytes is not None and (not isinstance(memory_budget_bytes, int | float)
-                                          or memory_budget_bytes <= 0):
+  # (hosts=None: the processes; the devices are each process's in turn)
+  count = len(set(_cost.device_hosts(devices, hosts, who)))
+  return _Request(who, devices, count, device)
+
+
+def _budget(who: str, budget: Any) -> float | None:
+  """``memory_budget_bytes``: None, or a positive number of bytes."""
+  if budget is not None and (not isinstance(budget, int | float) or budget <= 0):
     raise ValueError(f"{who}: memory_budget_bytes must be a positive number of bytes,"
-                     f" got {memory_budget_bytes!r}")
+                     f" got {budget!r}")
+  return budget
+
+
+def _measure_count(who: str, measure: Any, processes: int) -> int | None:
+  """``measure``: None, 0 or a number of candidates, in one process."""
   if measure is not None and (not isinstance(measure, int) or measure < 0):
     raise ValueError(f"{who}: measure must be None (time the close calls), 0 (never)"
                      f" or a number of candidates to time, got {measure!r}")
-  if measure and world.size > 1:
+  if measure and processes > 1:
     raise ValueError(f"{who}: measure={measure} times candidates on one process's"
                      " devices; a multi-process search cannot run them on rank 0"
                      " alone. Hint: measure in a single-process run, or drop measure.")
-  args = [a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
-          for i, a in enumerate(example_args)]
+  return measure
+
+
+def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[Any],
+           static: tuple[int, ...], who: str) -> tuple[Any, Any, list]:
+  """The function's jaxpr, its output shapes, and its pipelines whose
+  stages the specs would give (traced as one stage)."""
   dynamic = [a for i, a in enumerate(args) if i not in static]
-  def probed(*dyn):  # a pipeline whose stages the specs would give runs as one stage
+
+  def probed(*dyn):
     probe.bind(jax.tree_util.tree_leaves(dyn))
     return fun(*_inputs.merge(dyn, example_args, static))
 
   try:
-    with _trace.tracing(None, probe=True) as probe:
+    with _trace_lib.tracing(None, probe=True) as probe:
       closed, out_shape = jax.make_jaxpr(probed, return_shape=True)(*dynamic)
   except Exception as e:  # the user's function: any error means it does not trace
     raise ValueError(
@@ -158,34 +246,58 @@ def search(fun: Callable[..., Any], *example_args: Any, num_devices: int | None 
         f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}. Hint: pass the"
         " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
         " mark non-array arguments with static_argnums.") from e
-  settings = (n, hosts, device, memory_budget_bytes, measure, max_compiles, config.partitioner,
-              tuple(d.device_kind for d in devices[:1]), __version__, RULES)
-  key = hashlib.sha256(  # (a program's key hashes other text: no clash)
+  return closed, out_shape, _stage_axis.free(probe.pipelines)
+
+
+def _key(request: _Request, closed: Any, static_reprs: list[str]) -> str:
+  """The answer's key in the caches: the program, the settings, the
+  static arguments, the versions of the toolkit and of the rules."""
+  devices = request.devices
+  settings = (len(devices), request.hosts, request.device, request.budget, request.measure,
+              request.max_compiles, config.partitioner,
+              tuple(d.device_kind for d in devices[:1]), __version__, RULES_DIGEST)
+  return hashlib.sha256(  # (a program's key hashes other text: no clash)
       ("partitioner.search " + str(closed) + repr(settings)
-       + repr([repr(example_args[i]) for i in static])).encode()).hexdigest()
-  in_tree = jax.tree_util.tree_structure(tuple(dynamic))
-  out_tree = jax.tree_util.tree_structure(out_shape)
-  blob = _answers.get(key)
-  if blob is None:
-    store = compilation_cache.store()
-    blob = store.get(key) if store is not None else None
-    if blob is None:
-      run = lambda: _run(fun, args, static, closed, out_tree, devices, hosts, device,
-                         memory_budget_bytes, measure, max_compiles, progress, who,
-                         _stage_axis.free(probe.pipelines))
-      blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
-      if store is not None and world.rank == 0:
-        store.put(key, blob)
-    _answers.put(key, blob)
-  return _found.FoundLayout.from_json(blob, fun, static, in_tree, out_tree, len(args), who)
+       + repr(static_reprs)).encode()).hexdigest()
 
 
-def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, measure,
-         max_compiles, progress, who, pipelines) -> bytes:
+def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -> bytes:
   """The search itself; its result as the JSON the caches keep."""
   start = time.perf_counter()
-  n = len(devices)
-  names = _inputs.leaf_names(fun, args, static)
+  space = _space(f, closed, request, pipelines)
+  compiler = _Compiler(space, request)
+  compiler.compile_all(space.chosen)
+  compiler.compile_all(_select.variants(space.rows, compiler.results, space.refine))
+  compiler.budget_rounds()
+  fits = _ranked(compiler, space, request)
+  rest = sorted((x for x in compiler.results if x not in fits),
+                key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
+  r = space.r
+  return _found.to_json(fits + rest, request.device, request.budget, len(space.rows),
+                        time.perf_counter() - start, request.hosts,
+                        [(r.names[k], m) for k, m in sorted(r.repeats.items())],
+                        space.target.describe())
+
+
+@dataclasses.dataclass
+class _Space:
+  """What the search chooses among: every distinct layout with its
+  estimate (``rows``: candidate, each leaf's dims, estimate), the first
+  ones to compile, and how the program is compiled (``target``)."""
+  r: Any
+  out_state: list
+  target: _target.Target
+  rows: list
+  chosen: list
+  refine: int
+
+
+def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -> _Space:
+  """The function's logical axes and roles, its candidate layouts (one
+  per distinct set of specs) with the cheap model's estimates, and the
+  shortlist to compile first."""
+  n, hosts, device = len(request.devices), request.hosts, request.device
+  names = _inputs.leaf_names(f.fun, list(f.args), f.static)
   axes = logical_axes(closed)
   shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
   out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
@@ -193,8 +305,7 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
   program = Program(axes, r, state)
-  target = Target(fun, args, static, out_tree, closed, axes, r, state, devices, hosts, device,
-                  proxy=not pipelines)
+  target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
@@ -205,96 +316,129 @@ def _run(fun, args, static, closed, out_tree, devices, hosts, device, budget, me
       by_layout[key] = (c, dims)
   rows = [(c, list(dims), program.estimate(c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
-  staged = _stage_axis.candidates(pipelines, n, rows, r, axes.in_axes, shapes, state,
-                                  program, device)
+  staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  refine = min(_select.REFINE, max(0, max_compiles - _select.REFINE))
-  chosen = _select.shortlist(rows, max_compiles - refine, budget is not None)
+  refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
+  chosen = _select.shortlist(rows, request.max_compiles - refine, request.budget is not None)
   chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
              if i not in {k for k, *_ in chosen}]
-  results: list = []
-  programs: dict[str, Any] = {}  # digest -> the first result with that program
+  return _Space(r, out_state, target, rows, chosen, refine)
 
-  def compile_all(batch: list) -> None:
+
+class _Compiler:
+  """Compiles and scores batches of candidates, keeping their results
+  (one row per distinct compiled program)."""
+
+  def __init__(self, space: _Space, request: _Request):
+    self.space, self.request = space, request
+    self.results: list[_found.Result] = []
+    self.programs: dict[str, _found.Result] = {}  # digest -> the first result with it
+
+  def compile_all(self, batch: list) -> None:
+    """Lowers each ``(index, candidate, dims, estimate)`` in turn, compiles
+    them side by side, and scores them."""
     if not batch:
       return
-    bar = Progress(len(batch), f"{who}: compiling candidates", progress)
-    lowered = []
+    who = self.request.who
+    bar = Progress(len(batch), f"{who}: compiling candidates", self.request.progress)
+    lowered = self._lower(batch)
+    with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool:
+      loads = [None if isinstance(p, Exception) else pool.submit(_target.compile_program, p)
+               for _, _, p in lowered]
+      for k, (row, low, load) in enumerate(zip(batch, lowered, loads)):
+        self._score(row, low, load)
+        bar.update(k + 1)
+    bar.close()
+
+  def _lower(self, batch: list) -> list[tuple[list, list, Any]]:
+    """Each candidate's specs and program (or the error our checks raise)."""
+    target, out = self.space.target, []
     with reusing_traces():  # (tracing in turn; XLA compiles them side by side)
-      for index, c, dims, est in batch:
+      for _, c, dims, _ in batch:
         in_specs = [spec_of(d, c.layout_grid) for d in dims]
-        out_specs = target.out_specs(c, in_specs, out_state)
+        out_specs = target.out_specs(c, in_specs, self.space.out_state)
         try:
           program = target.lower(in_specs, out_specs)
         except Exception as e:  # a candidate our checks refuse: not a layout
           program = e
-        lowered.append((in_specs, out_specs, program))
-    with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool:
-      loads = [None if isinstance(p, Exception) else pool.submit(_target.compile_program, p)
-               for _, _, p in lowered]
-      for k, ((index, c, dims, est), (in_specs, out_specs, program), load) in enumerate(
-          zip(batch, lowered, loads)):
-        offset, digest = 0.0, None
-        try:
-          if load is None:
-            raise program
-          got, offset, digest = target.score(c, dims, est, program, load.result())
-        except Exception as e:  # a candidate XLA or our checks refuse: not a layout
-          got = f"{type(e).__name__}: {str(e)[:300]}"
-        if digest in programs:  # the same program as another: one row
-          programs[digest].alike += 1
-          continue
-        results.append(_found.Result(index, c, c.describe(r.names), c.family(), est, got,
-                                     in_specs, out_specs, time_offset=offset))
-        if digest is not None:
-          programs[digest] = results[-1]
-        logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", who, c.describe(r.names),
-                    est.seconds, est.memory / 1e6,
-                    got if isinstance(got, str) else
-                    f"scored {got.seconds:.3g} s, peak {got.peak_memory / 1e6:.3g} MB")
-        bar.update(k + 1)
-    bar.close()
+        out.append((in_specs, out_specs, program))
+    return out
 
-  def fitting() -> list:
-    return [x for x in results if not x.failed
+  def _score(self, row: tuple, low: tuple, load: Any) -> None:
+    """One compiled candidate's result (an error is a result too)."""
+    index, c, dims, est = row
+    in_specs, out_specs, program = low
+    offset, digest = 0.0, None
+    try:
+      if load is None:
+        raise program
+      got, offset, digest = self.space.target.score(c, dims, est, program, load.result())
+    except Exception as e:  # a candidate XLA or our checks refuse: not a layout
+      got = f"{type(e).__name__}: {str(e)[:300]}"
+    if digest in self.programs:  # the same program as another: one row
+      self.programs[digest].alike += 1
+      return
+    names = self.space.r.names
+    result = _found.Result(index, c, c.describe(names), c.family(), est, got,
+                           in_specs, out_specs, time_offset=offset)
+    self.results.append(result)
+    if digest is not None:
+      self.programs[digest] = result
+    logger.info("%s: %s: estimated %.3g s, %.3g MB; %s", self.request.who, c.describe(names),
+                est.seconds, est.memory / 1e6,
+                got if isinstance(got, str) else
+                f"scored {got.seconds:.3g} s, peak {got.peak_memory / 1e6:.3g} MB")
+
+  def fitting(self) -> list[_found.Result]:
+    """The scored results within the memory budget."""
+    budget = self.request.budget
+    return [x for x in self.results if not x.failed
             and (budget is None or x.score.peak_memory <= budget)]
 
-  compile_all(chosen)
-  compile_all(_select.variants(rows, results, refine))  # the close neighbours of the best
-  for _ in range(_select.BUDGET_ROUNDS):  # then the smallest by the cheap model, corrected
-    if budget is None or fitting():
-      break
-    done = {x.index for x in results}
-    remaining = [i for i in range(len(rows)) if i not in done]
-    if not remaining:
-      break
-    scale = _select.memory_scale(results)
-    by_memory = sorted(remaining, key=lambda i: (scale(rows[i][0]) * rows[i][2].memory, i))
-    compile_all([(i, *rows[i]) for i in sorted(by_memory[:max(1, max_compiles)])])
-  scored, fits = [x for x in results if not x.failed], fitting()
-  if scored and not fits:
-    raise _select.budget_error(who, min(x.score.peak_memory for x in scored), budget)
+  def budget_rounds(self) -> None:
+    """While nothing fits the budget: the smallest candidates by the cheap
+    model, its memory corrected by what the compiled ones showed."""
+    rows = self.space.rows
+    for _ in range(_select.BUDGET_ROUNDS):
+      if self.request.budget is None or self.fitting():
+        return
+      done = {x.index for x in self.results}
+      remaining = [i for i in range(len(rows)) if i not in done]
+      if not remaining:
+        return
+      scale = _select.memory_scale(self.results)
+      by_memory = sorted(remaining, key=lambda i: (scale(rows[i][0]) * rows[i][2].memory, i))
+      self.compile_all([(i, *rows[i])
+                        for i in sorted(by_memory[:max(1, self.request.max_compiles)])])
+
+
+def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_found.Result]:
+  """The results that fit, best first: by score, the close calls timed on
+  the devices where they can be; a plan for hosts nothing here can time,
+  the lean, quiet layout of the close ones."""
+  who, devices, device = request.who, request.devices, request.device
+  scored, fits = [x for x in compiler.results if not x.failed], compiler.fitting()
+  if scored and not fits and request.budget is not None:
+    raise _select.budget_error(who, min(x.score.peak_memory for x in scored), request.budget)
   if not scored:
+    results = compiler.results
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
   own = device == default_model(devices[0].device_kind, devices[0].platform)
   processes = len({d.process_index for d in devices})
-  timed = _measure.close_calls(measure, [x.score.seconds for x in fits],
-                               [x.family for x in fits], device, own and hosts == processes,
-                               processes, target.proxy is not None)
+  target = space.target
+  timed = _measure.close_calls(request.measure, [x.score.seconds for x in fits],
+                               [x.family for x in fits], device,
+                               own and request.hosts == processes, processes,
+                               target.proxy is not None)
   if timed:
     chosen = [fits[i] for i in timed]
-    times = target.measure([(x.in_specs, x.out_specs) for x in chosen], out_state,
+    times = target.measure([(x.in_specs, x.out_specs) for x in chosen], space.out_state,
                            [x.time_offset for x in chosen])
     for x, t in zip(chosen, times):
       x.measured = t
-    fits = _measure.ranked(chosen) + [
-        x for x in fits if x not in chosen]
-  elif hosts > 1:  # a plan nothing here can time: the lean, quiet layout of the close ones
-    fits = _select.plan_order(fits, device.error)
-  rest = sorted((x for x in results if x not in fits),
-                key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
-  return _found.to_json(fits + rest, device, budget, len(rows), time.perf_counter() - start,
-                        hosts, [(r.names[k], m) for k, m in sorted(r.repeats.items())],
-                        target.describe())
+    return _measure.ranked(chosen) + [x for x in fits if x not in chosen]
+  if request.hosts > 1:
+    return _select.plan_order(fits, device.error)
+  return fits

@@ -3,12 +3,41 @@ inputs are state (weights) and which batch, the device count."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+
+from sharding._checks import positive_count
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+  """A function as the search compiles and times it.
+
+  Attributes:
+    fun: the callable.
+    args: its positional arguments (abstract or concrete, in pytrees).
+    static: the positions of the static ones.
+    out_tree: the tree structure of its outputs.
+  """
+  fun: Callable[..., Any]
+  args: tuple
+  static: tuple[int, ...]
+  out_tree: Any
+
+  @property
+  def dynamic(self) -> list:
+    """The arguments that are not static."""
+    return [a for i, a in enumerate(self.args) if i not in self.static]
+
+  @property
+  def in_tree(self) -> Any:
+    """The tree structure of the dynamic arguments."""
+    return jax.tree_util.tree_structure(tuple(self.dynamic))
 
 
 def state_leaves(in_axes, out_axes, match) -> list[bool]:
@@ -39,11 +68,20 @@ def matching_inputs(in_axes, out_axes, in_shapes, out_shapes) -> list[int | None
 
 
 def count(num_devices: Any, processes: int, who: str) -> int:
+  """``search(num_devices=)``: None for every device, else a positive int
+  that this run has and that its processes share equally.
+
+  Raises:
+    TypeError: not an int.
+    ValueError: below 1, more than this run has, or not a multiple of the
+      process count.
+  """
   available = len(jax.devices())
   if num_devices is None:
     return available
-  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-    raise ValueError(f"{who}: num_devices must be a positive int, got {num_devices!r}")
+  num_devices = positive_count(num_devices, f"{who}: num_devices",
+                               hint=f"give at most the {available} devices of this run, or None"
+                               " for all of them.")
   if num_devices > available or num_devices % processes:
     raise ValueError(
         f"{who}: num_devices={num_devices} is not available: this run has"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ import jax
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import inputs as _inputs
+from partitioner._search.inputs import Function
 
 # At most this many candidates are timed when the search decides to.
 AUTO_MEASURE = 2
@@ -82,11 +83,10 @@ def ranked(chosen: Sequence[Any]) -> list:
   return [lead] + sorted((x for x in chosen if x is not lead), key=lambda x: (x.measured, x.index))
 
 
-def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
-            in_tree: Any, out_tree: Any, out_state: Sequence[int | None],
-            layouts: Sequence[tuple[list, list]], devices: Sequence[jax.Device],
+def measure(f: Function, out_state: Sequence[int | None],
+            layouts: Sequence[tuple[list, list]], devices: Sequence[Any],
             calls: int = 2, rounds: int = 4) -> list[float]:
-  """Seconds per step of each ``(in_specs, out_specs)`` layout of ``fun``:
+  """Seconds per step of each ``(in_specs, out_specs)`` layout of ``f``:
   ``rounds`` rounds of at least ``calls`` steps and ``ROUND_SECONDS``, and
   more while the two fastest are within ``CLOSE`` (up to ``MAX_ROUNDS``
   rounds, until they have taken ``CLOSE_SECONDS``).
@@ -94,28 +94,8 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
   ``out_state[k]`` is the flat input that flat output ``k`` is the new
   value of (a train step's parameters), or None.
   """
-  concrete = [a if i in static else jax.tree_util.tree_map(_inputs.concrete, a)
-              for i, a in enumerate(args)]
-  dynamic = [a for i, a in enumerate(concrete) if i not in static]
-  lowered = [sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
-                         out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
-                         static_argnums=static, devices=devices).lower(*concrete)
-             for in_specs, out_specs in layouts]
-  with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:  # side by side
-    every = list(pool.map(lambda low: low.compile(), lowered))
-  feeds = []
-  for compiled in every:
-    placed = jax.device_put(jax.tree_util.tree_leaves(dynamic),
-                            list(compiled.input_shardings))
-    feeds.append(_Feed(compiled, placed, out_state))
-  first = []
-  for feed in feeds:  # the first call, then one to learn how long a step is
-    feed.step()
-    jax.block_until_ready(feed.leaves)
-    begin = time.perf_counter()
-    feed.step()
-    jax.block_until_ready(feed.leaves)
-    first.append(time.perf_counter() - begin)
+  feeds = _feeds(f, out_state, layouts, devices)
+  first = [_first_step(feed) for feed in feeds]
   calls = max(calls, math.ceil(ROUND_SECONDS / max(min(first), 1e-6)))
   times: list[list[float]] = [[] for _ in feeds]
   start = time.perf_counter()
@@ -139,6 +119,33 @@ def measure(fun: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
       jax.block_until_ready(feed.leaves)
       t.append((time.perf_counter() - begin) / calls)
   return _paired(times)
+
+
+def _feeds(f: Function, out_state: Sequence[int | None],
+           layouts: Sequence[tuple[list, list]], devices: Sequence[Any]) -> list[_Feed]:
+  """Each layout compiled (side by side) with concrete inputs on its devices."""
+  concrete = [a if i in f.static else jax.tree_util.tree_map(_inputs.concrete, a)
+              for i, a in enumerate(f.args)]
+  dynamic = [a for i, a in enumerate(concrete) if i not in f.static]
+  lowered = [sharded_jit(f.fun, in_parts=jax.tree_util.tree_unflatten(f.in_tree, in_specs),
+                         out_parts=jax.tree_util.tree_unflatten(f.out_tree, out_specs),
+                         static_argnums=f.static, devices=devices).lower(*concrete)
+             for in_specs, out_specs in layouts]
+  with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:  # side by side
+    every = list(pool.map(lambda low: low.compile(), lowered))
+  return [_Feed(compiled, jax.device_put(jax.tree_util.tree_leaves(dynamic),
+                                         list(compiled.input_shardings)), out_state)
+          for compiled in every]
+
+
+def _first_step(feed: _Feed) -> float:
+  """The first call, then the seconds of one more (how long a step is)."""
+  feed.step()
+  jax.block_until_ready(feed.leaves)
+  begin = time.perf_counter()
+  feed.step()
+  jax.block_until_ready(feed.leaves)
+  return time.perf_counter() - begin
 
 
 def _paired(times: Sequence[Sequence[float]]) -> list[float]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner._report.device_models import DeviceModel
-from partitioner._search.candidates import MODEL, Candidate, Roles, leaf_dims
+from partitioner._search.candidates import MODEL, Candidate, leaf_dims
 from partitioner._search.estimate import Estimate, Program
 
 
@@ -47,12 +47,14 @@ def splits_layers(calls: Sequence[Any], dims: Sequence[tuple]) -> bool:
   return any(dims[i] and dims[i][0] for c in calls for i in c.inputs)
 
 
-def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], r: Roles,
-               in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
-               state: Sequence[bool], program: Program,
+def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], program: Program,
+               shapes: Sequence[tuple[int, ...]],
                device: DeviceModel) -> list[tuple[Candidate, list, Estimate]]:
   """(candidate, each leaf's dims on its layout grid, estimate) of each
-  stage count; ``rows`` are the other candidates with their estimates."""
+  stage count; ``rows`` are the other candidates with their estimates,
+  ``program`` the function's axes, roles and state, ``shapes`` its flat
+  inputs'."""
+  r, in_axes, state = program.r, program.axes.in_axes, program.state
   stacked = {i for c in calls for i in c.inputs}
   layer_roles = {r.of_axis.get(in_axes[i][0]) for i in stacked if in_axes[i]} - {None}
   out = []

@@ -27,49 +27,58 @@ from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report import cost as _cost
-from partitioner._report.cost import Cost, score
+from partitioner._report.cost import Cost, hosts_of, score
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import measure as _measure
 from partitioner._search import proxy as _proxy
 from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of
 from partitioner._search.estimate import Estimate, Program
+from partitioner._search.inputs import Function
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+  """Where the candidates run and what that costs.
+
+  Attributes:
+    devices: the devices, in the program's order.
+    hosts: they are that many hosts of consecutive devices.
+    device: the device model that prices them.
+  """
+  devices: Sequence[Any]
+  hosts: int
+  device: DeviceModel
 
 
 class Target:
   """The program each candidate is compiled as.
 
   Args:
-    fun, args, static, out_tree: the user's function, its (abstract)
-      arguments, static positions and output structure.
+    f: the user's function with its (abstract) arguments.
     closed: its jaxpr.
     axes, r, state: its logical axes, their roles, which inputs are state.
-    devices, hosts, device: where it runs and what that costs.
+    place: where it runs and what that costs.
     proxy: compile a short proxy when the layers repeat (not when the
       function's pipelines take their stages from the specs: the proxy
       replays the jaxpr traced as one stage).
   """
 
-  def __init__(self, fun: Any, args: Sequence[Any], static: Sequence[int], out_tree: Any,
-               closed: Any, axes: Any, r: Roles, state: Sequence[bool],
-               devices: Sequence[jax.Device], hosts: int, device: DeviceModel,
-               proxy: bool = True):
-    self.devices, self.hosts, self.device = devices, hosts, device
+  def __init__(self, f: Function, closed: Any, axes: Any, r: Roles, state: Sequence[bool],
+               place: Place, proxy: bool = True):
+    self.place = place
+    self.devices, self.hosts, self.device = place.devices, place.hosts, place.device
     self.closed, self.axes, self.r = closed, axes, r
     self.proxy = _proxy.proxy(closed) if proxy else None
+    self.part: Program | None = None
     if self.proxy is None:
-      self.fun, self.args, self.static, self.out_tree = fun, list(args), tuple(static), out_tree
-      self.part: Program | None = None
-    else:
-      dynamic = [a for i, a in enumerate(args) if i not in static]
-      run = self.proxy.fun()
-      self.fun = lambda *flat: tuple(run(*flat))
-      self.args, self.static = jax.tree_util.tree_leaves(dynamic), ()
-      self.out_tree = jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars))
-      removed = {k for run in self.proxy.repeats
-                 for k in range(run.start + self.proxy.kept * run.period, run.stop)}
-      self.part = Program(axes, r, state, skip=frozenset(removed))
-    self.in_tree = jax.tree_util.tree_structure(
-        tuple(a for i, a in enumerate(self.args) if i not in self.static))
+      self.f = f
+      return
+    run = self.proxy.fun()
+    self.f = Function(lambda *flat: tuple(run(*flat)), tuple(jax.tree_util.tree_leaves(f.dynamic)),
+                      (), jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars)))
+    removed = {k for run in self.proxy.repeats
+               for k in range(run.start + self.proxy.kept * run.period, run.stop)}
+    self.part = Program(axes, r, state, skip=frozenset(removed))
 
   def describe(self) -> dict:
     """What was compiled, for the report: the top-level equations of the
@@ -82,8 +91,7 @@ class Target:
 
   def lower(self, in_specs: list, out_specs: list) -> Any:
     """The program (or its proxy) with the candidate's specs, partitioned."""
-    return lower(self.fun, self.args, self.static, in_specs, out_specs, self.out_tree,
-                 self.devices)
+    return lower(self.f, in_specs, out_specs, self.devices)
 
   def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
             loaded: Any) -> tuple[Cost, float, str]:
@@ -92,7 +100,7 @@ class Target:
     without a proxy: the whole program's time less the proxy's), and a
     digest of the compiled program (equal for identical programs)."""
     got, digest, text = scored(program, loaded, self.hosts, self.device)
-    if self.part is None:
+    if self.part is None or self.proxy is None:
       return got, 0.0, digest
     part = self.part.estimate(c, dims, self.device, self.hosts)
     parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
@@ -109,8 +117,7 @@ class Target:
     the proxy's time by the estimates' ratio would multiply the errors of
     its non-repeated part, an embedding's, as many times as layers are
     left out)."""
-    times = _measure.measure(self.fun, self.args, self.static, self.in_tree, self.out_tree,
-                             out_state, layouts, self.devices)
+    times = _measure.measure(self.f, out_state, layouts, self.devices)
     return [t + o for t, o in zip(times, offsets)]
 
   def out_specs(self, c: Candidate, in_specs: list, out_state: Sequence[int | None]) -> list:
@@ -118,8 +125,9 @@ class Target:
     train step's parameters), else the rules' for its logical axes."""
     out = []
     for k, v in enumerate(self.closed.jaxpr.outvars):
-      if out_state[k] is not None:
-        out.append(in_specs[out_state[k]])
+      source = out_state[k]
+      if source is not None:
+        out.append(in_specs[source])
         continue
       dims = leaf_dims(c, self.r, self.axes.out_axes[k], tuple(v.aval.shape), False)
       out.append(spec_of(c.on_layout(dims), c.layout_grid))
@@ -174,28 +182,21 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
                              seconds=seconds)
 
 
-def hosts_of(n: int, hosts: int) -> list[int]:
-  """The host of each of ``n`` devices, ``hosts`` hosts of consecutive ones."""
-  return [k * hosts // n for k in range(n)]
-
-
-def compiled_score(fun, args, static, in_specs, out_specs, out_tree, devices, hosts,
-                   device) -> tuple[Cost, str, str]:
+def compiled_score(f: Function, in_specs: list, out_specs: list,
+                   place: Place) -> tuple[Cost, str, str]:
   """Partitions and compiles one layout through our pipeline (not run, not
-  cached) and scores the program, its devices ``hosts`` hosts of
-  consecutive ones: its cost, a digest of its text, the text."""
-  program = lower(fun, args, static, in_specs, out_specs, out_tree, devices)
-  return scored(program, compile_program(program), hosts, device)
+  cached) and scores the program on ``place``: its cost, a digest of its
+  text, the text."""
+  program = lower(f, in_specs, out_specs, place.devices)
+  return scored(program, compile_program(program), place.hosts, place.device)
 
 
-def lower(fun, args, static, in_specs, out_specs, out_tree, devices) -> Any:
-  """One layout of ``fun`` partitioned by our pipeline: its ``Program``."""
-  in_tree = jax.tree_util.tree_structure(tuple(a for i, a in enumerate(args)
-                                              if i not in static))
-  f = sharded_jit(fun, in_parts=jax.tree_util.tree_unflatten(in_tree, in_specs),
-                  out_parts=jax.tree_util.tree_unflatten(out_tree, out_specs),
-                  static_argnums=static, devices=devices)
-  return f.lower(*args).program
+def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any]) -> Any:
+  """One layout of ``f`` partitioned by our pipeline: its ``Program``."""
+  jitted = sharded_jit(f.fun, in_parts=jax.tree_util.tree_unflatten(f.in_tree, in_specs),
+                       out_parts=jax.tree_util.tree_unflatten(f.out_tree, out_specs),
+                       static_argnums=f.static, devices=devices)
+  return jitted.lower(*f.args).program
 
 
 def compile_program(program: Any) -> Any:

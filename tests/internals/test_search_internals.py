@@ -13,6 +13,8 @@ from partitioner._compile import program as _program
 from partitioner._report import cost as _cost
 from partitioner._search import select as _select
 from partitioner._search.axes import logical_axes
+from partitioner._search.inputs import Function
+from partitioner._search.target import Place
 from sharding import PartitionSpec as P
 
 
@@ -98,9 +100,9 @@ def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   real = partitioner.sharded_jit(step, in_parts=(specs, P(2, 1)), out_parts=specs)
   want = real.lower(params, x).compile().cost()
   got, _, _ = _target.compiled_score(
-      step, (params, x), (), list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
-      list(jax.tree_util.tree_leaves(specs)), jax.tree_util.tree_structure(specs),
-      jax.devices()[:8], 1, MODELS["cpu"])
+      Function(step, (params, x), (), jax.tree_util.tree_structure(specs)),
+      list(jax.tree_util.tree_leaves(specs)) + [P(2, 1)],
+      list(jax.tree_util.tree_leaves(specs)), Place(jax.devices()[:8], 1, MODELS["cpu"]))
   assert got == want
 
 
@@ -157,9 +159,8 @@ def test_a_close_call_is_timed_over_more_rounds(monkeypatch, seconds, calls, rou
   monkeypatch.setattr(_measure._Feed, "step", step)
   monkeypatch.setattr(_measure.time, "perf_counter", lambda: clock[0])
   f = lambda x: x * 2
-  times = _measure.measure(f, (jnp.ones(8),), (), jax.tree_util.tree_structure((0,)),
-                           jax.tree_util.tree_structure(0), [0], [([None], [None])] * 2,
-                           jax.devices()[:8])
+  times = _measure.measure(Function(f, (jnp.ones(8),), (), jax.tree_util.tree_structure(0)),
+                           [0], [([None], [None])] * 2, jax.devices()[:8])
   assert times == pytest.approx(list(seconds))
   assert [len(s) for s in steps.values()] == [2 + rounds * (1 + calls)] * 2  # first, then warm + calls
 
@@ -207,12 +208,11 @@ def test_candidates_that_compile_to_one_program_are_one_row():
   to the same program: the search keeps one row and counts the other."""
   from partitioner._search import target as _target
   x = jax.ShapeDtypeStruct((16, 8), np.float32)
-  common = ((x,), (), [P(8, 1)], [P(8, 1)], jax.tree_util.tree_structure(0),
-            jax.devices()[:8], 1, partitioner.DEVICE_MODELS["cpu"])
-  f = lambda x: x * 2
-  a = _target.compiled_score(f, *common)[:2]
-  b = _target.compiled_score(f, *common)[:2]
-  c = _target.compiled_score(f, *common[:2], [None], [None], *common[4:])[:2]
+  f = Function(lambda x: x * 2, (x,), (), jax.tree_util.tree_structure(0))
+  place = Place(jax.devices()[:8], 1, partitioner.DEVICE_MODELS["cpu"])
+  a = _target.compiled_score(f, [P(8, 1)], [P(8, 1)], place)[:2]
+  b = _target.compiled_score(f, [P(8, 1)], [P(8, 1)], place)[:2]
+  c = _target.compiled_score(f, [None], [None], place)[:2]
   assert a[1] == b[1] != c[1]
 
 

@@ -16,6 +16,7 @@ import pytest
 from jax.extend import core as jcore
 
 from partitioner._search import proxy as _proxy
+from partitioner._search.inputs import Function
 
 WIDTH = 16
 
@@ -339,8 +340,9 @@ def test_a_proxy_scored_per_repetition_matches_the_whole_program(layout):
   device = resolve("cpu", "cpu", "cpu")
   devices = jax.devices()[:8]
   run = found.fun()
-  got, _, text = _target.compiled_score(lambda *a: tuple(run(*a)), flat, (), in_specs,
-                                        out_specs, out_tree, devices, 1, device)
+  place = _target.Place(devices, 1, device)
+  got, _, text = _target.compiled_score(Function(lambda *a: tuple(run(*a)), tuple(flat), (),
+                                                 out_tree), in_specs, out_specs, place)
   parts = _cost.scoped(text, [0] * 8, _proxy.SCOPE)
   assert "0_1" in parts  # the scope survives XLA's passes
 
@@ -351,8 +353,8 @@ def test_a_proxy_scored_per_repetition_matches_the_whole_program(layout):
 
   def program(*a):
     return tuple(jax.tree.leaves(step(*jax.tree.unflatten(tree, a))))
-  true, _, _ = _target.compiled_score(program, flat, (), in_specs, out_specs, out_tree,
-                                      devices, 1, device)
+  true, _, _ = _target.compiled_score(Function(program, tuple(flat), (), out_tree), in_specs,
+                                      out_specs, place)
   assert true.collective_bytes > 2 * got.collective_bytes  # the proxy alone: far off
   # (XLA compiles the short program a little differently: under FSDP the
   # proxy all-reduces a layer's gradients where the whole reduce-scatters)
