@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from sharding import _layout
 from sharding._partition_spec import PartitionSpec, with_layout
@@ -40,7 +41,7 @@ def layers(layer_params: Any) -> tuple[int, list]:
   leaves, first = [], None
   for path, w in path_leaves:
     name = f"layer_params{jax.tree_util.keystr(path)}"
-    w = w if isinstance(w, jax.Array | jax.core.Tracer) else jnp.asarray(w)
+    w = w if isinstance(w, jax.Array | Tracer) else jnp.asarray(w)
     if w.ndim < 1:
       raise ValueError(f"partitioner.pipeline: {name} is a scalar (shape ()), with no"
                        " leading layer dimension. Hint: stack one value per layer.")
@@ -53,7 +54,7 @@ def layers(layer_params: Any) -> tuple[int, list]:
           f" {first[1][0]}) and {name} has shape {tuple(w.shape)} (L = {w.shape[0]})."
           " Hint: stack every weight over the same layers.")
     leaves.append(w)
-  return first[1][0], leaves
+  return leaves[0].shape[0], leaves
 
 
 def stages(stages: int | None, param_specs: list | None, leaves: list,
@@ -115,6 +116,24 @@ def from_inputs(tracing: Any, leaves: list) -> list | None:
           for w, (_, spec) in zip(leaves, found)]
 
 
+def batch(x: jax.Array, m: int) -> None:
+  """M divides the batch (dimension 0 of ``x``)."""
+  if x.ndim < 1 or x.shape[0] % m:
+    raise ValueError(
+        f"partitioner.pipeline: microbatches={m} must divide the batch (dimension 0"
+        f" of x, shape {tuple(x.shape)}). Hint: use a divisor of"
+        f" {x.shape[0] if x.ndim else 'a batch dimension'}, or pad the batch.")
+
+
+def circular(r: int, m: int, s: int) -> None:
+  """With repeats, at least as many microbatches as stages."""
+  if r > 1 and m < s:
+    raise ValueError(
+        f"partitioner.pipeline: repeats={r} needs at least as many microbatches as"
+        f" stages (microbatches={m}, stages={s}): a microbatch's next pass starts"
+        f" at stage 0 when it leaves stage {s - 1}. Hint: microbatches >= {s}.")
+
+
 def check_layer_fn(layer_fn: Callable, layer_params: Any, h: jax.ShapeDtypeStruct) -> None:
   """``layer_fn`` on one layer's weights and one microbatch returns h's type."""
   one = jax.tree_util.tree_map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype),
@@ -147,7 +166,8 @@ def state_spec(param_specs: list | None, x_parts: Any, ndim: int, s: int,
           " microbatches). Hint: use fewer microbatches or a larger batch.")
   counts = (s, *(x_spec.counts if x_spec is not None else (1,) * ndim))
   layouts = [sp.layout for sp in (stage, x_spec) if sp is not None and sp.layout]
-  ids = {sp.device_ids for sp in (stage, x_spec) if sp is not None} - {None}
+  ids = {sp.device_ids for sp in (stage, x_spec)
+         if sp is not None and sp.device_ids is not None}
   if len(ids) > 1:
     raise ValueError("partitioner.pipeline: param_parts and x_parts name different"
                      f" devices {sorted(ids)}. Hint: build both from one mesh.")
@@ -170,7 +190,7 @@ def state_spec(param_specs: list | None, x_parts: Any, ndim: int, s: int,
   b = as_layout(x_spec if x_spec is not None else PartitionSpec(*(1,) * ndim))
   grid = None if a is None or b is None else _common_grid(a, b)
   dims = None if grid is None else (grid[1][0], *grid[2])
-  if dims is None or len({*sum(dims, ())}) != len(sum(dims, ())):
+  if grid is None or dims is None or len({*sum(dims, ())}) != len(sum(dims, ())):
     raise ValueError(
         f"partitioner.pipeline: the stage split of param_parts ({stage!r}) and"
         f" x_parts ({x_spec!r}) do not lie on one device grid with the stages on"

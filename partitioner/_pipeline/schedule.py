@@ -17,16 +17,35 @@ split over the stages and nothing is broadcast. With repeats R > 1
 stage running one of its R chunks of layers per pass; what leaves the last
 stage waits at stage 0 in a buffer of its own until its next pass. The
 weights never leave their stage's devices; only activations move.
+
+GPipe (R = 1) and the circular schedule are the same named steps, each a
+function below that can be run and tested on its own:
+
+- :func:`stage_params`: the weights as (S, R, L / (S R), ...);
+- :func:`stage_function`: one stage's chunk of layers, a ``lax.scan``;
+- :func:`io_buffer`: the batch as the I/O buffer (S, M / S, mb, ...);
+- :func:`init_states`: the loop's first carry (:class:`Carry`) and what
+  its ticks read (:class:`Feed`);
+- :func:`microbatch_and_repeat_ids`: which microbatch, and which pass of
+  it, each stage works on at a tick;
+- :func:`iteration_inputs`: what each stage runs on at a tick;
+- :func:`run_stages`: every stage once, on the chunk of its pass;
+- :func:`store_outputs`: the I/O buffer after a tick;
+- :func:`tick`: one tick, the steps above in order;
+- :func:`realign_outputs`: the result, in the rows of x.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from partitioner._lower import trace as _trace
 from partitioner._pipeline import checks
@@ -39,7 +58,10 @@ from sharding._within import SplitAxis
 _PACKAGE = __name__.partition(".")[0]  # frames of this package are not the user's
 
 
-def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
+# ---- the public call ----
+
+
+def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,  # noqa: PLR0913
              x: jax.Array, *, microbatches: int, stages: int | None = None,
              repeats: int = 1, remat: bool = False, param_parts: Any = None,
              x_parts: PartitionSpec | None = None) -> jax.Array:
@@ -107,7 +129,7 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     ...              jnp.ones((16, 8)), microbatches=4, stages=2)
   """
   site = caller(skip=(_PACKAGE,))
-  x = x if isinstance(x, jax.Array | jax.core.Tracer) else jnp.asarray(x)
+  x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
   num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
@@ -119,117 +141,313 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     stages = 1  # outside sharded_jit: the plain loop, for reference runs
   elif free:
     param_specs = checks.from_inputs(tracing, leaves)
-  s = checks.stages(stages, param_specs, leaves, num_layers, r)
-  if x.ndim < 1 or x.shape[0] % m:
-    raise ValueError(
-        f"partitioner.pipeline: microbatches={m} must divide the batch (dimension 0"
-        f" of x, shape {tuple(x.shape)}). Hint: use a divisor of"
-        f" {x.shape[0] if x.ndim else 'a batch dimension'}, or pad the batch.")
-  if r > 1 and m < s:
-    raise ValueError(
-        f"partitioner.pipeline: repeats={r} needs at least as many microbatches as"
-        f" stages (microbatches={m}, stages={s}): a microbatch's next pass starts"
-        f" at stage 0 when it leaves stage {s - 1}. Hint: microbatches >= {s}.")
-  mb = x.shape[0] // m
+  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, r), m, r)
+  s = schedule.stages
+  checks.batch(x, m)
+  checks.circular(r, m, s)
   checks.check_layer_fn(layer_fn, layer_params,
-                        jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype))
-  state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, mb)
+                        jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
+  state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, x.shape[0] // m)
   if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
     param_specs, state_spec = None, state_spec if x_spec is not None else None
   if tracing is not None:
-    call = _trace.PipelineCall(
-        site=site, stages=s, microbatches=m, repeats=r, layers=num_layers,
-        inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-        free=free)
-    if call not in tracing.pipelines:  # jax may trace a function twice
-      tracing.pipelines.append(call)
-  where = f"{site}, partitioner.pipeline(stages={s})"
-  pin = lambda v, spec, what: v if spec is None else constrain(v, spec, f"{where} {what}")
-  wider = lambda spec, at: None if spec is None else spec.insert(at, 1)  # one more dim
-  # (S, R, L/(S R), ...): the stage dimension split as the layer dimension was.
-  chunk = num_layers // (s * r)
-  stage_params = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(layer_params),
-      [pin(w.reshape(s, r, chunk, *w.shape[1:]),
-           spec and spec.for_rank(w.ndim).insert(1, 1).insert(1, 1), "weights")
-       for w, spec in zip(leaves, param_specs or [None] * len(leaves))])
+    _record(tracing, site, schedule, num_layers, leaves, free)
+  place = Placement(state_spec, x_spec, f"{site}, partitioner.pipeline(stages={s})")
+  params = stage_params(layer_params, leaves, param_specs, schedule, place)
+  carry, feed = init_states(place.pin(x, x_spec, "input"), schedule, place)
+  loop = Loop(schedule, place, stage_function(layer_fn, remat), params, feed)
+  carry, outs = jax.lax.scan(functools.partial(tick, loop=loop), carry,
+                             jnp.arange(schedule.ticks, dtype=jnp.int32))
+  return realign_outputs(carry, outs, x.shape, loop)
 
+
+def _record(tracing: Any, site: str, schedule: Schedule, num_layers: int, leaves: list,
+            free: bool) -> None:
+  """Notes the call on the enclosing trace, for explain()'s report."""
+  call = _trace.PipelineCall(
+      site=site, stages=schedule.stages, microbatches=schedule.microbatches,
+      repeats=schedule.repeats, layers=num_layers,
+      inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
+      free=free)
+  if call not in tracing.pipelines:  # jax may trace a function twice
+    tracing.pipelines.append(call)
+
+
+# ---- the schedule's numbers, where its arrays lie, and the loop's state ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """S stages, M microbatches, R repeats: the numbers every step reads.
+
+  Example:
+    >>> Schedule(stages=4, microbatches=8, repeats=2).ticks
+    19
+  """
+
+  stages: int
+  microbatches: int
+  repeats: int = 1
+
+  @property
+  def ticks(self) -> int:
+    """R M + S - 1: item i of the R M enters stage 0 at tick i, and the
+    last leaves stage S - 1 at tick R M + S - 2."""
+    return self.repeats * self.microbatches + self.stages - 1
+
+  @property
+  def io(self) -> bool:
+    """Whether the batch enters and leaves through an I/O buffer on the
+    stage devices: with more than one stage and M a multiple of S."""
+    return self.stages > 1 and self.microbatches % self.stages == 0
+
+  @property
+  def slots(self) -> int:
+    """M // S: the I/O buffer's columns, the microbatches of each stage's cut."""
+    return self.microbatches // self.stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the pipeline's arrays lie: the stage buffer's spec (S, mb, ...)
+  and x's, and the call named in the constraints' messages. A spec of None
+  leaves an array where it is (so ``Placement()`` constrains nothing)."""
+
+  state: PartitionSpec | None = None
+  x: PartitionSpec | None = None
+  where: str = "partitioner.pipeline"
+
+  def pin(self, v: jax.Array, spec: PartitionSpec | None, what: str) -> jax.Array:
+    """``v`` constrained to ``spec`` (None: ``v`` as it is)."""
+    return v if spec is None else constrain(v, spec, f"{self.where} {what}")
+
+  def stages(self, v: jax.Array, what: str = "stage buffer") -> jax.Array:
+    """``v``, shaped (S, mb, ...), laid out as the stage buffer."""
+    return self.pin(v, self.state, what)
+
+  def buffer(self, v: jax.Array, what: str, at: int = 1) -> jax.Array:
+    """``v``, the stage buffer's shape with one more dimension at ``at``,
+    laid out as the stage buffer (that dimension whole)."""
+    return self.pin(v, None if self.state is None else self.state.insert(at, 1), what)
+
+  def vmap(self, f: Callable, stages: int) -> Callable:
+    """``jax.vmap`` of ``f`` over the stages. ``f``'s own constraints then
+    apply inside each stage: the vmap keeps its dimension split as the
+    stage buffer's."""
+    split = None if self.state is None or stages == 1 else SplitAxis(self.state)
+    return jax.vmap(f, axis_name=split)
+
+
+class Carry(NamedTuple):
+  """The tick loop's carry: what changes from one tick to the next."""
+
+  state: jax.Array  # (S, mb, ...): what each stage computed at the last tick
+  io: jax.Array | None  # (S, M/S, mb, ...): the I/O buffer, with M a multiple of S
+  wait: jax.Array | None  # (S, M, mb, ...): the circular buffer, with R > 1
+
+
+class Feed(NamedTuple):
+  """What every tick reads besides its carry, built once before the loop."""
+
+  xs: jax.Array | None  # (M, mb, ...): the microbatches, without an I/O buffer
+  start: jax.Array  # (S, mb, ...): each stage's first rows, run on when idle
+  first: jax.Array  # (S, 1, ...): True at stage 0
+  last: jax.Array  # (S, 1, ...): True at stage S - 1
+  slots: jax.Array  # (1, M, 1, ...): the circular buffer's slot numbers
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
+class Loop:
+  """Everything a tick reads that stays the same from tick to tick."""
+
+  schedule: Schedule
+  place: Placement
+  stage_fn: Callable[[Any, jax.Array], jax.Array]  # one stage's chunk of layers
+  params: Any  # leaves shaped (S, R, L/(S R), ...)
+  feed: Feed
+
+
+def _index(a: jax.Array, i: Any, axis: int = 0) -> jax.Array:
+  """``a``'s entry ``i`` along ``axis`` (a traced ``i``), without that axis."""
+  return jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+
+
+# ---- the steps, in the order they run ----
+
+
+def stage_params(layer_params: Any, leaves: list, specs: list | None, schedule: Schedule,
+                 place: Placement) -> Any:
+  """The stacked weights viewed as (S, R, L/(S R), ...): stage s's block of
+  the layer dimension, cut into its R chunks (one a pass). With ``specs``,
+  the stage dimension is split as the layer dimension was."""
+  s, r = schedule.stages, schedule.repeats
+  chunk = leaves[0].shape[0] // (s * r)
+  return jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(layer_params),
+      [place.pin(w.reshape(s, r, chunk, *w.shape[1:]),
+                 spec and spec.for_rank(w.ndim).insert(1, 1).insert(1, 1), "weights")
+       for w, spec in zip(leaves, specs or [None] * len(leaves))])
+
+
+def stage_function(layer_fn: Callable[[Any, jax.Array], jax.Array],
+                   remat: bool = False) -> Callable[[Any, jax.Array], jax.Array]:
+  """One stage: ``layer_fn`` over a chunk of stacked layers (a ``lax.scan``),
+  under ``jax.checkpoint`` with ``remat``."""
   def stage_fn(params: Any, h: jax.Array) -> jax.Array:
     return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), h, params)[0]
 
-  stage_fn = jax.checkpoint(stage_fn) if remat else stage_fn
-  x = pin(x, x_spec, "input")
-  ticks, rows = r * m + s - 1, (1,) * x.ndim
+  return jax.checkpoint(stage_fn) if remat else stage_fn
+
+
+def io_buffer(x: jax.Array, schedule: Schedule, blocks: int = 1) -> jax.Array:
+  """The batch as the I/O buffer (S, M/S, mb, ...): each of the ``blocks``
+  row blocks of x (a data split of the batch) is cut in S consecutive
+  parts, stage j's is the j-th, and slot c of it holds its rows c, c + M/S,
+  c + 2 M/S, ...; microbatch j M/S + c of the schedule is stage j's slot c.
+  A data split of the batch stays put."""
+  s, k, d = schedule.stages, schedule.slots, blocks
+  mb = x.shape[0] // schedule.microbatches
+  rest = tuple(range(4, x.ndim + 3))  # rows (data block, stage, row, slot), then x's own
+  return (x.reshape(d, s, mb // d, k, *x.shape[1:]).transpose(1, 3, 0, 2, *rest)
+          .reshape(s, k, mb, *x.shape[1:]))
+
+
+def init_states(x: jax.Array, schedule: Schedule, place: Placement) -> tuple[Carry, Feed]:
+  """The loop's first carry and what its ticks read.
+
+  Every stage starts on real rows (its own with the I/O buffer, else
+  microbatch 0), which it also runs on while it idles: the bubble never
+  runs on zeros that a layer might turn into inf or NaN (0 * NaN stays NaN
+  in the gradients). The circular buffer starts as copies of those rows.
+  """
+  s, m = schedule.stages, schedule.microbatches
+  rows = (1,) * x.ndim
   stage_of = lambda at: jax.lax.broadcasted_iota(jnp.int32, (s, *rows), 0) == at
   first, last = stage_of(0), stage_of(s - 1)
-  stage_ids = jnp.arange(s, dtype=jnp.int32)
-  index = lambda a, i, axis=0: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
-  # With M a multiple of S the batch enters and leaves split over the stages:
-  # an I/O buffer (S, M/S, mb, ...) on the stage devices, whose column t % (M/S)
-  # shifts one stage down every tick (a collective-permute of one microbatch):
-  # stage 0 reads microbatch t from it, the last stage writes what it finished.
-  # Nothing is broadcast from the last stage; the result stays split.
-  io = s > 1 and m % s == 0
-  d, k = (x_spec[0] if x_spec is not None else 1), m // s
-  if io:  # rows (data block, stage, row, slot): a data split of the batch stays put
-    rest = tuple(range(4, x.ndim + 3))
-    buf = pin(x.reshape(d, s, mb // d, k, *x.shape[1:]).transpose(1, 3, 0, 2, *rest)
-              .reshape(s, k, mb, *x.shape[1:]), wider(state_spec, 1), "I/O buffer")
-    start = buf[:, 0]  # every stage starts (and idles) on its own real rows
+  if schedule.io:
+    blocks = place.x[0] if place.x is not None else 1
+    buf, xs = place.buffer(io_buffer(x, schedule, blocks), "I/O buffer"), None
+    start = buf[:, 0]
   else:  # microbatch t is the rows t, t + M, ... (a split batch stays split)
-    buf, xs = None, x.reshape(mb, m, *x.shape[1:]).swapaxes(0, 1)
+    buf, xs = None, x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
     start = jnp.broadcast_to(xs[:1], (s, *xs.shape[1:]))
   # What left the last stage waits for its next pass in a buffer on the
   # stage devices (each stage's row; stage 0's is read): no extra traffic.
-  wait = None if r == 1 else pin(jnp.broadcast_to(start[:, None], (s, m, *start.shape[1:])),
-                                 wider(state_spec, 1), "circular buffer")
+  wait = None if schedule.repeats == 1 else place.buffer(
+      jnp.broadcast_to(start[:, None], (s, m, *start.shape[1:])), "circular buffer")
   slots = jax.lax.broadcasted_iota(jnp.int32, (1, m, *rows), 1)
+  return Carry(place.stages(start), buf, wait), Feed(xs, start, first, last, slots)
 
-  # layer_fn's own constraints apply inside each stage: the vmap over the
-  # stages keeps its dimension split as the stage buffer's.
-  vmap = lambda f: jax.vmap(f, axis_name=None if state_spec is None or s == 1
-                            else SplitAxis(state_spec))
 
-  def run(inputs: jax.Array, t: jax.Array) -> jax.Array:
-    if r == 1:  # one pass: every stage runs its only chunk
-      return vmap(stage_fn)(jax.tree_util.tree_map(lambda w: w[:, 0], stage_params), inputs)
-    # Stage s at tick t works on item t - s: pass (t - s) // M of its microbatch.
-    passes = jnp.clip((t - stage_ids) // m, 0, r - 1)
-    pick = lambda p, i: jax.tree_util.tree_map(lambda w: index(w, i), p)
-    return vmap(lambda p, h, i: stage_fn(pick(p, i), h))(stage_params, inputs, passes)
+def microbatch_and_repeat_ids(t: jax.Array | int,
+                              schedule: Schedule) -> tuple[jax.Array, jax.Array]:
+  """Which microbatch, and which pass (repeat) of it, each stage works on at
+  tick ``t``: two int arrays (S,).
 
-  def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array | None]:
-    state, buf, wait = carry
-    shifted = roll(state, 1)  # stage S-1's output of item t - S lands on stage 0
-    # Ticks after the last microbatch entered run on real rows, never on
-    # zeros that a layer might turn into inf or NaN (0 * NaN stays NaN in
-    # the gradients).
-    column = None if buf is None else index(buf, t % k, axis=1)
-    fresh = column if buf is not None else index(xs, jnp.minimum(t, m - 1))
-    if wait is None:  # (start: every stage's real first rows)
-      fresh = jnp.where(t < m, fresh, start)
-    else:
-      wait = pin(jnp.where(slots == (t - s) % m, shifted[:, None], wait),
-                 wider(state_spec, 1), "circular buffer")
-      fresh = jnp.where(t < m, fresh, index(wait, t % m, axis=1))
-    inputs = pin(jnp.where(first, fresh, shifted), state_spec, "stage buffer")
-    out = pin(run(inputs, t), state_spec, "stage buffer")
-    if buf is None:  # the last stage's outputs stay where they were computed
-      return (out, buf, wait), out
-    column = jnp.where(last, out, roll(column, -1))
-    buf = pin(jax.lax.dynamic_update_index_in_dim(buf, column, t % k, 1),
-              wider(state_spec, 1), "I/O buffer")
-    return (out, buf, wait), None
+  Stage i works on item t - i of the R M items: microbatch (t - i) mod M,
+  in pass (t - i) // M. Before its first item a stage idles in pass 0,
+  after its last in pass R - 1.
+  """
+  items = t - jnp.arange(schedule.stages, dtype=jnp.int32)
+  m = schedule.microbatches
+  return items % m, jnp.clip(items // m, 0, schedule.repeats - 1)
 
-  state = pin(start, state_spec, "stage buffer")
-  (_, buf, _), outs = jax.lax.scan(tick, (state, buf, wait), jnp.arange(ticks, dtype=jnp.int32))
-  if io:  # microbatch u's output is on its own stage, in slot (u + S - 1) % (M/S)
-    ys = jnp.roll(buf, 1 - s, axis=1).reshape(s, k, d, mb // d, *x.shape[1:])
-    return ys.transpose(2, 0, 3, 1, *rest).reshape(x.shape)
-  # The last M ticks' outputs, then the last stage's (gathered once, after
-  # the loop): a slice of the tail first, so that only its M microbatches move.
-  ys = pin(outs[ticks - m:], wider(state_spec, 0), "stage outputs")[:, s - 1]
-  return pin(ys.swapaxes(0, 1).reshape(x.shape), x_spec, "output")
+
+def iteration_inputs(t: jax.Array, shifted: jax.Array, column: jax.Array | None,
+                     wait: jax.Array | None, loop: Loop) -> tuple[jax.Array, jax.Array | None]:
+  """What each stage runs on at tick ``t``, (S, mb, ...), and the circular
+  buffer after it took what left the last stage.
+
+  ``shifted`` holds what every stage computed at the last tick, one stage
+  on: stage i > 0 runs on it. Stage 0 takes microbatch t, from the I/O
+  buffer's ``column`` or from x's microbatches; once all M have entered,
+  its microbatch's next pass from the circular buffer (slot t mod M), or
+  (GPipe) its first rows again, discarded.
+  """
+  s, m = loop.schedule.stages, loop.schedule.microbatches
+  feed = loop.feed
+  if column is not None:
+    fresh = column
+  else:
+    assert feed.xs is not None  # without an I/O buffer, x's microbatches
+    fresh = _index(feed.xs, jnp.minimum(t, m - 1))
+  if wait is None:
+    fresh = jnp.where(t < m, fresh, feed.start)
+  else:  # stage S-1's output of item t - S, on stage 0: microbatch (t - S) mod M
+    wait = loop.place.buffer(jnp.where(feed.slots == (t - s) % m, shifted[:, None], wait),
+                             "circular buffer")
+    fresh = jnp.where(t < m, fresh, _index(wait, t % m, axis=1))
+  return loop.place.stages(jnp.where(feed.first, fresh, shifted)), wait
+
+
+def run_stages(inputs: jax.Array, t: jax.Array, loop: Loop) -> jax.Array:
+  """Every stage at once on its row of ``inputs`` (a vmap over the stages):
+  GPipe's stages their only chunk of layers, the circular schedule's the
+  chunk of the pass they are on (:func:`microbatch_and_repeat_ids`)."""
+  stage_fn, params = loop.stage_fn, loop.params
+  if loop.schedule.repeats == 1:
+    only = jax.tree_util.tree_map(lambda w: w[:, 0], params)
+    return loop.place.vmap(stage_fn, loop.schedule.stages)(only, inputs)
+  _, passes = microbatch_and_repeat_ids(t, loop.schedule)
+  pick = lambda p, i: jax.tree_util.tree_map(lambda w: _index(w, i), p)
+  return loop.place.vmap(lambda p, h, i: stage_fn(pick(p, i), h),
+                         loop.schedule.stages)(params, inputs, passes)
+
+
+def io_column(buf: jax.Array, t: jax.Array, schedule: Schedule) -> jax.Array:
+  """The I/O buffer's column that moves at tick ``t`` (slot t mod M/S of
+  every stage): stage 0 reads microbatch t from it, the last stage writes
+  into it what it finished."""
+  return _index(buf, t % schedule.slots, axis=1)
+
+
+def store_outputs(buf: jax.Array, column: jax.Array, out: jax.Array, t: jax.Array,
+                  loop: Loop) -> jax.Array:
+  """The I/O buffer after tick ``t``: its column, shifted one stage down
+  (stage 0's entry, read this tick, goes round to the last stage), with the
+  last stage's entry replaced by what it finished (``out``'s last row)."""
+  column = jnp.where(loop.feed.last, out, roll(column, -1))
+  return loop.place.buffer(
+      jax.lax.dynamic_update_index_in_dim(buf, column, t % loop.schedule.slots, 1),
+      "I/O buffer")
+
+
+def tick(carry: Carry, t: jax.Array, *, loop: Loop) -> tuple[Carry, jax.Array | None]:
+  """One tick of the loop: the stage buffer shifts one stage on, every stage
+  runs once, and the outputs go to the I/O buffer (or, without one, out of
+  the loop: the scan stacks them)."""
+  shifted = roll(carry.state, 1)  # stage S-1's output of item t - S lands on stage 0
+  column = None if carry.io is None else io_column(carry.io, t, loop.schedule)
+  inputs, wait = iteration_inputs(t, shifted, column, carry.wait, loop)
+  out = loop.place.stages(run_stages(inputs, t, loop))
+  if carry.io is None or column is None:  # the outputs stay where they were computed
+    return Carry(out, None, wait), out
+  return Carry(out, store_outputs(carry.io, column, out, t, loop), wait), None
+
+
+def realign_outputs(carry: Carry, outs: jax.Array | None, shape: tuple[int, ...],
+                    loop: Loop) -> jax.Array:
+  """The loop's outputs in the rows of x (shape ``shape``).
+
+  With the I/O buffer, microbatch u's output is on its own stage, in slot
+  (u + S - 1) mod M/S: rolled back and unpermuted (:func:`io_buffer`'s
+  inverse). Otherwise the last stage's outputs of the last M ticks (``outs``
+  is every tick's), gathered once after the loop.
+  """
+  s, m = loop.schedule.stages, loop.schedule.microbatches
+  if carry.io is not None:
+    blocks = loop.place.x[0] if loop.place.x is not None else 1
+    k, mb = loop.schedule.slots, shape[0] // m
+    rest = tuple(range(4, len(shape) + 3))
+    ys = jnp.roll(carry.io, 1 - s, axis=1).reshape(s, k, blocks, mb // blocks, *shape[1:])
+    return ys.transpose(2, 0, 3, 1, *rest).reshape(shape)
+  assert outs is not None  # the scan stacks every tick's outputs without an I/O buffer
+  # A slice of the tail first, so that only its M microbatches move.
+  ys = loop.place.buffer(outs[loop.schedule.ticks - m:], "stage outputs", at=0)[:, s - 1]
+  return loop.place.pin(ys.swapaxes(0, 1).reshape(shape), loop.place.x, "output")
+
+
+# ---- the layer order ----
 
 
 def pipeline_order(layers: int, stages: int, repeats: int = 1) -> np.ndarray:
