@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.core
+import jaxlib.xla_client as _xc  # (jax._src.lib.xla_client: jax imported it)
 import numpy as np
 from jax._src import dtypes as _dtypes
 from jax._src.array import ArrayImpl as ArrayImpl  # noqa: F401 (re-export)
 from jax._src.interpreters import pxla as _pxla
-from jax._src.lib import xla_client as _xc
 
-CompileOptions = _xc.CompileOptions
+# jaxlib's classes come from C extensions without type information: to a
+# type checker they are Any (CompileOptions a class with any attribute, as
+# it is constructed), here once rather than at every use.
+if TYPE_CHECKING:
+  Device = Any  # jax.Device (jaxlib._jax.Device)
+
+  class CompileOptions(Any):  # jaxlib._jax.CompileOptions
+    pass
+else:
+  Device = jax.Device
+  CompileOptions = _xc.CompileOptions
 LoadedExecutable = Any  # jaxlib._jax.LoadedExecutable
 
 
@@ -28,7 +39,7 @@ def device_assignment(device_ids: Sequence[int]) -> Any:
       np.asarray(device_ids, dtype=np.int64).reshape(1, len(device_ids)))
 
 
-def compile_and_load(module: bytes, devices: Sequence[jax.Device],
+def compile_and_load(module: bytes, devices: Sequence[Device],
                      options: Any, host_callbacks: Sequence[Any] = ()) -> LoadedExecutable:
   """Compiles an MLIR module (bytecode or text) with jaxlib's client."""
   client = devices[0].client
@@ -97,7 +108,8 @@ def lower_with_rules(traced: Any, rules: Sequence[tuple[Any, Any]]) -> jax.stage
   jax's rules for this lowering only."""
   from jax._src.interpreters import mlir as _mlir
   return traced.lower(_private_parameters=_mlir.LoweringParameters(
-      override_lowering_rules=tuple(rules)))
+      # (jax annotates the pairs as a tuple of one pair; it takes any number)
+      override_lowering_rules=tuple(rules)))  # pyright: ignore[reportArgumentType]
 
 
 def encode_inspect_sharding_callback(callback: Any) -> bytes:
@@ -107,7 +119,7 @@ def encode_inspect_sharding_callback(callback: Any) -> bytes:
   return _xc.encode_inspect_sharding_callback(callback)
 
 
-def gspmd_sharding(devices: Sequence[jax.Device], hlo: Any) -> jax.sharding.Sharding:
+def gspmd_sharding(devices: Sequence[Device], hlo: Any) -> jax.sharding.Sharding:
   """A jax ``Sharding`` of an HloSharding over ``devices``."""
   from jax._src import sharding_impls
   return sharding_impls.GSPMDSharding(tuple(devices), hlo)
@@ -142,7 +154,7 @@ def serialize_executable(loaded: LoadedExecutable) -> bytes:
   return loaded.serialize()
 
 
-def deserialize_executable(data: bytes, devices: Sequence[jax.Device],
+def deserialize_executable(data: bytes, devices: Sequence[Device],
                            options: Any) -> LoadedExecutable:
   """Loads an executable serialized by :func:`serialize_executable`."""
   client = devices[0].client
@@ -158,10 +170,17 @@ def backends_are_initialized() -> bool:
 def physical_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
   """The shape XLA sees for an array of ``dtype`` (extended dtypes such as
   typed PRNG keys add trailing dimensions: key<fry>[4] is u32[4, 2])."""
-  if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+  if not is_extended_dtype(dtype):
     return tuple(shape)
   from jax._src import core
   return tuple(core.physical_shape(shape, dtype))
+
+
+def is_extended_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is an extended dtype (typed PRNG keys): arrays of it
+  run as their physical arrays (:func:`base_array`)."""
+  # (jax.dtypes.issubdtype is public, but its module does not re-export it)
+  return _dtypes.issubdtype(dtype, _dtypes.extended)
 
 
 def base_array(x: Any) -> Any:
@@ -206,6 +225,12 @@ def jax_partitioner(mode: str) -> Any:
   return jax_config.use_shardy_partitioner(mode == "shardy")
 
 
+def jax_uses_shardy() -> bool:
+  """jax's ``jax_use_shardy_partitioner`` setting, as it stands now."""
+  # (jax's Config declares no attributes for its flags)
+  return jax.config.jax_use_shardy_partitioner  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def sharding_on_mesh(hlo: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.sharding.Sharding:
   """A jax sharding for an HloSharding XLA chose over ``mesh``'s devices
   (in ``mesh.devices.flat`` order): a NamedSharding of ``mesh`` when one
@@ -236,8 +261,8 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
   jax keys its executables by it. ``._clear_cache()`` forgets every
   signature.
   """
+  import jaxlib._jax as _jax  # (jax._src.lib._jax)
   from jax._src import tree_util
-  from jax._src.lib import _jax
 
   def miss(*args, **kwargs):
     out, fast = cache_miss(*args, **kwargs)
@@ -282,7 +307,7 @@ def distributed_client() -> Any:
   return client
 
 
-def jax_device_assignment(compiled: Any) -> tuple[jax.Device, ...]:
+def jax_device_assignment(compiled: Any) -> tuple[Device, ...]:
   """The device assignment of a program ``jax.jit`` compiled (a
   ``jax.stages.Compiled``): partition ``k`` runs on the ``k``-th device.
   Every sharding of its inputs and outputs carries it."""

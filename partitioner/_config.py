@@ -197,6 +197,24 @@ class Config:
     ...   pass  # sharded_jit calls in here compile with GSPMD
   """
 
+  # The attributes __init__ sets (one per entry of _SETTINGS, then the rest).
+  partitioner: str
+  cache_dir: str | None
+  cache_max_bytes: int
+  cache_min_compile_secs: float
+  cache_min_entry_bytes: int
+  memory_cache_entries: int
+  log_compiles: bool
+  disable_most_optimizations: bool
+  heartbeat_timeout_secs: int
+  collective_timeout_secs: float
+  max_inflight_steps: int
+  check_unsharded: bool
+  xla_options: dict[str, Any]
+  cache_store: Any  # a CacheStore (partitioner._compile.cache.store) or None
+  compile_settings: tuple[str, str, bool]  # what call caches key on
+  _listeners: list[Callable[[], None]]
+
   def __init__(self, environ: Mapping[str, str] | None = None):
     environ = os.environ if environ is None else environ
     for name, setting in _SETTINGS.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self, cast
 
 import jax
 import numpy as np
@@ -12,6 +12,7 @@ from partitioner import _compat
 from partitioner._compile.cache.calls import call_caches
 from partitioner._compile.dispatch import donation_guard, static_guard
 from partitioner._distributed.steps import steps
+from partitioner._lower.args import ArgumentLayout
 from partitioner._lower.trace import TracedProgram
 from partitioner._lower.values import host_copy
 
@@ -38,6 +39,10 @@ class Dispatched:
   :meth:`start_dispatch`.
   """
 
+  _layout: ArgumentLayout
+  _dispatch: Any  # the C++ callable of _compat.cpp_dispatch
+  _cache_miss: Callable[..., tuple[Any, Any]]  # (a method of the subclass)
+
   def start_dispatch(self, who: str) -> None:
     layout = self._layout
     self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss,
@@ -54,9 +59,9 @@ class Dispatched:
     # microseconds. Special methods are looked up on the type, hence a class
     # of its own per function.
     cls = type(self)
-    self.__class__ = type(cls.__name__, (cls,), {
+    self.__class__ = cast("type[Self]", type(cls.__name__, (cls,), {
         "__call__": staticmethod(call), "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}))
 
   def __call__(self, *args, **kwargs):  # (replaced per object: start_dispatch)
     return self._dispatch(*args, **kwargs)
@@ -110,8 +115,7 @@ class Executable:
     self._globalize = globalize
     self._localize = localize
     # Inputs of extended dtypes (typed PRNG keys) run as their physical arrays.
-    unwrap = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
-              for a in traced.in_avals]
+    unwrap = [_compat.is_extended_dtype(a.dtype) for a in traced.in_avals]
     self._unwrap = unwrap if any(unwrap) else None
     self._effects = traced.effects        # host callbacks: run with runtime tokens
     self._keepalive = traced.keepalive    # what the callbacks need while we live

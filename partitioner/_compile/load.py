@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+import jax
+
 from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
 from partitioner._compile.execute import Executable, Shardings
@@ -22,7 +24,18 @@ from partitioner._compile.program import Program
 from partitioner._lower import inspect as _inspect
 from partitioner._lower.trace import TracedProgram
 
-L = TypeVar("L")  # a front end's layout: has in_shardings and out_shardings
+
+class Layout(Protocol):
+  """Where a loaded program's values live, as a front end reads it."""
+
+  @property
+  def in_shardings(self) -> Sequence[jax.sharding.Sharding]: ...
+
+  @property
+  def out_shardings(self) -> Sequence[jax.sharding.Sharding]: ...
+
+
+L = TypeVar("L", bound=Layout)  # a front end's layout
 
 
 class RankConversions(Protocol):
@@ -32,10 +45,10 @@ class RankConversions(Protocol):
   (``partitioner._distributed.RankPrograms``). Either may be None: the
   values are global arrays already."""
 
-  def globalizer(self, layout: Any) -> Callable[[Sequence[Any]], list] | None:
+  def globalizer(self, layout: Any, /) -> Callable[[Sequence[Any]], list] | None:
     """This process's flat inputs -> the global arrays the program runs on."""
 
-  def localizer(self, layout: Any) -> Callable[[list], list] | None:
+  def localizer(self, layout: Any, /) -> Callable[[list], list] | None:
     """The program's flat global outputs -> this process's pieces."""
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _distributed
+from partitioner import _compat, _distributed
 from partitioner._compile.program import Program
 from partitioner._compile.stages import Lowered
 from partitioner._config import config
@@ -45,7 +45,7 @@ class Request:
   in_parts: Any
   out_parts: Any
   num_partitions: int | None
-  devices: tuple[jax.Device, ...] | None
+  devices: tuple[_compat.Device, ...] | None
   local_in_parts: Any
   local_out_parts: Any
   local_num_partitions: int | None
@@ -79,7 +79,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
                jax.tree_util.tree_flatten_with_path(out_tree_avals)[0]]
   # AUTO: XLA chooses (not for extended dtypes, whose physical arrays have
   # trailing dimensions the choice would have to leave whole: replicated).
-  auto = tuple(spec is AUTO and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) is False
+  auto = tuple(spec is AUTO and _compat.is_extended_dtype(a.dtype) is False
                for spec, a in zip(out_specs, traced.out_avals))
   out_specs = [None if spec is AUTO else spec for spec in out_specs]
   out_local = None

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-import jax
 import numpy as np
 
 from partitioner import _compat
@@ -39,7 +38,7 @@ class Program:
   module: bytes
   module_text: str
   mode: str
-  devices: tuple[jax.Device, ...]
+  devices: tuple[_compat.Device, ...]
   summary: str
   host_callbacks: tuple = ()
   inspect_sites: tuple = ()
@@ -50,7 +49,7 @@ class Program:
 
 def compile_options(
     num_partitions: int,
-    devices: Sequence[jax.Device] | np.ndarray,
+    devices: Sequence[_compat.Device] | np.ndarray,
     mode: str,
     *,
     xla_options: Mapping[str, Any] | None = None,
@@ -106,14 +105,14 @@ def compile_options(
   return options
 
 
-def compile_module(module: bytes, devices: Sequence[jax.Device],
+def compile_module(module: bytes, devices: Sequence[_compat.Device],
                    options: _compat.CompileOptions,
                    host_callbacks: Sequence[Any] = ()) -> _compat.LoadedExecutable:
   """Compiles ``module`` for ``devices`` (the caller counts it)."""
   return _compat.compile_and_load(module, devices, options, host_callbacks)
 
 
-def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Device],
+def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[_compat.Device],
                    out_tilings: Sequence[Tiling | None], out_shapes: Sequence[tuple],
                    out_names: Sequence[str]) -> tuple[Tiling, ...]:
   """Every output's tiling, reading the ones XLA chose (None in
@@ -124,7 +123,7 @@ def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Devic
       express (not row-major over the device assignment).
   """
   if all(t is not None for t in out_tilings):
-    return tuple(out_tilings)
+    return tuple(cast("Sequence[Tiling]", out_tilings))
   _, actual = _compat.executable_shardings(loaded)
   if len(out_tilings) == 1 and len(actual) != 1:  # (a one-element tuple sharding)
     actual = actual[:1]
@@ -137,7 +136,7 @@ def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[jax.Devic
   return tuple(chosen)
 
 
-def _as_tiling(hlo: Any, devices: Sequence[jax.Device], ndim: int, name: str) -> Tiling:
+def _as_tiling(hlo: Any, devices: Sequence[_compat.Device], ndim: int, name: str) -> Tiling:
   found = tiling_of(hlo, devices, ndim)
   if found is not None:
     return found

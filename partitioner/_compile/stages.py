@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -75,7 +75,7 @@ class Lowered:
     return self.placement.num_partitions
 
   @property
-  def devices(self) -> tuple[jax.Device, ...]:
+  def devices(self) -> tuple[_compat.Device, ...]:
     """The device assignment; partition ``k`` runs on ``devices[k]``."""
     return self.placement.devices
 
@@ -122,8 +122,8 @@ class Lowered:
     """The placement, with what XLA chose for AUTO outputs, checked against
     the compiled program."""
     p = self.placement
-    empty = tuple([0 in a.shape for a in avals]
-                  for avals in (self.traced.in_avals, self.traced.out_avals))
+    empty = ([0 in a.shape for a in self.traced.in_avals],
+             [0 in a.shape for a in self.traced.out_avals])
     if self.program.auto_outputs:  # AUTO outputs: read what XLA chose
       chosen = _program.chosen_tilings(
           loaded, p.devices,
@@ -163,7 +163,7 @@ class Analyses:
     return self.executable.loaded
 
   @property
-  def assignment(self) -> tuple[jax.Device, ...]:
+  def assignment(self) -> tuple[_compat.Device, ...]:
     """The device assignment: partition (or replica x partition) ``k`` runs
     on ``assignment[k]``."""
     return tuple(self.lowered.program.devices)  # type: ignore[attr-defined]
@@ -195,7 +195,7 @@ class Analyses:
     return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
 
   def explanation(self, *, name: str, partitioner: str, num_partitions: int,
-                  devices: Sequence[jax.Device], arguments: Sequence[tuple],
+                  devices: Sequence[_compat.Device], arguments: Sequence[tuple],
                   outputs: Sequence[tuple], **extra) -> Explanation:
     """The report of ``explain()``; ``arguments``/``outputs`` hold (name,
     aval, Tiling or jax sharding[, rule]) per flat value."""
@@ -249,7 +249,8 @@ class Compiled(Analyses):
 
   @property
   def input_shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
-    return self.executable.in_shardings
+    # (the placement's: _lay_out gives the executable NamedShardings)
+    return cast("tuple[jax.sharding.NamedSharding, ...]", self.executable.in_shardings)
 
   @property
   def output_shardings(self) -> Any:

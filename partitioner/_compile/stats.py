@@ -37,7 +37,8 @@ class CompilationStats:
         "received_from_rank0": 0,
         "compile_secs": 0.0, "persistent_load_secs": 0.0,
         "compile_time_saved_secs": 0.0}
-    self._by_front_end = {f: dict.fromkeys(_PER_FRONT_END, 0) for f in FRONT_ENDS}
+    self._by_front_end: dict[str, dict[str, float]] = {
+        f: dict.fromkeys(_PER_FRONT_END, 0) for f in FRONT_ENDS}
     self._hits = {f: _HitCounter() for f in FRONT_ENDS}
     # The per-call path's counters: one C call each.
     self.cache_hit = self._hits["sharded_jit"].increment

@@ -38,7 +38,7 @@ class JaxCompiled(Analyses):
     return self._loaded
 
   @property
-  def assignment(self) -> tuple[jax.Device, ...]:
+  def assignment(self) -> tuple[_compat.Device, ...]:
     return self._assignment
 
   def explain(self) -> Explanation:
@@ -50,7 +50,7 @@ class JaxCompiled(Analyses):
             for p, info in jax.tree_util.tree_flatten_with_path(c.out_info)[0]]
     name = self.loaded.hlo_modules()[0].name
     return self.explanation(
-        name=name, partitioner="shardy" if jax.config.jax_use_shardy_partitioner else "gspmd",
+        name=name, partitioner="shardy" if _compat.jax_uses_shardy() else "gspmd",
         num_partitions=len(self.assignment), devices=self.assignment,
         arguments=[(n, a, s) for (n, a), s in
                    zip(args, jax.tree_util.tree_leaves(c.input_shardings[0]))],

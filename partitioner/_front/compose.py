@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 from jax.extend.mlir import ir
 from jax.interpreters import mlir
 
@@ -160,7 +161,7 @@ def _lower_constraint(ctx: Any, x: Any, *, spec: PartitionSpec | None,
   if rank != len(layout.spec):  # extended dtypes: trailing physical dims stay whole
     layout = tiling(layout.spec.extend(rank - len(layout.spec)),
                     layout.devices, rank)
-  if jax.config.jax_use_shardy_partitioner:
+  if _compat.jax_uses_shardy():
     return [shardy_constraint(x, layout, inline_mesh=True)]
   return [gspmd_constraint(x, layout)]
 
@@ -191,11 +192,11 @@ def in_manual_context() -> bool:
 def check_jax_partitioner(what: str) -> None:
   """Under a jax transformation jax compiles ``what`` with its own
   partitioner setting; refuse one that disagrees with ours."""
-  if (config.partitioner == "shardy") != bool(jax.config.jax_use_shardy_partitioner):
+  if (config.partitioner == "shardy") != bool(_compat.jax_uses_shardy()):
     raise ValueError(
         f"{what} is called under a jax transformation (jax.jit, grad, vmap,"
         " ...), so jax compiles it with jax's partitioner setting"
-        f" (jax_use_shardy_partitioner = {jax.config.jax_use_shardy_partitioner}),"
+        f" (jax_use_shardy_partitioner = {_compat.jax_uses_shardy()}),"
         " which disagrees with partitioner.config.partitioner ="
         f" {config.partitioner!r}. Hint: set both the same way, e.g."
         f" jax.config.update('jax_use_shardy_partitioner', {config.partitioner == 'shardy'}).")

@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.mlir import ir
 
 from partitioner import _compat, _distributed
 from partitioner._compile.cache.calls import call_caches
@@ -51,7 +53,7 @@ _DEFAULT_AXIS = "pmap_replicas"
 def pmap(fun: Callable[..., Any], axis_name: Any = None, *, in_axes: Any = 0,
          out_axes: Any = 0, static_broadcasted_argnums: int | Sequence[int] = (),
          donate_argnums: int | Sequence[int] = (),
-         devices: Sequence[jax.Device] | None = None) -> PmapFunction:
+         devices: Sequence[_compat.Device] | None = None) -> PmapFunction:
   """``jax.pmap`` over replicas whose work is split over partitions.
 
   Args:
@@ -513,7 +515,7 @@ class PerReplica:
     x, arg = self._inputs.get(id(value), (None, None))
     if x is not value:  # a value computed inside
       return f"{self._who}: {what} applies per replica, where the value has shape {shape}"
-    name, passed, axis = arg
+    name, passed, axis = cast(tuple, arg)  # (x is value: it was found)
     each = (f"i.e. {shape} per replica" if axis is not None else
             "the same on every replica (in_axes None)")
     return f"{self._who}: {name} has shape {passed}, {each}; {what} applies per replica"
@@ -536,7 +538,7 @@ def discover(per_replica: Callable, avals: Sequence[jax.ShapeDtypeStruct],
                                          _inspect.rules(compiled=False))
   finally:
     context.replicas = saved
-  sites = ShardingPass(lowered.compiler_ir("stablehlo")).constraints()
+  sites = ShardingPass(cast(ir.Module, lowered.compiler_ir("stablehlo"))).constraints()
   n = _plan.count_partitions(_plan.constraint_uses(sites), None, who)
   out_shape = jax.tree_util.tree_map(
       lambda o: jax.ShapeDtypeStruct(o.shape[1:], o.dtype), lowered.out_info)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
+import jax.core
 
-from partitioner import _distributed
+from partitioner import _compat, _distributed
 from partitioner._compile import check as _check
 from partitioner._compile import partition as _partition
 from partitioner._compile.cache.calls import call_caches
@@ -38,6 +39,38 @@ _tree_flatten = jax.tree_util.tree_flatten  # bound once for the per-call path
 _tree_unflatten = jax.tree_util.tree_unflatten
 
 
+# Called with ``fun``, a ShardedJitFunction; without it (``@sharded_jit(...)``
+# with arguments), the decorator that makes one.
+@overload
+def sharded_jit(
+    fun: Callable[..., Any],
+    in_parts: Any = ...,
+    out_parts: Any = ...,
+    num_partitions: int | None = ...,
+    static_argnums: int | Sequence[int] = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    devices: Sequence[_compat.Device] | None = ...,
+    local_in_parts: Any = ...,
+    local_out_parts: Any = ...,
+    local_num_partitions: int | None = ...,
+) -> ShardedJitFunction: ...
+
+
+@overload
+def sharded_jit(
+    fun: None = None,
+    in_parts: Any = ...,
+    out_parts: Any = ...,
+    num_partitions: int | None = ...,
+    static_argnums: int | Sequence[int] = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    devices: Sequence[_compat.Device] | None = ...,
+    local_in_parts: Any = ...,
+    local_out_parts: Any = ...,
+    local_num_partitions: int | None = ...,
+) -> Callable[[Callable[..., Any]], ShardedJitFunction]: ...
+
+
 def sharded_jit(  # noqa: PLR0913 (jax.jit's keywords, and sharded_jit's own)
     fun: Callable[..., Any] | None = None,
     in_parts: Any = None,
@@ -45,11 +78,11 @@ def sharded_jit(  # noqa: PLR0913 (jax.jit's keywords, and sharded_jit's own)
     num_partitions: int | None = None,
     static_argnums: int | Sequence[int] = (),
     donate_argnums: int | Sequence[int] = (),
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[_compat.Device] | None = None,
     local_in_parts: Any = None,
     local_out_parts: Any = None,
     local_num_partitions: int | None = None,
-) -> ShardedJitFunction:
+) -> ShardedJitFunction | Callable[[Callable[..., Any]], ShardedJitFunction]:
   """Compiles ``fun`` to run split across devices, XLA SPMD style.
 
   Args:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import jax
 
+from partitioner import _compat
+
 ZERO3_HINT = (
     "To split parameters across the replicas too (ZeRO-3 / FSDP over the data"
     " axis), use no partitioner.pmap: one sharded_jit over all replicas x"
@@ -23,7 +25,7 @@ ZERO3_HINT = (
     " written by hand.")
 
 
-def check_devices_argument(devices: object) -> tuple[jax.Device, ...] | None:
+def check_devices_argument(devices: object) -> tuple[_compat.Device, ...] | None:
   """Validates a front end's ``devices=`` argument.
 
   Raises:
@@ -44,8 +46,8 @@ def check_devices_argument(devices: object) -> tuple[jax.Device, ...] | None:
   return devices
 
 
-def choose_devices(per_process: int, devices: Sequence[jax.Device] | None,
-                   num_processes: int, who: str, what: str = "") -> tuple[jax.Device, ...]:
+def choose_devices(per_process: int, devices: Sequence[_compat.Device] | None,
+                   num_processes: int, who: str, what: str = "") -> tuple[_compat.Device, ...]:
   """The device assignment: ``per_process`` devices of each process,
   process-major.
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import sdy
+from jax.extend.mlir.dialects import func, sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from partitioner._compat import INSPECT_SHARDING_TARGET
@@ -52,7 +52,7 @@ class ShardingPass:
   def __init__(self, module: ir.Module):
     self._context = module.context
     with self._context:
-      self._module = module.operation.clone()
+      self._module = module.operation.clone()  # (an Operation: the module op)
     self._markers = self._find_markers()
     self.guards: list[Guard] = []  # ops kept unsplit where XLA errs (_guard)
 
@@ -117,7 +117,7 @@ class ShardingPass:
         rewrite = gspmd_constraint
       main = self._main()
       main.arg_attrs = _with_attrs(main.arg_attrs, [arg_attr(t) for t in in_tilings])
-      main.result_attrs = _with_attrs(main.result_attrs,  # None: XLA chooses
+      main.result_attrs = _with_attrs(cast(ir.ArrayAttr, main.result_attrs),  # None: XLA chooses
                                       [None if t is None else arg_attr(t)
                                        for t in out_tilings])
       for op, tiling in zip(self._markers, constraint_tilings, strict=True):
@@ -131,14 +131,14 @@ class ShardingPass:
   def _body(self) -> ir.Block:
     return self._module.regions[0].blocks[0]
 
-  def _main(self):
+  def _main(self) -> func.FuncOp:
     for op in self._body().operations:
       if (op.operation.name == "func.func" and
           ir.StringAttr(op.attributes["sym_name"]).value == "main"):
-        return op
+        return cast(func.FuncOp, op)
     raise RuntimeError("the lowered module has no main function")
 
-  def rewrite(self, rewrite: Callable[[ir.Module], Any]) -> Any:
+  def rewrite(self, rewrite: Callable[[ir.Operation], Any]) -> Any:
     """Applies another pass (e.g. ``_sink``'s) to the module, in place."""
     with self._context:
       return rewrite(self._module)

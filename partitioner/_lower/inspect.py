@@ -86,7 +86,7 @@ def sites(keepalive: Iterable[Any] | None) -> tuple[InspectSite, ...]:
   return tuple(k for k in keepalive or () if isinstance(k, InspectSite))
 
 
-def deliver(inspect_sites: Sequence[InspectSite], devices: Sequence[jax.Device]) -> None:
+def deliver(inspect_sites: Sequence[InspectSite], devices: Sequence[_compat.Device]) -> None:
   """Calls each site's callback with what XLA's partitioner reported (on
   one device, where XLA does not partition: replicated)."""
   for site in inspect_sites:
@@ -97,7 +97,7 @@ def deliver(inspect_sites: Sequence[InspectSite], devices: Sequence[jax.Device])
       site.callback(_as_sharding(hlo_sharding, devices, site.ndim))
 
 
-def _as_sharding(hlo_sharding: Any, devices: Sequence[jax.Device],
+def _as_sharding(hlo_sharding: Any, devices: Sequence[_compat.Device],
                  ndim: int) -> jax.sharding.Sharding:
   """The ``NamedSharding`` sharded_jit gives outputs with this layout, or
   a ``GSPMDSharding`` when partition counts cannot express it."""

@@ -53,7 +53,7 @@ class Placement:
       as ``in_tilings``/``out_tilings`` except for extended dtypes).
   """
   num_partitions: int
-  devices: tuple[jax.Device, ...]
+  devices: tuple[_compat.Device, ...]
   in_tilings: tuple[Tiling, ...]
   out_tilings: tuple[Tiling, ...]
   constraint_tilings: tuple[Tiling, ...]
@@ -90,7 +90,7 @@ def constraint_uses(sites: Sequence[ConstraintSite]) -> list[SpecUse]:
 
 def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
          constraints: Sequence[SpecUse], num_partitions: int | None,
-         devices: Sequence[jax.Device] | None, num_processes: int = 1,
+         devices: Sequence[_compat.Device] | None, num_processes: int = 1,
          local_num_partitions: int | None = None,
          who: str = "sharded_jit") -> Placement:
   """Checks all specs and lays them out over the chosen devices.
@@ -110,17 +110,19 @@ def plan(ins: Sequence[SpecUse], outs: Sequence[SpecUse],
   if num_processes > 1 or local_num_partitions is not None:
     n = _share_between_processes(n, num_partitions is not None or n > 1,
                                  num_processes, local_num_partitions, who)
-  named = [u for u in uses if u.spec is not None and u.spec.device_ids is not None]
+  # (use, its spec, the spec's device ids) of the specs that name devices
+  named = [(u, u.spec, u.spec.device_ids) for u in uses
+           if u.spec is not None and u.spec.device_ids is not None]
   if devices is None and named:
     by_id = {d.id: d for d in jax.devices()}
-    devices = [by_id[i] for i in named[0].spec.device_ids if i in by_id]
+    devices = [by_id[i] for i in named[0][2] if i in by_id]
   chosen = choose_devices(n // num_processes, devices, num_processes, who)
   ids = tuple(d.id for d in chosen)
-  for use in named:
-    if use.spec.device_ids != ids:
+  for use, spec, spec_ids in named:
+    if spec_ids != ids:
       raise ValueError(
-          f"{use.what}: spec {use.spec!r} was written for the devices"
-          f" {list(use.spec.device_ids)} (its NamedSharding's mesh), but {who}"
+          f"{use.what}: spec {spec!r} was written for the devices"
+          f" {list(spec_ids)} (its NamedSharding's mesh), but {who}"
           f" runs on the devices {list(ids)}. Hint: make every sharding of"
           " the call over one mesh, or pass devices= in the mesh's order.")
   lay = lambda u: tiling(u.spec, chosen, len(u.shape))
@@ -160,28 +162,31 @@ def count_partitions(uses: Sequence[SpecUse], num_partitions: int | None,
                      who: str = "sharded_jit") -> int:
   """N: ``num_partitions``, else the largest total of any spec. Every spec's
   total must divide N (a smaller total is partially replicated)."""
-  split = [u for u in uses if u.spec is not None and u.spec.is_partitioned]
-  fixed = [u for u in uses if u.spec is not None and _span(u.spec) is not None]
+  # (use, its spec) of the specs that split, then (use, spec, span) of
+  # those laid over a device order
+  split = [(u, u.spec) for u in uses if u.spec is not None and u.spec.is_partitioned]
+  fixed = [(u, u.spec, span) for u in uses
+           if u.spec is not None and (span := _span(u.spec)) is not None]
   if num_partitions is not None:
     n, source = num_partitions, f"num_partitions={num_partitions}"
   elif fixed:
-    n, source = _span(fixed[0].spec), f"{fixed[0].what} = {fixed[0].spec!r}"
+    n, source = fixed[0][2], f"{fixed[0][0].what} = {fixed[0][1]!r}"
   elif split:
-    top = max(split, key=lambda u: u.spec.total)
-    n, source = top.spec.total, f"{top.what} = {top.spec!r}"
+    top, spec = max(split, key=lambda u: u[1].total)
+    n, source = spec.total, f"{top.what} = {spec!r}"
   else:
     return 1
-  for use in fixed:
-    if _span(use.spec) != n:
+  for use, spec, span in fixed:
+    if span != n:
       raise ValueError(
-          f"{use.what} with shape {use.shape}: spec {use.spec!r} lays its tiles over"
-          f" {_span(use.spec)} devices, but {who} runs on {n} partitions (from"
+          f"{use.what} with shape {use.shape}: spec {spec!r} lays its tiles over"
+          f" {span} devices, but {who} runs on {n} partitions (from"
           f" {source}). Hint: a spec's grid= (or its NamedSharding's mesh)"
           " must cover all the partitions of the call.")
-  for use in split:
-    if n % use.spec.total:
+  for use, spec in split:
+    if n % spec.total:
       raise ValueError(
-          f"{use.what}: spec {use.spec!r} partitions into {use.spec.total}"
+          f"{use.what}: spec {spec!r} partitions into {spec.total}"
           f" tiles, which do not divide the {n} partitions of {who}"
           f" (from {source}). Hint: every spec that splits an array must split"
           f" it into a number of tiles (the product of its counts) that divides"
@@ -220,7 +225,7 @@ def _share_between_processes(n: int, fixed: bool, num_processes: int,
   return n
 
 
-def tiling_of(hlo: Any, devices: Sequence[jax.Device], ndim: int) -> Tiling | None:
+def tiling_of(hlo: Any, devices: Sequence[_compat.Device], ndim: int) -> Tiling | None:
   """The tiling of an HloSharding over ``devices`` (None: replicated), or
   None when partition counts cannot express it (its devices are no grid)."""
   if hlo is None or hlo.is_replicated():

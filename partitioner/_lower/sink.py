@@ -28,7 +28,7 @@ _PASS_THROUGH = ("sdy.sharding_constraint",)
 _SHARDING_CALL = "Sharding"  # GSPMD mode: a custom call that pins a sharding
 
 
-def sink_transposes(module: ir.Module) -> int:
+def sink_transposes(module: ir.Module | ir.Operation) -> int:
   """Rewrites ``module`` in place; returns how many all-reduces moved.
 
   An all-reduce of one operand is moved above a transpose when the
@@ -58,14 +58,14 @@ def _single_use(value: ir.Value) -> bool:
   return next(uses, None) is not None and next(uses, None) is None
 
 
-def _pins_sharding(op: ir.Operation) -> bool:
+def _pins_sharding(op: ir.Operation | ir.OpView) -> bool:
   if op.name in _PASS_THROUGH:
     return True
   return (op.name == "stablehlo.custom_call" and len(op.operands) == 1 and
           ir.StringAttr(op.attributes["call_target_name"]).value == _SHARDING_CALL)
 
 
-def _transpose_chain(reduce: ir.Operation):
+def _transpose_chain(reduce: ir.Operation) -> tuple[ir.OpView, list[ir.OpView]] | None:
   """(the transpose, the constraints after it, nearest the all-reduce
   first) when ``reduce`` sums a transpose's result, else None."""
   parent = reduce.parent
@@ -84,8 +84,7 @@ def _transpose_chain(reduce: ir.Operation):
   return None
 
 
-def _move(reduce: ir.Operation, transpose: ir.Operation,
-          chain: list[ir.Operation]) -> None:
+def _move(reduce: ir.Operation, transpose: ir.OpView, chain: list[ir.OpView]) -> None:
   """all_reduce(c_k(...c_1(transpose(x)))) ->
   c_k(...c_1(transpose(all_reduce(x)))), in the transpose's place."""
   source = transpose.operands[0]

@@ -12,9 +12,10 @@ import contextvars
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import numpy as np
 from jax.extend.mlir import ir
 
@@ -159,7 +160,7 @@ def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs) -> Tr
         f"sharded_jit({name}): the function has ordered side effects (e.g."
         " jax.debug.print(..., ordered=True) or io_callback(..., ordered=True)),"
         " which sharded_jit does not support yet. Hint: drop ordered=True.")
-  module = lowered.compiler_ir("stablehlo")
+  module = cast(ir.Module, lowered.compiler_ir("stablehlo"))  # (jax.jit lowers to it: not None)
   out_avals = tuple(
       jax.core.ShapedArray(o.shape, o.dtype, weak_type=getattr(o, "weak_type", False))
       for o in jax.tree_util.tree_leaves(lowered.out_info))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
@@ -68,7 +69,7 @@ def risky_dims(op: ir.Operation) -> tuple[tuple[int, ...], str]:
   return (), ""
 
 
-def guard(module: ir.Module, mode: str) -> list[Guard]:
+def guard(module: ir.Module | ir.Operation, mode: str) -> list[Guard]:
   """Pins the risky dimensions of every risky op unsplit (in place)."""
   found: list[ir.Operation] = []
 
@@ -138,7 +139,7 @@ def _ints(attr: ir.Attribute) -> list[int]:
 
 def _constant_in(value: ir.Value, low: int, high: int) -> bool:
   """Whether ``value`` is a constant scalar within [low, high]."""
-  owner = value.owner
+  owner: Any = value.owner  # an OpView, or a Block for a block argument
   if not isinstance(owner, ir.Operation) and hasattr(owner, "operation"):
     owner = owner.operation
   if getattr(owner, "name", None) != "stablehlo.constant":

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from partitioner import _compat
@@ -55,7 +56,7 @@ def signature(x: Any) -> tuple:
 
 def abstract_signature(x: Any) -> tuple:
   """(shape, dtype, weak_type) of a tracer or ``jax.ShapeDtypeStruct``."""
-  aval = x.aval if isinstance(x, jax.core.Tracer) else x
+  aval: Any = x.aval if isinstance(x, jax.core.Tracer) else x
   return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
 
 

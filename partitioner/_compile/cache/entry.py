@@ -55,8 +55,9 @@ def default_compression() -> str:
 
 def encode(entry: Entry, key: str, compression: str) -> bytes:
   """Serializes ``entry``, written under hex ``key``; see the module docstring."""
-  if compression == "zstd":
-    payload = _zstd.ZstdCompressor(level=3).compress(entry.executable)
+  if compression == "zstd":  # (asked for only when installed: default_compression)
+    payload = _zstd.ZstdCompressor(  # pyright: ignore[reportOptionalMemberAccess]
+        level=3).compress(entry.executable)
   elif compression == "zlib":
     payload = zlib.compress(entry.executable, 6)
   else:

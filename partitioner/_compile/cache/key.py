@@ -13,7 +13,7 @@ import platform
 from collections.abc import Callable, Sequence
 
 import jax
-import jaxlib
+import jaxlib.version
 
 from partitioner import _compat
 from partitioner._version import __version__
@@ -29,7 +29,7 @@ def _hasher():
 
 
 def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
-                devices: Sequence[jax.Device]) -> str:
+                devices: Sequence[_compat.Device]) -> str:
   """A hex SHA-256 of the program: what every rank must agree on.
 
   Args:
@@ -48,16 +48,16 @@ def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
 
 
 def _add_target(add: Callable[[str, str], None], mode: str,
-                devices: Sequence[jax.Device]) -> None:
+                devices: Sequence[_compat.Device]) -> None:
   """What a program is compiled for: partitioner, devices, versions."""
   add("partitioner", mode)
   add("device_kinds", ",".join(d.device_kind for d in devices))
   add("device_assignment", ",".join(str(d.id) for d in devices))
-  add("versions", f"jax={jax.__version__} jaxlib={jaxlib.__version__}"
+  add("versions", f"jax={jax.__version__} jaxlib={jaxlib.version.__version__}"
                   f" sharded-jit={__version__}")
 
 
-def cache_key(program: str, devices: Sequence[jax.Device], compression: str) -> str:
+def cache_key(program: str, devices: Sequence[_compat.Device], compression: str) -> str:
   """The persistent cache key: the program key plus this machine's specifics.
 
   Args:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from partitioner import _compat, _distributed
 from partitioner._compile import program as _program
@@ -179,7 +179,7 @@ class CompilationCache:
                                          pkey, mine is not None, produce)
     if data is None:  # every rank had it in memory
       stats.add("memory_hits", front_end=program.front_end)
-      return mine
+      return cast(_Binary, mine)  # (this rank too)
     if produced:
       return _Binary(produced[0].loaded, data)
     if mine is not None:
