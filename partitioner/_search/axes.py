@@ -13,7 +13,7 @@ logical axis (``_candidates`` names them by the arguments' dimensions).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from jax.extend import core as jex_core
 
@@ -115,76 +115,126 @@ def _walk(jaxpr: Any, base: _UnionFind, ctx: tuple) -> None:
 
 
 def _eqn(eqn: Any, uf: _Scoped, k: int) -> None:
-  name, p = eqn.primitive.name, eqn.params
-  ins, outs = eqn.invars, eqn.outvars
-  for v in outs:
+  """Joins the dimensions that equation ``k`` carries from its operands to
+  its results (by the primitive's rule, else as an elementwise op)."""
+  name = eqn.primitive.name
+  for v in eqn.outvars:
     for d in range(len(shape_of(v))):
       uf.uf.find(((uf.ctx, v), d))
-  out = outs[0] if outs else None
-  if name == "dot_general":
-    (lc, rc), (lb, rb) = p["dimension_numbers"]
-    lhs, rhs = ins
-    for a, b in zip(lc, rc):
-      _join_dims(uf, lhs, a, rhs, b)
-    k = 0
-    for a, b in zip(lb, rb):
-      _join_dims(uf, lhs, a, out, k)
-      _join_dims(uf, rhs, b, out, k)
-      k += 1
-    for side, skip in ((lhs, (*lc, *lb)), (rhs, (*rc, *rb))):
-      for d in range(len(shape_of(side))):
-        if d not in skip:
-          _join_dims(uf, side, d, out, k)
-          k += 1
-  elif name == "transpose":
-    for i, d in enumerate(p["permutation"]):
-      _join_dims(uf, ins[0], d, out, i)
-  elif name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                "reduce_or", "argmax", "argmin", "reduce_xor"):
-    kept = [d for d in range(len(shape_of(ins[0]))) if d not in p["axes"]]
-    for i, d in enumerate(kept):
-      _join_dims(uf, ins[0], d, out, i)
-  elif name == "broadcast_in_dim":
-    src = shape_of(ins[0])
-    for i, d in enumerate(p["broadcast_dimensions"]):
-      if src[i] == shape_of(out)[d]:
-        _join_dims(uf, ins[0], i, out, d)
-  elif name == "squeeze":
-    kept = [d for d in range(len(shape_of(ins[0]))) if d not in p["dimensions"]]
-    for i, d in enumerate(kept):
-      _join_dims(uf, ins[0], d, out, i)
-  elif name == "reshape":
-    for a, b in kept_by_reshape(shape_of(ins[0]), shape_of(out)):
-      _join_dims(uf, ins[0], a, out, b)
-  elif name == "concatenate":
-    for v in ins:
-      for d in range(len(shape_of(out))):
-        if d != p["dimension"]:
-          _join_dims(uf, v, d, out, d)
-  elif name == "split":
-    for o in outs:
-      for d in range(len(shape_of(o))):
-        if d != p["axis"]:
-          _join_dims(uf, ins[0], d, o, d)
-  elif name == "gather":
-    gather(uf, eqn)
-  elif name.startswith("scatter"):
-    scatter(uf, eqn)
-  elif name in _SAME_DIMS:
-    for v in ins:
-      if len(shape_of(v)) == len(shape_of(out)):
-        for d in range(len(shape_of(out))):
-          _join_dims(uf, v, d, out, d)
+  rule = _RULES.get(name)
+  if rule is None and name.startswith("scatter"):
+    rule = _scatter
+  if rule is None and name in _SAME_DIMS:
+    rule = _same_dims
+  if rule is not None:
+    rule(eqn, uf)
   elif _sub_jaxprs(eqn):
     _calls(eqn, _Scoped(uf.uf, uf.ctx, (*uf.ctx, k)))
-  else:  # elementwise and the like: equal dimensions of equal-rank values
-    for v in ins:
-      for o in outs:
-        s, t = shape_of(v), shape_of(o)
-        if len(s) == len(t):
-          for d in range(len(t)):
-            if s[d] == t[d] and t[d] > 1:
-              _join_dims(uf, v, d, o, d)
+  else:
+    _elementwise(eqn, uf)
+
+
+def _dot_general(eqn: Any, uf: _Scoped) -> None:
+  """Contracted dimensions with each other; batch and free ones with the
+  result's, in its order (batch, lhs free, rhs free)."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = eqn.invars
+  out = eqn.outvars[0]
+  for a, b in zip(lc, rc):
+    _join_dims(uf, lhs, a, rhs, b)
+  k = 0
+  for a, b in zip(lb, rb):
+    _join_dims(uf, lhs, a, out, k)
+    _join_dims(uf, rhs, b, out, k)
+    k += 1
+  for side, skip in ((lhs, (*lc, *lb)), (rhs, (*rc, *rb))):
+    for d in range(len(shape_of(side))):
+      if d not in skip:
+        _join_dims(uf, side, d, out, k)
+        k += 1
+
+
+def _transpose(eqn: Any, uf: _Scoped) -> None:
+  for i, d in enumerate(eqn.params["permutation"]):
+    _join_dims(uf, eqn.invars[0], d, eqn.outvars[0], i)
+
+
+def _dropping(key: str):
+  """The rule of an op whose result is its operand without the dimensions
+  ``params[key]`` (reductions, squeeze)."""
+  def rule(eqn: Any, uf: _Scoped) -> None:
+    x = eqn.invars[0]
+    kept = [d for d in range(len(shape_of(x))) if d not in eqn.params[key]]
+    for i, d in enumerate(kept):
+      _join_dims(uf, x, d, eqn.outvars[0], i)
+  return rule
+
+
+def _broadcast_in_dim(eqn: Any, uf: _Scoped) -> None:
+  x, out = eqn.invars[0], eqn.outvars[0]
+  src = shape_of(x)
+  for i, d in enumerate(eqn.params["broadcast_dimensions"]):
+    if src[i] == shape_of(out)[d]:
+      _join_dims(uf, x, i, out, d)
+
+
+def _reshape(eqn: Any, uf: _Scoped) -> None:
+  x, out = eqn.invars[0], eqn.outvars[0]
+  for a, b in kept_by_reshape(shape_of(x), shape_of(out)):
+    _join_dims(uf, x, a, out, b)
+
+
+def _concatenate(eqn: Any, uf: _Scoped) -> None:
+  out = eqn.outvars[0]
+  for v in eqn.invars:
+    for d in range(len(shape_of(out))):
+      if d != eqn.params["dimension"]:
+        _join_dims(uf, v, d, out, d)
+
+
+def _split(eqn: Any, uf: _Scoped) -> None:
+  for o in eqn.outvars:
+    for d in range(len(shape_of(o))):
+      if d != eqn.params["axis"]:
+        _join_dims(uf, eqn.invars[0], d, o, d)
+
+
+def _same_dims(eqn: Any, uf: _Scoped) -> None:
+  """Ops whose operands of the result's rank keep its dimensions."""
+  out = eqn.outvars[0]
+  for v in eqn.invars:
+    if len(shape_of(v)) == len(shape_of(out)):
+      for d in range(len(shape_of(out))):
+        _join_dims(uf, v, d, out, d)
+
+
+def _elementwise(eqn: Any, uf: _Scoped) -> None:
+  """Elementwise and the like: equal dimensions of equal-rank values."""
+  for v in eqn.invars:
+    for o in eqn.outvars:
+      s, t = shape_of(v), shape_of(o)
+      if len(s) == len(t):
+        for d in range(len(t)):
+          if s[d] == t[d] and t[d] > 1:
+            _join_dims(uf, v, d, o, d)
+
+
+def _gather(eqn: Any, uf: _Scoped) -> None:
+  gather(uf, eqn)
+
+
+def _scatter(eqn: Any, uf: _Scoped) -> None:
+  scatter(uf, eqn)
+
+
+_REDUCING = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+             "reduce_or", "argmax", "argmin", "reduce_xor")
+# The primitives with a rule of their own (scatters and _SAME_DIMS: by name).
+_RULES = {"dot_general": _dot_general, "transpose": _transpose,
+          **dict.fromkeys(_REDUCING, _dropping("axes")),
+          "broadcast_in_dim": _broadcast_in_dim, "squeeze": _dropping("dimensions"),
+          "reshape": _reshape, "concatenate": _concatenate, "split": _split,
+          "gather": _gather}
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -202,54 +252,73 @@ def _calls(eqn: Any, uf: _Scoped) -> None:
   map inputs and outputs one to one; scan maps its sliced inputs and
   stacked outputs without their leading axis; while and cond map their
   carries and operands."""
-  name, p = eqn.primitive.name, eqn.params
-  subs = _sub_jaxprs(eqn)
+  name = eqn.primitive.name
   if name == "cond":  # each branch gets its own scope
-    for b, branch in enumerate(p["branches"]):
-      scope = _Scoped(uf.uf, uf.ctx, (*uf.inner, b))
-      _walk(branch.jaxpr, uf.uf, scope.inner)
-      for outer, iv in zip(eqn.invars[1:], branch.jaxpr.invars):
-        _map(scope, outer, iv)
-      for outer, ov in zip(eqn.outvars, branch.jaxpr.outvars):
-        _map(scope, outer, ov)
+    _cond(eqn, uf)
     return
+  inner_ctx = cast(tuple, uf.inner)
+  subs = _sub_jaxprs(eqn)
   for n, inner in enumerate(subs):  # (while: cond then body)
-    _walk(inner, uf.uf, (*uf.inner, n))
-  scope = lambda n: _Scoped(uf.uf, uf.ctx, (*uf.inner, n))
+    _walk(inner, uf.uf, (*inner_ctx, n))
   if name == "scan":
-    inner, s = p["jaxpr"].jaxpr, scope(0)
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    for k, (outer, iv) in enumerate(zip(eqn.invars, inner.invars)):
-      lead = 1 if k >= nc + ncarry else 0
-      for d in range(len(shape_of(iv))):
-        s.join(outer, d + lead, iv, d, b_inner=True)
-    for k, (outer, ov) in enumerate(zip(eqn.outvars, inner.outvars)):
-      lead = 1 if k >= ncarry else 0
-      for d in range(len(shape_of(ov))):
-        s.join(outer, d + lead, ov, d, b_inner=True)
-    for k in range(ncarry):  # carry in and out: through the outer values
-      _map(s, eqn.invars[nc + k], inner.invars[nc + k])
-      _map(s, eqn.invars[nc + k], inner.outvars[k])
-    return
-  if name == "while":
-    cond_n = p["cond_nconsts"]
-    body = p["body_jaxpr"].jaxpr
+    _scan(eqn, _Scoped(uf.uf, uf.ctx, (*inner_ctx, 0)))
+  elif name == "while":
+    body = eqn.params["body_jaxpr"].jaxpr
     index = next(n for n, x in enumerate(subs) if x is body)
-    s = scope(index)
-    carries = eqn.invars[cond_n + p["body_nconsts"]:]
-    for outer, iv in zip(eqn.invars[cond_n:], body.invars):
-      _map(s, outer, iv)
-    for outer, ov, carry in zip(eqn.outvars, body.outvars, carries):
-      _map(s, outer, ov)
-      _map(uf, outer, carry, inner=False)
-    return
-  inner, s = subs[0], scope(0)
-  if len(inner.invars) == len(eqn.invars):
-    for outer, iv in zip(eqn.invars, inner.invars):
-      _map(s, outer, iv)
-  if len(inner.outvars) == len(eqn.outvars):
-    for outer, ov in zip(eqn.outvars, inner.outvars):
-      _map(s, outer, ov)
+    _while(eqn, uf, _Scoped(uf.uf, uf.ctx, (*inner_ctx, index)))
+  else:
+    inner, s = subs[0], _Scoped(uf.uf, uf.ctx, (*inner_ctx, 0))
+    if len(inner.invars) == len(eqn.invars):
+      for outer, iv in zip(eqn.invars, inner.invars):
+        _map(s, outer, iv)
+    if len(inner.outvars) == len(eqn.outvars):
+      for outer, ov in zip(eqn.outvars, inner.outvars):
+        _map(s, outer, ov)
+
+
+def _cond(eqn: Any, uf: _Scoped) -> None:
+  """Each branch in its own scope, its operands and results mapped."""
+  for b, branch in enumerate(eqn.params["branches"]):
+    scope = _Scoped(uf.uf, uf.ctx, (*cast(tuple, uf.inner), b))
+    inner_ctx = cast(tuple, scope.inner)
+    _walk(branch.jaxpr, uf.uf, inner_ctx)
+    for outer, iv in zip(eqn.invars[1:], branch.jaxpr.invars):
+      _map(scope, outer, iv)
+    for outer, ov in zip(eqn.outvars, branch.jaxpr.outvars):
+      _map(scope, outer, ov)
+
+
+def _scan(eqn: Any, s: _Scoped) -> None:
+  """A scan's sliced inputs and stacked outputs without their leading
+  axis; its carries in and out through the outer values."""
+  p = eqn.params
+  inner = p["jaxpr"].jaxpr
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  for k, (outer, iv) in enumerate(zip(eqn.invars, inner.invars)):
+    lead = 1 if k >= nc + ncarry else 0
+    for d in range(len(shape_of(iv))):
+      s.join(outer, d + lead, iv, d, b_inner=True)
+  for k, (outer, ov) in enumerate(zip(eqn.outvars, inner.outvars)):
+    lead = 1 if k >= ncarry else 0
+    for d in range(len(shape_of(ov))):
+      s.join(outer, d + lead, ov, d, b_inner=True)
+  for k in range(ncarry):
+    _map(s, eqn.invars[nc + k], inner.invars[nc + k])
+    _map(s, eqn.invars[nc + k], inner.outvars[k])
+
+
+def _while(eqn: Any, uf: _Scoped, s: _Scoped) -> None:
+  """A while loop's body: its carries in and out, and each result with
+  the carry it comes from."""
+  p = eqn.params
+  cond_n = p["cond_nconsts"]
+  body = p["body_jaxpr"].jaxpr
+  carries = eqn.invars[cond_n + p["body_nconsts"]:]
+  for outer, iv in zip(eqn.invars[cond_n:], body.invars):
+    _map(s, outer, iv)
+  for outer, ov, carry in zip(eqn.outvars, body.outvars, carries):
+    _map(s, outer, ov)
+    _map(uf, outer, carry, inner=False)
 
 
 def _map(uf: _Scoped, a: Any, b: Any, inner: bool = True) -> None:

@@ -154,82 +154,108 @@ class Program:
     """The candidate's per-device cost; ``in_dims``: per flat input, the
     grid axes of each dimension (from its spec); ``hosts``: the devices
     are that many hosts of consecutive devices."""
-    sizes = c.grid
-    model = sizes[MODEL]
-    batch_axes = tuple(a for a in BATCH_AXES if sizes[a] > 1)
-    remote = crossing(sizes, hosts)
-    wanted_cache: dict = {}
-
-    def wanted(val: _Value) -> tuple[tuple[int, ...], ...]:
-      key = (val.roles, val.shape)
-      hit = wanted_cache.get(key)
-      if hit is not None:
-        return hit
-      dims: list[tuple[int, ...]] = [() for _ in val.shape]
-      used = set()
-      for d, role in enumerate(val.roles):
-        if (batch_axes and role is not None and role == c.batch
-            and val.shape[d] % c.replicas == 0):
-          dims[d], used = batch_axes, set(batch_axes)
-          break
-      for d, role in enumerate(val.roles):
-        if (model > 1 and role in c.model and MODEL not in used and not dims[d]
-            and val.shape[d] % model == 0):
-          dims[d] = (MODEL,)
-          used.add(MODEL)
-      wanted_cache[key] = out = tuple(dims)
-      return out
-
-    def local_bytes(val: _Value, dims) -> float:
-      split = math.prod(sizes[a] for ax in dims for a in ax)
-      return math.prod(val.shape) * val.itemsize / split
-
-    flops = comm = network = count = memory = accessed = 0.0
-    alike = {k: n for k, n, _ in self.inputs}
+    walk = _Walk(c, in_dims, crossing(c.grid, hosts), {k: n for k, n, _ in self.inputs})
     for k, n, val in self.inputs:
-      memory += local_bytes(val, in_dims[k]) * n
-    gathered: set = set()
+      walk.memory += walk.local_bytes(val, in_dims[k]) * n
     for op in self.ops:
-      want_in = [wanted(x) for x in op.ins]
+      walk.op(op)
+    return walk.result(device)
+
+
+class _Walk:
+  """One candidate's walk over the ops: where each value is split, and
+  the running totals per device."""
+
+  def __init__(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
+               remote: tuple[bool, ...], alike: dict[int, int]):
+    self.c, self.in_dims, self.remote, self.alike = c, in_dims, remote, alike
+    self.sizes = c.grid
+    self.batch_axes = tuple(a for a in BATCH_AXES if self.sizes[a] > 1)
+    self.flops = self.comm = self.network = self.count = self.memory = self.accessed = 0.0
+    self.gathered: set[int] = set()
+    self._wanted: dict = {}
+
+  def wanted(self, val: _Value) -> tuple[tuple[int, ...], ...]:
+    """The grid axes each dimension of ``val`` is split over, by the
+    candidate's rules (the batch role first; a grid axis once)."""
+    key = (val.roles, val.shape)
+    hit = self._wanted.get(key)
+    if hit is not None:
+      return hit
+    c, model = self.c, self.sizes[MODEL]
+    dims: list[tuple[int, ...]] = [() for _ in val.shape]
+    used = set()
+    for d, role in enumerate(val.roles):
+      if (self.batch_axes and role is not None and role == c.batch
+          and val.shape[d] % c.replicas == 0):
+        dims[d], used = self.batch_axes, set(self.batch_axes)
+        break
+    for d, role in enumerate(val.roles):
+      if (model > 1 and role in c.model and MODEL not in used and not dims[d]
+          and val.shape[d] % model == 0):
+        dims[d] = (MODEL,)
+        used.add(MODEL)
+    self._wanted[key] = out = tuple(dims)
+    return out
+
+  def local_bytes(self, val: _Value, dims: Sequence[tuple[int, ...]]) -> float:
+    """The bytes of one device's piece of ``val`` split over ``dims``."""
+    split = math.prod(self.sizes[a] for ax in dims for a in ax)
+    return math.prod(val.shape) * val.itemsize / split
+
+  def op(self, op: _Op) -> None:
+    """Adds one op: the gathers of its arguments, its compute and bytes,
+    the all-reduces of its partial results."""
+    want_in = [self.wanted(x) for x in op.ins]
+    if op.kind != "elementwise":  # (it runs on the argument's pieces as they are)
       for x, want in zip(op.ins, want_in):
-        if x.source is None:
+        if x.source is not None:
+          self._gather(op, x, x.source, want)
+    outs = [self.wanted(o) for o in op.outs]
+    self.accessed += (sum(self.local_bytes(x, w) for x, w in zip(op.ins, want_in))
+                      + sum(self.local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
+    for a in self._compute(op, want_in, outs):  # partial results: all-reduce
+      g = self.sizes[a]  # (ring: 2 (g - 1) / g)
+      self._send(self.local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times, a,
+                 op.times)
+
+  def _gather(self, op: _Op, x: _Value, source: int, want: tuple[tuple[int, ...], ...]) -> None:
+    """An argument split where the op does not want it: all-gathered."""
+    have = self.in_dims[source]
+    for d, ax in enumerate(have):
+      for a in ax:
+        if a in want[d]:
           continue
-        if op.kind == "elementwise":  # (it runs on the argument's pieces as they are)
-          continue
-        have = in_dims[x.source]
-        for d, ax in enumerate(have):
-          for a in ax:
-            if a not in want[d]:  # split here, not where the op wants: gather
-              sent = local_bytes(x, have) * (sizes[a] - 1) * op.times
-              comm += sent
-              network += sent if remote[a] else 0.0
-              count += op.times
-              if x.source not in gathered:  # the gathered copies are temporaries
-                gathered.add(x.source)
-                memory += local_bytes(x, want) * alike[x.source]
-      outs = [wanted(o) for o in op.outs]
-      accessed += (sum(local_bytes(x, w) for x, w in zip(op.ins, want_in))
-                   + sum(local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
-      split_axes = {a for w in want_in for ax in w for a in ax}
-      devices = math.prod(sizes[a] for a in split_axes)
-      if op.kind == "dot":
-        lhs, rhs = op.ins
-        contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
-        flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
-        memory += local_bytes(op.outs[0], outs[0]) * op.times
-        summed = {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
-      elif op.kind == "reduce":
-        flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times
-        summed = {a for d in op.reduced for a in want_in[0][d]}
-      else:
-        flops += sum(math.prod(o.shape) for o in op.outs) / max(devices, 1) * op.times
-        summed = set()
-      for a in summed:  # partial results: all-reduce (ring: 2 (g - 1) / g)
-        g = sizes[a]
-        sent = local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times
-        comm += sent
-        network += sent if remote[a] else 0.0
-        count += op.times
-    seconds = (device.compute_seconds(flops, accessed)
-               + device.comm_seconds(comm - network, count, network))
-    return Estimate(flops, comm, count, memory, seconds, network, accessed)
+        self._send(self.local_bytes(x, have) * (self.sizes[a] - 1) * op.times, a, op.times)
+        if source not in self.gathered:  # the gathered copies are temporaries
+          self.gathered.add(source)
+          self.memory += self.local_bytes(x, want) * self.alike[source]
+
+  def _compute(self, op: _Op, want_in: list, outs: list) -> set[int]:
+    """Adds the op's flops (and a dot's result to the memory kept); the
+    grid axes its results are partial sums over."""
+    devices = math.prod(self.sizes[a] for a in {a for w in want_in for ax in w for a in ax})
+    if op.kind == "dot":
+      lhs, _ = op.ins
+      contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
+      self.flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
+      self.memory += self.local_bytes(op.outs[0], outs[0]) * op.times
+      return {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
+    if op.kind == "reduce":
+      self.flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times
+      return {a for d in op.reduced for a in want_in[0][d]}
+    self.flops += sum(math.prod(o.shape) for o in op.outs) / max(devices, 1) * op.times
+    return set()
+
+  def _send(self, sent: float, axis: int, times: int) -> None:
+    """One collective over grid axis ``axis``, ``times`` times."""
+    self.comm += sent
+    self.network += sent if self.remote[axis] else 0.0
+    self.count += times
+
+  def result(self, device: DeviceModel) -> Estimate:
+    """The totals, and their time under ``device``."""
+    seconds = (device.compute_seconds(self.flops, self.accessed)
+               + device.comm_seconds(self.comm - self.network, self.count, self.network))
+    return Estimate(self.flops, self.comm, round(self.count), self.memory, seconds,
+                    self.network, self.accessed)
