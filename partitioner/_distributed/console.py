@@ -125,7 +125,8 @@ def gloo_connected(held: bytes) -> bool | None:
   head = _GLOO_PARTS[0]
   if held[:len(head)] != head[:len(held)]:
     return False
-  rest = held[_GLOO_PIECES.match(held).end():]
+  pieces = _GLOO_PIECES.match(held)  # (it matches at 0, maybe nothing)
+  rest = held[pieces.end() if pieces else 0:]
   if rest and not any(part.startswith(rest) for part in _GLOO_PARTS):
     return False  # other text
   lines = held.count(b"\n")
@@ -186,7 +187,7 @@ class Console:
     prefix: start each line of rank r with ``[rank r] ``.
   """
 
-  def __init__(self, write: Callable[[bytes], None], hide: Iterable[Rule] = (),
+  def __init__(self, write: Callable[[bytes], object], hide: Iterable[Rule] = (),
                prefix: bool = False):
     self.write, self.hide, self.prefix = write, tuple(hide), prefix
     self.held: dict[int | None, bytes] = {}  # text a rule waits to decide on

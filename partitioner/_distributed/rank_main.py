@@ -23,6 +23,9 @@ def _sibling(name: str):
   script could set XLA_FLAGS."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"partitioner._distributed.{name}", path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"partitioner.launch: cannot load {path!r}, a module of the"
+                      " toolkit. Hint: reinstall sharded-jit.")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

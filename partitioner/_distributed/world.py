@@ -31,6 +31,7 @@ from partitioner._distributed import console as _console
 from partitioner._distributed import ending as _ending
 from partitioner._distributed import quiet as _quiet
 from partitioner._distributed.env import (
+  Launch,
   choose_local_device_ids,
   detect,
   launcher_world,
@@ -173,53 +174,73 @@ def initialize(coordinator_address: str | None = None,
           " partitioner.initialize() at the start of the script, before any"
           " jax computation, jax.devices() or sharded_jit call.")
     comm = _channels.mpi_world(launch)
-    held = None
-    address = coordinator_address or os.environ.get("SHARDED_JIT_COORDINATOR_ADDRESS")
-    if comm is not None:
-      rank = comm.Get_rank()
-      if address is None:
-        hosts = comm.allgather(socket.gethostname())
-        if rank == 0:
-          host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
-          held = _channels.reserve_port()
-          address = f"{host}:{held.getsockname()[1]}"
-        address = comm.bcast(address, root=0)
-    elif address is None:
-      address = slurm_coordinator()
+    rank, address, held = _coordinator(launch, comm, coordinator_address)
     ids = choose_local_device_ids(launch, local_device_ids)
     _quiet.quiet_console(rank)  # (before _ending: its atexit must run first)
     import jax
     _console.quiet_jax_loggers()
     logger.debug("rank %d of %d (%s): jax.distributed coordinator at %s, local devices %s",
                  rank, size, launch.launcher, address, ids)
-    timeout = int(min(config.collective_timeout_secs, _A_YEAR))
-    # jax's client ends the process with a C++ fatal log when the others do
-    # not connect in time: say what happened, in our words, just before.
-    connected = threading.Event()
-    threading.Thread(target=_connect_watchdog, daemon=True,
-                     args=(connected, timeout, rank, size, launch.launcher, address)).start()
-    jax.distributed.initialize(
-        address, num_processes=size, process_id=rank, local_device_ids=ids,
-        cluster_detection_method="deactivate",
-        heartbeat_timeout_seconds=int(config.heartbeat_timeout_secs),
-        shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
-        initialization_timeout=timeout + 5)
-    connected.set()
+    _join(launch, rank, address, ids)
     if held is not None:  # jax's coordinator has its port now
       held.close()
     _install_termination_message(rank, size)
-    if comm is not None:
-      channel = _channels.MpiChannel(comm)
-      _ending.install(rank, size, _ending.MpiNotices(comm))
-    else:
-      client = _compat.distributed_client()
-      channel = _channels.KvChannel(client, rank, size)
-      _ending.install(rank, size, _ending.KvNotices(client, rank))
-    _runtime.world = World(rank, size, channel, launch.launcher)
+    _runtime.world = World(rank, size, _channel(comm, rank, size), launch.launcher)
     # Setting up the devices exchanges every rank's device list: then all are in.
     _check_claims(_runtime.world, ids, jax.local_devices())
     _console.announce_ready(rank, size, jax.local_device_count(), jax.device_count())
     return _runtime.world
+
+
+def _coordinator(launch: Launch, comm: Any, address: str | None
+                 ) -> tuple[int, str, socket.socket | None]:
+  """This process's rank, the coordinator's ``host:port``, and (on rank 0
+  when it picked the port) the socket that holds the port until jax's
+  coordinator takes it. Under MPI, rank 0 picks and broadcasts it; under
+  plain srun, Slurm's variables give it."""
+  given = address or os.environ.get("SHARDED_JIT_COORDINATOR_ADDRESS")
+  if comm is None:
+    return launch.rank, given or slurm_coordinator(), None
+  rank = comm.Get_rank()
+  if given is not None:
+    return rank, given, None
+  hosts = comm.allgather(socket.gethostname())
+  held, picked = None, None
+  if rank == 0:
+    host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
+    held = _channels.reserve_port()
+    picked = f"{host}:{held.getsockname()[1]}"
+  return rank, comm.bcast(picked, root=0), held
+
+
+def _join(launch: Launch, rank: int, address: str, ids: Sequence[int] | None) -> None:
+  """``jax.distributed.initialize``, with a watchdog that says what
+  happened (in our words) if the others do not connect in time: jax's
+  client ends the process with a C++ fatal log then."""
+  import jax
+  size = launch.size
+  timeout = int(min(config.collective_timeout_secs, _A_YEAR))
+  connected = threading.Event()
+  threading.Thread(target=_connect_watchdog, daemon=True,
+                   args=(connected, timeout, rank, size, launch.launcher, address)).start()
+  jax.distributed.initialize(
+      address, num_processes=size, process_id=rank, local_device_ids=ids,
+      cluster_detection_method="deactivate",
+      heartbeat_timeout_seconds=int(config.heartbeat_timeout_secs),
+      shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
+      initialization_timeout=timeout + 5)
+  connected.set()
+
+
+def _channel(comm: Any, rank: int, size: int) -> Any:
+  """The channel between the processes (MPI's, else jax's key-value
+  store), with the job's ending installed on it."""
+  if comm is not None:
+    _ending.install(rank, size, _ending.MpiNotices(comm))
+    return _channels.MpiChannel(comm)
+  client = _compat.distributed_client()
+  _ending.install(rank, size, _ending.KvNotices(client, rank))
+  return _channels.KvChannel(client, rank, size)
 
 
 def _connect_watchdog(connected: threading.Event, timeout: float, rank: int, size: int,

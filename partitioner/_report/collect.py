@@ -78,6 +78,12 @@ def temporaries(hlo_text: str, n: int = LARGEST_TEMPORARIES) -> tuple[Collective
                for op in ops[:n])
 
 
+# The name scope of partitioner.pipeline's copies of the stage weights, one
+# per data block: their gradients' reduction over the data devices is the
+# sum that undoes the copies (its op_name carries the scope).
+WEIGHT_COPIES = "pipeline_weight_copies"
+
+
 def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[PipelineReport, ...]:
   """A report per ``partitioner.pipeline`` call (``_tracing.PipelineCall``):
   its collective-permutes are the program's (the ones at its line, when
@@ -85,11 +91,16 @@ def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[Pipeli
   out = []
   for call in calls:
     line = call.site.split(" (")[0]
-    mine = [c for c in found if c.kind == "collective-permute"
-            and (len(calls) == 1 or c.source.split(" (")[0] == line)]
+    here = [c for c in found if len(calls) == 1 or c.source.split(" (")[0] == line]
+    mine = [c for c in here if c.kind == "collective-permute"]
+    # The weight gradients' sum over the data blocks' copies of the weights
+    # (the transpose of the pipeline's broadcast, named by its scope).
+    data = [c for c in here if c.kind in ("all-reduce", "reduce-scatter")
+            and WEIGHT_COPIES in c.op_name]
     out.append(PipelineReport(
         site=call.site, stages=call.stages, microbatches=call.microbatches,
         repeats=call.repeats, layers=call.layers, ticks=call.ticks, bubble=call.bubble,
         stage_bytes=sum(c.bytes * c.runs for c in mine),
-        permutes=sum(c.runs for c in mine)))
+        permutes=sum(c.runs for c in mine),
+        data_bytes=sum(c.bytes for c in data), data_reductions=len(data)))
   return tuple(out)

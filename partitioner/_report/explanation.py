@@ -315,6 +315,12 @@ class PipelineReport:
     stage_bytes: per device, the bytes the collective-permutes between
       stages send in one call (forward and backward, every tick).
     permutes: how many collective-permutes one call runs.
+    data_bytes: per device, the bytes of the data-parallel reduction of
+      the weight gradients (all-reduces or reduce-scatters over the data
+      devices at the call's line, after the loop), with a data split of
+      the batch; 0 without one.
+    data_reductions: how many such reductions one call runs (once a call,
+      not once a tick).
   """
   site: str
   stages: int
@@ -325,6 +331,8 @@ class PipelineReport:
   bubble: float
   stage_bytes: int
   permutes: int
+  data_bytes: int = 0
+  data_reductions: int = 0
 
   def __str__(self) -> str:
     schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} passes"
@@ -332,7 +340,10 @@ class PipelineReport:
             f" {self.layers} layers, {self.layers // (self.stages * self.repeats)} a"
             f" stage a tick) at {short_path(self.site)}: bubble {self.bubble:.0%} of"
             f" {self.ticks} ticks; between stages {size(self.stage_bytes)} per device"
-            f" per call in {self.permutes} collective-permute(s)")
+            f" per call in {self.permutes} collective-permute(s)"
+            + (f"; weight gradients reduced over the data devices: {size(self.data_bytes)}"
+               f" per device per call in {self.data_reductions} reduction(s) after the loop"
+               if self.data_reductions else ""))
 
 
 def lines(pipelines: Sequence[PipelineReport]) -> list[str]:

@@ -155,7 +155,8 @@ def source(line: str, frames: dict[int, _Frame]) -> tuple[str, str]:
     frame, seen = innermost, set()
     while frame is not None and id(frame) not in seen:
       if not _is_library(frame.file):
-        via = "" if frame is innermost or _in_toolkit(innermost.file) else str(innermost)
+        via = ("" if frame is innermost or innermost is None or _in_toolkit(innermost.file)
+               else str(innermost))
         return str(frame), via
       seen.add(id(frame))
       frame = frames.get(frame.parent)

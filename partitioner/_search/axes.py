@@ -81,7 +81,8 @@ def logical_axes(closed: Any) -> Axes:
     return ids.setdefault(root, len(ids))
 
   jaxpr = closed.jaxpr
-  in_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
+  # (inputs are variables, never literals: each dimension has a class)
+  in_axes = [tuple(cast(int, cls(v, d)) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
   out_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.outvars]
   of = {key: ids.setdefault(uf.find(key), len(ids)) for key in list(uf.parent)}
   return Axes(closed, of, in_axes, out_axes)

@@ -220,7 +220,7 @@ def enumerate_candidates(n: int, r: Roles, hosts: int = 1) -> list[Candidate]:
   """Every candidate on ``n`` devices (``hosts`` hosts of consecutive
   devices), in a fixed order: per configuration (grid, batch, FSDP), its
   role sets. At most ``MAX_CANDIDATES``, those with the fewest model roles."""
-  configs = []
+  configs: list[tuple[tuple[int, int, int], int | None, bool]] = []
   for grid, sharded in grids(n, hosts):
     replicas = grid[DATA] * grid[FSDP]
     for batch in ([None] + list(r.batch) if replicas > 1 else [None]):

@@ -117,7 +117,8 @@ class Program:
     shape = tuple(getattr(v.aval, "shape", ()))
     # (jax's own dtypes first: a PRNG key's key<fry> is no numpy dtype)
     itemsize = getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
-    roles = tuple(self.r.of_axis.get(self.axes.axis(ctx, v, d)) for d in range(len(shape)))
+    axes = [self.axes.axis(ctx, v, d) for d in range(len(shape))]
+    roles = tuple(None if a is None else self.r.of_axis.get(a) for a in axes)
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
     return _Value(shape, itemsize, roles, source)
 

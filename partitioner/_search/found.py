@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -167,8 +167,8 @@ class FoundLayout:
     in_parts = tuple(None if i in static else next(it) for i in range(nargs))
     out_parts = jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in winner["out"]])
     fields = {f.name for f in dataclasses.fields(CandidateResult)}
-    candidates = tuple(CandidateResult(**{k: (tuple(v) if k == "grid" else v)
-                                          for k, v in r.items() if k in fields})
+    candidates = tuple(CandidateResult(**cast(dict[str, Any], {
+        k: (tuple(v) if k == "grid" else v) for k, v in r.items() if k in fields}))
                        for r in rows)
     return cls(fun, static, data, in_parts, out_parts, candidates)
 

@@ -28,8 +28,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
+from jax.core import eval_jaxpr
 from jax.extend import core as jcore
 
 from partitioner import _compat
@@ -85,7 +85,7 @@ class Proxy:
       closed = jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
 
     def run(*args: Any) -> list[Any]:
-      return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+      return eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
     return run
 
