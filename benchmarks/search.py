@@ -40,6 +40,7 @@ a bytes-first search): the found layout's bytes against that floor."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -335,8 +336,10 @@ def run(args) -> list[dict]:
   if args.devices < 8:
     return []
   rows = []
-  for name, model in models(jax, args.search_models).items():
-    rows += model_rows(jax, args, name, model)
+  for name in args.search_models:  # (each model built in turn: a few hold GBs)
+    start = time.perf_counter()
+    rows += model_rows(jax, args, name, MODELS[name](jax))
+    print(f"(search, {name}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
   return rows
 
 
@@ -424,10 +427,13 @@ def race(jax, model: Model, layouts: dict, ref: Reference, found: Found, args) -
   import numpy as np
 
   from partitioner import sharded_jit
-  own = lambda a: jax.tree_util.tree_map(np.array, a)  # (a step may donate its state)
-  timed = {"found": (found.cpu.sharded_jit(), own(model.example)),
-           "mega": (ref.fn, own(ref.args))}
-  timed.update({k: (sharded_jit(model.step, in_parts=i, out_parts=o), own(model.example))
+  # One host copy for every layout: a step may donate its state, and a
+  # numpy argument is copied to the devices, never donated itself.
+  own = lambda a: jax.tree_util.tree_map(np.array, a)
+  example = own(model.example)
+  timed = {"found": (found.cpu.sharded_jit(), example),
+           "mega": (ref.fn, example if ref.args is model.example else own(ref.args))}
+  timed.update({k: (sharded_jit(model.step, in_parts=i, out_parts=o), example)
                 for k, (i, o) in layouts.items()})
   rounds = [min(a, b) for a, b in zip(args.search_rounds, model.max_rounds)]
   field, final, fastest, ratio = against_fastest(timed, model.n_state, *rounds,
