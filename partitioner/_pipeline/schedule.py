@@ -22,6 +22,9 @@ GPipe (R = 1) and the circular schedule are the same named steps, each a
 function below that can be run and tested on its own:
 
 - :func:`stage_params`: the weights as (S, R, L / (S R), ...);
+- :func:`weight_copies`: with a data split of the batch, one copy of each
+  stage's weights per data block, so the weight gradients are reduced over
+  the data devices once after the loop, not every tick;
 - :func:`stage_function`: one stage's chunk of layers, a ``lax.scan``;
 - :func:`io_buffer`: the batch as the I/O buffer (S, M / S, mb, ...);
 - :func:`init_states`: the loop's first carry (:class:`Carry`) and what
@@ -50,6 +53,7 @@ from jax.core import Tracer
 from partitioner._lower import trace as _trace
 from partitioner._pipeline import checks
 from partitioner._pipeline.shift import roll
+from partitioner._report.collect import WEIGHT_COPIES
 from sharding._constraint import caller, constrain
 from sharding._partition_spec import PartitionSpec
 from sharding._spec_tree import broadcast_specs
@@ -153,7 +157,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   if tracing is not None:
     _record(tracing, site, schedule, num_layers, leaves, free)
   place = Placement(state_spec, x_spec, f"{site}, partitioner.pipeline(stages={s})")
-  params = stage_params(layer_params, leaves, param_specs, schedule, place)
+  params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
+                         place.blocks)
   carry, feed = init_states(place.pin(x, x_spec, "input"), schedule, place)
   loop = Loop(schedule, place, stage_function(layer_fn, remat), params, feed)
   carry, outs = jax.lax.scan(functools.partial(tick, loop=loop), carry,
@@ -230,6 +235,12 @@ class Placement:
     laid out as the stage buffer (that dimension whole)."""
     return self.pin(v, None if self.state is None else self.state.insert(at, 1), what)
 
+  @property
+  def blocks(self) -> int:
+    """D, how many ways x_parts splits the batch (1 without x_parts): each
+    data block runs the stages with its own copy of their weights."""
+    return 1 if self.state is None or self.x is None else self.x[0]
+
   def vmap(self, f: Callable, stages: int) -> Callable:
     """``jax.vmap`` of ``f`` over the stages. ``f``'s own constraints then
     apply inside each stage: the vmap keeps its dimension split as the
@@ -263,7 +274,7 @@ class Loop:
   schedule: Schedule
   place: Placement
   stage_fn: Callable[[Any, jax.Array], jax.Array]  # one stage's chunk of layers
-  params: Any  # leaves shaped (S, R, L/(S R), ...)
+  params: Any  # leaves shaped (S, R, L/(S R), ...), or (S, D, R, ...): weight_copies
   feed: Feed
 
 
@@ -287,6 +298,23 @@ def stage_params(layer_params: Any, leaves: list, specs: list | None, schedule: 
       [place.pin(w.reshape(s, r, chunk, *w.shape[1:]),
                  spec and spec.for_rank(w.ndim).insert(1, 1).insert(1, 1), "weights")
        for w, spec in zip(leaves, specs or [None] * len(leaves))])
+
+
+def weight_copies(params: Any, blocks: int) -> Any:
+  """The stage weights with one copy per data block, (S, D, R, L/(S R), ...).
+
+  The copies cost no traffic (each data block's devices hold their stage's
+  weights already), and they are what keeps the data-parallel reduction out
+  of the loop: the gradient of each copy gathers on its own devices across
+  the ticks, and the copies' gradients are summed once, after the loop (the
+  broadcast's transpose: one all-reduce over the data devices, or a
+  reduce-scatter where the weights are split over them), instead of once a
+  tick. With one block, ``params`` as they are."""
+  if blocks == 1:
+    return params
+  with jax.named_scope(WEIGHT_COPIES):  # (explain() finds their reduction by it)
+    return jax.tree_util.tree_map(
+        lambda w: jnp.broadcast_to(w[:, None], (w.shape[0], blocks, *w.shape[1:])), params)
 
 
 def stage_function(layer_fn: Callable[[Any, jax.Array], jax.Array],
@@ -383,15 +411,34 @@ def iteration_inputs(t: jax.Array, shifted: jax.Array, column: jax.Array | None,
 def run_stages(inputs: jax.Array, t: jax.Array, loop: Loop) -> jax.Array:
   """Every stage at once on its row of ``inputs`` (a vmap over the stages):
   GPipe's stages their only chunk of layers, the circular schedule's the
-  chunk of the pass they are on (:func:`microbatch_and_repeat_ids`)."""
-  stage_fn, params = loop.stage_fn, loop.params
+  chunk of the pass they are on (:func:`microbatch_and_repeat_ids`); with
+  D data blocks, each block of a stage's rows with its own copy of the
+  stage's weights (:func:`weight_copies`)."""
+  stage_fn, params, blocks = loop.stage_fn, loop.params, loop.place.blocks
   if loop.schedule.repeats == 1:
-    only = jax.tree_util.tree_map(lambda w: w[:, 0], params)
-    return loop.place.vmap(stage_fn, loop.schedule.stages)(only, inputs)
+    if blocks == 1:
+      only = jax.tree_util.tree_map(lambda w: w[:, 0], params)
+      return loop.place.vmap(stage_fn, loop.schedule.stages)(only, inputs)
+    first = lambda p, h: stage_fn(jax.tree_util.tree_map(lambda w: w[0], p), h)
+    return loop.place.vmap(per_block(first, blocks), loop.schedule.stages)(params, inputs)
   _, passes = microbatch_and_repeat_ids(t, loop.schedule)
-  pick = lambda p, i: jax.tree_util.tree_map(lambda w: _index(w, i), p)
-  return loop.place.vmap(lambda p, h, i: stage_fn(pick(p, i), h),
-                         loop.schedule.stages)(params, inputs, passes)
+  pick = lambda p, h, i: stage_fn(jax.tree_util.tree_map(lambda w: _index(w, i), p), h)
+  return loop.place.vmap(per_block(pick, blocks), loop.schedule.stages)(params, inputs, passes)
+
+
+def per_block(fn: Callable, blocks: int) -> Callable:
+  """``fn(params, h, *rest)`` of one stage, run on each of the ``blocks`` row
+  blocks of h (mb, ...) with that block's copy of ``params`` (a leading
+  dimension of D copies): a vmap over the blocks, whose split the rows'
+  data split carries. With one block, ``fn``."""
+  if blocks == 1:
+    return fn
+
+  def each(params: Any, h: jax.Array, *rest: Any) -> jax.Array:
+    rows = h.reshape(blocks, h.shape[0] // blocks, *h.shape[1:])
+    out = jax.vmap(lambda p, b: fn(p, b, *rest))(params, rows)
+    return out.reshape(h.shape)
+  return each
 
 
 def io_column(buf: jax.Array, t: jax.Array, schedule: Schedule) -> jax.Array:
