@@ -1,4 +1,4 @@
-"""Stage 4: put inputs on devices, run the compiled program, wrap outputs."""
+"""Put inputs on devices, run the compiled program, wrap outputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage 3 -> 4 for every front end: a lowered program to its Executable.
+"""Load for every front end: a lowered program to its Executable.
 
 ``sharded_jit``'s :class:`~partitioner.Lowered` and ``partitioner.pmap``'s
 ``MappedLowered`` compile the same way: the program is loaded or compiled

@@ -1,4 +1,4 @@
-"""Stage 2: partition a traced function -> :class:`~partitioner.Lowered`.
+"""Partition a traced function -> :class:`~partitioner.Lowered`.
 
 From what the user asked (:class:`Request`) and one call's arguments
 (:class:`~partitioner._lower.args.InputSignature`): broadcast the spec trees,

@@ -1,4 +1,4 @@
-"""Stage 3: compile a partitioned module with jaxlib's client."""
+"""Compile a partitioned module with jaxlib's client."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage 0, arguments: positions, static and donated arguments, names.
+"""Arguments: positions, static and donated arguments, names.
 
 Every front end (``sharded_jit``, ``partitioner.pmap``, a staged or nested
 sharded_jit) lays its positional arguments out with an

@@ -1,4 +1,4 @@
-"""Stage 2b: the MLIR pass that inserts shardings into the lowered module.
+"""The MLIR pass that inserts shardings into the lowered module.
 
 Given the device tiling of every argument, result and constraint, it
 - sets ``mhlo.num_partitions`` / ``mhlo.num_replicas``;

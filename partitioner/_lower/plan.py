@@ -1,4 +1,4 @@
-"""Stage 2a: decide the number of partitions and the devices, check every spec.
+"""The partition plan: decide the number of partitions and the devices, check every spec.
 
 N, the number of partitions, is the largest total of all specs that
 partition anything (in_parts, out_parts and every with_sharding_constraint

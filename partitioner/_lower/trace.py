@@ -1,4 +1,4 @@
-"""Stage 1: trace and lower the user's function with jax.
+"""Trace and lower the user's function with jax.
 
 jax does the tracing; we only flatten arguments, keep every argument (so the
 module's parameters are exactly our flat inputs) and lower while

@@ -1,4 +1,4 @@
-"""Stage 2c: keep XLA's SPMD partitioner away from ops it gets wrong.
+"""Keep XLA's SPMD partitioner away from ops it gets wrong.
 
 XLA's partitioner (GSPMD and Shardy alike; jax.jit reaches the same bugs)
 computes wrong values, or aborts the process, for a few ops when they are

@@ -1,4 +1,4 @@
-"""Stage 0, values: what a front end accepts as an argument, and how it is
+"""Values: what a front end accepts as an argument, and how it is
 placed.
 
 One set of rules and messages for every front end: which values are arrays
