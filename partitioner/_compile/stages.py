@@ -1,12 +1,19 @@
 """The staged objects users see: ``f.lower(...)`` and ``.compile()``.
 
-Both hold plain data (the argument signature, the traced program, the
-placement, names, the loaded executable), like jax's own ``Lowered`` and
-``Compiled``; neither calls back into the stage that made it.
+Like jax's ``_src/stages.py``, one internal interface behind every front
+end's objects: a :class:`Lowering` (sharded_jit's :class:`Lowered`,
+partitioner.pmap's :class:`MappedLowered`) compiles to a
+:class:`CompiledProgram` (:class:`Compiled`, :class:`MappedCompiled`, and
+``partitioner.explain``'s wrapper of jax.jit's programs). They hold plain
+data (the argument signature, the traced program, the placement, names,
+the loaded executable) and never call back into the stage that made them;
+``explain()`` hands the report their :meth:`~CompiledProgram.describe`,
+plain data too, and XLA's own texts and analyses.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -24,16 +31,36 @@ from partitioner._lower.args import ArgumentLayout, InputSignature
 from partitioner._lower.plan import Placement
 from partitioner._lower.trace import TracedProgram
 from partitioner._report import collect as _collect
-from partitioner._report import hlo as _hlo
+from partitioner._report.collect import Description
 from partitioner._report.cost import Cost, device_hosts, score
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
 from sharding._partition_spec import PartitionSpec
-from sharding._tiling import Tiling
+
+
+class Lowering(abc.ABC):
+  """What every front end's lowered program is: the partitioned module and
+  what it was traced from, ready to compile (plain data)."""
+
+  name: str
+  program: Program
+  traced: TracedProgram
+  in_names: tuple[str, ...]
+  out_names: tuple[str, ...]
+  donated: tuple[int, ...]
+
+  def as_text(self) -> str:
+    """The MLIR module XLA is given, after sharding insertion (and
+    partitioner.pmap's rewrites), before XLA partitions it."""
+    return self.program.module_text
+
+  @abc.abstractmethod
+  def compile(self) -> CompiledProgram:
+    """Loads the program from the compilation caches or compiles it."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Lowered:
+class Lowered(Lowering):
   """A function traced, partitioned and annotated, ready to compile.
 
   Attributes:
@@ -99,10 +126,6 @@ class Lowered:
         [None if a else t.named_sharding()
          for t, a in zip(self.placement.out_tilings, auto)])
 
-  def as_text(self) -> str:
-    """The MLIR module after sharding insertion, before XLA partitions it."""
-    return self.program.module_text
-
   def cache_key(self) -> str:
     """The program's persistent cache key under the current settings.
 
@@ -151,22 +174,26 @@ class Lowered:
     return lambda outs: [f(x) for f, x in zip(each, outs)]
 
 
-class Analyses:
-  """What XLA says of a compiled program, for every compiled object (ours
-  set ``executable``; ``partitioner._front.analysis`` wraps jax.jit's)."""
-
-  executable: Executable
+class CompiledProgram(abc.ABC):
+  """What every compiled program is, ours or (wrapped by
+  ``partitioner.explain``) jax.jit's: a loaded XLA executable, what XLA
+  says of it, and a description of itself for ``explain()``'s report."""
 
   @property
+  @abc.abstractmethod
   def loaded(self) -> Any:
     """The loaded XLA executable the analyses read."""
-    return self.executable.loaded
 
   @property
+  @abc.abstractmethod
   def assignment(self) -> tuple[_compat.Device, ...]:
     """The device assignment: partition (or replica x partition) ``k`` runs
     on ``assignment[k]``."""
-    return tuple(self.lowered.program.devices)  # type: ignore[attr-defined]
+
+  @abc.abstractmethod
+  def describe(self) -> Description:
+    """The program as ``explain()``'s report reads it: names, avals and
+    layouts of its arguments and outputs, its devices (plain data)."""
 
   def as_text(self) -> str:
     """XLA's partitioned HLO (shows ``num_partitions`` and shardings)."""
@@ -194,37 +221,43 @@ class Analyses:
     where = device_hosts(devices, hosts, "cost")
     return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
 
-  def explanation(self, *, name: str, partitioner: str, num_partitions: int,
-                  devices: Sequence[_compat.Device], arguments: Sequence[tuple],
-                  outputs: Sequence[tuple], **extra) -> Explanation:
-    """The report of ``explain()``; ``arguments``/``outputs`` hold (name,
-    aval, Tiling or jax sharding[, rule]) per flat value."""
-    calls = extra.pop("pipelines", ())
-    found = tuple(_collect.collectives(self.as_text()))
+  def explain(self) -> Explanation:
+    """A readable report of the partitioned program; see :class:`Explanation`.
 
-    def lay(name, aval, where, rule=""):
-      if isinstance(where, Tiling):
-        return _collect.layout(name, aval.shape, aval.dtype, where, rule)
-      return _collect.layout_of(name, aval.shape, aval.dtype, where)
-    return Explanation(
-        name=name, partitioner=partitioner, num_partitions=num_partitions,
-        devices=tuple(str(d) for d in devices),
-        arguments=tuple(lay(*a) for a in arguments),
-        outputs=tuple(lay(*o) for o in outputs),
-        collectives=found, pipelines=_collect.pipelines(calls, found),
-        temporaries=_collect.temporaries(self.as_text()),
-        flops=float(self.cost_analysis().get("flops", 0.0))
-        + _hlo.repeated_flops(self.as_text()),
-        memory=_collect.memory(self.memory_analysis()), **extra)
+    Per argument and output: global shape, spec, per-device shard shape and
+    bytes, and a picture of which device holds which block; the collectives
+    XLA inserted (kind, bytes, the user's source line); per-device FLOPs and
+    memory. ``print(compiled.explain())`` shows a summary,
+    ``print(compiled.explain().full())`` everything; its fields are data too.
+    """
+    return _collect.explanation(self.describe(), self.as_text(), self.cost_analysis(),
+                                self.memory_analysis())
 
 
-class Compiled(Analyses):
+class _Ours(CompiledProgram):
+  """A compiled program of ours: a :class:`Lowering` and its executable."""
+
+  lowered: Lowering
+  executable: Executable
+
+  @property
+  def loaded(self) -> Any:
+    return self.executable.loaded
+
+  @property
+  def assignment(self) -> tuple[_compat.Device, ...]:
+    return tuple(self.lowered.program.devices)
+
+
+class Compiled(_Ours):
   """A compiled sharded program; call it like the original function.
 
   Attributes:
     lowered: the :class:`Lowered` it was compiled from.
     executable: the loaded program and its per-call path.
   """
+
+  lowered: Lowered
 
   def __init__(self, lowered: Lowered, placement: Placement, executable: Executable):
     self.lowered = lowered
@@ -257,18 +290,10 @@ class Compiled(Analyses):
     return jax.tree_util.tree_unflatten(self.out_tree,
                                         self.executable.out_shardings)
 
-  def explain(self) -> Explanation:
-    """A readable report of the partitioned program; see :class:`Explanation`.
-
-    Per argument and output: global shape, spec, per-device shard shape and
-    bytes, and a picture of which device holds which block; the collectives
-    XLA inserted (kind, bytes, the user's source line); per-device FLOPs and
-    memory. ``print(compiled.explain())`` shows a summary,
-    ``print(compiled.explain().full())`` everything; its fields are data too.
-    """
+  def describe(self) -> Description:
     low, p, t = self.lowered, self.placement, self.lowered.traced
     rules = low.in_rules or ("",) * len(low.in_names), low.out_rules or ("",) * len(low.out_names)
-    return self.explanation(
+    return Description(
         name=low.name, partitioner=low.partitioner, num_partitions=p.num_partitions,
         devices=p.devices,
         arguments=list(zip(low.in_names, t.in_avals, p.in_tilings, rules[0])),
@@ -280,7 +305,7 @@ class Compiled(Analyses):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MappedLowered:
+class MappedLowered(Lowering):
   """A partitioner.pmap program for one input layout, ready to compile.
 
   Attributes:
@@ -305,10 +330,6 @@ class MappedLowered:
   out_names: tuple[str, ...]
   donated: tuple[int, ...]
   ranks: RankPrograms | None
-
-  def as_text(self) -> str:
-    """The module XLA is given (after partitioner.pmap's rewrites)."""
-    return self.program.module_text
 
   def compile(self) -> MappedCompiled:
     _, executable = _load.executable(
@@ -335,8 +356,10 @@ class MappedLowered:
     return _load.Shardings(in_shardings, out_shardings)
 
 
-class MappedCompiled(Analyses):
+class MappedCompiled(_Ours):
   """A compiled partitioner.pmap program for one input layout."""
+
+  lowered: MappedLowered
 
   def __init__(self, lowered: MappedLowered, executable: Executable):
     self.lowered = lowered
@@ -355,11 +378,10 @@ class MappedCompiled(Analyses):
     return jax.tree_util.tree_unflatten(self.lowered.traced.out_tree,
                                         self.executable.call_flat(leaves))
 
-  def explain(self):
-    """What XLA did with the program; see :class:`partitioner.Explanation`."""
+  def describe(self) -> Description:
     low, t = self.lowered, self.lowered.traced
     shardings = self.executable.in_shardings, self.executable.out_shardings
-    return self.explanation(
+    return Description(
         name=low.name, partitioner=low.program.mode, num_partitions=low.num_partitions,
         devices=low.program.devices,
         arguments=[(n, a, s) for n, a, s in zip(low.in_names, t.in_avals, shardings[0])],

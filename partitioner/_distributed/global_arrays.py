@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from partitioner import _distributed
+from partitioner import _compat, _distributed
 from partitioner._distributed import local_parts as _local_parts
 from partitioner._lower import plan as _plan
 from sharding._local import global_shape, local_shape, local_spec
@@ -37,7 +37,7 @@ def _specs(parts: Any, tree: Any, what: str):
 
 def _placement(specs: Sequence[Any], shapes: Sequence[tuple[int, ...]],
                names: Sequence[str], world: Any, num_partitions: int | None,
-               devices: Sequence[jax.Device] | None) -> _plan.Placement:
+               devices: Sequence[_compat.Device] | None) -> _plan.Placement:
   """The devices and tilings sharded_jit would use for these specs."""
   uses = [_plan.SpecUse(s, shape, f"parts for {n}", np.float32)
           for s, shape, n in zip(specs, shapes, names)]
@@ -45,7 +45,7 @@ def _placement(specs: Sequence[Any], shapes: Sequence[tuple[int, ...]],
 
 
 def to_global(pieces: Any, parts: Any, *, num_partitions: int | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Any:
+              devices: Sequence[_compat.Device] | None = None) -> Any:
   """This process's pieces (numpy or process-local arrays, as ``local_out_parts``
   returns them) as global ``jax.Array``s tiled by ``parts``.
 
@@ -85,7 +85,7 @@ def to_global(pieces: Any, parts: Any, *, num_partitions: int | None = None,
 
 
 def to_local(arrays: Any, parts: Any, *, num_partitions: int | None = None,
-             devices: Sequence[jax.Device] | None = None) -> Any:
+             devices: Sequence[_compat.Device] | None = None) -> Any:
   """Global ``jax.Array``s (e.g. restored from a checkpoint, in any layout)
   as this process's pieces, tiled by ``parts``: what ``local_in_parts``
   takes. Arrays laid out otherwise are re-laid out first.

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from partitioner import _compat
 from sharding._local import global_shape, local_shape, local_spec
 from sharding._partition_spec import PartitionSpec
 from sharding._tiling import tiling
@@ -75,8 +76,8 @@ def global_avals(avals: Sequence[jax.ShapeDtypeStruct], global_specs: Sequence[S
           for a, g, l in zip(avals, global_specs, local_specs)]
 
 
-def local_devices(devices: Sequence[jax.Device], rank: int,
-                  num_processes: int) -> tuple[jax.Device, ...]:
+def local_devices(devices: Sequence[_compat.Device], rank: int,
+                  num_processes: int) -> tuple[_compat.Device, ...]:
   """This process's devices in the (process-major) assignment."""
   per = len(devices) // num_processes
   return tuple(devices[rank * per:(rank + 1) * per])
@@ -137,7 +138,7 @@ class Localize:
 
 
 def localizers(out_specs: Sequence[Spec], out_local: Sequence[Spec],
-               out_shapes: Sequence[tuple[int, ...]], devices: Sequence[jax.Device],
+               out_shapes: Sequence[tuple[int, ...]], devices: Sequence[_compat.Device],
                rank: int, num_processes: int) -> list[Localize]:
   """A :class:`Localize` per output."""
   mine = local_devices(devices, rank, num_processes)
@@ -146,7 +147,7 @@ def localizers(out_specs: Sequence[Spec], out_local: Sequence[Spec],
 
 
 def globalizers(in_tilings: Sequence[Any], in_local: Sequence[Spec],
-                in_shapes: Sequence[tuple[int, ...]], devices: Sequence[jax.Device],
+                in_shapes: Sequence[tuple[int, ...]], devices: Sequence[_compat.Device],
                 rank: int, num_processes: int) -> list[Globalize]:
   """A :class:`Globalize` per input."""
   mine = local_devices(devices, rank, num_processes)

@@ -16,15 +16,16 @@ from typing import Any
 import jax
 
 from partitioner import _compat
-from partitioner._compile.stages import Analyses
+from partitioner._compile.stages import CompiledProgram
 from partitioner._front.pmap import PmapFunction
 from partitioner._front.sharded_jit import ShardedJitFunction
+from partitioner._report.collect import Description
 from partitioner._report.cost import Cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.explanation import Explanation
 
 
-class JaxCompiled(Analyses):
+class JaxCompiled(CompiledProgram):
   """A ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``), read
   as our compiled programs are."""
 
@@ -41,7 +42,7 @@ class JaxCompiled(Analyses):
   def assignment(self) -> tuple[_compat.Device, ...]:
     return self._assignment
 
-  def explain(self) -> Explanation:
+  def describe(self) -> Description:
     c = self.compiled
     paths, _ = jax.tree_util.tree_flatten_with_path(c.args_info[0])
     args = [(f"argument `args[{p[0].idx}]`{jax.tree_util.keystr(p[1:])}", info)
@@ -49,7 +50,7 @@ class JaxCompiled(Analyses):
     outs = [("output" + jax.tree_util.keystr(p), info)
             for p, info in jax.tree_util.tree_flatten_with_path(c.out_info)[0]]
     name = self.loaded.hlo_modules()[0].name
-    return self.explanation(
+    return Description(
         name=name, partitioner="shardy" if _compat.jax_uses_shardy() else "gspmd",
         num_partitions=len(self.assignment), devices=self.assignment,
         arguments=[(n, a, s) for (n, a), s in
@@ -58,8 +59,8 @@ class JaxCompiled(Analyses):
                  zip(outs, jax.tree_util.tree_leaves(c.output_shardings))])
 
 
-def _analysed(program: Any, who: str) -> Analyses:
-  if isinstance(program, Analyses):
+def _analysed(program: Any, who: str) -> CompiledProgram:
+  if isinstance(program, CompiledProgram):
     return program
   if isinstance(program, jax.stages.Compiled):
     return JaxCompiled(program)

@@ -9,6 +9,7 @@ report holds and how it prints (its value types) is ``_report``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from partitioner._report import hlo as _hlo
 from partitioner._report.explanation import (
   LARGEST_TEMPORARIES,
   Collective,
+  Explanation,
   PipelineReport,
   ValueLayout,
 )
@@ -104,3 +106,56 @@ def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[Pipeli
         permutes=sum(c.runs for c in mine),
         data_bytes=sum(c.bytes for c in data), data_reductions=len(data)))
   return tuple(out)
+
+
+# ---- the report of a compiled program, from what its stage object says ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+  """What a compiled program's stage object says of itself, as plain data:
+  the report reads it (and XLA's own texts and analyses), never the object.
+
+  Attributes:
+    name: the function's name.
+    partitioner: ``"shardy"`` or ``"gspmd"``.
+    num_partitions: N.
+    devices: the device assignment.
+    arguments, outputs: per flat value, (name, aval, Tiling or jax
+      sharding[, the spec_tree rule that chose it]).
+    guards: ops kept unsplit where XLA splits them wrongly.
+    replicas: partitioner.pmap's replicas (1 otherwise).
+    pipelines: the ``partitioner.pipeline`` calls traced into the program.
+  """
+  name: str
+  partitioner: str
+  num_partitions: int
+  devices: Sequence[Any]
+  arguments: Sequence[tuple]
+  outputs: Sequence[tuple]
+  guards: tuple[str, ...] = ()
+  replicas: int = 1
+  pipelines: Sequence[Any] = ()
+
+
+def _value_layout(name: str, aval: Any, where: Any, rule: str = "") -> ValueLayout:
+  if isinstance(where, Tiling):
+    return layout(name, aval.shape, aval.dtype, where, rule)
+  return layout_of(name, aval.shape, aval.dtype, where)
+
+
+def explanation(described: Description, hlo_text: str, cost_analysis: dict,
+                memory_stats: Any) -> Explanation:
+  """The report of ``explain()``: the program as ``described``, and what
+  XLA's partitioned HLO, cost analysis and memory statistics say of it."""
+  found = tuple(collectives(hlo_text))
+  d = described
+  return Explanation(
+      name=d.name, partitioner=d.partitioner, num_partitions=d.num_partitions,
+      devices=tuple(str(x) for x in d.devices),
+      arguments=tuple(_value_layout(*a) for a in d.arguments),
+      outputs=tuple(_value_layout(*o) for o in d.outputs),
+      collectives=found, pipelines=pipelines(d.pipelines, found),
+      temporaries=temporaries(hlo_text),
+      flops=float(cost_analysis.get("flops", 0.0)) + _hlo.repeated_flops(hlo_text),
+      memory=memory(memory_stats), guards=tuple(d.guards), replicas=d.replicas)
