@@ -1,7 +1,4 @@
-"""What a sharding is: partition counts, their device tiling, constraints.
-
-No compilation and no execution happens in this package; see ``partitioner``.
-"""
+"""What a sharding is: partition counts, their device tiling, constraints; no compilation."""
 
 from sharding._auto import AUTO as AUTO
 from sharding._constraint import (

@@ -11,22 +11,6 @@ from partitioner import config, sharded_jit
 from sharding import PartitionSpec as P
 
 
-def double(x):
-  return x * 2
-
-
-def _front_ends(fn, shape):
-  """fn called on an array of ``shape`` (per replica under pmap) by each
-  front end."""
-  x = np.ones(shape, np.float32)
-  return {
-      "sharded_jit": lambda: fn(x),
-      "pmap": lambda: partitioner.pmap(fn)(np.stack([x, x])),
-      "jax.jit": lambda: jax.jit(fn)(x),
-      "nested": lambda: sharded_jit(lambda y: fn(y), in_parts=None, out_parts=None)(x),
-  }
-
-
 def _stats(front_end):
   return partitioner.compilation_stats()["front_ends"][front_end]
 

@@ -185,7 +185,7 @@ def call(**kwargs):
     ({"stages": 3}, ValueError,
      r"stages=3 must divide the number of layers L = 16.*divisor of 16"),
     ({"stages": 16}, ValueError, r"stages=16 needs 16 devices.*only 8 devices"),
-    ({"stages": 0}, ValueError, r"stages must be >= 1, got 0"),
+    ({"stages": 0}, ValueError, r"stages must be a positive int, got 0"),
     ({"microbatches": 2.0}, TypeError, r"microbatches must be a positive int, got 2.0"),
     ({"repeats": 3}, ValueError, r"stages=2 x repeats=3 must divide the number of layers"
      r" L = 16.*each stage holds 3 \(repeats\) chunks"),

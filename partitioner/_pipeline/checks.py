@@ -8,7 +8,6 @@ and ``x``'s own spec (``_state_spec``).
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -17,19 +16,15 @@ import jax.numpy as jnp
 from jax.core import Tracer
 
 from sharding import _layout
+from sharding._checks import positive_count
 from sharding._partition_spec import PartitionSpec, with_layout
 from sharding._spec_tree import check_spec, reject_auto
 
 
 def count(value: Any, name: str) -> int:
   """``value`` as a positive int, or an error naming ``name``."""
-  if isinstance(value, bool) or not hasattr(value, "__index__"):
-    raise TypeError(f"partitioner.pipeline: {name} must be a positive int, got"
-                    f" {value!r} of type {type(value).__name__}.")
-  value = operator.index(value)
-  if value < 1:
-    raise ValueError(f"partitioner.pipeline: {name} must be >= 1, got {value}.")
-  return value
+  return positive_count(value, f"partitioner.pipeline: {name}",
+                        hint=f"give {name} as a whole number of at least 1.")
 
 
 def layers(layer_params: Any) -> tuple[int, list]:

@@ -41,7 +41,7 @@ class _Value:
   shape: tuple[int, ...]
   itemsize: int
   roles: tuple[int | None, ...]
-  source: int | None = None  # an argument: the first flat input alike (see Program)
+  source: int | None = None  # an argument: the first flat input alike (see OpTable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
   return tuple(reversed(out))
 
 
-class Program:
+class OpTable:
   """A jaxpr flattened once into ops whose values carry their roles, alike
   ops counted once.
 

@@ -59,7 +59,7 @@ from partitioner._search import stage_axis as _stage_axis
 from partitioner._search import target as _target
 from partitioner._search.axes import logical_axes
 from partitioner._search.candidates import enumerate_candidates, leaf_dims, roles, spec_of
-from partitioner._search.estimate import Program
+from partitioner._search.estimate import OpTable
 from partitioner._search.progress import Progress
 from partitioner._search.target import Target
 from partitioner._version import __version__
@@ -304,7 +304,7 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
                                      [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
-  program = Program(axes, r, state)
+  program = OpTable(axes, r, state)
   target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts):

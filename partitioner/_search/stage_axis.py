@@ -21,7 +21,7 @@ from typing import Any
 
 from partitioner._report.device_models import DeviceModel
 from partitioner._search.candidates import MODEL, Candidate, leaf_dims
-from partitioner._search.estimate import Estimate, Program
+from partitioner._search.estimate import Estimate, OpTable
 
 
 def free(calls: Sequence[Any]) -> list:
@@ -47,7 +47,7 @@ def splits_layers(calls: Sequence[Any], dims: Sequence[tuple]) -> bool:
   return any(dims[i] and dims[i][0] for c in calls for i in c.inputs)
 
 
-def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], program: Program,
+def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], program: OpTable,
                shapes: Sequence[tuple[int, ...]],
                device: DeviceModel) -> list[tuple[Candidate, list, Estimate]]:
   """(candidate, each leaf's dims on its layout grid, estimate) of each

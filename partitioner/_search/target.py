@@ -32,7 +32,7 @@ from partitioner._report.device_models import DeviceModel
 from partitioner._search import measure as _measure
 from partitioner._search import proxy as _proxy
 from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of
-from partitioner._search.estimate import Estimate, Program
+from partitioner._search.estimate import Estimate, OpTable
 from partitioner._search.inputs import Function
 
 
@@ -69,7 +69,7 @@ class Target:
     self.devices, self.hosts, self.device = place.devices, place.hosts, place.device
     self.closed, self.axes, self.r = closed, axes, r
     self.proxy = _proxy.proxy(closed) if proxy else None
-    self.part: Program | None = None
+    self.part: OpTable | None = None
     if self.proxy is None:
       self.f = f
       return
@@ -78,7 +78,7 @@ class Target:
                       (), jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars)))
     removed = {k for run in self.proxy.repeats
                for k in range(run.start + self.proxy.kept * run.period, run.stop)}
-    self.part = Program(axes, r, state, skip=frozenset(removed))
+    self.part = OpTable(axes, r, state, skip=frozenset(removed))
 
   def describe(self) -> dict:
     """What was compiled, for the report: the top-level equations of the
