@@ -82,19 +82,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   auto = tuple(spec is AUTO and _compat.is_extended_dtype(a.dtype) is False
                for spec, a in zip(out_specs, traced.out_avals))
   out_specs = [None if spec is AUTO else spec for spec in out_specs]
-  out_local = None
-  if request.local_out_parts is not None:
-    given = broadcast_specs(request.local_out_parts, out_tree_avals, "local_out_parts")
-    reject_auto(given, out_names, "local_out_parts")
-    for name, is_auto in zip(out_names, auto):
-      if is_auto:
-        raise ValueError(
-            f"out_parts for {name} is AUTO, but with local_out_parts each"
-            " process gets back its own piece, which needs a tiling known"
-            " before the program runs. Hint: give out_parts a PartitionSpec"
-            " (or None) for it, or drop local_out_parts.")
-    out_local = _local_parts.check_local_specs(out_specs, given, out_names,
-                                               world.size, "out")
+  out_local = _out_local(request.local_out_parts, out_tree_avals, out_specs, out_names, auto,
+                         world.size)
 
   ins = [_plan.SpecUse(s, a.shape, f"in_parts for {n}", a.dtype)
          for s, a, n in zip(in_specs, traced.in_avals, names)]
@@ -128,6 +117,24 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       process=(world.rank, world.size),
       guards=tuple(str(g) for g in sharding_pass.guards),
       in_rules=tuple(map(rule_of, in_specs)), out_rules=tuple(map(rule_of, out_specs)))
+
+
+def _out_local(local_out_parts: Any, out_tree_avals: Any, out_specs: list,
+               out_names: list[str], auto: tuple[bool, ...], processes: int) -> list | None:
+  """With ``local_out_parts``: the spec of each process's piece of each
+  output (checked against ``out_specs``); None without it."""
+  if local_out_parts is None:
+    return None
+  given = broadcast_specs(local_out_parts, out_tree_avals, "local_out_parts")
+  reject_auto(given, out_names, "local_out_parts")
+  for name, is_auto in zip(out_names, auto):
+    if is_auto:
+      raise ValueError(
+          f"out_parts for {name} is AUTO, but with local_out_parts each"
+          " process gets back its own piece, which needs a tiling known"
+          " before the program runs. Hint: give out_parts a PartitionSpec"
+          " (or None) for it, or drop local_out_parts.")
+  return _local_parts.check_local_specs(out_specs, given, out_names, processes, "out")
 
 
 def _arg_specs(parts: Any, layout: ArgumentLayout, inputs: InputSignature,
