@@ -9,8 +9,25 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from benchmarks._common import ROOT
+
+
+@dataclass(frozen=True)
+class Metric:
+  """A row: a rank's ``field`` times ``scale``, the slowest rank's (``pick``)."""
+  field: str
+  label: str
+  unit: str
+  scale: float
+  pick: Callable
+
+
+METRICS = (Metric("first_call", "first call, slowest rank (trace + compile + run)", "ms", 1e3,
+                  max),
+           Metric("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min))
 
 
 def run(args) -> list[dict]:
@@ -32,13 +49,11 @@ def run(args) -> list[dict]:
   for a, b in zip(ranks["ours"], ranks["jax"]):
     assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1, abs(b["loss"])), (a, b)
   cases = []
-  for field, label, unit, scale, pick in (
-      ("first_call", "first call, slowest rank (trace + compile + run)", "ms", 1e3, max),
-      ("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min)):
-    ours = pick(r[field] for r in ranks["ours"]) * scale
-    theirs = pick(r[field] for r in ranks["jax"]) * scale
-    cases.append({"case": f"2 ranks x {args.devices // 2} devices: {label}",
-                  "unit": unit, "ours": ours, "jax": theirs, "ratio": ours / theirs})
+  for m in METRICS:
+    ours = m.pick(r[m.field] for r in ranks["ours"]) * m.scale
+    theirs = m.pick(r[m.field] for r in ranks["jax"]) * m.scale
+    cases.append({"case": f"2 ranks x {args.devices // 2} devices: {m.label}",
+                  "unit": m.unit, "ours": ours, "jax": theirs, "ratio": ours / theirs})
   cases.append({"case": "XLA compilations per rank (ours)", "unit": "",
                 "ours": [r["compiles"] for r in ranks["ours"]], "jax": None, "ratio": None})
   return cases

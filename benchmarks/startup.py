@@ -14,6 +14,11 @@ import time
 
 from benchmarks._common import ROOT
 
+# A child's figure -> its row's label.
+ROWS = {"compile_part": "compile or load from cache",
+        "first_call": "first call (trace + compile or load + run)",
+        "to_first_result": "process start to first result"}
+
 
 def run(args) -> list[dict]:
   def child(which: str, cache_dir: str) -> dict:
@@ -32,9 +37,7 @@ def run(args) -> list[dict]:
         results[which][1].append(child(which, d))
   for which, (cold, warm) in results.items():
     assert all(abs(w["loss"] - cold[0]["loss"]) < 1e-6 for w in cold + warm), (cold, warm)
-  for field, label in (("compile_part", "compile or load from cache"),
-                       ("first_call", "first call (trace + compile or load + run)"),
-                       ("to_first_result", "process start to first result")):
+  for field, label in ROWS.items():
     for which in ("ours", "jax"):
       cold, warm = results[which]
       cold_t = statistics.median(c[field] for c in cold)
