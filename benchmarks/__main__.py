@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = parser().parse_args(argv)
   _scale.apply(args)
-  results = {"devices": args.devices, "cores": os.cpu_count(),
-             "date": time.strftime("%Y-%m-%d")}
+  results = {"devices": args.devices, "cores": os.cpu_count()}
   for name, run in SECTIONS.items():
     if args.only in (None, name):
       start = time.perf_counter()

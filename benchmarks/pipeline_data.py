@@ -1,0 +1,242 @@
+"""Pipeline x data section: pipeline stages with data parallelism inside
+them, ``partitioner.pipeline`` against the GPipe a jax user writes by hand
+on a ``('stage', 'data')`` mesh following MaxText.
+
+On 8 devices, the pipeline section's model (``benchmarks._gpipe``: 16
+residual MLP layers, d_model 256, d_ff 1024, batch 128, SGD, the
+parameters donated and fed back) for S x D = 2 x 4 and 4 x 2, M = 2S
+microbatches:
+
+- ours: ``partitioner.pipeline`` in a ``sharded_jit`` step, the stacked
+  weights ``P(S, 1, 1, grid=(S, D), axes=(0, None, None))`` and the batch
+  ``P(D, 1, grid=(S, D), axes=(1, None))``;
+- by hand: ``jax.jit`` with NamedShardings: the weights reshaped to
+  (S, L/S, ...) over 'stage', microbatch t the rows t, t + M, ... of the
+  batch (its 'data' split stays), a state buffer (S, microbatch, d) over
+  ('stage', 'data'), a ``lax.scan`` over M + S - 1 ticks, ``vmap`` of a
+  per-stage scan, ``jnp.roll`` to shift.
+
+Reported per S x D: steps/s (interleaved rounds, the median per-round
+ratio), collective bytes per step per device (``partitioner.cost``, loops
+counted by their trip counts), and the bytes of the data-parallel
+reduction of the weight gradients with how many times a step it runs.
+
+With ``--full``, one more set of rows plans the stack of a GPT at cluster
+scale on 64 simulated devices (a child process; compiled, never run): 32
+blocks of width 3840 with 32 heads, sequence 2048, bfloat16, global batch
+128 with one sequence per data block in a microbatch, S x D from 2 x 32 to
+32 x 2 for 8 hosts of 8 (A100 model): per device per step, the collective
+bytes against one reduction of a stage's gradients plus the stage-to-stage
+permutes (what the schedule must send).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from benchmarks import _gpipe
+from benchmarks._common import Row, child_rows, setup_jax
+from benchmarks.search import per_round, rounds_of
+
+LAYERS, D, F, BATCH = 16, 256, 1024, 128
+GRIDS = ((2, 4), (4, 2))
+REFERENCE = "by-hand GPipe x data (jax.jit)"
+CLUSTER = dict(layers=32, width=3840, heads=32, seq=2048, batch=128, devices=64, hosts=8)
+CLUSTER_GRIDS = ((2, 32), (4, 16), (8, 8), (16, 4), (32, 2))
+TIMEOUT = 1200
+
+
+def run(args) -> list[dict]:
+  jax = setup_jax(args.devices)
+  if args.devices < 8:
+    return []
+  rows = []
+  for s, d in GRIDS:
+    rows += case(jax, s, d, 2 * s, max(3, args.steps // 3))
+  if getattr(args, "full", False):
+    rows += child_rows("benchmarks.pipeline_data", timeout=TIMEOUT)
+  return rows
+
+
+def by_hand(jax, stages: int, data: int, microbatches: int):
+  """MaxText's GPipe with data parallelism, in ``jax.jit`` on a
+  ``('stage', 'data')`` mesh of the first S x D devices. Returns (the
+  jitted step, the parameters' sharding, x's sharding)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as JP
+
+  s, m = stages, microbatches
+  mesh = Mesh(np.array(jax.devices()[:s * data]).reshape(s, data), ("stage", "data"))
+  split, rows = NamedSharding(mesh, JP("stage")), NamedSharding(mesh, JP("data"))
+  state_sharding = NamedSharding(mesh, JP("stage", "data"))
+  pin = lambda v, sh: jax.lax.with_sharding_constraint(v, sh)
+
+  def stage_fn(w, h):  # one stage: a scan over its L/S layers
+    return jax.lax.scan(lambda h, p: (_gpipe.layer(p, h), None), h, w)[0]
+
+  def loss(params, x):
+    w = jax.tree_util.tree_map(lambda a: pin(a.reshape(s, -1, *a.shape[1:]), split), params)
+    xs = x.reshape(-1, m, x.shape[-1]).swapaxes(0, 1)  # microbatch t: rows t, t + M, ...
+    feed = jnp.concatenate([xs, jnp.broadcast_to(xs[:1], (s - 1, *xs.shape[1:]))])
+    first = jax.lax.broadcasted_iota(jnp.int32, (s, 1, 1), 0) == 0
+
+    def tick(state, x_t):
+      state = pin(jnp.where(first, x_t[None], state), state_sharding)
+      out = pin(jax.vmap(stage_fn)(w, state), state_sharding)
+      return pin(jnp.roll(out, 1, axis=0), state_sharding), out
+
+    state = pin(jnp.broadcast_to(xs[:1], (s, *xs.shape[1:])), state_sharding)
+    _, outs = jax.lax.scan(tick, state, feed)  # (M + S - 1, S, microbatch, d)
+    return jnp.mean(outs[s - 1:, s - 1] ** 2)  # the last stage's M outputs
+
+  rep = NamedSharding(mesh, JP())
+  step = jax.jit(_gpipe.sgd(loss), in_shardings=(split, rows), out_shardings=(split, rep),
+                 donate_argnums=0)
+  return step, split, rows
+
+
+def ours(stages: int, data: int, microbatches: int):
+  """The same step with ``partitioner.pipeline`` in a ``sharded_jit``."""
+  import jax.numpy as jnp
+
+  from partitioner import pipeline, sharded_jit
+  from sharding import PartitionSpec as P
+
+  grid = (stages, data)
+  w = P(stages, 1, 1, grid=grid, axes=(0, None, None))
+  x_parts = P(data, 1, grid=grid, axes=(1, None))
+  parts = {"w1": w, "w2": w}
+
+  def loss(params, x):
+    y = pipeline(_gpipe.layer, params, x, microbatches=microbatches, param_parts=parts,
+                 x_parts=x_parts)
+    return jnp.mean(y ** 2)
+
+  return sharded_jit(_gpipe.sgd(loss), in_parts=(parts, x_parts), out_parts=(parts, None),
+                     donate_argnums=0)
+
+
+def data_reduction(compiled) -> tuple[int, int]:
+  """(bytes per device, runs a step) of the reductions that are not a
+  scalar's and not collective-permutes: the weight gradients' over data."""
+  import partitioner
+  ops = [c for c in partitioner.explain(compiled).collectives
+         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 8]
+  return sum(c.bytes * c.runs for c in ops), sum(c.runs for c in ops)
+
+
+def case(jax, s: int, d: int, m: int, rounds: int) -> list[dict]:
+  """The rows of S x D with ``m`` microbatches, ours against by hand."""
+  import numpy as np
+
+  import partitioner
+
+  params, x = _gpipe.init(LAYERS, D, F, BATCH)
+  theirs, split, rows = by_hand(jax, s, d, m)
+  mine = ours(s, d, m)
+  placed = lambda: (jax.device_put(params, split), jax.device_put(x, rows))
+  losses = [float(f(*placed())[1]) for f in (mine, theirs)]
+  if not np.isclose(*losses, rtol=1e-4):
+    raise AssertionError(f"pipeline x data: {s} x {d}, ours and by hand disagree: {losses}")
+  compiled = {"ours": mine.lower(*placed()).compile(), "jax": theirs.lower(*placed()).compile()}
+  times = rounds_of({"ours": (mine, placed()), "jax": (theirs, placed())}, 1, rounds)
+  step = {k: statistics.median(t) for k, t in times.items()}
+  cost = {k: partitioner.cost(c) for k, c in compiled.items()}
+  red = {k: data_reduction(c) for k, c in compiled.items()}
+  where = f"{s} stages x {d} data, {m} microbatches"
+  table = [
+      Row("steps/s", 1 / step["ours"], 1 / step["jax"], "steps/s", REFERENCE, ">= 1.0"),
+      Row("collective bytes per step per device", cost["ours"].collective_bytes / 2**20,
+          cost["jax"].collective_bytes / 2**20, "MiB", REFERENCE, "<= 1.0",
+          f"{cost['ours'].collectives} collectives a step, by hand {cost['jax'].collectives}"),
+      Row("weight gradients' reduction over data per step per device", red["ours"][0] / 2**20,
+          red["jax"][0] / 2**20, "MiB", REFERENCE, "<= 1.0",
+          f"ours {red['ours'][1]} reduction(s) a step, by hand {red['jax'][1]}"),
+  ]
+  paired = per_round(times, "ours", "jax")
+  return [r.record(where, paired if r.what == "steps/s" else None) for r in table]
+
+
+# ---- at cluster scale: 64 simulated devices, compiled only ----
+
+
+def _block(heads: int, seq: int):
+  """A pre-norm GPT block: causal attention and a 4x MLP, bfloat16."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  def block(p, h):
+    x = h.astype(jnp.float32)
+    x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+    q, k, v = jnp.split(x.astype(h.dtype) @ p["qkv"], 3, axis=-1)
+    split = lambda a: a.reshape(*a.shape[:-1], heads, a.shape[-1] // heads)
+    q, k, v = split(q), split(k), split(v)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -1e9)
+    att = jax.nn.softmax(scores, -1).astype(h.dtype)
+    h = h + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(h.shape) @ p["out"]
+    return h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+  return block
+
+
+def cluster_row(jax, s: int, d: int) -> dict:
+  """S x D of the GPT stack on 64 devices: collective bytes per device per
+  step against one reduction of a stage's gradients plus the permutes."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  import partitioner
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+
+  c = CLUSTER
+  layers, width, bf16 = c["layers"], c["width"], jnp.bfloat16
+  shapes = {"qkv": (width, 3 * width), "out": (width, width), "w1": (width, 4 * width),
+            "w2": (4 * width, width)}
+  params = {k: jax.ShapeDtypeStruct((layers, *v), bf16) for k, v in shapes.items()}
+  x = jax.ShapeDtypeStruct((c["batch"], c["seq"], width), bf16)
+  w_spec = P(s, 1, 1, grid=(s, d), axes=(0, None, None))
+  x_spec = P(d, 1, 1, grid=(s, d), axes=(1, None, None))
+  block = _block(c["heads"], c["seq"])
+
+  def loss(ps, x):
+    y = partitioner.pipeline(block, ps, x, microbatches=c["batch"] // d, param_parts=w_spec,
+                             x_parts=x_spec)
+    return (y.astype(jnp.float32) ** 2).mean()
+
+  def step(ps, x):
+    value, grads = jax.value_and_grad(loss)(ps, x)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g.astype(p.dtype), ps, grads), value
+
+  f = sharded_jit(step, in_parts=(w_spec, x_spec), out_parts=(w_spec, None))
+  compiled = f.lower(params, x).compile()
+  cost = compiled.cost("a100", hosts=c["hosts"])
+  (pipe,) = compiled.explain().pipelines
+  # What the schedule must send: one ring all-reduce of a stage's gradients
+  # over the D data devices, in f32 (as XLA:CPU reduces bfloat16), and the
+  # activations' permutes between stages.
+  grads = sum(int(np.prod(v)) for v in shapes.values()) * layers // s * 4
+  floor = 2 * (d - 1) / d * grads + pipe.stage_bytes
+  return {"case": f"GPT stack, 32 x width 3840, 8 hosts x 8 (64 simulated devices): {s} stages"
+                  f" x {d} data, {c['batch'] // d} microbatches: collective bytes per device"
+                  " per step", "unit": "GB", "ours": cost.collective_bytes / 1e9,
+          "jax": floor / 1e9, "ratio": cost.collective_bytes / floor,
+          "against": "one reduction of a stage's gradients + the stage permutes",
+          "target": "<= 1.1",
+          "detail": f"across hosts {cost.network_bytes / 1e9:.3g} GB; data reduction"
+                    f" {pipe.data_bytes / 1e9:.3g} GB a device in {pipe.data_reductions} op(s)"
+                    f" (a stage's gradients in f32 {grads / 1e9:.3g} GB); permutes"
+                    f" {pipe.stage_bytes / 1e9:.3g} GB; estimated step {cost.seconds:.3g} s"}
+
+
+def main() -> None:
+  jax = setup_jax(CLUSTER["devices"])
+  print(json.dumps([cluster_row(jax, s, d) for s, d in CLUSTER_GRIDS]))
+
+
+if __name__ == "__main__":
+  main()
