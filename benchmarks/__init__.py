@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|startup|multiprocess]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
@@ -54,6 +54,14 @@ Sections (one module each):
             matmul flops against the ideal with the bubble, weights per
             device;
             and bytes across 2 hosts x 4 against data parallel 8.
+  pipeline_data  pipeline stages with data parallelism inside them (2 x 4
+            and 4 x 2 stages x data) against MaxText's GPipe on a
+            ('stage', 'data') mesh in jax.jit: steps/s, collective bytes,
+            the weight gradients' reduction over data; with --full, a GPT
+            stack at cluster scale on 64 simulated devices, compiled only
+            (``python -m benchmarks.pipeline_data``): collective bytes per
+            device per step against one gradient reduction plus the
+            permutes, S x D from 2 x 32 to 32 x 2.
 
 Not a section: ``python -m benchmarks.calibrate`` fits the search's ``cpu``
 device model to this host (see its docstring).

@@ -17,6 +17,7 @@ from benchmarks import (
   layout,
   multiprocess,
   pipeline,
+  pipeline_data,
   report,
   scaling,
   search,
@@ -26,7 +27,8 @@ from benchmarks import (
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
-            "pipeline": pipeline.run, "startup": startup.run, "multiprocess": multiprocess.run}
+            "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
+            "startup": startup.run, "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ ratio), collective bytes per step per device (``partitioner.cost``, loops
 counted by their trip counts), and the bytes of the data-parallel
 reduction of the weight gradients with how many times a step it runs.
 
-With ``--full``, one more set of rows plans the stack of a GPT at cluster
+With ``--full`` (``cluster``), one more set of rows plans the stack of a GPT at cluster
 scale on 64 simulated devices (a child process; compiled, never run): 32
 blocks of width 3840 with 32 heads, sequence 2048, bfloat16, global batch
 128 with one sequence per data block in a microbatch, S x D from 2 x 32 to
@@ -54,7 +54,7 @@ def run(args) -> list[dict]:
   rows = []
   for s, d in GRIDS:
     rows += case(jax, s, d, 2 * s, max(3, args.steps // 3))
-  if getattr(args, "full", False):
+  if args.cluster:  # (--full) the 64-device rows, from a child process
     rows += child_rows("benchmarks.pipeline_data", timeout=TIMEOUT)
   return rows
 
