@@ -50,8 +50,9 @@ class Cost:
     peak_memory: XLA's per-device peak estimate (arguments + outputs +
       temporaries - aliased).
     seconds: the estimated time of one call under the device model.
-    matmul_flops: the part of ``flops`` in matrix multiplies (dots), each
-      as often as it runs: what a layout's share of the work is judged by.
+    matmul_flops: the part of ``flops`` in matrix multiplies (dots, and
+      on GPU the cuBLAS calls XLA turns them into), each as often as it
+      runs: what a layout's share of the work is judged by.
   """
   flops: float
   bytes_accessed: float
@@ -231,7 +232,7 @@ def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.flops += counts.get(name, 1) * f
-        part.matmul_flops += counts.get(name, 1) * f if " dot(" in line else 0.0
+        part.matmul_flops += counts.get(name, 1) * f if _hlo.is_matmul(line) else 0.0
 
 
 def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],

@@ -46,7 +46,8 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
 @dataclasses.dataclass(frozen=True)
 class Instruction:
   """One HLO instruction: ``opcode`` without ``-start``, the bytes of its
-  result per device (an async start's: its largest array), ``op_name``,
+  result per device (an async start's: its results, see
+  :func:`result_bytes`), ``op_name``,
   the user's line behind it (``source``, ``via``: see ``source()``), its
   text (``line``: replica groups and the rest) and how many times it runs
   per call (``runs``: inside a while loop, the loop's trip count)."""
@@ -82,9 +83,7 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
     kind = m.group("kind")
     start = kind.endswith("-start") if every else bool(m.group("start"))
     kind = kind[:-len("-start")] if every and start else kind
-    arrays = [array_bytes(t, d) for t, d in ARRAY.findall(m.group("shape"))]
-    # Async starts return (operands..., results..., context): count the result.
-    size = max(arrays, default=0) if start else sum(arrays)
+    size = result_bytes(kind, m.group("shape"), start)
     op_name = re.search(r'op_name="([^"]*)"', line)
     where, via = source(line, frames)
     found.append(Instruction(
@@ -92,6 +91,46 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
         op_name=op_name.group(1) if op_name else "", source=where, via=via,
         root=bool(every and m.group("root")), line=line, runs=times))
   return found
+
+
+def result_bytes(kind: str, shape: str, start: bool = False) -> int:
+  """The bytes of an instruction's result per device, every array of it.
+
+  An async start's shape holds more than its result. ``all-reduce-start``
+  returns its results alone (one array, or a tuple when XLA combined
+  several all-reduces into one); every other start returns a tuple whose
+  second element is the result: ``all-gather-start`` ``(operand, result)``,
+  or ``((operands...), (results...))`` combined; ``collective-permute-start``
+  ``(operand, result, u32[], u32[])``; the async wrappers of
+  reduce-scatter and all-to-all ``((operands...), result, context...)``.
+  A combined start counts all its results (GPU and TPU combine the
+  gradients' collectives of many layers), not its largest array.
+  """
+  if start and kind != "all-reduce":
+    elements = tuple_elements(shape)
+    shape = elements[1] if len(elements) > 1 else shape
+  return sum(array_bytes(t, d) for t, d in ARRAY.findall(shape))
+
+
+def tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape's text (``[shape]`` for an
+  array). Commas inside dimensions, layouts (``{1,0:T(8,128)}``) and inner
+  tuples do not split."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  elements, depth, begin = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if (ch == "," and depth == 1) or depth == 0:
+      elements.append(shape[begin:i].strip())
+      begin = i + 1
+    if depth == 0:
+      break
+  return [e for e in elements if e]
 
 
 def array_bytes(dtype: str, dims: str) -> int:
@@ -265,10 +304,38 @@ def runs(hlo_text: str) -> dict[str, int]:
 
 
 def flops(lines: list[str], matmuls_only: bool = False) -> float:
-  """The flops of one computation's lines: a dot's 2 x the result's
-  elements x the contracted size of the left operand, an elementwise op's
-  (or a reduction's) one per element (not with ``matmuls_only``)."""
+  """The flops of one computation's lines: a matmul's (a dot or a cuBLAS
+  gemm) 2 x the result's elements x the contracted size of the left
+  operand, an elementwise op's (or a reduction's) one per element (not
+  with ``matmuls_only``)."""
   return sum(f for _, f in line_flops(lines, matmuls_only))
+
+
+# On GPU, XLA rewrites most dots into cuBLAS calls (``__cublas$gemm``,
+# ``__cublas$lt$matmul`` and its fp8 form), their dimension numbers in the
+# backend config's JSON (``"lhs_contracting_dimensions":["1"]``, the quotes
+# escaped where the config is printed as a string). cuDNN's convolutions
+# (``__cudnn$...``) are no matmuls here, as XLA's convolutions are not.
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_GEMM_CONTRACTING = re.compile(r'lhs_contracting_dimensions\\?"?:\[([^\]]*)\]')
+# An operand's name: the word before a comma or the end (the operands may
+# be printed with their shapes, ``f32[8,16]{1,0} %x``).
+_OPERAND_NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)(?=\s*(?:,|$))")
+
+
+def is_matmul(line: str) -> bool:
+  """Whether an HLO line is a matrix multiply: a dot or a cuBLAS gemm."""
+  return " dot(" in line or bool(_GEMM.search(line))
+
+
+def _first_operand(args: str) -> str:
+  m = _OPERAND_NAME.search(args.strip())
+  return m.group(1) if m else ""
+
+
+def _elements(dims: str) -> int:
+  return math.prod(int(d) for d in dims.split(",") if d)
 
 
 def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
@@ -284,23 +351,34 @@ def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, 
     kind = m.group("kind")
     if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
       arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
-                             shapes.get(m.group("args").split(",")[0].strip().lstrip("%"), ""))
-      found.append((line, float(sum(math.prod(int(d) for d in a.split(",") if d)
-                                    for a in arrays[:1]))))
+                             shapes.get(_first_operand(m.group("args")), ""))
+      found.append((line, float(sum(_elements(a) for a in arrays[:1]))))
       continue
-    if kind != "dot":
-      continue
-    out = _DIMS.search(m.group("shape"))
-    lhs = m.group("args").split(",")[0].strip().lstrip("%")
-    lhs_dims = _DIMS.search(shapes.get(lhs, ""))
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-    if out is None or lhs_dims is None:
-      continue
-    dims = [int(d) for d in lhs_dims.group(1).split(",") if d]
-    k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) \
-        if contracting else 1
-    found.append((line, 2.0 * math.prod(int(d) for d in out.group(1).split(",") if d) * k))
+    f = _matmul_flops(m, line, shapes)
+    if f is not None:
+      found.append((line, f))
   return found
+
+
+def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
+  """A dot's or a cuBLAS gemm's flops: 2 x the result's elements (a gemm's
+  result is its tuple's first array; the second is its workspace) x the
+  contracted size of the left operand; None for any other op, or where the
+  shapes are unknown."""
+  if m.group("kind") == "dot":
+    contracting = _DOT_CONTRACTING.search(line)
+  elif m.group("kind") == "custom-call" and _GEMM.search(line):
+    contracting = _GEMM_CONTRACTING.search(line)
+  else:
+    return None
+  out = _DIMS.search(m.group("shape"))
+  lhs = _DIMS.search(shapes.get(_first_operand(m.group("args")), ""))
+  if out is None or lhs is None:
+    return None
+  dims = [int(d) for d in lhs.group(1).split(",") if d]
+  k = math.prod(dims[int(i)] for i in re.findall(r"\d+", contracting.group(1))) \
+      if contracting else 1
+  return 2.0 * _elements(out.group(1)) * k
 
 
 def repeated_flops(hlo_text: str) -> float:
@@ -313,7 +391,8 @@ def repeated_flops(hlo_text: str) -> float:
 
 
 def matmul_flops(hlo_text: str) -> float:
-  """The flops of every dot of the program, each as often as it runs."""
+  """The flops of every matmul of the program (dots, cuBLAS gemms), each
+  as often as it runs."""
   counts = runs(hlo_text)
   return sum(counts.get(name, 1) * flops(lines, matmuls_only=True)
              for name, lines in computations(hlo_text).items() if name)

@@ -1,0 +1,161 @@
+"""White-box: the HLO reader on GPU/TPU text, synthetic: async collectives
+XLA combined into one start, and cuBLAS gemms counted as matmuls."""
+
+import re
+
+import pytest
+
+from partitioner._report import collect as _collect
+from partitioner._report import cost as _cost
+from partitioner._report import device_models as _device_models
+from partitioner._report import hlo as _hlo
+
+# ---- async collectives: a start's bytes are its results' ----
+
+# How XLA prints them after its combiners: an all-reduce-start returns its
+# results alone (a tuple when combined); an all-gather-start
+# ((operands...), (results...)) when combined, (operand, result) when not;
+# a collective-permute-start (operand, result, u32[], u32[]); a
+# reduce-scatter's async wrapper ((operands...), result).
+_ASYNC = """\
+HloModule m, num_partitions=4
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[1024], b: f32[256,256], c: f32[64,128]) -> f32[8] {
+  %a = f32[1024]{0} parameter(0)
+  %b = f32[256,256]{1,0} parameter(1)
+  %c = f32[64,128]{1,0} parameter(2)
+  %ars = (f32[1024]{0}, f32[256,256]{1,0}) all-reduce-start(%a, %b), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%sum, metadata={op_name="grads"}
+  %ard = (f32[1024]{0}, f32[256,256]{1,0}) all-reduce-done(%ars)
+  %one = f32[1024]{0} all-reduce-start(%a), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%sum
+  %oned = f32[1024]{0} all-reduce-done(%one)
+  %ags = ((f32[1024]{0}, f32[64,128]{1,0}), (f32[4096]{0}, f32[256,128]{1,0})) all-gather-start(%a, %c), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}
+  %agd = (f32[4096]{0}, f32[256,128]{1,0}) all-gather-done(%ags)
+  %ag1 = (f32[64,128]{1,0:T(8,128)}, f32[256,128]{1,0:T(8,128)}) all-gather-start(%c), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %ag1d = f32[256,128]{1,0} all-gather-done(%ag1)
+  %cps = (f32[64,128]{1,0}, f32[64,128]{1,0}, u32[], u32[]) collective-permute-start(%c), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = f32[64,128]{1,0} collective-permute-done(%cps)
+  %rss = ((f32[1024]{0}), f32[256]{0}) reduce-scatter-start(%a), channel_id=6, replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%sum
+  %rsd = f32[256]{0} reduce-scatter-done(%rss)
+  ROOT %r = f32[8]{0} constant({0,0,0,0,0,0,0,0})
+}
+"""
+_KIB = 1024
+
+
+def test_combined_starts_count_every_result():
+  ops = _hlo.instructions(_ASYNC)
+  assert [(o.opcode, o.bytes) for o in ops] == [
+      ("all-reduce", 4 * _KIB + 256 * _KIB),   # both results, not the largest
+      ("all-reduce", 4 * _KIB),                # one: unchanged
+      ("all-gather", 16 * _KIB + 128 * _KIB),  # the results tuple, not the operands
+      ("all-gather", 128 * _KIB),              # one: its result (tiled layout read through)
+      ("collective-permute", 32 * _KIB),       # its result, not the contexts
+      ("reduce-scatter", 1 * _KIB)]            # the wrapper's result
+
+
+@pytest.mark.parametrize(("shape", "elements"), [
+    ("f32[8]{0}", ["f32[8]{0}"]),
+    ("(f32[8]{0}, f32[2,8]{1,0})", ["f32[8]{0}", "f32[2,8]{1,0}"]),
+    ("((f32[2]{0}, s32[]), (f32[8]{0:T(8)}, s32[4]), u32[])",
+     ["(f32[2]{0}, s32[])", "(f32[8]{0:T(8)}, s32[4])", "u32[]"]),
+])
+def test_tuple_elements_split_at_the_top_level(shape, elements):
+  assert _hlo.tuple_elements(shape) == elements
+
+
+def test_explain_and_cost_follow_the_combined_bytes():
+  found = _collect.collectives(_ASYNC)
+  assert [c.bytes for c in found][:3] == [260 * _KIB, 4 * _KIB, 144 * _KIB]
+  # The ring's weights over a group of 4: 2 (g-1)/g for an all-reduce,
+  # (g-1)/g for an all-gather, g-1 for a reduce-scatter, 1 for a permute.
+  memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
+                          "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
+  device = _device_models.default_model("cpu", "cpu")
+  score = _cost.score(_ASYNC, {}, memory, [0, 0, 0, 0], device)
+  expected = (1.5 * (260 + 4) + 0.75 * (144 + 128) + 3 * 1 + 32) * _KIB
+  assert score.collectives == 6 and score.collective_bytes == pytest.approx(expected)
+  # scoped() shares the combined all-reduce among its operands by their bytes.
+  parts = _cost.scoped(_ASYNC, [0, 0, 0, 0], re.compile(r"(grads)"))
+  assert parts[None].collective_bytes == pytest.approx(expected)
+
+
+# ---- cuBLAS gemms: matmuls, as often as their loop runs ----
+
+# As XLA's GPU compiler prints a dot it rewrote into a cuBLAS call: a tuple
+# of the result and a workspace, the dimension numbers in the backend
+# config. Here a batched [4,8,16] x [4,16,32] inside a while body run 6
+# times, a plain gemm once in the entry (its config printed as an escaped
+# string, as older XLA does), and a cuDNN convolution (not a matmul).
+_GEMM_CONFIG = ('backend_config={"gemm_backend_config":{"alpha_real":1,"alpha_imag":0,'
+                '"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],'
+                '"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],'
+                '"rhs_batch_dimensions":["0"]},"precision_config":{"operand_precision":'
+                '["DEFAULT","DEFAULT"]},"epilogue":"DEFAULT","grad_x":false,"grad_y":false}}')
+_GPU = f"""\
+HloModule m, is_scheduled=true
+
+%body (arg: (s32[], f32[4,8,16], f32[4,16,32])) -> (s32[], f32[4,8,16], f32[4,16,32]) {{
+  %arg = (s32[], f32[4,8,16]{{2,1,0}}, f32[4,16,32]{{2,1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4,8,16]{{2,1,0}} get-tuple-element(%arg), index=1
+  %w = f32[4,16,32]{{2,1,0}} get-tuple-element(%arg), index=2
+  %gemm = (f32[4,8,32]{{2,1,0}}, s8[4194304]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={{op_name="layer/dot_general"}}, {_GEMM_CONFIG}
+  %out = f32[4,8,32]{{2,1,0}} get-tuple-element(%gemm), index=0
+  ROOT %t = (s32[], f32[4,8,16]{{2,1,0}}, f32[4,16,32]{{2,1,0}}) tuple(%i, %x, %w)
+}}
+
+%cond (arg.1: (s32[], f32[4,8,16], f32[4,16,32])) -> pred[] {{
+  %arg.1 = (s32[], f32[4,8,16]{{2,1,0}}, f32[4,16,32]{{2,1,0}}) parameter(0)
+  %n = s32[] constant(6)
+  %j = s32[] get-tuple-element(%arg.1), index=0
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}}
+
+ENTRY %main (p: f32[4,8,16], q: f32[4,16,32], a: f32[8,16], b: f32[16,64]) -> f32[8,64] {{
+  %p = f32[4,8,16]{{2,1,0}} parameter(0)
+  %q = f32[4,16,32]{{2,1,0}} parameter(1)
+  %a = f32[8,16]{{1,0}} parameter(2)
+  %b = f32[16,64]{{1,0}} parameter(3)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,8,16]{{2,1,0}}, f32[4,16,32]{{2,1,0}}) tuple(%z, %p, %q)
+  %loop = (s32[], f32[4,8,16]{{2,1,0}}, f32[4,16,32]{{2,1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"6"}}}}
+  %conv = (f32[1,8,8,4]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%p, %q), window={{size=3x3}}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  %mm = (f32[8,64]{{1,0}}, s8[1024]{{0}}) custom-call(f32[8,16]{{1,0}} %a, f32[16,64]{{1,0}} %b), custom_call_target="__cublas$lt$matmul", backend_config="{{\\"alpha_real\\":1,\\"dot_dimension_numbers\\":{{\\"lhs_contracting_dimensions\\":[\\"1\\"],\\"rhs_contracting_dimensions\\":[\\"0\\"],\\"lhs_batch_dimensions\\":[],\\"rhs_batch_dimensions\\":[]}}}}"
+  ROOT %r = f32[8,64]{{1,0}} get-tuple-element(%mm), index=0
+}}
+"""
+_BATCHED = 2.0 * (4 * 8 * 32) * 16   # 2 x the result's elements x the contracted size
+_PLAIN = 2.0 * (8 * 64) * 16
+
+
+def test_cublas_gemms_are_matmuls():
+  comps = _hlo.computations(_GPU)
+  assert _hlo.flops(comps["body"], matmuls_only=True) == _BATCHED
+  assert _hlo.flops(comps["main"], matmuls_only=True) == _PLAIN  # not the convolution
+  assert _hlo.is_matmul(comps["body"][4]) and not _hlo.is_matmul(comps["main"][7])
+
+
+def test_a_gemm_in_a_loop_counts_every_iteration():
+  assert _hlo.runs(_GPU)["body"] == 6
+  assert _hlo.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
+  # XLA's cost analysis counts a loop body once: the 5 other iterations
+  # (and the condition's compare, tested 7 times, 6 more).
+  assert _hlo.repeated_flops(_GPU) == 5 * _BATCHED + 6
+  part = _cost.scoped(_GPU, [0], re.compile(r"(layer)"))["layer"]
+  assert part.matmul_flops == 6 * _BATCHED
+
+
+def test_dots_are_counted_as_before():
+  lines = ["  %x = f32[8,16]{1,0} parameter(0)",
+           "  %y = f32[16,4]{1,0} parameter(1)",
+           "  ROOT %d = f32[8,4]{1,0} dot(f32[8,16]{1,0} %x, f32[16,4]{1,0} %y),"
+           " lhs_contracting_dims={1}, rhs_contracting_dims={0}"]
+  assert _hlo.flops(lines, matmuls_only=True) == 2.0 * 8 * 4 * 16
+  assert _hlo.flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
+                     .replace("f32[16,4]{1,0} %y", "%y")]) == 2.0 * 8 * 4 * 16
