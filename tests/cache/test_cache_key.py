@@ -1,10 +1,13 @@
 """The persistent cache key: stable for the same program, different for any change."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from partitioner import config, sharded_jit
+from partitioner.launch import with_cpu_device_count
 from sharding import PartitionSpec as P
 
 W = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
@@ -34,3 +37,31 @@ def test_key_changes_with_everything_that_changes_the_binary():
       key(devices=jax.devices()[4:]),                      # device assignment
   ]
   assert len(set(variants)) == len(variants) and base not in variants
+
+
+def test_key_changes_with_the_xla_flags_of_the_environment(monkeypatch):
+  """XLA reads XLA_FLAGS (and libtpu LIBTPU_INIT_ARGS) when it starts: a
+  --xla_gpu_* flag changes the binary, so it changes the key."""
+  def key():
+    return sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=None).lower(W, X).cache_key()
+  flags = os.environ.get("XLA_FLAGS", "")
+  base = key()
+  monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_gpu_enable_latency_hiding_scheduler=true")
+  gpu_flag = key()
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_async_all_gather=true")
+  tpu_flag = key()
+  monkeypatch.delenv("LIBTPU_INIT_ARGS")
+  assert key() == base
+  assert len({base, gpu_flag, tpu_flag}) == 3
+
+
+def test_the_simulated_device_count_alone_keeps_the_key(monkeypatch):
+  """The device count only says how many devices the client has; the key
+  holds the devices the program runs on. Same devices, same key."""
+  def key():
+    return sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=None,
+                       devices=jax.devices()[:4]).lower(W, X).cache_key()
+  base = key()
+  monkeypatch.setenv("XLA_FLAGS", with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 16))
+  assert key() == base

@@ -7,8 +7,10 @@ the process: the module is hashed as printed text without source locations.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
+import os
 import platform
 from collections.abc import Callable, Sequence
 
@@ -36,15 +38,46 @@ def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
     module_text: the module after sharding insertion, printed without
       locations.
     options: the compile options (partition count, device assignment, XLA
-      overrides, optimization level: all of it, serialized).
+      overrides, optimization level: all of it, serialized, less the
+      simulated device count).
     mode: the partitioner, ``"shardy"`` or ``"gspmd"``.
     devices: the device assignment.
   """
   h, add = _hasher()
   add("module", module_text)
-  add("compile_options", _compat.serialize_compile_options(options))
+  add("compile_options", _compat.serialize_compile_options(_without_device_count(options)))
+  add("xla_flags", xla_flags("XLA_FLAGS"))
+  add("libtpu_init_args", xla_flags("LIBTPU_INIT_ARGS"))
   _add_target(add, mode, devices)
   return h.hexdigest()
+
+
+# Flags that change no binary. The simulated CPU device count says how many
+# devices the client has; which of them a program runs on is in the key
+# already (the device assignment's ids and kinds).
+_NOT_IN_KEY = frozenset({"--xla_force_host_platform_device_count"})
+
+
+def xla_flags(variable: str) -> str:
+  """The XLA flags an environment variable sets (``XLA_FLAGS``, or libtpu's
+  ``LIBTPU_INIT_ARGS``), sorted, less those that change no binary.
+
+  XLA reads them when the backend starts: a ``--xla_gpu_*`` flag changes
+  what the compiler makes, and libtpu's flags never reach the compile
+  options. Every rank of a job runs with the same flags, so the key stays
+  the same on every rank.
+  """
+  flags = os.environ.get(variable, "").split()
+  return "\n".join(sorted(f for f in flags if f.split("=")[0] not in _NOT_IN_KEY))
+
+
+def _without_device_count(options: _compat.CompileOptions) -> _compat.CompileOptions:
+  """A copy of the options with the simulated device count at one fixed
+  value: XLA copies ``XLA_FLAGS`` into the options' debug options, this
+  flag among them (the options it compiles with are left as they are)."""
+  options = copy.deepcopy(options)
+  options.executable_build_options.debug_options.xla_force_host_platform_device_count = 0
+  return options
 
 
 def _add_target(add: Callable[[str, str], None], mode: str,
