@@ -6,7 +6,10 @@
 It starts ``mpiexec -n N python train.py args...`` with the ``mpiexec`` that
 came with the ``mpi`` extra (the mpich wheel, next to this Python), or the
 one on PATH. ``--devices-per-process K`` gives each process K simulated CPU
-devices (``XLA_FLAGS=--xla_force_host_platform_device_count=K``). The script
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=K``), and on a
+host with GPUs that jax can use, K GPUs of its own: rank r gets GPUs
+r*K .. r*K+K-1 of the host's (or of those ``CUDA_VISIBLE_DEVICES`` lists)
+as its ``CUDA_VISIBLE_DEVICES``; fewer than N*K GPUs is an error. The script
 calls ``partitioner.initialize()`` (or just uses ``sharded_jit``) to join
 the other processes. The exit code is the job's: non-zero if any rank
 fails, or if a rank did not finish normally (killed, or ``os._exit``) even
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import select
 import shutil
@@ -38,14 +42,20 @@ import tempfile
 import threading
 
 from partitioner._distributed import console as _console
+from partitioner._distributed.env import (
+  LAUNCH_GPUS_ENV,
+  host_gpu_count,
+  read_marks,
+  split_gpus,
+  visible_gpus,
+)
 from partitioner._distributed.env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed.env import launcher_world as launcher_world
-from partitioner._distributed.env import read_marks
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
 from partitioner._distributed.job_report import exit_statuses, how_it_ended
 from sharding._checks import positive_count
 
-__all__ = ["LAUNCHER_ENV", "command", "environment", "find_mpiexec",
+__all__ = ["LAUNCHER_ENV", "command", "environment", "find_gpus", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]
 
 
@@ -105,12 +115,46 @@ def with_cpu_device_count(xla_flags: str, count: int) -> str:
   return " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={count}"])
 
 
+# jax's GPU plugins: a host's GPUs are jax's only where one is installed.
+_GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
+def find_gpus(environ=None, dev: str = "/dev") -> list[str]:
+  """The GPUs the ranks may share out: those ``CUDA_VISIBLE_DEVICES`` lists,
+  else the host's (``/dev/nvidia0``, ...: no driver call); ``[]`` where jax
+  would not use them (no jax GPU plugin installed, or ``JAX_PLATFORMS``
+  names no GPU platform), so a CPU run stays one."""
+  environ = os.environ if environ is None else environ
+  platforms = environ.get("JAX_PLATFORMS", "").lower()
+  if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+    return []
+  if not any(importlib.util.find_spec(p) for p in _GPU_PLUGINS):
+    return []
+  mask = visible_gpus(environ)
+  if mask is not None and mask[0] == "CUDA_VISIBLE_DEVICES":
+    return mask[1]
+  return [str(i) for i in range(host_gpu_count(dev))]
+
+
 def environment(devices_per_process: int | None, marker_dir: str,
-                verbose: bool = False) -> dict[str, str]:
+                verbose: bool = False, num_processes: int = 1,
+                gpus: list[str] | None = None) -> dict[str, str]:
+  """The job's environment: ``devices_per_process`` simulated CPU devices
+  each and, with ``gpus`` (default :func:`find_gpus`), that many GPUs of
+  its own for each of the ``num_processes`` ranks (rank_main sets each
+  rank's ``CUDA_VISIBLE_DEVICES`` from it).
+
+  Raises:
+    ValueError: fewer GPUs than ``num_processes * devices_per_process``.
+  """
   env = dict(os.environ)
   env["SHARDED_JIT_LAUNCH_DIR"] = marker_dir
   if devices_per_process:
     env["XLA_FLAGS"] = with_cpu_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
+    gpus = find_gpus(env) if gpus is None else gpus
+    if gpus:
+      env[LAUNCH_GPUS_ENV] = split_gpus(gpus, num_processes, devices_per_process)
+      env["SHARDED_JIT_DEVICES_PER_PROCESS"] = str(devices_per_process)
   if verbose:
     env[_console.VERBOSE_ENV] = "1"
   return env
@@ -129,7 +173,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("-n", "--num-processes", "--num_processes", type=int,
                       required=True, metavar="N", help="number of processes (MPI ranks)")
   parser.add_argument("--devices-per-process", "--devices_per_process", type=int,
-                      default=None, metavar="K", help="simulated CPU devices per process")
+                      default=None, metavar="K",
+                      help="devices per process: K simulated CPU devices, and on a"
+                           " GPU host K GPUs each (rank r: GPUs r*K .. r*K+K-1)")
   parser.add_argument("--prefix-rank", "--prefix_rank", action="store_true",
                       help="start each line of output with the rank that wrote it:"
                            " [rank 0] ... (needs MPICH's mpiexec, as the mpi extra brings)")
@@ -161,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
   hide = [_EXIT_LINE, *([] if verbose else [_console.gloo_connected])]
   cmd = command(args.num_processes, args.target, args.module)
   with tempfile.TemporaryDirectory(prefix="sharded_jit_launch_") as markers:
-    proc = subprocess.Popen(cmd, env=environment(args.devices_per_process, markers, verbose),
+    try:
+      env = environment(args.devices_per_process, markers, verbose, args.num_processes)
+    except ValueError as e:
+      parser.error(str(e))
+    proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)

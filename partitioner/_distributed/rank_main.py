@@ -7,7 +7,9 @@ is imported before the user's script. It leaves markers in
 killed, or that left through ``os._exit``, leaves no ``done``: MPICH's
 launcher ends the whole job when one rank exits early, and may still report
 success, so the launcher checks the markers (``_ending`` adds how a rank
-failed). It also shows rank 0's ready line (``_console.show_ready_line``).
+failed). It also shows rank 0's ready line (``_console.show_ready_line``),
+and on a GPU host gives the rank its own GPUs (``env.rank_environment``:
+``CUDA_VISIBLE_DEVICES``) before anything can start a GPU runtime.
 """
 
 import atexit
@@ -33,6 +35,7 @@ def _sibling(name: str):
 
 def main() -> None:
   env = _sibling("env")
+  os.environ.update(env.rank_environment())
   _sibling("console").show_ready_line(sys.stdout)
   rank, _ = env.launcher_world()
   env.mark(rank, "started", str(os.getpid()))

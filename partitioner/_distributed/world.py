@@ -1,11 +1,13 @@
 """Multi-process runs: bootstrap from the launcher, and the few collectives we need.
 
 Processes are started by a launcher (``mpirun``/``mpiexec``, Slurm's
-``srun``, or ``python -m partitioner.launch``; ``_env`` reads which).
-:func:`initialize` initialises ``jax.distributed``: from the MPI
-communicator where the launcher offers an MPI world that mpi4py can join
-(rank 0 picks a free port and broadcasts the coordinator address), else from
-Slurm's variables; process id = rank, process count = size. From then on
+``srun``, or ``python -m partitioner.launch``; ``env`` reads which), or
+one per worker of a multi-host Cloud TPU slice. :func:`initialize`
+initialises ``jax.distributed``: from the MPI communicator where the
+launcher offers an MPI world that mpi4py can join (rank 0 picks a free port
+and broadcasts the coordinator address), else from Slurm's variables, and
+on a TPU slice through jax's own detection; process id = rank, process
+count = size. From then on
 XLA's own runtime moves the data (gloo on CPU, NCCL on GPU); MPI, or jax's
 coordination service without it (``_channels``), is used only for this
 bootstrap, for sharing compiled programs and for ending the job.
@@ -30,12 +32,15 @@ from partitioner._distributed import channels as _channels
 from partitioner._distributed import console as _console
 from partitioner._distributed import ending as _ending
 from partitioner._distributed import quiet as _quiet
+from partitioner._distributed import tpu_metadata as _tpu_metadata
 from partitioner._distributed.env import (
+  TPU_WORKERS_ENV,
   Launch,
   choose_local_device_ids,
   detect,
   launcher_world,
   mark,
+  physical_gpu,
   slurm_coordinator,
 )
 from partitioner._distributed.errors import PeerError
@@ -129,7 +134,9 @@ def initialize(coordinator_address: str | None = None,
   anything touches a jax device (``sharded_jit`` calls it for you when it
   still can). Launchers: Open MPI's ``mpirun``, MPICH's ``mpiexec`` (the
   ``mpi`` extra's, or a system one), Slurm's ``srun`` (with or without an
-  MPI plugin) and ``python -m partitioner.launch``. Where the launcher
+  MPI plugin) and ``python -m partitioner.launch``; without a launcher, the
+  workers of a multi-host Cloud TPU slice (``gcloud compute tpus tpu-vm ssh
+  --worker=all``) join through jax's own TPU detection. Where the launcher
   offers an MPI world that mpi4py's library can join, rank 0 picks a free
   port and broadcasts the coordinator address over MPI; under plain ``srun``
   (no PMI) the rank, size and coordinator come from Slurm's variables and
@@ -144,9 +151,12 @@ def initialize(coordinator_address: str | None = None,
       a free port (under plain srun: the step's first node, a port from the
       job and step ids). Env: ``SHARDED_JIT_COORDINATOR_ADDRESS``.
     local_device_ids: the ids of the local devices this process claims; by
-      default all of them with one process per host, and with several
-      processes per host (and accelerators) the one whose index is the
-      process's local rank, or ``SHARDED_JIT_DEVICES_PER_PROCESS`` of them.
+      default all it sees where the launcher gave each process its own
+      GPUs (``CUDA_VISIBLE_DEVICES`` of one GPU, or fewer than the host
+      has: ``srun --gpus-per-task``), all of them with one process per
+      host, and with several processes per host (and accelerators) the one
+      whose index is the process's local rank, or
+      ``SHARDED_JIT_DEVICES_PER_PROCESS`` of them.
       Env: ``SHARDED_JIT_LOCAL_DEVICE_IDS=0,1``.
 
   Returns:
@@ -162,7 +172,7 @@ def initialize(coordinator_address: str | None = None,
   with _runtime.lock:
     if _runtime.world is not None:
       return _runtime.world
-    launch = detect()
+    launch = _detect()
     if launch.size == 1:
       _runtime.world = World()
       return _runtime.world
@@ -184,21 +194,38 @@ def initialize(coordinator_address: str | None = None,
     _join(launch, rank, address, ids)
     if held is not None:  # jax's coordinator has its port now
       held.close()
+    _check_jax_agrees(launch)
     _install_termination_message(rank, size)
     _runtime.world = World(rank, size, _channel(comm, rank, size), launch.launcher)
     # Setting up the devices exchanges every rank's device list: then all are in.
-    _check_claims(_runtime.world, ids, jax.local_devices())
-    _console.announce_ready(rank, size, jax.local_device_count(), jax.device_count())
+    _check_claims(_runtime.world, jax.local_devices())
+    _console.announce_ready(rank, size, jax.local_device_count(), jax.device_count(),
+                            "through jax's TPU detection" if launch.jax_detects else "")
     return _runtime.world
 
 
+def _detect() -> Launch:
+  """The launch (``env.detect``); on a GCE TPU VM whose environment names
+  no slice, the workers its metadata server names (as jax's detection
+  finds them)."""
+  launch = detect()
+  if (launch.size > 1 or any(v in os.environ for v in TPU_WORKERS_ENV)
+      or not _tpu_metadata.has_tpu_chips()):
+    return launch
+  found = _tpu_metadata.slice_environ()
+  return detect({**found, **os.environ}) if found else launch
+
+
 def _coordinator(launch: Launch, comm: Any, address: str | None
-                 ) -> tuple[int, str, socket.socket | None]:
+                 ) -> tuple[int, str | None, socket.socket | None]:
   """This process's rank, the coordinator's ``host:port``, and (on rank 0
   when it picked the port) the socket that holds the port until jax's
   coordinator takes it. Under MPI, rank 0 picks and broadcasts it; under
-  plain srun, Slurm's variables give it."""
+  plain srun, Slurm's variables give it; on a TPU slice jax finds it
+  (None)."""
   given = address or os.environ.get("SHARDED_JIT_COORDINATOR_ADDRESS")
+  if comm is None and launch.jax_detects:
+    return launch.rank, given, None
   if comm is None:
     return launch.rank, given or slurm_coordinator(), None
   rank = comm.Get_rank()
@@ -213,23 +240,45 @@ def _coordinator(launch: Launch, comm: Any, address: str | None
   return rank, comm.bcast(picked, root=0), held
 
 
-def _join(launch: Launch, rank: int, address: str, ids: Sequence[int] | None) -> None:
+def _join(launch: Launch, rank: int, address: str | None, ids: Sequence[int] | None) -> None:
   """``jax.distributed.initialize``, with a watchdog that says what
   happened (in our words) if the others do not connect in time: jax's
-  client ends the process with a C++ fatal log then."""
+  client ends the process with a C++ fatal log then. On a TPU slice jax
+  detects the coordinator, rank and size itself (its TPU cluster detection
+  reads the environment and the metadata server)."""
   import jax
   size = launch.size
   timeout = int(min(config.collective_timeout_secs, _A_YEAR))
   connected = threading.Event()
   threading.Thread(target=_connect_watchdog, daemon=True,
-                   args=(connected, timeout, rank, size, launch.launcher, address)).start()
-  jax.distributed.initialize(
-      address, num_processes=size, process_id=rank, local_device_ids=ids,
-      cluster_detection_method="deactivate",
-      heartbeat_timeout_seconds=int(config.heartbeat_timeout_secs),
-      shutdown_timeout_seconds=int(config.heartbeat_timeout_secs) * 3,
-      initialization_timeout=timeout + 5)
+                   args=(connected, timeout, rank, size, launch.launcher,
+                         address or "the address jax detects")).start()
+  heartbeat = int(config.heartbeat_timeout_secs)
+  if launch.jax_detects:
+    jax.distributed.initialize(
+        address, local_device_ids=ids, heartbeat_timeout_seconds=heartbeat,
+        shutdown_timeout_seconds=heartbeat * 3, initialization_timeout=timeout + 5)
+  else:
+    jax.distributed.initialize(
+        address, num_processes=size, process_id=rank, local_device_ids=ids,
+        cluster_detection_method="deactivate", heartbeat_timeout_seconds=heartbeat,
+        shutdown_timeout_seconds=heartbeat * 3, initialization_timeout=timeout + 5)
   connected.set()
+
+
+def _check_jax_agrees(launch: Launch) -> None:
+  """Where jax detected the processes itself, its rank and size must be the
+  ones we read (the channel and the job's ending go by ours)."""
+  import jax
+  if not launch.jax_detects:
+    return
+  found = (jax.process_index(), jax.process_count())
+  if found != (launch.rank, launch.size):
+    raise RuntimeError(
+        f"rank {launch.rank} of {launch.size} ({launch.launcher}): jax's own"
+        f" detection made this process {found[0]} of {found[1]}. Hint: check"
+        " TPU_WORKER_HOSTNAMES, TPU_WORKER_ID and MEGASCALE_NUM_SLICES /"
+        " MEGASCALE_SLICE_ID, or start the workers with a launcher (srun, mpirun).")
 
 
 def _channel(comm: Any, rank: int, size: int) -> Any:
@@ -260,11 +309,25 @@ def _connect_watchdog(connected: threading.Event, timeout: float, rank: int, siz
   os._exit(1)
 
 
-def _check_claims(world: World, ids: list[int] | None, local: list) -> None:
-  """Two processes of one host must not claim the same accelerator."""
+def hardware_ids(local: list, environ=None) -> list[str]:
+  """The host's names for this process's devices: ``local_hardware_id``
+  (the runtime's own number, e.g. the CUDA ordinal) read through the
+  process's GPU mask (:func:`env.physical_gpu`), so that two processes
+  numbering different GPUs 0 differ and two on one GPU do not; the global
+  ``id`` for a device without one."""
+  ids = [getattr(d, "local_hardware_id", None) for d in local]
+  return sorted(f"id {d.id}" if i is None else physical_gpu(i, environ)
+                for d, i in zip(local, ids, strict=True))
+
+
+def _check_claims(world: World, local: list) -> None:
+  """Two processes of one host must not claim the same accelerator: each
+  says its host and its devices' hardware ids (:func:`hardware_ids`),
+  and any two on one host that share one are an error. On CPU each
+  process has its own (simulated) devices: nothing to check."""
   if not local or local[0].platform == "cpu":
     return
-  claims = world.allgather((socket.gethostname(), sorted(d.id for d in local)),
+  claims = world.allgather((socket.gethostname(), hardware_ids(local)),
                            "the check of which devices each process claims")
   mine = claims[world.rank]
   for peer, (host, taken) in enumerate(claims):
@@ -275,7 +338,8 @@ def _check_claims(world: World, ids: list[int] | None, local: list) -> None:
           f" {sorted(set(taken) & set(mine[1]))}. Hint: one process per device"
           " (the default with several processes per host), or give each its"
           " own with partitioner.initialize(local_device_ids=...) or"
-          " SHARDED_JIT_LOCAL_DEVICE_IDS / SHARDED_JIT_DEVICES_PER_PROCESS.")
+          " SHARDED_JIT_LOCAL_DEVICE_IDS / SHARDED_JIT_DEVICES_PER_PROCESS, or"
+          " a CUDA_VISIBLE_DEVICES of its own (srun --gpus-per-task=1).")
 
 
 def world() -> World:

@@ -1,18 +1,33 @@
 """Which launcher started a process, as which rank, and which devices it
-claims: read from each launcher's own variables (no launcher needed)."""
+claims: read from each launcher's own variables, a TPU slice's, and the
+GPU masks (no launcher, GPU or TPU needed: the environment is faked)."""
 
+import importlib
+import logging
+import os
 import socket
+import types
 
+import jax
 import pytest
 
 from partitioner._distributed import channels as _channels
+from partitioner._distributed import console as _console
+from partitioner._distributed import tpu_metadata
 from partitioner._distributed.env import (
   Launch,
   choose_local_device_ids,
   detect,
+  host_gpu_count,
+  launcher_world,
   slurm_coordinator,
   slurm_tasks_on_node,
+  tpu_slice,
+  visible_gpus,
 )
+
+# (the package's `world` is the function of that name)
+world_module = importlib.import_module("partitioner._distributed.world")
 
 _SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1",
          "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
@@ -117,3 +132,235 @@ def test_the_coordinators_port_is_held_until_jax_binds_it():
       grpc.listen()
   finally:
     held.close()
+
+
+# ---- GPUs a launcher already gave each process ----------------------------------
+
+# srun -n 4 --gpus-per-task=1 on one node: task 3 (local rank 3)
+_SRUN_TASK_3 = {**_SRUN, "SLURM_PROCID": "3", "SLURM_LOCALID": "3",
+                "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_STEP_NODELIST": "gpu01"}
+
+
+def _claims(monkeypatch, env, host_gpus=4):
+  """The local devices the process with exactly ``env`` claims."""
+  monkeypatch.setattr(os, "environ", dict(env))
+  return choose_local_device_ids(detect(), host_gpus=host_gpus)
+
+
+@pytest.mark.parametrize("mask,want", [
+    ({"CUDA_VISIBLE_DEVICES": "3"}, [0]),          # srun --gpus-per-task=1: its one GPU
+    ({}, [3]),                                     # every task sees every GPU: by local rank
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, [3]),    # ... listed, but all of them
+    ({"ROCR_VISIBLE_DEVICES": "3"}, [0]),          # ROCm's masks
+    ({"HIP_VISIBLE_DEVICES": "GPU-5e1b"}, [0]),
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, [3]),  # Slurm's "no mask"
+])
+def test_slurm_local_rank_3_claims_what_the_launcher_gave_it(monkeypatch, mask, want):
+  assert _claims(monkeypatch, {**_SRUN_TASK_3, **mask}) == want
+
+
+def test_two_gpus_per_task_each_claims_its_two(monkeypatch):
+  # srun -n 2 --gpus-per-task=2 on a 4-GPU node: task 1 sees GPUs 2 and 3 as 0 and 1
+  tasks = {**_SRUN, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}
+  for rank, mask in enumerate(["0,1", "2,3"]):
+    env = {**tasks, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+           "CUDA_VISIBLE_DEVICES": mask}
+    assert _claims(monkeypatch, env) == [0, 1]
+
+
+@pytest.mark.parametrize("env,host_gpus,want", [
+    # the host's GPU count unknown (no /dev/nvidia*): a mask too small for a
+    # choice by local rank was made by the launcher
+    ({"CUDA_VISIBLE_DEVICES": "4,5", "SHARDED_JIT_DEVICES_PER_PROCESS": "2"}, 0, [0, 1]),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 0, [3]),
+    # the user's own choice wins over the mask
+    ({"CUDA_VISIBLE_DEVICES": "3", "SHARDED_JIT_LOCAL_DEVICE_IDS": "0"}, 4, [0]),
+    # no GPU visible at all (CPU): today's choice by local rank
+    ({"CUDA_VISIBLE_DEVICES": ""}, 4, [3]),
+])
+def test_gpu_masks_in_corner_cases(monkeypatch, env, host_gpus, want):
+  assert _claims(monkeypatch, {**_SRUN_TASK_3, **env}, host_gpus) == want
+
+
+def test_host_gpu_count_reads_the_device_files(tmp_path):
+  for name in ["nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "null"]:
+    (tmp_path / name).touch()
+  assert host_gpu_count(str(tmp_path)) == 3
+  amd = tmp_path / "amd"
+  (amd / "dri").mkdir(parents=True)
+  for name in ["kfd", "dri/renderD128", "dri/renderD129", "dri/card0"]:
+    (amd / name).touch()
+  assert host_gpu_count(str(amd)) == 2
+  assert host_gpu_count(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.parametrize("env,want", [
+    ({}, None), ({"CUDA_VISIBLE_DEVICES": "2,3"}, ("CUDA_VISIBLE_DEVICES", ["2", "3"])),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, ("CUDA_VISIBLE_DEVICES", [])),
+    ({"HIP_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "0,1"}, ("HIP_VISIBLE_DEVICES", ["1"])),
+])
+def test_visible_gpus(env, want):
+  assert visible_gpus(env) == want
+
+
+# ---- a Cloud TPU slice without a launcher -----------------------------------------
+
+_HOSTS = "t1v-n-0-w-0,t1v-n-0-w-1,t1v-n-0-w-2,t1v-n-0-w-3"
+
+
+@pytest.mark.parametrize("env,rank,size,name", [
+    ({"TPU_WORKER_HOSTNAMES": _HOSTS, "TPU_WORKER_ID": "2"}, 2, 4, "a Cloud TPU slice"),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.2:8476,10.0.0.3:8476", "TPU_WORKER_ID": "1"},
+     1, 2, "a Cloud TPU slice"),
+    ({"TPU_WORKER_HOSTNAMES": _HOSTS, "CLOUD_TPU_TASK_ID": "3"}, 3, 4, "a Cloud TPU slice"),
+    # Multislice: 2 slices of 2 hosts, worker 1 of slice 1 is process 3
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1", "MEGASCALE_NUM_SLICES": "2",
+      "MEGASCALE_SLICE_ID": "1"}, 3, 4, "2 Cloud TPU slices"),
+    ({"TPU_WORKER_HOSTNAMES": "a", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2",
+      "MEGASCALE_SLICE_ID": "1"}, 1, 2, "2 Cloud TPU slices"),
+])
+def test_a_multi_host_tpu_slice_is_a_launch(monkeypatch, env, rank, size, name):
+  monkeypatch.setattr(os, "environ", dict(env))
+  launch = detect()
+  assert (launch.launcher, launch.rank, launch.size) == (name, rank, size)
+  assert launch.jax_detects and launch.mpi_family is None and launch.local_size == 1
+  assert launcher_world() == (rank, size)
+
+
+@pytest.mark.parametrize("env", [
+    {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"},  # a single-host TPU VM
+    {"TPU_WORKER_HOSTNAMES": _HOSTS},                             # no worker id
+    {"MEGASCALE_COORDINATOR_ADDRESS": "a:8080"},
+])
+def test_a_single_host_tpu_vm_is_one_process(env):
+  assert tpu_slice(env) is None
+  assert detect(env).size == 1 and not detect(env).jax_detects
+
+
+def test_an_mpi_launcher_on_a_tpu_slice_comes_first():
+  launch = detect({"TPU_WORKER_HOSTNAMES": _HOSTS, "TPU_WORKER_ID": "2",
+                   "PMI_RANK": "5", "PMI_SIZE": "8"})
+  assert (launch.rank, launch.size, launch.jax_detects) == (5, 8, False)
+
+
+@pytest.mark.parametrize("answers,want", [
+    ({"worker-network-endpoints": "w-0:1:10.0.0.2,w-1:2:10.0.0.3", "agent-worker-number": "1",
+      "tpu-env": "ACCELERATOR_TYPE: 'v4-16'\nMEGASCALE_NUM_SLICES: '2'\nMEGASCALE_SLICE_ID: '1'"},
+     {"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3", "TPU_WORKER_ID": "1",
+      "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1"}),
+    ({"worker-network-endpoints": "t1v-n-0-w-0,t1v-n-0-w-1", "agent-worker-number": "0"},
+     {"TPU_WORKER_HOSTNAMES": "t1v-n-0-w-0,t1v-n-0-w-1", "TPU_WORKER_ID": "0"}),
+    ({}, {}),  # no metadata server
+])
+def test_a_gce_tpu_vms_slice_from_its_metadata(answers, want):
+  assert tpu_metadata.slice_environ({}, answers.get) == want
+  assert tpu_metadata.slice_environ({"TPU_SKIP_MDS_QUERY": "1"}, answers.get) == {}
+
+
+def test_tpu_chips_are_found_on_the_pci_bus(tmp_path):
+  for device, vendor in [("0000:00:04.0", "0x1af4"), ("0000:00:05.0", "0x1ae0")]:
+    (tmp_path / device).mkdir()
+    (tmp_path / device / "vendor").write_text(vendor + "\n")
+  assert tpu_metadata.has_tpu_chips(str(tmp_path))
+  (tmp_path / "0000:00:05.0" / "vendor").write_text("0x10de\n")  # an NVIDIA GPU
+  assert not tpu_metadata.has_tpu_chips(str(tmp_path))
+  assert not tpu_metadata.has_tpu_chips(str(tmp_path / "missing"))
+
+
+def test_a_gce_tpu_vm_without_variables_asks_the_metadata_server(monkeypatch):
+  monkeypatch.setattr(os, "environ", {})
+  monkeypatch.setattr(tpu_metadata, "has_tpu_chips", lambda: True)
+  monkeypatch.setattr(tpu_metadata, "slice_environ",
+                      lambda: {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1"})
+  launch = world_module._detect()
+  assert (launch.rank, launch.size, launch.jax_detects) == (1, 2, True)
+  monkeypatch.setattr(tpu_metadata, "slice_environ", lambda: {})
+  assert world_module._detect().size == 1
+  # variables set (a single-host slice on GKE): no metadata to ask
+  monkeypatch.setattr(os, "environ", {"TPU_WORKER_HOSTNAMES": "a", "TPU_WORKER_ID": "0"})
+  monkeypatch.setattr(tpu_metadata, "slice_environ", _never)
+  assert world_module._detect().size == 1
+
+
+def _never(*args, **kwargs):
+  raise AssertionError("not to be called")
+
+
+def test_a_tpu_slice_joins_through_jaxs_own_detection(monkeypatch):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  tpu = tpu_slice({"TPU_WORKER_HOSTNAMES": _HOSTS, "TPU_WORKER_ID": "2"})
+  assert tpu is not None
+  world_module._join(tpu, 2, None, None)
+  (args, kwargs), = calls
+  assert args == (None,) and kwargs["local_device_ids"] is None
+  assert not {"num_processes", "process_id", "cluster_detection_method"} & set(kwargs)
+  calls.clear()  # a launcher's world is given to jax, with jax's detection off
+  world_module._join(Launch("srun", 1, 4, 1, 2), 1, "gpu01:61443", [1])
+  (args, kwargs), = calls
+  assert kwargs["process_id"] == 1 and kwargs["cluster_detection_method"] == "deactivate"
+
+
+def test_jax_must_find_the_tpu_slice_we_read(monkeypatch):
+  tpu = tpu_slice({"TPU_WORKER_HOSTNAMES": _HOSTS, "TPU_WORKER_ID": "2"})
+  assert tpu is not None
+  monkeypatch.setattr(jax, "process_index", lambda: 2)
+  monkeypatch.setattr(jax, "process_count", lambda: 4)
+  world_module._check_jax_agrees(tpu)
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  with pytest.raises(RuntimeError, match=r"rank 2 of 4 .*made this process 2 of 1"):
+    world_module._check_jax_agrees(tpu)
+
+
+def test_the_ready_line_says_jax_found_the_tpu_slice(caplog):
+  with caplog.at_level(logging.INFO, logger=_console.__name__):
+    _console.announce_ready(0, 4, 4, 16, "through jax's TPU detection")
+    _console.announce_ready(0, 2, 4, 8)
+  assert caplog.messages == ["4 processes x 4 devices ready, through jax's TPU detection",
+                             "2 processes x 4 devices ready"]
+
+
+# ---- the check that no two processes of a host claim one device --------------------
+
+class _World:
+  """A world whose other ranks said ``peers`` (rank -> (host, hardware ids))."""
+
+  def __init__(self, rank, peers):
+    self.rank, self.size, self.peers = rank, len(peers) + 1, peers
+
+  def allgather(self, value, what):
+    return [value if r == self.rank else self.peers[r] for r in range(self.size)]
+
+
+def _gpus(*hardware_ids, first_id=0):
+  return [types.SimpleNamespace(platform="gpu", id=first_id + i, local_hardware_id=h)
+          for i, h in enumerate(hardware_ids)]
+
+
+def test_two_ranks_on_one_physical_gpu_are_an_error(monkeypatch):
+  monkeypatch.setattr(socket, "gethostname", lambda: "gpu01")
+  monkeypatch.setattr(os, "environ", {})
+  # global ids 0 and 1 differ, but both ranks run on GPU 0 of gpu01
+  peer = ("gpu01", world_module.hardware_ids(_gpus(0, first_id=0), {}))
+  with pytest.raises(RuntimeError, match=r"ranks 0 and 1 on host gpu01 both claim devices \['0'\]"):
+    world_module._check_claims(_World(1, {0: peer}), _gpus(0, first_id=1))
+
+
+def test_each_rank_on_its_own_gpu_passes(monkeypatch):
+  monkeypatch.setattr(socket, "gethostname", lambda: "gpu01")
+  # srun --gpus-per-task=1: both number their GPU 0, behind different masks
+  monkeypatch.setattr(os, "environ", {"CUDA_VISIBLE_DEVICES": "1"})
+  peer = ("gpu01", world_module.hardware_ids(_gpus(0), {"CUDA_VISIBLE_DEVICES": "0"}))
+  world_module._check_claims(_World(1, {0: peer}), _gpus(0, first_id=1))
+  # the same GPU numbers on another host
+  monkeypatch.setattr(os, "environ", {})
+  world_module._check_claims(_World(1, {0: ("gpu02", ["0", "1"])}), _gpus(0, 1, first_id=2))
+
+
+def test_the_claim_check_on_cpu_and_without_hardware_ids(monkeypatch):
+  cpus = [types.SimpleNamespace(platform="cpu", id=i) for i in range(4)]
+  world_module._check_claims(_World(1, {0: _never}), cpus)  # nothing to compare on CPU
+  bare = [types.SimpleNamespace(platform="tpu", id=5)]
+  assert world_module.hardware_ids(bare, {}) == ["id 5"]
+  assert world_module.hardware_ids(_gpus(1, 0), {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == [
+      "GPU-a", "GPU-b"]

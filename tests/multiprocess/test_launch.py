@@ -1,5 +1,6 @@
-"""partitioner.launch: the launcher command line, its environment, the per-rank
-entry, and the console (partitioner/_distributed/_console.py)."""
+"""partitioner.launch: the launcher command line, its environment (each
+rank's GPUs on a GPU host, faked here), the per-rank entry, and the console
+(partitioner/_distributed/console.py)."""
 
 import logging
 import os
@@ -10,8 +11,10 @@ import sys
 import mpi_jobs as mp
 import pytest
 
+from partitioner import launch
 from partitioner._distributed import console as _console
-from partitioner.launch import _EXIT_LINE, launcher_world, with_cpu_device_count
+from partitioner._distributed.env import choose_local_device_ids, detect, rank_environment
+from partitioner.launch import _EXIT_LINE, environment, launcher_world, with_cpu_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +38,70 @@ def test_launcher_world_reads_the_process_environment(monkeypatch):
 def test_with_cpu_device_count_replaces_an_earlier_count():
   flags = with_cpu_device_count("--xla_force_host_platform_device_count=2 --other", 4)
   assert flags.split() == ["--other", "--xla_force_host_platform_device_count=4"]
+
+
+# ---- --devices-per-process on a GPU host ------------------------------------------
+
+def _rank_env(job_env, rank, n):
+  """What rank ``rank`` of ``n`` runs with: the job's environment, MPICH's
+  rank variables, and what rank_main sets before the script."""
+  env = {**job_env, "PMI_RANK": str(rank), "PMI_SIZE": str(n),
+         "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": str(n)}
+  return {**env, **rank_environment(env)}
+
+
+@pytest.mark.parametrize("gpus,n,k,want", [
+    (["0", "1", "2", "3"], 2, 2, ["0,1", "2,3"]),
+    (["0", "1", "2", "3", "4", "5", "6", "7"], 4, 1, ["0", "1", "2", "3"]),
+    (["4", "5", "6", "7"], 2, 2, ["4,5", "6,7"]),   # CUDA_VISIBLE_DEVICES=4,5,6,7 given
+])
+def test_each_rank_gets_k_gpus_of_its_own(tmp_path, gpus, n, k, want):
+  job = environment(k, str(tmp_path), num_processes=n, gpus=gpus)
+  assert job["XLA_FLAGS"].endswith(f"--xla_force_host_platform_device_count={k}")
+  ranks = [_rank_env(job, r, n) for r in range(n)]
+  assert [env["CUDA_VISIBLE_DEVICES"] for env in ranks] == want
+  # ... and each claims all it sees (jax numbers them 0..k-1 behind the mask)
+  for env in ranks:
+    assert choose_local_device_ids(detect(env), environ=env, host_gpus=len(gpus)) == list(range(k))
+
+
+def test_fewer_gpus_than_ranks_need_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match=r"2 processes x 4 GPUs need 8 GPUs, but this host"
+                                       r" has 4 \(0,1,2,3\)"):
+    environment(4, str(tmp_path), num_processes=2, gpus=["0", "1", "2", "3"])
+
+
+def test_the_launcher_stops_before_starting_ranks_without_enough_gpus(monkeypatch, capsys):
+  monkeypatch.setattr(launch, "command", lambda *args: ["true"])
+  monkeypatch.setattr(launch, "find_gpus", lambda env=None: ["0", "1"])
+  monkeypatch.setattr(launch.subprocess, "Popen", _no_process)
+  with pytest.raises(SystemExit) as stop:
+    launch.main(["-n", "2", "--devices-per-process", "2", "train.py"])
+  assert stop.value.code == 2
+  assert "2 processes x 2 GPUs need 4 GPUs" in capsys.readouterr().err
+
+
+def _no_process(*args, **kwargs):
+  raise AssertionError("no process is to be started")
+
+
+def test_on_cpu_the_launcher_keeps_to_simulated_devices(tmp_path):
+  job = environment(4, str(tmp_path), num_processes=2, gpus=[])
+  assert job["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=4")
+  assert "SHARDED_JIT_LAUNCH_GPUS" not in job
+  assert rank_environment({**job, "PMI_RANK": "1", "PMI_SIZE": "2"}) == {}
+
+
+def test_find_gpus(monkeypatch, tmp_path):
+  for name in ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"]:
+    (tmp_path / name).touch()
+  dev = str(tmp_path)
+  assert launch.find_gpus({}, dev) == []  # no jax GPU plugin installed: the CPU
+  monkeypatch.setattr(launch, "_GPU_PLUGINS", ("json",))  # (an installed module)
+  assert launch.find_gpus({}, dev) == ["0", "1", "2", "3"]
+  assert launch.find_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, dev) == ["2", "3"]
+  assert launch.find_gpus({"JAX_PLATFORMS": "cpu"}, dev) == []
+  assert launch.find_gpus({"JAX_PLATFORMS": "cuda,cpu"}, dev) == ["0", "1", "2", "3"]
 
 
 _HELLO = ("import sys, partitioner\n"
