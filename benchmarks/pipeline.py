@@ -65,17 +65,11 @@ def case(jax, s: int, m: int, rounds: int) -> list[dict]:
   timed in ``rounds`` interleaved rounds."""
   import statistics
 
-  import numpy as np
 
   params, x = _gpipe.init(LAYERS, D, F, BATCH)
   theirs, split, rep = _gpipe.by_hand(jax, s, m)
-  ours = _gpipe.ours(s, m)
   placed = lambda: (jax.device_put(params, split), jax.device_put(x, rep))
-  losses = [float(f(*placed())[1]) for f in (ours, theirs)]
-  if not np.isclose(*losses, rtol=1e-4):
-    raise AssertionError(f"pipeline: {s} stages, ours and by hand disagree: {losses}")
-  compiled = {"ours": ours.lower(*placed()).compile(), "jax": theirs.lower(*placed()).compile()}
-  times = rounds_of({"ours": (ours, placed()), "jax": (theirs, placed())}, 1, rounds)
+  compiled, times = race(_gpipe.ours(s, m), theirs, placed, rounds, f"{s} stages")
   step = {k: statistics.median(t) for k, t in times.items()}
   (oc, on, ot), (tc, tn, tt) = described(compiled["ours"]), described(compiled["jax"])
   forward = 2 * BATCH * LAYERS * 2 * D * F  # two matmuls a layer
@@ -104,6 +98,20 @@ def case(jax, s: int, m: int, rounds: int) -> list[dict]:
   # steps/s: the median per-round ratio (the host's drift between rounds cancels)
   paired = per_round(times, "ours", "jax")
   return [r.record(where, paired if r.what == "steps/s" else None) for r in table]
+
+
+def race(ours, theirs, placed, rounds: int, what: str) -> tuple[dict, dict]:
+  """Our step against the by-hand one on the same placed state: their
+  first losses checked equal, both compiled (``{"ours", "jax"}``: the
+  programs), then timed in ``rounds`` interleaved rounds (``rounds_of``).
+  ``placed()`` gives fresh (params, x) on the devices (the steps donate)."""
+  import numpy as np
+
+  losses = [float(f(*placed())[1]) for f in (ours, theirs)]
+  if not np.isclose(*losses, rtol=1e-4):
+    raise AssertionError(f"pipeline: {what}, ours and by hand disagree: {losses}")
+  compiled = {"ours": ours.lower(*placed()).compile(), "jax": theirs.lower(*placed()).compile()}
+  return compiled, rounds_of({"ours": (ours, placed()), "jax": (theirs, placed())}, 1, rounds)
 
 
 def across_hosts(jax) -> list[dict]:

@@ -37,7 +37,8 @@ import statistics
 
 from benchmarks import _gpipe
 from benchmarks._common import Row, child_rows, setup_jax
-from benchmarks.search import per_round, rounds_of
+from benchmarks.pipeline import race
+from benchmarks.search import per_round
 
 LAYERS, D, F, BATCH = 16, 256, 1024, 128
 GRIDS = ((2, 4), (4, 2))
@@ -130,19 +131,13 @@ def data_reduction(compiled) -> tuple[int, int]:
 
 def case(jax, s: int, d: int, m: int, rounds: int) -> list[dict]:
   """The rows of S x D with ``m`` microbatches, ours against by hand."""
-  import numpy as np
 
   import partitioner
 
   params, x = _gpipe.init(LAYERS, D, F, BATCH)
   theirs, split, rows = by_hand(jax, s, d, m)
-  mine = ours(s, d, m)
   placed = lambda: (jax.device_put(params, split), jax.device_put(x, rows))
-  losses = [float(f(*placed())[1]) for f in (mine, theirs)]
-  if not np.isclose(*losses, rtol=1e-4):
-    raise AssertionError(f"pipeline x data: {s} x {d}, ours and by hand disagree: {losses}")
-  compiled = {"ours": mine.lower(*placed()).compile(), "jax": theirs.lower(*placed()).compile()}
-  times = rounds_of({"ours": (mine, placed()), "jax": (theirs, placed())}, 1, rounds)
+  compiled, times = race(ours(s, d, m), theirs, placed, rounds, f"{s} x {d} stages x data")
   step = {k: statistics.median(t) for k, t in times.items()}
   cost = {k: partitioner.cost(c) for k, c in compiled.items()}
   red = {k: data_reduction(c) for k, c in compiled.items()}
