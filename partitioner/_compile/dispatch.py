@@ -4,7 +4,7 @@ jax's C++ dispatch (``_compat.cpp_dispatch``) runs a known call signature
 without Python, but two of its answers are worse than ours: an array
 already donated crashes a multi-device program, and an unhashable static
 argument gets an error that names no argument. These thin wrappers, one
-Python frame each, keep our answers; ``_execute.Dispatched`` puts them in
+Python frame each, keep our answers; ``execute.Dispatched`` puts them in
 front of the functions that donate or have static arguments.
 """
 

@@ -161,7 +161,7 @@ class Executable:
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
     passed :meth:`runs_as_is`); None when the per-call path needs Python:
     effects, a multi-process step bound (each execution's runtime token,
-    see ``_steps``), empty outputs, per-process conversions. A donating
+    see ``_distributed.steps``), empty outputs, per-process conversions. A donating
     program's front end must check its donated inputs first (``Dispatched``
     does)."""
     if (self._effects or self._bounded or self._empty or

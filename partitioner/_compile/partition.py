@@ -3,8 +3,8 @@
 From what the user asked (:class:`Request`) and one call's arguments
 (:class:`~partitioner._lower.args.InputSignature`): broadcast the spec trees,
 turn per-process pieces into global shapes, trace with jax (stage 1), plan
-the partitions and devices (``_plan``), insert the shardings into the
-module (``_insert``) and package the result as plain data for stage 3.
+the partitions and devices (``_lower.plan``), insert the shardings into the
+module (``_lower.insert``) and package the result as plain data for stage 3.
 """
 
 from __future__ import annotations

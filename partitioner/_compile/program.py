@@ -26,7 +26,7 @@ class Program:
     summary: arguments' shapes and specs, for log messages.
     host_callbacks: Python callbacks the program calls (jax.debug.print...).
     inspect_sites: its ``jax.debug.inspect_array_sharding`` calls, which
-      XLA's partitioner reports to while it compiles (``_inspect``).
+      XLA's partitioner reports to while it compiles (``_lower.inspect``).
     auto_outputs: per output, whether XLA chooses its tiling (``AUTO``);
       empty when none does.
     auto_inputs: the same per input (partitioner.pmap's ``in_axes=None``

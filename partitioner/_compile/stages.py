@@ -76,7 +76,7 @@ class Lowered(Lowering):
       spec of each process's piece of each flat input/output; else None.
     process: (rank, number of processes).
     guards: ops kept unsplit (or clamped) where XLA's partitioner would give
-      wrong values, each with its source line (``_guard``).
+      wrong values, each with its source line (``_lower.unsafe_ops``).
     in_rules, out_rules: for each flat input/output, the rule of
       :func:`sharding.spec_tree` that chose its spec, or ``""``.
   """

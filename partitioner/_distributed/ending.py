@@ -25,7 +25,7 @@ The notices travel as MPI messages (:class:`MpiNotices`) or as keys of
 jax's coordination service (:class:`KvNotices`), whichever the run has.
 
 Under ``partitioner.launch`` each rank also leaves a marker saying how it
-ended, so the launcher can name the failing rank (``_env.mark``).
+ended, so the launcher can name the failing rank (``env.mark``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How ``partitioner.launch`` tells the user which rank ended how.
 
-From the markers each rank leaves (``_env.mark``) and MPICH's
+From the markers each rank leaves (``env.mark``) and MPICH's
 ``-print-all-exitcodes`` line. Imports nothing but the standard library and
-``_console`` (the launcher never imports jax).
+``console`` (the launcher never imports jax).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def exit_statuses(text: bytes, size: int) -> dict[int, int]:
 
 def how_it_ended(marks: dict[str, str], status: int | None,
                   cause_known: bool) -> tuple[int, str]:
-  """One rank's ending, from the markers it left (``_env.mark``) and its
+  """One rank's ending, from the markers it left (``env.mark``) and its
   wait status from MPICH: (0 if it caused the job's end, else 1, what
   happened). ``cause_known``: some rank caused the end."""
   pid = marks.get("started", "")

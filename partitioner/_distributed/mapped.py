@@ -11,7 +11,7 @@ key; rank 0 alone compiles it and broadcasts the serialized executable,
 which the others load (the compile stage, as for sharded_jit). A
 :class:`RankPrograms` gives that stage this rank's conversions, as
 sharded_jit's local parts do: ``globalizer`` and ``localizer``. Every
-execution goes through :data:`_steps.steps` in ``_execute``, which bounds
+execution goes through :data:`_steps.steps` in ``_compile.execute``, which bounds
 how many are queued and refuses to start one once a peer has left.
 """
 

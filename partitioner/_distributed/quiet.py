@@ -3,14 +3,14 @@
 XLA's CPU collectives (gloo) print ``[Gloo] Rank 0 is connected to ...``
 with ``std::cout``, straight to file descriptor 1, for every communicator
 they set up; nothing in the process turns that off. ``partitioner.launch``
-hides them in the launcher (``_console``); under plain ``mpirun`` or
+hides them in the launcher (``console``); under plain ``mpirun`` or
 ``srun``, :func:`quiet_console` does it in each process: fd 1 becomes a pipe
 that a thread copies to the real stdout, dropping exactly those lines (a
 partial line that cannot be one passes at once, so progress bars stay
 live). The ready line goes out as a plain line (not in the script's logging
 format). ``SHARDED_JIT_VERBOSE=1`` shows everything.
 
-Imports nothing but the standard library and ``_console`` (like it, loaded
+Imports nothing but the standard library and ``console`` (like it, loaded
 before jax).
 """
 

@@ -6,8 +6,8 @@ is imported before the user's script. It leaves markers in
 ``rank-<r>.done`` when the interpreter exits normally. A rank that was
 killed, or that left through ``os._exit``, leaves no ``done``: MPICH's
 launcher ends the whole job when one rank exits early, and may still report
-success, so the launcher checks the markers (``_ending`` adds how a rank
-failed). It also shows rank 0's ready line (``_console.show_ready_line``),
+success, so the launcher checks the markers (``ending`` adds how a rank
+failed). It also shows rank 0's ready line (``console.show_ready_line``),
 and on a GPU host gives the rank its own GPUs (``env.rank_environment``:
 ``CUDA_VISIBLE_DEVICES``) before anything can start a GPU runtime.
 """

@@ -32,7 +32,7 @@ class Steps:
   Attributes:
     count: executions started so far.
     departed: peer rank -> the count it had reached when it left the job
-      (filled in by ``_ending``).
+      (filled in by ``ending``).
   """
 
   def __init__(self):
@@ -50,7 +50,7 @@ class Steps:
     """Raises :class:`PeerError` when a peer has left the job.
 
     When this rank has already started steps the peer never joined, those
-    wait for it inside XLA: the watcher thread (``_ending``) ends the job
+    wait for it inside XLA: the watcher thread (``ending``) ends the job
     and names the peer, once. This rank then waits for that instead of
     raising a second report of the same ending (it raises only if the
     watcher has not ended the job within ``WATCHER_SECS``).

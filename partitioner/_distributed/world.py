@@ -9,7 +9,7 @@ and broadcasts the coordinator address), else from Slurm's variables, and
 on a TPU slice through jax's own detection; process id = rank, process
 count = size. From then on
 XLA's own runtime moves the data (gloo on CPU, NCCL on GPU); MPI, or jax's
-coordination service without it (``_channels``), is used only for this
+coordination service without it (``channels``), is used only for this
 bootstrap, for sharing compiled programs and for ending the job.
 """
 
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 class World:
   """The processes of this run, and the few collectives we need, with a
-  deadline, over MPI or jax's coordination service (``_channels``).
+  deadline, over MPI or jax's coordination service (``channels``).
 
   Attributes:
     rank: this process's index (= jax's process index).

@@ -174,7 +174,7 @@ set_device_lowering(_lower_constraint)
 class _PmapContext(threading.local):
   """Per-thread, while partitioner.pmap traces its body: the partition axes
   (when lowering it), and how it sees the values there (``replicas``, for
-  the spec checks' messages, ``_plan.check_spec``)."""
+  the spec checks' messages, ``_lower.plan.check_spec``)."""
 
   def __init__(self):
     self.axes: list[tuple[str, int]] | None = None

@@ -5,12 +5,12 @@ functions (and constraints) inside ``f`` split each replica's work over N
 partitions. The program runs on R x N devices, replica-major: replica r,
 partition p on ``devices[r * N + p]``.
 
-This module is the front end: it validates the arguments (``_args``, the
+This module is the front end: it validates the arguments (``_lower.args``, the
 rules every front end shares), finds N by lowering ``jax.vmap(f,
 axis_name=...)`` once with partitioner markers (every spec inside ``f`` is
-then a constraint site, as in a nested sharded_jit; ``_plan`` counts them),
-chooses the devices (``_devices``) and builds the per-replica program
-(``jax.shard_map``), which ``_pmap_program`` runs through the shared
+then a constraint site, as in a nested sharded_jit; ``_lower.plan`` counts them),
+chooses the devices (``_lower.devices``) and builds the per-replica program
+(``jax.shard_map``), which ``pmap`` runs through the shared
 compile, cache and execute stages.
 """
 
@@ -488,7 +488,7 @@ def _layout_text(sharding: jax.sharding.Sharding | None) -> str:
 
 class PerReplica:
   """How partitioner.pmap sees the values its body is traced on, for the
-  spec checks inside (``_plan.check_spec``): each spec applies to one
+  spec checks inside (``_lower.plan.check_spec``): each spec applies to one
   replica's part, and an argument's message names the shape passed.
 
   Args:

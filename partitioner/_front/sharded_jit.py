@@ -1,10 +1,10 @@
 """The public ``sharded_jit`` wrapper: validation once, call caches, dispatch.
 
 A call flattens its arguments and looks its program up in two bounded call
-caches; on a miss the stages run in order: ``_partition.lower`` (which
-traces with ``_trace``, plans with ``_plan`` and inserts shardings with
-``_insert``) -> ``Lowered.compile`` (``_cache``, ``_compile``) -> the
-``Executable`` of ``_execute`` runs it.
+caches; on a miss the stages run in order: ``_compile.partition.lower`` (which
+traces with ``_lower.trace``, plans with ``_lower.plan`` and inserts shardings with
+``_lower.insert``) -> ``Lowered.compile`` (``_compile.cache``, ``_compile.program``) -> the
+``Executable`` of ``_compile.execute`` runs it.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class ShardedJitFunction(Dispatched):
 
   def _call_checked(self, compiled: Compiled, args: tuple, leaves: list) -> Any:
     """A new program's first call in check mode: also run it unsharded and
-    compare (see ``_check``)."""
+    compare (see ``_compile.check``)."""
     if compiled.lowered.process[1] > 1:
       raise NotImplementedError(
           "config.check_unsharded runs single-process programs only: with"

@@ -7,9 +7,9 @@ Two cases, told apart by who is tracing:
   which the enclosing program lays out; the argument and output specs are
   checked with the same rules and messages as a direct call;
 - under jax's transformations (jax.jit, grad, vmap, scan, ...): the function
-  goes through the shared stages up to partitioning (``_partition.lower``,
+  goes through the shared stages up to partitioning (``_compile.partition.lower``,
   which checks and plans exactly as for a direct call), then is staged into
-  jax's program as a ``jax.jit`` with its tilings (``_compose.stage``).
+  jax's program as a ``jax.jit`` with its tilings (``compose.stage``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StagedCalls:
   def under_jax(self, nargs: int, static_values: tuple, leaves: list,
                 treedef: Any) -> Any:
     """Called under jax.jit, grad, vmap, scan, ...: staged into jax's program
-    as a jax.jit with this function's tilings (see ``_compose``)."""
+    as a jax.jit with this function's tilings (see ``compose``)."""
     who = self._layout.who
     if config.check_unsharded and not _check.in_reference_run():
       raise NotImplementedError(

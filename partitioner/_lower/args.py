@@ -3,7 +3,7 @@
 Every front end (``sharded_jit``, ``partitioner.pmap``, a staged or nested
 sharded_jit) lays its positional arguments out with an
 :class:`ArgumentLayout`: one set of rules and messages, each naming the
-front end the user called; what each value may be is ``_values``.
+front end the user called; what each value may be is ``values``.
 """
 
 from __future__ import annotations

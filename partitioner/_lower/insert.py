@@ -10,7 +10,7 @@ Given the device tiling of every argument, result and constraint, it
 - with one partition: markers (and ``inspect_array_sharding``'s custom
   calls, which only XLA's partitioner implements) are removed and nothing
   else is added;
-- with several: ops XLA's partitioner gets wrong are guarded (``_guard``).
+- with several: ops XLA's partitioner gets wrong are guarded (``unsafe_ops``).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class ShardingPass:
     raise RuntimeError("the lowered module has no main function")
 
   def rewrite(self, rewrite: Callable[[ir.Operation], Any]) -> Any:
-    """Applies another pass (e.g. ``_sink``'s) to the module, in place."""
+    """Applies another pass (e.g. ``sink``'s) to the module, in place."""
     with self._context:
       return rewrite(self._module)
 

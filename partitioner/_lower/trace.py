@@ -39,7 +39,7 @@ class TracedProgram:
     keepalive: objects the callbacks need alive while the program lives.
     effects: whether the program has side effects to track with tokens.
     inspect_sites: its ``jax.debug.inspect_array_sharding`` calls
-      (``_inspect``), reported to when XLA compiles the program.
+      (``inspect``), reported to when XLA compiles the program.
     pipelines: its ``partitioner.pipeline`` calls (``PipelineCall``).
     read_specs: whether the trace depends on the inputs' specs (a
       pipeline took its stage count from them).

@@ -4,7 +4,7 @@ The tiling of every argument and output (with a picture of which device
 holds which block), the collectives XLA's SPMD partitioner inserted (from
 the partitioned HLO, with the user's line behind each where XLA recorded
 its call stack), and XLA's per-device cost and memory analyses. How the
-report holds and how it prints (its value types) is ``_report``'s.
+report holds and how it prints (its value types) is ``explanation``'s.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ WEIGHT_COPIES = "pipeline_weight_copies"
 
 
 def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[PipelineReport, ...]:
-  """A report per ``partitioner.pipeline`` call (``_tracing.PipelineCall``):
+  """A report per ``partitioner.pipeline`` call (``_lower.trace.PipelineCall``):
   its collective-permutes are the program's (the ones at its line, when
   several calls share a program)."""
   out = []

@@ -1,6 +1,6 @@
 """Text of reports: sizes, source paths, HLO shapes and op names, short.
 
-The lowest of the reporting modules: ``_report`` (explain()'s report) and
+The lowest of the reporting modules: ``explanation`` (explain()'s report) and
 the search's report both print with these.
 """
 

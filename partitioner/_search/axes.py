@@ -7,7 +7,7 @@ function's jaxpr, joined where an op carries a dimension through (the
 elementwise ops, transposes, reductions, broadcasts, reshapes that keep a
 dimension, the batch and free dimensions of a dot_general and its
 contracting pairs, gathers and scatters, sub-jaxprs). Each class is one
-logical axis (``_candidates`` names them by the arguments' dimensions).
+logical axis (``candidates`` names them by the arguments' dimensions).
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def _map(uf: _Scoped, a: Any, b: Any, inner: bool = True) -> None:
 
 
 
-# ---- How gathers, scatters and reshapes carry dimensions (see ``_axes``) ----
+# ---- How gathers, scatters and reshapes carry dimensions (see ``axes``) ----
 
 
 def shape_of(v: Any) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 A candidate is a grid ``(data, fsdp, model)`` of the devices, row-major
 (``model`` minor: consecutive devices, inside a host; ``data`` major:
 across hosts), and rules that put logical axes on its axes, the way
-MaxText's logical axis rules do (see ``_axes``): one axis of the
+MaxText's logical axis rules do (see ``axes``): one axis of the
 batch-like arguments on ``data`` and ``fsdp``; with FSDP, each state
 leaf's largest free dimension on ``fsdp`` (and on ``model`` if no model
 role splits it); a set of weight axes on ``model``. Those give every

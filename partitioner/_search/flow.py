@@ -2,23 +2,23 @@
 cost and memory analysis of the compiled candidates.
 
 1. Trace the function once (``jax.make_jaxpr``) and find its logical axes
-   (``_axes``), grouped into roles across layers (``_candidates``).
+   (``axes``), grouped into roles across layers (``candidates``).
 2. Enumerate candidates: every ``(data, fsdp, model)`` grid of the
    devices with rules that put roles on its axes (data parallel, FSDP,
    Megatron, tensor parallel, FSDP x TP, hybrid FSDP across hosts, and
    per-weight mixes of them); ``hosts=`` says which devices share a host,
    and what crosses hosts costs the device model's network bandwidth.
-3. Rank them all with the cheap model (``_estimate``), then compile the
+3. Rank them all with the cheap model (``estimate``), then compile the
    best ``max_compiles`` (and the best of each hand-written family, for
    comparison; 2 of them are kept for variants of the best compiled
    ones) through our own pipeline, without running them, and score
    the compiled programs (``partitioner._report.cost``) under a device model
    (``partitioner._report.device_models``); a program whose layers repeat is
-   compiled as a short proxy and its scores scaled (``_target``).
+   compiled as a short proxy and its scores scaled (``target``).
 4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
    earlier in the fixed candidate order: same inputs, same layout); the
    close calls (within the device model's error) are timed on the devices
-   and the fastest measured wins (``_measure``).
+   and the fastest measured wins (``measure``).
 
 The result is cached in memory and in the persistent cache (a second
 search of the same function and inputs is instant); in a multi-process run

@@ -76,7 +76,7 @@ class Proxy:
     Returns:
       ``f(*flat_args) -> list of flat outputs`` for ``jax.jit``; each kept
       repetition's ops named ``scope(k, i)`` (run ``k``, repetition ``i``):
-      the compiled program says what one costs (``_cost.scoped``).
+      the compiled program says what one costs (``_report.cost.scoped``).
     """
     closed = self.jaxpr
     if any(self.marked):

@@ -1,5 +1,5 @@
 """Structural signatures of jaxpr equations: two layers of a model give
-equal signature sequences (``_proxy`` finds runs of them)."""
+equal signature sequences (``proxy`` finds runs of them)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ its proxy when the program's layers repeat.
 
 A model of many layers compiles as many times slower as it has layers,
 yet the layers are one decision (one role each). When the jaxpr has runs
-of repeated blocks (``_proxy``), each candidate is compiled as the proxy
+of repeated blocks (``proxy``), each candidate is compiled as the proxy
 (every run kept twice) and its compiled cost scaled to the whole program,
 per part (flops, bytes accessed, collective bytes, bytes across hosts,
 collectives, peak memory), by what the cheap model says of the whole
