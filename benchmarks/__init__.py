@@ -9,7 +9,7 @@ show our overhead, not scaling.
 
 By default every section runs at a smaller size (fewer and smaller models,
 fewer rounds: ``benchmarks._scale.DEFAULT``), in about 6-9 minutes and 4 GB on 2
-cores; ``--full`` is the whole run (``FULL``: about 32 minutes, 21 GB at its
+cores; ``--full`` is the whole run (``FULL``: about 28-32 minutes, 21 GB at its
 peak). The sections below say what ``--full`` measures.
 
 Sections (one module each):
