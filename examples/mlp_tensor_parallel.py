@@ -45,6 +45,10 @@ def main(argv):
   import jax
   import numpy as np
   import optax
+  # float32 matmuls run as TF32 on GPUs and as one bfloat16 pass on TPUs by
+  # default: the comparison with the unsharded run needs full precision (a
+  # no-op on CPU).
+  jax.config.update("jax_default_matmul_precision", "highest")
 
   import partitioner
   from partitioner import sharded_jit

@@ -83,6 +83,10 @@ def main(argv):
   import numpy as np
   import optax
   from jax import lax
+  # float32 matmuls run as TF32 on GPUs and as one bfloat16 pass on TPUs by
+  # default: the comparison with the unsharded run needs full precision (a
+  # no-op on CPU).
+  jax.config.update("jax_default_matmul_precision", "highest")
 
   from partitioner import compilation_stats, sharded_jit
   from sharding import PartitionSpec as P

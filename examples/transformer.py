@@ -286,6 +286,10 @@ def main(argv):
 
   import jax
   import numpy as np
+  # float32 matmuls run as TF32 on GPUs and as one bfloat16 pass on TPUs by
+  # default: the comparison with the unsharded run needs full precision (a
+  # no-op on CPU).
+  jax.config.update("jax_default_matmul_precision", "highest")
 
   import partitioner
 

@@ -231,6 +231,12 @@ def jax_uses_shardy() -> bool:
   return jax.config.jax_use_shardy_partitioner  # pyright: ignore[reportAttributeAccessIssue]
 
 
+def default_matmul_precision() -> str | None:
+  """jax's ``jax_default_matmul_precision`` setting (None: the platform's
+  default), as it stands now."""
+  return jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def sharding_on_mesh(hlo: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.sharding.Sharding:
   """A jax sharding for an HloSharding XLA chose over ``mesh``'s devices
   (in ``mesh.devices.flat`` order): a NamedSharding of ``mesh`` when one

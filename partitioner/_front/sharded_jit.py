@@ -235,7 +235,7 @@ class ShardedJitFunction(Dispatched):
     want = _check.reference(self._request.fun, args, self._layout.static_argnums)
     out = compiled.call_flat(leaves)
     _check.compare(self._name, compiled.lowered.out_names,
-                   jax.tree_util.tree_leaves(out), want)
+                   jax.tree_util.tree_leaves(out), want, compiled.lowered.devices[0].platform)
     self._checked.add(compiled)
     return out
 

@@ -61,3 +61,20 @@ def test_check_mode_under_a_jax_transformation_is_an_error_not_skipped():
                        r" sharded_jit function <lambda> here: it is called under a jax"
                        r" transformation"):
       jax.jit(f)(x)
+
+
+@pytest.mark.parametrize("dtype,platform,precision,expected", [
+    ("float32", "cpu", None, 1e-3),
+    ("float32", "gpu", None, 2e-2),       # TF32 matmuls at jax's default
+    ("float32", "gpu", "highest", 1e-3),
+    ("float32", "tpu", None, 5e-2),       # one bfloat16 pass
+    ("float32", "tpu", "float32", 1e-3),
+    ("bfloat16", "cpu", None, 5e-2),
+    ("float16", "gpu", "highest", 5e-2),
+])
+def test_the_tolerance_follows_the_matmul_precision_in_effect(dtype, platform, precision,
+                                                              expected):
+  import jax.numpy as jnp
+
+  from partitioner._compile import check
+  assert check.tolerance(jnp.dtype(dtype), platform, precision) == expected
