@@ -1,5 +1,10 @@
 """Turning an annotated function into a running sharded program (see docs/architecture.md)."""
 
+from partitioner import _compat
+
+_compat.forget_absent_tpu()  # (libtpu installed for planning, on a machine without TPUs)
+
+
 from partitioner._compile.cache import CacheStore as CacheStore
 from partitioner._compile.cache import DiskStore as DiskStore
 from partitioner._compile.cache import MemoryStore as MemoryStore
@@ -21,6 +26,7 @@ from partitioner._front.pmap import PmapFunction as PmapFunction
 from partitioner._front.pmap import pmap as pmap
 from partitioner._front.sharded_jit import ShardedJitFunction as ShardedJitFunction
 from partitioner._front.sharded_jit import sharded_jit as sharded_jit
+from partitioner._lower.topology import tpu_devices as tpu_devices
 from partitioner._pipeline.schedule import pipeline as pipeline
 from partitioner._pipeline.schedule import pipeline_order as pipeline_order
 from partitioner._report.cost import Cost as Cost
@@ -38,7 +44,7 @@ __all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
            "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
            "pipeline_order",
-           "pmap", "search", "sharded_jit", "to_global", "to_local"]
+           "pmap", "search", "sharded_jit", "to_global", "to_local", "tpu_devices"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,

@@ -103,11 +103,15 @@ def inspect_sharding_primitive() -> Any:
   return debugging.inspect_sharding_p
 
 
-def lower_with_rules(traced: Any, rules: Sequence[tuple[Any, Any]]) -> jax.stages.Lowered:
+def lower_with_rules(traced: Any, rules: Sequence[tuple[Any, Any]],
+                     platform: str | None = None) -> jax.stages.Lowered:
   """``traced.lower()`` with (primitive, lowering rule) pairs overriding
-  jax's rules for this lowering only."""
+  jax's rules for this lowering only, for ``platform`` (None: the default
+  backend's)."""
   from jax._src.interpreters import mlir as _mlir
-  return traced.lower(_private_parameters=_mlir.LoweringParameters(
+  return traced.lower(
+      lowering_platforms=None if platform is None else (platform,),
+      _private_parameters=_mlir.LoweringParameters(
       # (jax annotates the pairs as a tuple of one pair; it takes any number)
       override_lowering_rules=tuple(rules)))  # pyright: ignore[reportArgumentType]
 
@@ -159,6 +163,81 @@ def deserialize_executable(data: bytes, devices: Sequence[Device],
   """Loads an executable serialized by :func:`serialize_executable`."""
   client = devices[0].client
   return client.deserialize_executable(data, _xc.DeviceList(tuple(devices)), options)
+
+
+def lowering_platform(device: Device) -> str:
+  """The platform jax lowers for to run on ``device`` (``"cuda"`` or
+  ``"rocm"`` for a ``"gpu"`` device)."""
+  from jax._src import xla_bridge
+  if device.platform != "gpu":
+    return device.platform
+  return xla_bridge.canonicalize_platform(device.client.platform)
+
+
+def cuda_data_dir() -> str | None:
+  """Where jax found CUDA's tools (``CUDA_ROOT``, or the ``nvidia-cuda-nvcc``
+  wheel that ``jax[cuda12]`` installs), as jax passes it to XLA:GPU; None
+  when it found none (XLA then looks in its default places)."""
+  from jax._src import lib
+  return getattr(lib, "cuda_path", None)
+
+
+def is_compile_only(device: Device) -> bool:
+  """Whether ``device`` is a compile-only device (of a topology from
+  ``jax.experimental.topologies``): programs compile for it, never run."""
+  import importlib
+  only = getattr(importlib.import_module("jaxlib._jax"), "CompileOnlyPyClient", None)
+  return only is not None and isinstance(getattr(device, "client", None), only)
+
+
+def compile_only(module: bytes, devices: Sequence[Device], options: Any) -> Any:
+  """Compiles an MLIR module for compile-only devices: an unloaded
+  executable (its HLO, shardings, cost and memory analyses), never run."""
+  from jax.extend.mlir import ir
+  from jax.interpreters import mlir
+  client = devices[0].client
+  with mlir.make_ir_context():  # (this client takes a module object, not bytes)
+    return client.compile(ir.Module.parse(module),
+                          executable_devices=_xc.DeviceList(tuple(devices)),
+                          compile_options=options)
+
+
+XlaRuntimeError = getattr(jax.errors, "JaxRuntimeError", None) or _xc.XlaRuntimeError
+
+
+def libtpu_installed() -> bool:
+  """Whether jax finds libtpu (the ``libtpu`` package, or ``TPU_LIBRARY_PATH``)."""
+  from jax._src import cloud_tpu_init
+  return cloud_tpu_init.get_tpu_library_path() is not None
+
+
+def topology_devices(topology: str, num_slices: int) -> tuple[Device, ...]:
+  """The compile-only devices of a TPU topology (libtpu's compiler)."""
+  from jax.experimental import topologies
+  desc = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices)
+  return tuple(desc.devices)
+
+
+def forget_absent_tpu() -> None:
+  """With libtpu installed on a machine without TPU chips, turns jax's TPU
+  backend into one that finds no TPU before it starts, so jax does not try
+  libtpu at its first
+  ``jax.devices()`` (libtpu then prints that it finds no TPU, and jax falls
+  back to the other backends). Only when jax's own check finds no TPU chip
+  and no platform was chosen (``JAX_PLATFORMS``); compile-only topologies
+  start libtpu themselves."""
+  import os
+
+  from jax._src import hardware_utils, xla_bridge
+  if (os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None)
+      or xla_bridge.backends_are_initialized()
+      or "tpu" not in xla_bridge._backend_factories or not libtpu_installed()
+      or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
+    return
+  import dataclasses
+  factories = xla_bridge._backend_factories
+  # (the name stays registered: jax registers TPU lowering rules under it)
+  factories["tpu"] = dataclasses.replace(factories["tpu"], factory=lambda: None)
 
 
 def backends_are_initialized() -> bool:

@@ -133,11 +133,12 @@ _SETTINGS: dict[str, _Setting] = {
         " waits without a limit."),
     "max_inflight_steps": _Setting(
         "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _whole(0),
-        "Multi-process runs: how many calls of sharded programs may be queued"
-        " on the devices before a new call waits for the oldest to finish."
-        " XLA's CPU runtime deadlocks when many steps with cross-process"
-        " collectives run ahead of each other (plain jax.jit as well); 0 means"
-        " no limit."),
+        "Multi-process runs on CPU devices: how many calls of sharded programs"
+        " may be queued on the devices before a new call waits for the oldest"
+        " to finish. XLA's CPU runtime deadlocks when many steps with"
+        " cross-process collectives run ahead of each other (plain jax.jit as"
+        " well); 0 means no limit. GPUs and TPUs queue steps themselves: no"
+        " limit there."),
     "check_unsharded": _Setting(
         "SHARDED_JIT_CHECK_UNSHARDED", False, _parse_bool, _check_bool,
         "Run each newly compiled program's first call also unsharded on one"
@@ -187,8 +188,9 @@ class Config:
     check_unsharded: compare each new program's first call with an
       unsharded run on one device and raise on a mismatch. Env:
       ``SHARDED_JIT_CHECK_UNSHARDED``.
-    max_inflight_steps: multi-process: calls queued on the devices before a
-      new call waits for the oldest (default 4; 0 = no limit). Env:
+    max_inflight_steps: multi-process on CPU devices: calls queued on the
+      devices before a new call waits for the oldest (default 4; 0 = no
+      limit; none on GPUs and TPUs). Env:
       ``SHARDED_JIT_MAX_INFLIGHT_STEPS``.
 
   Example:

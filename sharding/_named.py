@@ -64,8 +64,9 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
                        " which is no layout. Hint: name its mesh axes, or None.")
     group = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     dims.append(tuple(names.index(a) for a in group))
+  # (a topology's compile-only devices are not jax.devices(): by id)
   order = {d: k for k, d in enumerate(jax.devices())}
-  in_jax_order = sorted(mesh.devices.flat, key=order.__getitem__)
+  in_jax_order = sorted(mesh.devices.flat, key=lambda d: (order.get(d, len(order)), d.id))
   by_process = sorted(mesh.devices.flat, key=lambda d: d.process_index)  # (stable)
   for devices in (in_jax_order, by_process):
     position = {d: k for k, d in enumerate(devices)}

@@ -8,6 +8,7 @@ of ``text``. Every relative link points to a file that exists, and a
 """
 
 import glob
+import importlib.util
 import os
 import re
 import subprocess
@@ -78,6 +79,8 @@ def test_python_block_runs_on_its_own(doc, line, code, tmp_path):
   name = re.sub(r"\W", "_", doc)
   script = tmp_path / f"{name}_line{line}.py"
   script.write_text(_checked(code))
+  if "tpu_devices(" in code and importlib.util.find_spec("libtpu") is None:
+    pytest.skip("needs libtpu: pip install 'sharded-jit[tpu]' (scripts/test with WITH_LIBTPU=1)")
   if "partitioner.initialize()" in code:
     pytest.importorskip("mpi4py")
     cmd = [sys.executable, "-m", "partitioner.launch", "-n", "2",

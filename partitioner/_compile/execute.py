@@ -97,7 +97,7 @@ class Executable:
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
-               "_bounded", "_process", "_names", "_donated", "_empty")
+               "_bounded", "_on_cpu", "_process", "_names", "_donated", "_empty")
 
   def __init__(self, loaded: _compat.LoadedExecutable, shardings: Shardings,
                traced: TracedProgram, *,
@@ -121,6 +121,8 @@ class Executable:
     self._keepalive = traced.keepalive    # what the callbacks need while we live
     self._process = process
     self._bounded = process[1] > 1        # multi-process: see _steps.Steps
+    # (the step bound is for XLA:CPU's runtime; accelerators' queue steps)
+    self._on_cpu = self._bounded and all(d.platform == "cpu" for d in loaded.local_devices())
     # Outputs with no elements: Shardy hands back whole-shaped buffers for
     # them whatever was asked; they hold no data, so make them afresh.
     self._empty = tuple((k, a.shape, a.dtype) for k, a in enumerate(traced.out_avals)
@@ -223,7 +225,7 @@ class Executable:
       if self._effects:
         _compat.record_runtime_token(token, self.loaded)
       if self._bounded:
-        steps.add(token)
+        steps.add(token, bound=self._on_cpu)
       outs = results.consume_with_handlers(self._handlers)
     else:
       outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)

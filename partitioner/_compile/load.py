@@ -12,6 +12,7 @@ layout from the loaded program (``lay_out``) and in their conversions.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -21,6 +22,7 @@ from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
 from partitioner._compile.execute import Executable, Shardings
 from partitioner._compile.program import Program
+from partitioner._compile.stats import stats
 from partitioner._lower import inspect as _inspect
 from partitioner._lower.trace import TracedProgram
 
@@ -82,3 +84,17 @@ def executable(program: Program, traced: TracedProgram,
       globalize=None if ranks is None else ranks.globalizer(layout),
       localize=None if ranks is None else ranks.localizer(layout),
       process=process, in_names=in_names, donated=donated)
+
+
+def compile_only(program: Program) -> Any:
+  """Compiles ``program`` for compile-only devices (a TPU topology): the
+  unloaded executable, to read (HLO, shardings, memory and cost analyses).
+
+  Not cached: it cannot run, and planning compiles each layout once.
+  """
+  options = compilation_cache.key(program)[2]
+  start = time.perf_counter()
+  compiled = _compat.compile_only(program.module, program.devices, options)
+  stats.add("compiles", front_end=program.front_end)
+  stats.add("compile_secs", time.perf_counter() - start)
+  return compiled

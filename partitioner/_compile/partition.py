@@ -71,7 +71,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   traced = trace_and_lower(
       request.fun, request.name,
       lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
-      avals, donated, in_specs)
+      avals, donated, in_specs, _lowering_platform(request.devices))
 
   out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")
@@ -117,6 +117,16 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
       process=(world.rank, world.size),
       guards=tuple(str(g) for g in sharding_pass.guards),
       in_rules=tuple(map(rule_of, in_specs)), out_rules=tuple(map(rule_of, out_specs)))
+
+
+def _lowering_platform(devices: Sequence[_compat.Device] | None) -> str | None:
+  """The platform to lower for when ``devices=`` are not the default
+  backend's (CPU devices on a GPU host, a TPU topology's compile-only
+  devices), else None: jax lowers for the default backend."""
+  if not devices:
+    return None
+  platform = _compat.lowering_platform(devices[0])
+  return None if platform == _compat.lowering_platform(jax.devices()[0]) else platform
 
 
 def _out_local(local_out_parts: Any, out_tree_avals: Any, out_specs: list,

@@ -98,8 +98,11 @@ def compile_options(
     options.env_option_overrides = sorted(
         (str(k), v if isinstance(v, (bool, int, float)) else str(v))
         for k, v in xla_options.items())
+  debug = build.debug_options
+  cuda = _compat.cuda_data_dir()
+  if cuda is not None:  # (as jax's own options: XLA:GPU finds ptxas and libdevice there)
+    debug.xla_gpu_cuda_data_dir = cuda
   if disable_most_optimizations:
-    debug = build.debug_options
     debug.xla_backend_optimization_level = 0
     debug.xla_llvm_disable_expensive_passes = True
   return options

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import jax
 
-from partitioner import _compat
+from partitioner import _compat, _distributed
 from partitioner._compile import load as _load
 from partitioner._compile import program as _program
 from partitioner._compile.cache import compilation_cache
@@ -134,8 +134,13 @@ class Lowered(Lowering):
     """
     return compilation_cache.key(self.program)[1]
 
-  def compile(self) -> Compiled:
-    """Loads the program from the compilation caches or compiles it."""
+  def compile(self) -> Compiled | CompiledOnly:
+    """Loads the program from the compilation caches or compiles it; for
+    compile-only devices (a TPU topology from
+    ``jax.experimental.topologies``), compiles it to read, never to run."""
+    if _compat.is_compile_only(self.devices[0]):
+      loaded = _load.compile_only(self.program)
+      return CompiledOnly(self, self._lay_out(loaded), loaded)
     p, executable = _load.executable(
         self.program, self.traced, self._lay_out, ranks=self,  # (its local parts)
         process=self.process, in_names=self.in_names, donated=self.donated)
@@ -215,10 +220,10 @@ class CompiledProgram(abc.ABC):
     (a ``partitioner.DeviceModel``, a name of ``partitioner.DEVICE_MODELS``
     such as ``"h100"``, or None for these devices'); a ``partitioner.Cost``.
     ``hosts=H`` scores it as if its devices were H hosts of consecutive
-    devices (default: the processes that hold them)."""
+    devices (default: where they are: a GPU's host, a TPU's slice)."""
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
-    where = device_hosts(devices, hosts, "cost")
+    where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
     return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
 
   def explain(self) -> Explanation:
@@ -299,6 +304,48 @@ class Compiled(_Ours):
         arguments=list(zip(low.in_names, t.in_avals, p.in_tilings, rules[0])),
         outputs=list(zip(low.out_names, t.out_avals, p.out_tilings, rules[1])),
         guards=low.guards, pipelines=t.pipelines)
+
+
+class CompiledOnly(CompiledProgram):
+  """A program compiled for compile-only devices (a TPU topology's, on a
+  machine without them): XLA's HLO, memory and cost analyses, ``cost()``
+  and ``explain()`` as for a :class:`Compiled`, but it cannot run.
+
+  Attributes:
+    lowered: the :class:`Lowered` it was compiled from.
+    placement: where its values live, checked against the compiled program.
+  """
+
+  lowered: Lowered
+
+  def __init__(self, lowered: Lowered, placement: Placement, loaded: Any):
+    self.lowered = lowered
+    self.placement = placement
+    self._loaded = loaded
+
+  @property
+  def loaded(self) -> Any:
+    return self._loaded
+
+  @property
+  def assignment(self) -> tuple[_compat.Device, ...]:
+    return tuple(self.lowered.program.devices)
+
+  @property
+  def num_partitions(self) -> int:
+    """The number of partitions (devices) of the program."""
+    return self.lowered.num_partitions
+
+  def __call__(self, *args, **kwargs):
+    d = self.assignment[0]
+    raise RuntimeError(
+        f"sharded_jit({self.lowered.name}) was compiled for compile-only"
+        f" {d.platform.upper()} devices ({d.device_kind}, a topology from"
+        " jax.experimental.topologies): it can be read (memory_analysis(),"
+        " cost(), explain(), as_text()), not run. Hint: to run it, lower it"
+        " for devices this process has (devices=jax.devices()).")
+
+  describe = Compiled.describe
 
 
 # ---- partitioner.pmap's staged objects: ``f.lower(...)`` and ``.compile()`` ----

@@ -25,9 +25,10 @@ class Steps:
   When a training loop dispatches many steps of a program with
   cross-process collectives without reading a result, XLA's CPU runtime
   deadlocks after a few dozen (plain ``jax.jit`` as well). A new execution
-  beyond ``config.max_inflight_steps`` first waits on the host for the
-  oldest to finish: no device computation is added, so the ranks cannot
-  order anything differently.
+  on CPU devices beyond ``config.max_inflight_steps`` first waits on the
+  host for the oldest to finish: no device computation is added, so the
+  ranks cannot order anything differently. Accelerators' runtimes queue
+  steps themselves: there, steps are only counted.
 
   Attributes:
     count: executions started so far.
@@ -61,12 +62,13 @@ class Steps:
       time.sleep(WATCHER_SECS)
     raise PeerError(departure_message(rank, size, self.departed, what))
 
-  def add(self, token: Any) -> None:
-    """Records an execution (its runtime token); waits while too many run."""
+  def add(self, token: Any, bound: bool = True) -> None:
+    """Records an execution (its runtime token); with ``bound`` (a program
+    on CPU devices, whose runtime deadlocks), waits while too many run."""
     with self.lock:
       self.count += 1
       self._newest = token
-    limit = config.max_inflight_steps
+    limit = config.max_inflight_steps if bound else 0
     if not limit:
       return
     tokens = self._tokens

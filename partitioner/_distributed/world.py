@@ -58,11 +58,14 @@ class World:
     launcher: what started them (``"Open MPI's mpirun"``, ...; ``""`` for a
       single process).
     channel: ``"mpi"`` or ``"jax coordination service"`` (``""`` alone).
+    process_hosts: each rank's hostname, with several processes (empty
+      alone): the processes of one host share its links (NVLink).
   """
 
   def __init__(self, rank: int = 0, size: int = 1, channel: Any = None,
                launcher: str = ""):
     self.rank, self.size, self._channel, self.launcher = rank, size, channel, launcher
+    self.process_hosts: tuple[str, ...] = ()  # each rank's hostname (several ranks)
     self.comm = getattr(channel, "comm", None)  # the MPI communicator, if any
     self.channel = ("" if channel is None else "mpi" if self.comm is not None
                     else "jax coordination service")
@@ -324,11 +327,12 @@ def _check_claims(world: World, local: list) -> None:
   """Two processes of one host must not claim the same accelerator: each
   says its host and its devices' hardware ids (:func:`hardware_ids`),
   and any two on one host that share one are an error. On CPU each
-  process has its own (simulated) devices: nothing to check."""
-  if not local or local[0].platform == "cpu":
-    return
-  claims = world.allgather((socket.gethostname(), hardware_ids(local)),
+  process has its own (simulated) devices: nothing to check. The hosts
+  are kept (``World.process_hosts``): what costs price as one host."""
+  accelerators = bool(local) and local[0].platform != "cpu"
+  claims = world.allgather((socket.gethostname(), hardware_ids(local) if accelerators else []),
                            "the check of which devices each process claims")
+  world.process_hosts = tuple(host for host, _ in claims)
   mine = claims[world.rank]
   for peer, (host, taken) in enumerate(claims):
     if peer != world.rank and host == mine[0] and set(taken) & set(mine[1]):

@@ -104,6 +104,7 @@ def trace_and_lower(
     in_avals: Sequence[jax.ShapeDtypeStruct],
     donated: Sequence[int],
     in_specs: Sequence[Any] | None = None,
+    platform: str | None = None,
 ) -> TracedProgram:
   """Traces ``fun`` on abstract flat inputs and lowers it to StableHLO.
 
@@ -116,19 +117,22 @@ def trace_and_lower(
     donated: indices of flat inputs whose buffers may be donated.
     in_specs: each flat input's spec, for calls inside the function that
       read them (``partitioner.pipeline``'s stage count); None: unknown.
+    platform: the platform to lower for (``devices=`` of another platform
+      than the default backend's: CPU devices on a GPU host, a TPU
+      topology's); None: the default backend's.
 
   Raises:
     NotImplementedError: the function has ordered side effects.
   """
   memo = _reuse.get()
   if memo is None:
-    return _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs)
-  key = (fun, name, tuple(in_avals), tuple(donated))
+    return _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform)
+  key = (fun, name, tuple(in_avals), tuple(donated), platform)
   by_specs = (*key, tuple(map(repr, in_specs or ())))
   if memo.get(key) is _BY_SPECS:
     key = by_specs
   if key not in memo:
-    traced = _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs)
+    traced = _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform)
     if traced.read_specs:  # another layout may trace to another program
       memo[key], key = _BY_SPECS, by_specs
     memo[key] = traced
@@ -138,7 +142,8 @@ def trace_and_lower(
 _BY_SPECS = object()  # a memo entry: this function's traces depend on the specs
 
 
-def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs) -> TracedProgram:
+def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs,
+                     platform) -> TracedProgram:
   out_trees = []
 
   def flat_fun(*leaves):
@@ -153,7 +158,7 @@ def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs) -> Tr
   jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
   with emit_markers(), tracing(in_specs) as state:
     # inspect_array_sharding asks XLA even though this lowering is on one device.
-    lowered = _compat.lower_with_rules(jitted.trace(*in_avals), _inspect.rules())
+    lowered = _compat.lower_with_rules(jitted.trace(*in_avals), _inspect.rules(), platform)
   callbacks, keepalive, unordered, ordered = _compat.lowering_callbacks(lowered)
   if ordered:
     raise NotImplementedError(

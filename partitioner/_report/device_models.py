@@ -22,14 +22,32 @@ bf16 for accelerators), from:
   memory copies between threads (about 0.5 GB/s per device here), which is
   why they cost so much more than a CPU's arithmetic. Collectives across
   processes (gloo over TCP) are not fitted: half the in-process rate;
-- ``a100``: NVIDIA A100 SXM datasheet: 312 TFLOP/s bf16, 2.0 TB/s HBM2e,
-  NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
-- ``h100``: NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s
-  HBM3, NVLink 4 900 GB/s, 400 Gb/s InfiniBand per GPU (50 GB/s);
-- ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 1.2 TB/s HBM,
-  ICI ~270 GB/s per chip (6 links), 25 GB/s data-centre network;
-- ``tpu-v5e``: Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s HBM,
-  ICI 200 GB/s per chip, 25 GB/s data-centre network.
+- ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
+  HBM2e, NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
+- ``h100``: NVIDIA H100 SXM 80 GB datasheet: 989 TFLOP/s bf16 dense,
+  3.35 TB/s HBM3, NVLink 4 900 GB/s, 400 Gb/s InfiniBand per GPU (50 GB/s);
+- ``h200``: NVIDIA H200 SXM datasheet: the H100's compute and links,
+  141 GB HBM3e at 4.8 TB/s;
+- ``gh200``: NVIDIA GH200 Grace Hopper datasheet: the H100's compute and
+  links, 96 GB HBM3 at 4.0 TB/s;
+- ``b200``: NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU,
+  180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
+- ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
+  1.2 TB/s, ICI ~270 GB/s per chip (6 links), 25 GB/s data-centre network;
+- ``tpu-v5e``: Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at
+  819 GB/s, ICI 200 GB/s per chip, 25 GB/s data-centre network;
+- ``tpu-v5p``: Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at
+  2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s), 25 GB/s data-centre network;
+- ``tpu-v6e``: Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16,
+  32 GB HBM at 1.64 TB/s, ICI 448 GB/s per chip (3,584 Gb/s), 25 GB/s
+  data-centre network.
+
+Accelerators' data-centre network figures are each chip's share, estimates.
+Memory is the capacity per device; what a program may use of it,
+:meth:`DeviceModel.usable_memory`, leaves what the runtime keeps: jax on
+GPUs preallocates 75% of the memory by default
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``), on TPUs about 5% is kept here for
+the runtime (an estimate).
 
 Give your own with ``DeviceModel(...)`` (``search(..., device_model=)``).
 """
@@ -58,6 +76,8 @@ class DeviceModel:
     error: how far its estimates are from measured times (relative, rms):
       :func:`partitioner.search` times the candidates within it of the best
       on the devices instead of trusting the estimate.
+    memory_bytes: memory per device (HBM), or None where unknown (CPU).
+    usable_fraction: of ``memory_bytes``, what programs may use.
   """
   name: str
   flops_per_s: float
@@ -67,6 +87,13 @@ class DeviceModel:
   latency_s: float
   overlap: bool = True
   error: float = 0.3
+  memory_bytes: float | None = None
+  usable_fraction: float = 0.95
+
+  def usable_memory(self) -> float | None:
+    """The bytes per device a program may use (the search's default
+    budget), or None where the memory is unknown."""
+    return None if self.memory_bytes is None else self.memory_bytes * self.usable_fraction
 
   def compute_seconds(self, flops: float, bytes_accessed: float) -> float:
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
@@ -78,30 +105,60 @@ class DeviceModel:
             + collectives * self.latency_s)
 
 
+_JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
+
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 2.5e10, 2.5e9, 4.5e8, 2.25e8, 50e-6,
                        overlap=False, error=0.23),
-    "a100": DeviceModel("NVIDIA A100 SXM", 312e12, 2.0e12, 600e9, 25e9, 10e-6),
-    "h100": DeviceModel("NVIDIA H100 SXM", 989e12, 3.35e12, 900e9, 50e9, 8e-6),
-    "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6),
-    "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6),
+    "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 600e9, 25e9, 10e-6,
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU),
+    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 900e9, 50e9, 8e-6,
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU),
+    "h200": DeviceModel("NVIDIA H200 SXM", 989e12, 4.8e12, 900e9, 50e9, 8e-6,
+                        memory_bytes=141e9, usable_fraction=_JAX_GPU),
+    "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 900e9, 50e9, 8e-6,
+                         memory_bytes=96e9, usable_fraction=_JAX_GPU),
+    "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
+                        memory_bytes=180e9, usable_fraction=_JAX_GPU),
+    "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
+                          memory_bytes=32 * 2**30),
+    "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,
+                           memory_bytes=16e9),
+    "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 25e9, 10e-6,
+                           memory_bytes=95e9),
+    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 448e9, 25e9, 10e-6,
+                           memory_bytes=32e9),
 })
+
+
+# jax's device_kind (lower case) -> model; the first match wins, so longer
+# names come before the names they contain ("gh200" before "h200").
+_KINDS = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"), ("h800", "h100"),
+          ("b200", "b200"), ("a100", "a100"), ("a800", "a100"),
+          ("tpu v6 lite", "tpu-v6e"), ("tpu v6e", "tpu-v6e"), ("tpu v5 lite", "tpu-v5e"),
+          ("tpu v5e", "tpu-v5e"), ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"),
+          ("tpu v4", "tpu-v4"))
 
 
 def default_model(device_kind: str, platform: str) -> DeviceModel:
   """The model for a jax device (``device_kind``, ``platform``); CPU's when
-  nothing better is known."""
+  nothing better is known.
+
+  Raises:
+    ValueError: an accelerator none of :data:`MODELS` describes (its
+      estimates would be another device's).
+  """
   kind = device_kind.lower()
-  for key, name in (("h100", "h100"), ("a100", "a100"), ("v5 lite", "tpu-v5e"),
-                    ("v5e", "tpu-v5e"), ("v4", "tpu-v4")):
+  for key, name in _KINDS:
     if key in kind:
       return MODELS[name]
-  if platform == "gpu":
-    return MODELS["a100"]
-  if platform == "tpu":
-    return MODELS["tpu-v4"]
-  return MODELS["cpu"]
+  if platform == "cpu":
+    return MODELS["cpu"]
+  raise ValueError(
+      f"no device model describes {device_kind!r} ({platform}); the known ones are"
+      f" {sorted(MODELS)}. Hint: pass device_model= one of them, or"
+      " partitioner.DeviceModel(...) with this device's figures.")
 
 
 def resolve(model: DeviceModel | str | None, device_kind: str, platform: str) -> DeviceModel:

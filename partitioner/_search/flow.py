@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from partitioner import _distributed
+from partitioner import _compat, _distributed
 from partitioner._compile.cache.calls import call_caches
 from partitioner._compile.cache.tiers import compilation_cache
 from partitioner._config import config
@@ -106,11 +106,15 @@ def search(  # noqa: PLR0913 (the search's keywords)
       ``jax.ShapeDtypeStruct`` (no data needed), in pytrees.
     num_devices: how many devices to lay it over (default: all of them).
     memory_budget_bytes: only layouts whose peak per device (XLA's memory
-      analysis) fits.
+      analysis) fits. Default: what the devices may use (an accelerator's
+      ``memory_stats()["bytes_limit"]``), or the device model's usable
+      memory (``device_model="h100"``: 75% of 80 GB, what jax
+      preallocates); none on simulated CPU devices.
     static_argnums: as for ``sharded_jit``.
-    device_model: what the devices cost: a :class:`DeviceModel`, a name
-      (``"cpu"``, ``"a100"``, ``"h100"``, ``"tpu-v4"``, ``"tpu-v5e"``), or
-      None for the devices' own.
+    device_model: what the devices cost: a :class:`DeviceModel`, a name of
+      ``partitioner.DEVICE_MODELS`` (``"cpu"``, ``"a100"``, ``"h100"``,
+      ``"h200"``, ``"gh200"``, ``"b200"``, ``"tpu-v4"``, ``"tpu-v5e"``,
+      ``"tpu-v5p"``, ``"tpu-v6e"``), or None for the devices' own.
     measure: time the best ``measure`` candidates for a few steps on the
       devices and keep the fastest measured (one process only). By default
       (None) the close calls are timed: of the candidates whose estimates
@@ -123,9 +127,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
     progress: show a progress line on stderr (default: when it is a
       terminal).
     hosts: plan for this many hosts of ``num_devices / hosts`` consecutive
-      devices each (default: the processes of this run): collectives
-      that cross hosts cost the device model's network bandwidth, and the
-      tensor axis stays inside a host. With simulated devices, this plans
+      devices each (default: where they are: the hosts of this run, a TPU
+      slice one host): collectives that cross hosts cost the device
+      model's network bandwidth, and the tensor axis stays inside a host. With simulated devices, this plans
       a cluster from one machine (``num_devices=64, hosts=8,
       device_model="h100"``); the specs it returns run on it as they are.
 
@@ -146,7 +150,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   static = argnums(static_argnums, "static_argnums")
   request = _request(who, world, num_devices, device_model, hosts)
   request = dataclasses.replace(
-      request, budget=_budget(who, memory_budget_bytes),
+      request, budget=_budget(who, memory_budget_bytes, request),
       measure=_measure_count(who, measure, world.size), max_compiles=max_compiles,
       progress=progress)
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
@@ -203,16 +207,34 @@ def _request(who: str, world: Any, num_devices: Any, device_model: Any,
   devices = tuple(choose_devices(n // world.size, None, world.size, who))
   device = resolve(device_model, devices[0].device_kind, devices[0].platform)
   # (hosts=None: the processes; the devices are each process's in turn)
-  count = len(set(_cost.device_hosts(devices, hosts, who)))
+  count = len(set(_cost.device_hosts(devices, hosts, who, world.process_hosts)))
   return _Request(who, devices, count, device)
 
 
-def _budget(who: str, budget: Any) -> float | None:
-  """``memory_budget_bytes``: None, or a positive number of bytes."""
-  if budget is not None and (not isinstance(budget, int | float) or budget <= 0):
+def _budget(who: str, budget: Any, request: _Request) -> float | None:
+  """``memory_budget_bytes``: a positive number of bytes; by default (None)
+  what the devices may use (``bytes_limit`` of an accelerator's memory
+  statistics), else what the device model's may (an 80 GB H100: 60 GB, as
+  jax preallocates 75%), else none (simulated CPU devices: no budget)."""
+  if budget is None:
+    return default_budget(request.devices[0], request.device)
+  if not isinstance(budget, int | float) or isinstance(budget, bool) or budget <= 0:
     raise ValueError(f"{who}: memory_budget_bytes must be a positive number of bytes,"
                      f" got {budget!r}")
   return budget
+
+
+def default_budget(device: Any, model: DeviceModel) -> float | None:
+  """The bytes a program may use per device: the accelerator's own limit
+  when it runs here, else the device model's usable memory."""
+  if device.platform != "cpu" and not _compat.is_compile_only(device):
+    try:
+      limit = (device.memory_stats() or {}).get("bytes_limit")
+    except (RuntimeError, NotImplementedError):  # (a backend without statistics)
+      limit = None
+    if limit:
+      return float(limit)
+  return model.usable_memory()
 
 
 def _measure_count(who: str, measure: Any, processes: int) -> int | None:
@@ -412,6 +434,15 @@ class _Compiler:
                         for i in sorted(by_memory[:max(1, self.request.max_compiles)])])
 
 
+def _is_own(device: DeviceModel, d: Any) -> bool:
+  """Whether ``device`` is the model of the devices ``d`` is one of (its
+  estimates can be checked by timing them)."""
+  try:
+    return device == default_model(d.device_kind, d.platform)
+  except ValueError:  # (an accelerator no model describes: the user's model)
+    return True
+
+
 def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_found.Result]:
   """The results that fit, best first: by score, the close calls timed on
   the devices where they can be; a plan for hosts nothing here can time,
@@ -425,7 +456,7 @@ def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_foun
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
-  own = device == default_model(devices[0].device_kind, devices[0].platform)
+  own = _is_own(device, devices[0])
   processes = len({d.process_index for d in devices})
   target = space.target
   timed = _measure.close_calls(request.measure, [x.score.seconds for x in fits],

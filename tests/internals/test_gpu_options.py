@@ -43,3 +43,28 @@ def test_the_users_xla_options_win():
   devices = [_Device(k, "gpu", k // 2) for k in range(4)]
   with config.override(xla_options={"xla_gpu_shard_autotuning": True}):
     assert _overrides(devices)["xla_gpu_shard_autotuning"] is True
+
+
+@pytest.mark.parametrize("platform,expected", [("gpu", 0), ("cpu", None), ("tpu", None)])
+def test_score_only_compiles_do_not_autotune_on_gpus(platform, expected):
+  devices = [_Device(k, platform, 0) for k in range(4)]
+  options = tiers.program_options(_Program(tuple(devices)), score_only=True)
+  assert dict(options.env_option_overrides).get("xla_gpu_autotune_level") == expected
+
+
+def test_options_carry_jax_s_cuda_data_dir(monkeypatch):
+  # Where jax found CUDA's tools (nvidia-cuda-nvcc from pip), as jax's own
+  # compile options carry it; no path in the cache key.
+  from partitioner import _compat
+  from partitioner._compile.cache.key import program_key
+  monkeypatch.setattr(_compat, "cuda_data_dir", lambda: "/opt/cuda-a")
+  devices = [_Device(k, "gpu", 0) for k in range(4)]
+  options = tiers.program_options(_Program(tuple(devices)))
+  assert options.executable_build_options.debug_options.xla_gpu_cuda_data_dir == "/opt/cuda-a"
+  cpu = [_Device(k, "cpu", 0) for k in range(4)]  # (any device: ids and kinds for the key)
+  for d in cpu:
+    object.__setattr__(d, "device_kind", "cpu")
+  key = program_key("module", options, "shardy", cpu)
+  monkeypatch.setattr(_compat, "cuda_data_dir", lambda: "/elsewhere")
+  assert program_key("module", tiers.program_options(_Program(tuple(devices))), "shardy",
+                     cpu) == key

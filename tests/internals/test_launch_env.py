@@ -358,8 +358,11 @@ def test_each_rank_on_its_own_gpu_passes(monkeypatch):
 
 
 def test_the_claim_check_on_cpu_and_without_hardware_ids(monkeypatch):
+  monkeypatch.setattr(socket, "gethostname", lambda: "node1")
   cpus = [types.SimpleNamespace(platform="cpu", id=i) for i in range(4)]
-  world_module._check_claims(_World(1, {0: _never}), cpus)  # nothing to compare on CPU
+  world = _World(1, {0: ("node0", [])})
+  world_module._check_claims(world, cpus)  # nothing to compare on CPU: the hosts are kept
+  assert world.process_hosts == ("node0", "node1")
   bare = [types.SimpleNamespace(platform="tpu", id=5)]
   assert world_module.hardware_ids(bare, {}) == ["id 5"]
   assert world_module.hardware_ids(_gpus(1, 0), {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == [

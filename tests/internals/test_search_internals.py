@@ -272,3 +272,20 @@ def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
   assert [i for i, *_ in _select.variants(rows, results, 0)] == []
   # Once the best's variants run out, the next best's (none left here).
   assert [i for i, *_ in _select.variants(rows, results, 5)] == [2, 3, 5]
+
+
+def test_timed_steps_on_accelerators_donate_only_whole_state_arguments():
+  from partitioner._search import inputs as _inputs
+  from partitioner._search.measure import _state_args
+  s = jax.ShapeDtypeStruct
+  params = {"w": s((4, 4), jnp.float32), "b": s((4,), jnp.float32)}
+  opt = (s((4, 4), jnp.float32), s((4,), jnp.float32))
+  batch = s((2, 4), jnp.float32)
+  f = Function(lambda p, o, n, x: (p, o), (params, opt, 3, batch), (2,), None)
+  # flat inputs: b, w (dict keys sorted), opt 0, opt 1, batch; outputs fed back
+  assert _state_args(f, [0, 1, 2, 3]) == (0, 1)
+  assert _state_args(f, [0, 1, 2, None]) == (0,)  # opt's second leaf is not fed back
+  assert _state_args(f, [None, None]) == ()
+  data = _inputs.noise(s((64, 64), jnp.bfloat16))
+  assert data.dtype == jnp.bfloat16 and 0 < float(np.std(data.astype(np.float32))) < 0.1
+  assert not _inputs.noise(s((8,), jnp.int32)).any()

@@ -72,11 +72,15 @@ def xla_flags(variable: str) -> str:
 
 
 def _without_device_count(options: _compat.CompileOptions) -> _compat.CompileOptions:
-  """A copy of the options with the simulated device count at one fixed
-  value: XLA copies ``XLA_FLAGS`` into the options' debug options, this
-  flag among them (the options it compiles with are left as they are)."""
+  """A copy of the options less what changes no binary (the options it
+  compiles with are left as they are): the simulated device count (XLA
+  copies ``XLA_FLAGS`` into the options' debug options, this flag among
+  them) and where CUDA's tools are installed (each host's own path, as in
+  jax's key)."""
   options = copy.deepcopy(options)
-  options.executable_build_options.debug_options.xla_force_host_platform_device_count = 0
+  debug = options.executable_build_options.debug_options
+  debug.xla_force_host_platform_device_count = 0
+  debug.xla_gpu_cuda_data_dir = ""
   return options
 
 

@@ -273,6 +273,11 @@ SCORE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False,
                   "xla_cpu_parallel_codegen_split_count": 1}
 
 
+# Analysed, never run, on GPUs: no autotuning (it runs kernels on the GPU,
+# for every candidate; the analyses do not depend on the kernels chosen).
+SCORE_ONLY_GPU = {"xla_gpu_autotune_level": 0}
+
+
 # A GPU program over several processes is compiled by rank 0 alone (the
 # others wait for its binary), but XLA:GPU shards its GEMM autotuning over
 # the processes of the job by default and waits for every process's share:
@@ -283,13 +288,16 @@ ONE_RANK_GPU = {"xla_gpu_shard_autotuning": False}
 def program_options(program: Program, *, score_only: bool = False) -> _compat.CompileOptions:
   """The program's compile options under the config; ``score_only``: a
   program that is analysed, never run (machine code unoptimised and, on
-  CPU, ``SCORE_ONLY_CPU``: the same analyses, compiled 3-4x faster); a
+  CPU, ``SCORE_ONLY_CPU``: the same analyses, compiled 3-4x faster; on
+  GPUs, ``SCORE_ONLY_GPU``: no autotuning); a
   GPU program over several processes, ``ONE_RANK_GPU`` (the user's
   ``config.xla_options`` win over both)."""
   xla_options = dict(config.xla_options or {})
   platform = program.devices[0].platform
   if score_only and platform == "cpu":
     xla_options = {**SCORE_ONLY_CPU, **xla_options}
+  if score_only and platform in ("gpu", "cuda", "rocm"):
+    xla_options = {**SCORE_ONLY_GPU, **xla_options}
   if platform in ("gpu", "cuda", "rocm") and len({d.process_index for d in program.devices}) > 1:
     xla_options = {**ONE_RANK_GPU, **xla_options}
   return _program.compile_options(

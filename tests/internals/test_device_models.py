@@ -1,0 +1,79 @@
+"""Which device model prices which jax device, and the memory it gives the search."""
+
+import types
+
+import pytest
+
+from partitioner import DEVICE_MODELS, DeviceModel
+from partitioner._report.device_models import default_model
+from partitioner._search.flow import default_budget
+
+
+@pytest.mark.parametrize("kind, platform, model", [
+    ("NVIDIA H100 80GB HBM3", "gpu", "h100"),
+    ("NVIDIA H100 PCIe", "gpu", "h100"),
+    ("NVIDIA H200", "gpu", "h200"),
+    ("NVIDIA GH200 480GB", "gpu", "gh200"),
+    ("NVIDIA B200", "gpu", "b200"),
+    ("NVIDIA A100-SXM4-80GB", "gpu", "a100"),
+    ("TPU v4", "tpu", "tpu-v4"),
+    ("TPU v5 lite", "tpu", "tpu-v5e"),
+    ("TPU v5", "tpu", "tpu-v5p"),       # what jax calls a v5p chip
+    ("TPU v6 lite", "tpu", "tpu-v6e"),  # and a v6e (Trillium) chip
+    ("cpu", "cpu", "cpu"),
+])
+def test_each_device_kind_gets_its_own_model(kind, platform, model):
+  assert default_model(kind, platform) is DEVICE_MODELS[model]
+
+
+@pytest.mark.parametrize("kind, platform", [("NVIDIA L4", "gpu"), ("TPU v7x", "tpu")])
+def test_an_accelerator_no_model_describes_is_an_error_not_another_device(kind, platform):
+  with pytest.raises(ValueError, match=rf"no device model describes '{kind}'.*Hint.*DeviceModel"):
+    default_model(kind, platform)
+
+
+def test_models_carry_their_memory():
+  assert DEVICE_MODELS["cpu"].usable_memory() is None
+  assert DEVICE_MODELS["h100"].usable_memory() == pytest.approx(60e9)  # jax takes 75%
+  assert DEVICE_MODELS["tpu-v5p"].usable_memory() == pytest.approx(0.95 * 95e9)
+  own = DeviceModel("mine", 1e12, 1e12, 1e11, 1e10, 1e-5, memory_bytes=24e9,
+                    usable_fraction=0.5)
+  assert own.usable_memory() == 12e9
+
+
+def _device(platform, stats):
+  def memory_stats():
+    if isinstance(stats, Exception):
+      raise stats
+    return stats
+  return types.SimpleNamespace(platform=platform, memory_stats=memory_stats, client=None)
+
+
+def test_the_search_budget_is_the_devices_own_limit_else_the_models():
+  h100 = DEVICE_MODELS["h100"]
+  # A GPU here: XLA's own limit (jax's preallocation, whatever its fraction).
+  assert default_budget(_device("gpu", {"bytes_limit": 76e9}), h100) == 76e9
+  # No statistics: the model's usable memory.
+  assert default_budget(_device("gpu", RuntimeError("no stats")), h100) == pytest.approx(60e9)
+  # Planning an H100 job from simulated CPU devices: the H100's.
+  assert default_budget(_device("cpu", None), h100) == pytest.approx(60e9)
+  assert default_budget(_device("cpu", None), DEVICE_MODELS["cpu"]) is None
+
+
+def _dev(process, platform="gpu", **more):
+  return types.SimpleNamespace(process_index=process, platform=platform, **more)
+
+
+def test_hosts_are_hostnames_for_gpus_and_slices_for_tpus():
+  from partitioner._report.cost import device_hosts
+  # One process per GPU, 4 on each of two hosts: NVLink inside each host.
+  gpus = [_dev(p) for p in range(8)]
+  hostnames = ["a"] * 4 + ["b"] * 4
+  assert device_hosts(gpus, None, "cost", hostnames) == [0] * 4 + [1] * 4
+  assert device_hosts(gpus, None, "cost") == list(range(8))  # (no hostnames: processes)
+  # A TPU slice of 4 hosts is one ICI domain; two slices, two.
+  one = [_dev(p // 2, "tpu") for p in range(8)]
+  assert device_hosts(one, None, "cost", ["h0", "h1", "h2", "h3"]) == [0] * 8
+  two = [_dev(p // 2, "tpu", slice_index=p // 4) for p in range(8)]
+  assert device_hosts(two, None, "cost") == [0] * 4 + [1] * 4
+  assert device_hosts(gpus, 2, "cost", hostnames) == [0] * 4 + [1] * 4

@@ -1,0 +1,134 @@
+"""TPU topologies without a TPU: compile-only devices from libtpu.
+
+``partitioner.tpu_devices`` gives a TPU slice's devices on this CPU machine;
+sharded_jit lowers for their platform, XLA:TPU compiles for them, and the
+compiled program reports XLA:TPU's own analyses. The tests that need
+libtpu skip without it (``pip install 'sharded-jit[tpu]'``; CI installs
+it).
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as NP
+
+import partitioner
+from partitioner import _compat, sharded_jit
+from partitioner._compile.partition import _lowering_platform
+from sharding import PartitionSpec as P
+from sharding import from_named
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed: pip install 'sharded-jit[tpu]' (scripts/test with"
+           " WITH_LIBTPU=1, as CI runs it)")
+
+
+def test_without_libtpu_the_error_says_how_to_get_it(monkeypatch):
+  monkeypatch.setattr(_compat, "libtpu_installed", lambda: False)
+  with pytest.raises(ModuleNotFoundError, match=r"v5p:2x2x1.*needs libtpu.*sharded-jit\[tpu\]"):
+    partitioner.tpu_devices("v5p:2x2x1")
+
+
+@pytest.mark.parametrize("topology, num_slices, match", [
+    ("v5p", 1, "like 'v5p:2x2x1'"),
+    (8, 1, "like 'v5p:2x2x1'"),
+    ("v5p:2x2x1", 0, "num_slices must be a positive int, got 0"),
+    ("v5p:2x2x1", True, "num_slices must be a positive int, got True"),
+])
+def test_bad_topology_arguments(topology, num_slices, match):
+  with pytest.raises(ValueError, match=match):
+    partitioner.tpu_devices(topology, num_slices=num_slices)
+
+
+def test_devices_of_the_default_backend_lower_for_it():
+  assert _lowering_platform(None) is None
+  assert _lowering_platform(tuple(jax.devices()[:2])) is None
+
+
+@needs_libtpu
+def test_a_topology_gives_one_device_per_chip_and_slices():
+  devices = partitioner.tpu_devices("v5p:2x2x2", num_slices=2)
+  assert len(devices) == 16
+  assert {d.platform for d in devices} == {"tpu"}
+  assert [d.slice_index for d in devices] == [0] * 8 + [1] * 8
+  assert all(_compat.is_compile_only(d) for d in devices)
+  assert not _compat.is_compile_only(jax.devices()[0])
+  assert _lowering_platform(devices) == "tpu"
+
+
+@needs_libtpu
+def test_an_unknown_topology_is_named():
+  with pytest.raises(ValueError, match=r"does not know the topology 'v9z:2x2'.*Hint"):
+    partitioner.tpu_devices("v9z:2x2")
+
+
+@needs_libtpu
+def test_from_named_keeps_a_tpu_ring_order():
+  # v5e's 2x4 mesh lists its chips along the physical ring: 0 1 2 3 7 6 5 4.
+  devices = partitioner.tpu_devices("v5e:2x4")
+  from jax.experimental import topologies
+  mesh = topologies.make_mesh(topologies.TopologyDescription(list(devices)), (2, 4),
+                              ("data", "model"))
+  ring = [d.id for d in mesh.devices.flat]
+  assert ring != sorted(ring)
+  spec = from_named(NamedSharding(mesh, NP("data", "model")), ndim=2)
+  assert spec == P(2, 4, device_ids=tuple(ring))
+  f = sharded_jit(lambda x: x * 2, in_parts=spec, out_parts=spec,
+                  devices=tuple(mesh.devices.flat))
+  lowered = f.lower(jax.ShapeDtypeStruct((8, 16), jnp.float32))
+  assert lowered.in_shardings[0].is_equivalent_to(NamedSharding(mesh, NP("data", "model")), 2)
+
+
+def _mlp_step(params, x):
+  def loss(p):
+    h = jax.nn.relu(x @ p["w1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+  g = jax.grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
+
+
+@needs_libtpu
+def test_compiled_for_a_topology_reports_xla_tpu_memory_and_cannot_run():
+  devices = partitioner.tpu_devices("v5p:2x2x2")  # 8 chips
+  params = {"w1": jax.ShapeDtypeStruct((1024, 4096), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+  parts = {"w1": P(1, 8), "w2": P(8, 1)}
+  step = sharded_jit(_mlp_step, in_parts=(parts, P(1, 1)), out_parts=parts,
+                     devices=devices)
+  compiled = step.lower(params, x).compile()
+  ours = compiled.memory_analysis()
+  # jax.jit's compile of the same layout, by XLA:TPU too, agrees.
+  mesh = jax.sharding.Mesh(np.array(devices), ("m",))
+  named = {"w1": NamedSharding(mesh, NP(None, "m")), "w2": NamedSharding(mesh, NP("m"))}
+  theirs = jax.jit(_mlp_step, in_shardings=(named, NamedSharding(mesh, NP())),
+                   out_shardings=named).lower(params, x).compile().memory_analysis()
+  assert ours.argument_size_in_bytes == theirs.argument_size_in_bytes == (
+      2 * 1024 * 4096 * 4 // 8 + 256 * 1024 * 4)
+  assert ours.temp_size_in_bytes == theirs.temp_size_in_bytes
+  assert "all-reduce" in compiled.as_text() or "reduce-scatter" in compiled.as_text()
+  assert compiled.cost("tpu-v5p").peak_memory > ours.argument_size_in_bytes
+  assert "TPU" in str(compiled.explain())
+  with pytest.raises(RuntimeError, match=r"compile-only TPU devices.*not run.*Hint"):
+    compiled({"w1": np.zeros((1024, 4096), np.float32),
+              "w2": np.zeros((4096, 1024), np.float32)}, np.zeros((256, 1024), np.float32))
+
+
+@needs_libtpu
+def test_devices_of_another_platform_lower_for_it():
+  # A Cholesky lowers to a LAPACK call for CPUs, which XLA:TPU cannot
+  # compile; lowered for the TPU devices given, it compiles.
+  devices = partitioner.tpu_devices("v5p:2x2x1")
+  f = sharded_jit(lambda a: jnp.linalg.cholesky(a @ a.T + 64 * jnp.eye(64)),
+                  in_parts=P(1, 1), out_parts=P(1, 1), devices=devices)
+  lowered = f.lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  assert "lapack" not in lowered.as_text()
+  lowered.compile()
+  g = sharded_jit(lambda a: jnp.linalg.cholesky(a @ a.T + 64 * jnp.eye(64)),
+                  in_parts=P(1, 1), out_parts=P(1, 1), devices=jax.devices()[:4])
+  assert "lapack" in g.lower(jax.ShapeDtypeStruct((64, 64), jnp.float32)).as_text()
