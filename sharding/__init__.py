@@ -10,6 +10,7 @@ from sharding._local import global_shape as global_shape
 from sharding._local import local_shape as local_shape
 from sharding._local import local_spec as local_spec
 from sharding._named import from_named as from_named
+from sharding._named import to_named as to_named
 from sharding._partition_spec import PartitionSpec as PartitionSpec
 from sharding._picture import picture as picture
 from sharding._rules import path_name as path_name
@@ -22,5 +23,5 @@ P = PartitionSpec
 
 __all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "fsdp_specs",
            "fsdp_tp_specs", "global_shape",
-           "local_shape", "local_spec", "path_name", "picture", "spec_tree", "tiling",
+           "local_shape", "local_spec", "path_name", "picture", "spec_tree", "tiling", "to_named",
            "with_sharding_constraint"]

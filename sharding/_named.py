@@ -1,13 +1,15 @@
-"""from_named: the count spec of a jax NamedSharding, on the same devices."""
+"""from_named and to_named: count specs to and from jax NamedShardings."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from sharding import _layout
+from sharding import _layout, _tiling
 from sharding._partition_spec import PartitionSpec, with_layout
 
 
@@ -87,3 +89,90 @@ def from_named(named: Any, ndim: int | None = None) -> PartitionSpec:
   ids = tuple(d.id for d in devices)
   counts = [*layout.counts, *([...] if any_rank else [])]
   return with_layout(counts, None if _layout.is_row_major(layout) else layout, ids)
+
+
+def to_named(spec: PartitionSpec | None, mesh: jax.sharding.Mesh | None = None, *,
+             ndim: int | None = None, devices: Any = None) -> jax.sharding.NamedSharding:
+  """The ``NamedSharding`` that puts every slice where the count spec puts it:
+  the inverse of :func:`from_named`, for ``jax.jit``'s ``in_shardings`` and
+  ``out_shardings`` and ``jax.device_put``.
+
+  Args:
+    spec: a count spec (any device order, ``grid=``/``axes=``,
+      ``device_ids=``), or None (replicated).
+    mesh: the mesh to name it on: every spec of a ``jax.jit`` call over
+      one mesh. None: a mesh of the spec's own (axes ``d0``, ``d1``, ...).
+    ndim: the rank of the arrays it lays out (default: the spec's length;
+      needed for a spec ending with ``...`` and for None).
+    devices: the devices a sharded_jit call runs the spec on, in order
+      (default: the spec's ``device_ids``, else those of ``mesh`` in
+      ``jax.devices()`` order, else the first of ``jax.devices()``).
+
+  Raises:
+    ValueError: ``ndim`` is missing or wrong for the spec, the devices do
+      not fit it, or no ``PartitionSpec`` of ``mesh``'s axes lays it out
+      (``mesh`` has no axis for one of its splits).
+  """
+  if ndim is None:
+    if spec is None or spec.open:
+      raise ValueError(f"to_named: pass ndim= (the arrays' rank) for spec {spec!r}, which"
+                       " fits arrays of any rank.")
+    ndim = len(spec)
+  try:
+    t = _tiling.tiling(spec, _devices_for(spec, mesh, devices), ndim)
+  except ValueError as e:
+    raise ValueError(f"to_named: {e}. Hint: the devices (devices=, or the mesh's) must"
+                     " share the spec's tiles equally.") from None
+  if mesh is None:
+    return t.named_sharding()
+  found = _on_mesh(t, mesh, ndim)
+  if found is None:
+    raise ValueError(
+        f"to_named: no PartitionSpec of the mesh {dict(mesh.shape)} lays out"
+        f" {t.spec!r} over the devices {[d.id for d in t.devices]}. Hint: a"
+        " mesh whose axes make each split (e.g. the one FoundLayout.mesh()"
+        " gives), or mesh=None for a mesh of the spec's own.")
+  return found
+
+
+def _devices_for(spec: PartitionSpec | None, mesh: Any, devices: Any) -> tuple:
+  """The devices of a sharded_jit call of ``spec`` (see :func:`to_named`)."""
+  if devices is not None:
+    return tuple(devices)
+  every = {d.id: d for d in (mesh.devices.flat if mesh is not None else jax.devices())}
+  if spec is not None and spec.device_ids is not None:
+    missing = [i for i in spec.device_ids if i not in every]
+    if missing:
+      raise ValueError(f"to_named: spec {spec!r} names devices {missing}, which are not"
+                       f" {'the mesh' if mesh is not None else 'jax'}'s. Hint: pass devices=.")
+    return tuple(every[i] for i in spec.device_ids)
+  if mesh is not None:
+    order = {d: k for k, d in enumerate(jax.devices())}
+    return tuple(sorted(mesh.devices.flat, key=lambda d: (order.get(d, len(order)), d.id)))
+  n = 1 if spec is None else spec.total if spec.layout is None else spec.layout.total
+  return tuple(jax.devices()[:n])
+
+
+def _on_mesh(t: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.sharding.NamedSharding | None:
+  """A NamedSharding over ``mesh`` equivalent to tiling ``t``, or None: each
+  of the mesh's axes splits one dimension or none, those of one dimension
+  in some order; only the assignments whose products are the counts are
+  tried."""
+  if {d.id for d in mesh.devices.flat} != {d.id for d in t.devices}:
+    return None
+  target = t.named_sharding()
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  counts = t.spec.counts
+  for choice in itertools.product(range(ndim + 1), repeat=len(axes)):
+    groups: list[list[str]] = [[] for _ in range(ndim)]
+    for a, d in zip(axes, choice):
+      if d < ndim:
+        groups[d].append(a)
+    if any(math.prod(mesh.shape[a] for a in g) != c for g, c in zip(groups, counts)):
+      continue
+    for order in itertools.product(*(itertools.permutations(g) for g in groups)):
+      entries = [None if not g else g[0] if len(g) == 1 else tuple(g) for g in order]
+      named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+      if named.is_equivalent_to(target, ndim):
+        return named
+  return None

@@ -296,7 +296,8 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   r = space.r
   return _found.to_json(fits + rest, request.device, request.budget, len(space.rows),
-                        time.perf_counter() - start, request.hosts,
+                        time.perf_counter() - start,
+                        (request.hosts, [d.id for d in request.devices]),
                         [(r.names[k], m) for k, m in sorted(r.repeats.items())],
                         space.target.describe())
 

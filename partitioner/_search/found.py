@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
+import numpy as np
 
 from partitioner._front.analysis import explain
 from partitioner._front.sharded_jit import sharded_jit
@@ -18,6 +19,8 @@ from partitioner._search import table as _table
 from partitioner._search.candidates import Candidate
 from partitioner._search.estimate import Estimate
 from sharding._constraint import decode_spec, encode_spec
+from sharding._named import to_named
+from sharding._partition_spec import PartitionSpec
 
 
 @dataclasses.dataclass
@@ -92,8 +95,11 @@ class CandidateResult:
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
-            estimated: int, seconds: float, hosts: int = 1,
+            estimated: int, seconds: float, where: tuple[int, Sequence[int]] = (1, ()),
             grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None) -> bytes:
+  """The search's answer as JSON (cached, shared between ranks); ``where``:
+  the hosts it planned for and its devices' ids, in order."""
+  hosts, devices = where
   rows = []
   for x in results:
     s = None if x.failed else x.score
@@ -112,7 +118,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
                      "search_seconds": seconds, "hosts": hosts,
                      "grouped": [list(g) for g in grouped], "proxy": proxy or {},
-                     "candidates": rows}).encode()
+                     "devices": list(devices), "candidates": rows}).encode()
 
 
 class FoundLayout:
@@ -155,6 +161,7 @@ class FoundLayout:
     self.search_seconds = data["search_seconds"]
     self.device_model = data["device_model"]
     self.budget = data["budget"]
+    self.device_ids = tuple(data.get("devices", ()))
 
   @classmethod
   def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
@@ -177,6 +184,43 @@ class FoundLayout:
     with this layout (more keyword arguments pass through)."""
     return sharded_jit(self.fun, in_parts=self.in_parts, out_parts=self.out_parts,
                        static_argnums=self.static, **kwargs)
+
+  def mesh(self) -> jax.sharding.Mesh:
+    """The winner's devices as a jax ``Mesh``: axes ``stage``, ``data``,
+    ``fsdp``, ``model`` (major to minor; those of one device left out, at
+    least one kept), over the devices the search laid it on, in order."""
+    best = self.best
+    sizes = {"stage": best.stages, "data": best.grid[0], "fsdp": best.grid[1],
+             "model": best.grid[2]}
+    kept = {k: n for k, n in sizes.items() if n > 1} or {"data": 1}
+    by_id = {d.id: d for d in jax.devices()}
+    if not self.device_ids:
+      raise ValueError("FoundLayout.mesh: this layout does not record its devices (a"
+                       " search result stored by an older version). Hint: search again.")
+    devices = np.array([by_id[i] for i in self.device_ids], dtype=object)
+    return jax.sharding.Mesh(devices.reshape(tuple(kept.values())), tuple(kept))
+
+  def named_shardings(self) -> tuple[jax.sharding.Mesh, tuple, Any]:
+    """The winner for ``jax.jit``: ``(mesh, in_shardings, out_shardings)``,
+    each spec as a ``NamedSharding`` over :meth:`mesh` (``sharding.to_named``)
+    that lays its argument out as ``sharded_jit`` does, in the arguments'
+    and outputs' tree structures (None for static arguments)::
+
+      mesh, ins, outs = found.named_shardings()
+      step = jax.jit(fun, in_shardings=ins, out_shardings=outs)
+
+    Raises:
+      ValueError: a spec that no PartitionSpec of the mesh's axes lays out.
+    """
+    mesh = self.mesh()
+    devices = tuple(mesh.devices.flat)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    named = lambda spec: replicated if spec is None else to_named(
+        spec, mesh, ndim=len(spec), devices=devices)  # (jax pads a short spec, as "..." does)
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)
+    ins = tuple(None if i in self.static else jax.tree_util.tree_map(named, p, is_leaf=is_spec)
+                for i, p in enumerate(self.in_parts))
+    return mesh, ins, jax.tree_util.tree_map(named, self.out_parts, is_leaf=is_spec)
 
   def explain(self, *args) -> Any:
     """``explain()`` of the winner for these arguments (compiles it)."""
