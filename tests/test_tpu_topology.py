@@ -132,3 +132,46 @@ def test_devices_of_another_platform_lower_for_it():
   g = sharded_jit(lambda a: jnp.linalg.cholesky(a @ a.T + 64 * jnp.eye(64)),
                   in_parts=P(1, 1), out_parts=P(1, 1), devices=jax.devices()[:4])
   assert "lapack" in g.lower(jax.ShapeDtypeStruct((64, 64), jnp.float32)).as_text()
+
+
+@needs_libtpu
+def test_a_search_plans_for_a_tpu_slice_with_its_own_compiler():
+  chips = partitioner.tpu_devices("v5p:2x2x2")
+  s = jax.ShapeDtypeStruct
+  params = {"w1": s((2048, 8192), jnp.float32), "w2": s((8192, 2048), jnp.float32)}
+  x = s((64, 2048), jnp.float32)
+  found = partitioner.search(_mlp_step2, params, x, devices=chips, max_compiles=4)
+  assert found.device_model == partitioner.DEVICE_MODELS["tpu-v5p"].name
+  assert found.measured == 0  # compile-only devices: nothing timed
+  assert found.budget == pytest.approx(0.95 * 95e9)
+  best = found.best
+  assert best.xla_seconds and best.xla_seconds > 0
+  assert "XLA's own estimate" in found.report()
+  # The found layout compiles for the slice as the search scored it.
+  compiled = found.sharded_jit(devices=chips).lower(params, x).compile()
+  peak = compiled.cost().peak_memory
+  assert peak == best.peak_memory
+  with pytest.raises(TypeError, match=r"devices must be a sequence of jax.Device"):
+    partitioner.search(_mlp_step2, params, x, devices=chips[0])
+
+
+def _mlp_step2(params, x):
+  def loss(p):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+  value, g = jax.value_and_grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+
+
+@needs_libtpu
+def test_a_tpu_plan_exports_to_jax_jit_on_the_slice():
+  chips = partitioner.tpu_devices("v5p:2x2x2")
+  s = jax.ShapeDtypeStruct
+  params = {"w1": s((1024, 4096), jnp.float32), "w2": s((4096, 1024), jnp.float32)}
+  x = s((64, 1024), jnp.float32)
+  found = partitioner.search(_mlp_step2, params, x, devices=chips, max_compiles=3)
+  mesh, ins, outs = found.named_shardings()
+  assert {d.id for d in mesh.devices.flat} == {d.id for d in chips}
+  theirs = jax.jit(_mlp_step2, in_shardings=ins, out_shardings=outs).lower(params, x).compile()
+  ours = found.sharded_jit(devices=chips).lower(params, x).compile()
+  assert (theirs.memory_analysis().argument_size_in_bytes
+          == ours.memory_analysis().argument_size_in_bytes)

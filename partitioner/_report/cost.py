@@ -53,6 +53,8 @@ class Cost:
     matmul_flops: the part of ``flops`` in matrix multiplies (dots, and
       on GPU the cuBLAS calls XLA turns them into), each as often as it
       runs: what a layout's share of the work is judged by.
+    xla_seconds: XLA's own estimate of one call, where its compiler gives
+      one (XLA:TPU's ``optimal_seconds``), else None.
   """
   flops: float
   bytes_accessed: float
@@ -62,6 +64,7 @@ class Cost:
   peak_memory: int
   seconds: float
   matmul_flops: float = 0.0
+  xla_seconds: float | None = None
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -331,5 +334,6 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   seconds = (device.compute_seconds(flops, accessed)
              + device.comm_seconds(weighted - network, count, network))
+  own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
-              _hlo.matmul_flops(hlo_text))
+              _hlo.matmul_flops(hlo_text), float(own) if own and own > 0 else None)

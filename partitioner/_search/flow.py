@@ -45,7 +45,7 @@ from partitioner._compile.cache.tiers import compilation_cache
 from partitioner._config import config
 from partitioner._lower import trace as _trace_lib
 from partitioner._lower.args import argnums
-from partitioner._lower.devices import choose_devices
+from partitioner._lower.devices import check_devices_argument, choose_devices
 from partitioner._lower.trace import reusing_traces
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
@@ -63,6 +63,7 @@ from partitioner._search.estimate import OpTable
 from partitioner._search.progress import Progress
 from partitioner._search.target import Target
 from partitioner._version import __version__
+from sharding._checks import positive_count
 
 logger = logging.getLogger(__name__)
 # The answers of this process's searches, by key; clear_caches() empties it.
@@ -97,7 +98,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
     memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
     device_model: DeviceModel | str | None = None, measure: int | None = None,
     max_compiles: int = 10, progress: bool | None = None,
-    hosts: int | None = None) -> _found.FoundLayout:
+    hosts: int | None = None, devices: Sequence[Any] | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
 
   Args:
@@ -129,9 +130,16 @@ def search(  # noqa: PLR0913 (the search's keywords)
     hosts: plan for this many hosts of ``num_devices / hosts`` consecutive
       devices each (default: where they are: the hosts of this run, a TPU
       slice one host): collectives that cross hosts cost the device
-      model's network bandwidth, and the tensor axis stays inside a host. With simulated devices, this plans
-      a cluster from one machine (``num_devices=64, hosts=8,
-      device_model="h100"``); the specs it returns run on it as they are.
+      model's network bandwidth, and the tensor axis stays inside a host.
+      With simulated devices, this plans a cluster from one machine
+      (``num_devices=64, hosts=8, device_model="h100"``); the specs it
+      returns run on it as they are.
+    devices: the devices to lay it over (default: this run's, the first
+      ``num_devices``). A TPU topology's compile-only devices
+      (``partitioner.tpu_devices("v5p:2x2x2")``) plan a TPU job from any
+      machine: the candidates are compiled by XLA:TPU (not run, nothing
+      timed), and scored with its memory analysis; each candidate reports
+      XLA's own time estimate next to ours (``xla_seconds``).
 
   Returns:
     A :class:`FoundLayout`: ``.in_parts``, ``.out_parts`` for ``sharded_jit``;
@@ -148,7 +156,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   who = f"search({getattr(fun, '__name__', type(fun).__name__)})"
   world = _distributed.world()
   static = argnums(static_argnums, "static_argnums")
-  request = _request(who, world, num_devices, device_model, hosts)
+  request = _request(who, world, num_devices, device_model, hosts, devices)
   request = dataclasses.replace(
       request, budget=_budget(who, memory_budget_bytes, request),
       measure=_measure_count(who, measure, world.size), max_compiles=max_compiles,
@@ -168,7 +176,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
       if store is not None and world.rank == 0:
         store.put(key, blob)
     _answers.put(key, blob)
-  return _found.FoundLayout.from_json(blob, fun, static, f.in_tree, f.out_tree, len(args), who)
+  found = _found.FoundLayout.from_json(blob, fun, static, f.in_tree, f.out_tree, len(args), who)
+  found.devices = request.devices
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +211,18 @@ class _Request:
 
 
 def _request(who: str, world: Any, num_devices: Any, device_model: Any,
-             hosts: Any) -> _Request:
+             hosts: Any, given: Any) -> _Request:
   """The devices, their hosts and their model, checked."""
-  n = _inputs.count(num_devices, world.size, who)
-  devices = tuple(choose_devices(n // world.size, None, world.size, who))
+  if given is None:
+    n = _inputs.count(num_devices, world.size, who)
+    devices = tuple(choose_devices(n // world.size, None, world.size, who))
+  else:
+    given = check_devices_argument(given)
+    n = len(given) if num_devices is None else positive_count(
+        num_devices, f"{who}: num_devices", hint=f"at most the {len(given)} devices given")
+    devices = tuple(choose_devices(n // world.size, given, world.size, who))
   device = resolve(device_model, devices[0].device_kind, devices[0].platform)
-  # (hosts=None: the processes; the devices are each process's in turn)
+  # (hosts=None: where they are; the devices are each host's in turn)
   count = len(set(_cost.device_hosts(devices, hosts, who, world.process_hosts)))
   return _Request(who, devices, count, device)
 
@@ -457,7 +473,7 @@ def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_foun
     raise ValueError(f"{who}: no candidate layout compiled; the first error: "
                      f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
-  own = _is_own(device, devices[0])
+  own = _is_own(device, devices[0]) and not _compat.is_compile_only(devices[0])
   processes = len({d.process_index for d in devices})
   target = space.target
   timed = _measure.close_calls(request.measure, [x.score.seconds for x in fits],

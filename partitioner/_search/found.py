@@ -76,6 +76,8 @@ class CandidateResult:
       row for all of them).
     stages: pipeline stages (``partitioner.pipeline``), major to ``grid``;
       1: none.
+    xla_seconds: XLA's own estimate of a call where its compiler gives
+      one (XLA:TPU, for a TPU topology's devices), else None.
   """
   layout: str
   family: str
@@ -92,6 +94,7 @@ class CandidateResult:
   error: str = ""
   alike: int = 0
   stages: int = 1
+  xla_seconds: float | None = None
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
@@ -113,6 +116,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
+        "xla_seconds": s.xla_seconds if s else None,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
@@ -162,6 +166,7 @@ class FoundLayout:
     self.device_model = data["device_model"]
     self.budget = data["budget"]
     self.device_ids = tuple(data.get("devices", ()))
+    self.devices: tuple = ()  # (the search's devices, when it has them)
 
   @classmethod
   def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
@@ -193,7 +198,7 @@ class FoundLayout:
     sizes = {"stage": best.stages, "data": best.grid[0], "fsdp": best.grid[1],
              "model": best.grid[2]}
     kept = {k: n for k, n in sizes.items() if n > 1} or {"data": 1}
-    by_id = {d.id: d for d in jax.devices()}
+    by_id = {d.id: d for d in self.devices or jax.devices()}
     if not self.device_ids:
       raise ValueError("FoundLayout.mesh: this layout does not record its devices (a"
                        " search result stored by an older version). Hint: search again.")

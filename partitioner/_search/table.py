@@ -67,6 +67,8 @@ def why(found: Any) -> str:
   text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
           f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
           f" per device, peak {size(best.peak_memory)}.")
+  if best.xla_seconds:  # (a TPU topology's: its compiler's own estimate)
+    text += f" XLA's own estimate: {_time(best.xla_seconds)} a call."
   timed = [x for x in found.candidates[1:] if x.measured_seconds]
   if best.measured_seconds and timed:  # a close call, decided on the devices
     rival = min(timed, key=lambda x: x.measured_seconds)

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from partitioner import _compat
 from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
@@ -150,7 +151,7 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
                              matmul_flops=got.matmul_flops * ratio(whole.flops, part.flops),
                              collective_bytes=moved, network_bytes=network, peak_memory=peak,
-                             seconds=seconds)
+                             seconds=seconds, xla_seconds=None)  # (the proxy's)
 
 
 def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
@@ -179,7 +180,7 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
                              matmul_flops=got.matmul_flops + more("matmul_flops"),
                              collective_bytes=moved, network_bytes=network, peak_memory=peak,
-                             seconds=seconds)
+                             seconds=seconds, xla_seconds=None)  # (the proxy's)
 
 
 def compiled_score(f: Function, in_specs: list, out_specs: list,
@@ -201,7 +202,11 @@ def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any]) 
 
 def compile_program(program: Any) -> Any:
   """The program compiled to be analysed, never run (not cached); safe to
-  call from several threads at once (XLA's compiles release the GIL)."""
+  call from several threads at once (XLA's compiles release the GIL). For
+  compile-only devices (a TPU topology), compiled as it would run: the
+  target's memory analysis is what is asked of it."""
+  if _compat.is_compile_only(program.devices[0]):
+    return _compat.compile_only(program.module, program.devices, program_options(program))
   return _program.compile_module(program.module, program.devices,
                                  program_options(program, score_only=True),
                                  program.host_callbacks)
