@@ -1,11 +1,19 @@
-"""Test set-up: 8 simulated CPU devices, requested before jax is imported."""
+"""Test set-up: 8 simulated CPU devices, requested before jax is imported.
+
+SHARDED_JIT_TEST_PLATFORM=gpu (or tpu) runs the tests on that platform's
+devices instead (scripts/accelerator-check does, on an accelerator); a test
+that needs the 8 simulated CPU devices then skips, saying so.
+"""
 
 import os
+import re
 
 from partitioner.launch import with_cpu_device_count
 
-os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 8)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+PLATFORM = os.environ.get("SHARDED_JIT_TEST_PLATFORM", "cpu")
+if PLATFORM == "cpu":
+  os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -27,8 +35,24 @@ def mode(request):
     yield request.param
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  """On an accelerator with fewer than 8 devices, a test that asks for more
+  devices than there are (or indexes past them) skips."""
+  try:
+    return (yield)
+  except (ValueError, AssertionError, IndexError) as e:
+    too_few = re.search(r"but only \d+ devices are available", str(e))
+    if PLATFORM == "cpu" or len(jax.devices()) >= 8 or not (too_few or isinstance(e, IndexError)):
+      raise
+    why = too_few.group(0) if too_few else f"IndexError: {e}"
+    pytest.skip(f"needs the 8 simulated CPU devices ({why})")
+
+
 @pytest.fixture
 def devices():
   devs = jax.devices()
+  if PLATFORM != "cpu" and len(devs) != 8:
+    pytest.skip(f"needs the 8 simulated CPU devices ({len(devs)} {PLATFORM} devices here)")
   assert len(devs) == 8, "tests need 8 simulated CPU devices"
   return devs
