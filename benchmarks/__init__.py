@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|startup|multiprocess]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
@@ -62,6 +62,11 @@ Sections (one module each):
             (``python -m benchmarks.pipeline_data``): collective bytes per
             device per step against one gradient reduction plus the
             permutes, S x D from 2 x 32 to 32 x 2.
+  plan_real  plans of real size from shapes only: Llama 3 8B's train step
+            for 8 x H100 (``python -m benchmarks.plan_real 8b``): search
+            time, the winner's peak per device against the budget and
+            against docs/search.md's first-principles account; with --full,
+            Llama 3 70B's for 8 hosts x 8 H100s (``... 70b``).
 
 Not a section: ``python -m benchmarks.calibrate`` fits the search's ``cpu``
 device model to this host (see its docstring).

@@ -18,6 +18,7 @@ from benchmarks import (
   multiprocess,
   pipeline,
   pipeline_data,
+  plan_real,
   report,
   scaling,
   search,
@@ -28,7 +29,8 @@ from benchmarks import (
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
-            "startup": startup.run, "multiprocess": multiprocess.run}
+            "plan_real": plan_real.run, "startup": startup.run,
+            "multiprocess": multiprocess.run}
 
 
 def parser() -> argparse.ArgumentParser:

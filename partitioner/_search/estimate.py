@@ -102,18 +102,20 @@ class OpTable:
     self.inputs: list[tuple[int, int, _Value]] = []  # (first alike, how many, value)
     counts: dict[int, int] = {}
     for k, (v, st) in enumerate(zip(invars, state)):
-      val = self._value((), v)
+      val = self.value((), v)
       first = alike.setdefault((val.shape, val.itemsize, val.roles, st), k)
       self.sources[((), v)] = first
       counts[first] = counts.get(first, 0) + 1
-    self.inputs = [(k, n, dataclasses.replace(self._value((), invars[k]), source=k))
+    self.inputs = [(k, n, dataclasses.replace(self.value((), invars[k]), source=k))
                    for k, n in counts.items()]
     ops: dict[_Op, int] = {}
     self._skip = skip
     self._flatten(axes.jaxpr.jaxpr, (), 1, ops)
     self.ops = [dataclasses.replace(op, times=op.times * n) for op, n in ops.items()]
 
-  def _value(self, ctx: tuple, v: Any) -> _Value:
+  def value(self, ctx: tuple, v: Any) -> _Value:
+    """A variable of the jaxpr (at ``ctx``: the path of sub-jaxprs) as the
+    walk sees it: shape, item size, roles."""
     shape = tuple(getattr(v.aval, "shape", ()))
     # (jax's own dtypes first: a PRNG key's key<fry> is no numpy dtype)
     itemsize = getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
@@ -136,8 +138,8 @@ class OpTable:
           for n, inner in enumerate(subs):
             self._flatten(inner, (*ctx, k, n), times * length, ops)
         continue
-      ins = tuple(self._value(ctx, v) for v in eqn.invars)
-      outs = tuple(self._value(ctx, v) for v in eqn.outvars)
+      ins = tuple(self.value(ctx, v) for v in eqn.invars)
+      outs = tuple(self.value(ctx, v) for v in eqn.outvars)
       name = eqn.primitive.name
       if name == "dot_general":
         (lc, rc), _ = eqn.params["dimension_numbers"]

@@ -60,6 +60,7 @@ from partitioner._search import target as _target
 from partitioner._search.axes import logical_axes
 from partitioner._search.candidates import enumerate_candidates, leaf_dims, roles, spec_of
 from partitioner._search.estimate import OpTable
+from partitioner._search.memory import Liveness
 from partitioner._search.progress import Progress
 from partitioner._search.target import Target
 from partitioner._version import __version__
@@ -329,6 +330,7 @@ class _Space:
   rows: list
   chosen: list
   refine: int
+  liveness: Liveness | None = None
 
 
 def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -> _Space:
@@ -344,7 +346,8 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   r = roles(axes.in_axes, shapes, names, state)
   program = OpTable(axes, r, state)
-  target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines)
+  target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines,
+                  out_state=out_state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts):
     dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
@@ -353,15 +356,49 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
     key = tuple(spec_of(d, c.layout_grid) for d in dims)
     if key not in by_layout or _select.plainer(c, by_layout[key][0]):
       by_layout[key] = (c, dims)
-  rows = [(c, list(dims), program.estimate(c, list(dims), device, hosts))
+  # Planning accelerators from simulated CPU devices: their memory is
+  # counted from the jaxpr (XLA:CPU's buffer assignment is no GPU's).
+  liveness = Liveness(program, state) if accounted(request) else None
+  rows = [(c, list(dims), _estimate(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
   rows += staged  # every stage count is compiled: the cheap model sees one stage
   refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
-  chosen = _select.shortlist(rows, request.max_compiles - refine, request.budget is not None)
+  chosen = _shortlist(rows, request, refine, liveness is not None)
   chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
              if i not in {k for k, *_ in chosen}]
-  return _Space(r, out_state, target, rows, chosen, refine)
+  return _Space(r, out_state, target, rows, chosen, refine, liveness)
+
+
+def _shortlist(rows: list, request: _Request, refine: int, counted: bool) -> list:
+  """The first candidates to compile; with memory counted for the
+  accelerator, only among those that fit (the count is the verdict: no
+  compile would correct it)."""
+  k, budget = request.max_compiles - refine, request.budget
+  if not counted or budget is None:
+    return _select.shortlist(rows, k, budget is not None)
+  eligible = [i for i, row in enumerate(rows) if row[2].memory <= budget]
+  if not eligible:
+    smallest = min(row[2].memory for row in rows)
+    raise _select.budget_error(request.who, smallest, budget)
+  picked = _select.shortlist([rows[i] for i in eligible], k, False)
+  return [(eligible[j], *rest) for j, *rest in picked]
+
+
+def accounted(request: _Request) -> bool:
+  """Whether the search counts memory from the jaxpr (:mod:`.memory`):
+  a plan for an accelerator (a device model with memory) on simulated CPU
+  devices, whose compiler's peak is no accelerator's."""
+  return request.devices[0].platform == "cpu" and request.device.memory_bytes is not None
+
+
+def _estimate(program: OpTable, liveness: Liveness | None, c: Any, dims: list,
+              device: DeviceModel, hosts: int) -> Any:
+  """The cheap model's estimate, its memory the account's where there is one."""
+  est = program.estimate(c, dims, device, hosts)
+  if liveness is None:
+    return est
+  return dataclasses.replace(est, memory=liveness.account(c, dims).peak)
 
 
 class _Compiler:
@@ -407,11 +444,15 @@ class _Compiler:
     """One compiled candidate's result (an error is a result too)."""
     index, c, dims, est = row
     in_specs, out_specs, program = low
-    offset, digest = 0.0, None
+    offset, digest, memory = 0.0, None, None
     try:
       if load is None:
         raise program
       got, offset, digest = self.space.target.score(c, dims, est, program, load.result())
+      if self.space.liveness is not None:
+        account = self.space.liveness.account(c, dims)
+        got = dataclasses.replace(got, peak_memory=int(account.peak))
+        memory = account.as_dict()
     except Exception as e:  # a candidate XLA or our checks refuse: not a layout
       got = f"{type(e).__name__}: {str(e)[:300]}"
     if digest in self.programs:  # the same program as another: one row
@@ -419,7 +460,7 @@ class _Compiler:
       return
     names = self.space.r.names
     result = _found.Result(index, c, c.describe(names), c.family(), est, got,
-                           in_specs, out_specs, time_offset=offset)
+                           in_specs, out_specs, time_offset=offset, memory=memory)
     self.results.append(result)
     if digest is not None:
       self.programs[digest] = result

@@ -37,6 +37,7 @@ class Result:
   measured: float | None = None
   time_offset: float = 0.0  # the whole program's time less the compiled (proxy's)
   alike: int = 0  # other candidates that compiled to the same program
+  memory: dict | None = None  # the accelerator's account (search.memory), where used
 
   @property
   def failed(self) -> bool:
@@ -78,6 +79,9 @@ class CandidateResult:
       1: none.
     xla_seconds: XLA's own estimate of a call where its compiler gives
       one (XLA:TPU, for a TPU topology's devices), else None.
+    memory: where ``peak_memory`` goes (``arguments``, ``kept``,
+      ``working``, bytes per device) when it is counted from the jaxpr for
+      an accelerator planned on simulated CPU devices, else None.
   """
   layout: str
   family: str
@@ -95,6 +99,7 @@ class CandidateResult:
   alike: int = 0
   stages: int = 1
   xla_seconds: float | None = None
+  memory: dict | None = None
 
 
 def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
@@ -116,7 +121,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
-        "xla_seconds": s.xla_seconds if s else None,
+        "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,

@@ -136,7 +136,7 @@ def _feeds(f: Function, out_state: Sequence[int | None],
   concrete = [a if i in f.static else jax.tree_util.tree_map(fill, a)
               for i, a in enumerate(f.args)]
   dynamic = [a for i, a in enumerate(concrete) if i not in f.static]
-  donate = _state_args(f, out_state) if accelerator else ()
+  donate = state_args(f, out_state) if accelerator else ()
   lowered = [sharded_jit(f.fun, in_parts=jax.tree_util.tree_unflatten(f.in_tree, in_specs),
                          out_parts=jax.tree_util.tree_unflatten(f.out_tree, out_specs),
                          static_argnums=f.static, donate_argnums=donate,
@@ -151,7 +151,7 @@ def _feeds(f: Function, out_state: Sequence[int | None],
           for compiled in every]
 
 
-def _state_args(f: Function, out_state: Sequence[int | None]) -> tuple[int, ...]:
+def state_args(f: Function, out_state: Sequence[int | None]) -> tuple[int, ...]:
   """The positional arguments all of whose leaves are state (each step's
   output feeds them back): those a timed step may donate."""
   fed = {i for i in out_state if i is not None}

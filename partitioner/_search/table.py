@@ -54,7 +54,40 @@ def table(found: Any, rows: int) -> str:
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
   lines += ["", why(found)]
+  memory = where_memory_goes(found.best)
+  if memory:
+    lines.append(memory)
+  lost = families_that_lost(found)
+  if lost:
+    lines.append(lost)
   return "\n".join(lines)
+
+
+def where_memory_goes(best: Any) -> str:
+  """The winner's peak per device by where it goes, when it was counted
+  for an accelerator (``CandidateResult.memory``)."""
+  m = best.memory
+  if not m:
+    return ""
+  return (f"Memory per device at the peak (counted for the accelerator, not XLA:CPU's):"
+          f" {size(best.peak_memory)} = arguments {size(m['arguments'])} (weights,"
+          f" optimizer state, batch) + kept {size(m['kept'])} (saved activations,"
+          f" gradients) + working {size(m['working'])} ({m['at']}).")
+
+
+def families_that_lost(found: Any) -> str:
+  """Why the best layout of each other family lost: over the budget (by
+  how much), or slower (by how much)."""
+  best, seen, parts = found.best, {found.best.family}, []
+  for x in found.candidates[1:]:
+    if x.error or x.family in seen:
+      continue
+    seen.add(x.family)
+    if not x.fits and found.budget:
+      parts.append(f"{x.family}: over the budget ({x.peak_memory / found.budget:.2f}x)")
+    else:
+      parts.append(f"{x.family}: {x.seconds / max(best.seconds, 1e-12):.2f}x slower")
+  return ("Each other family's best: " + "; ".join(parts) + ".") if parts else ""
 
 
 def why(found: Any) -> str:

@@ -65,7 +65,7 @@ class Target:
   """
 
   def __init__(self, f: Function, closed: Any, axes: Any, r: Roles, state: Sequence[bool],
-               place: Place, proxy: bool = True):
+               place: Place, proxy: bool = True, out_state: Sequence[int | None] = ()):
     self.place = place
     self.devices, self.hosts, self.device = place.devices, place.hosts, place.device
     self.closed, self.axes, self.r = closed, axes, r
@@ -73,10 +73,13 @@ class Target:
     self.part: OpTable | None = None
     if self.proxy is None:
       self.f = f
+      # (the state a training loop donates: scored with its buffers reused)
+      self.donate = _measure.state_args(f, out_state)
       return
     run = self.proxy.fun()
     self.f = Function(lambda *flat: tuple(run(*flat)), tuple(jax.tree_util.tree_leaves(f.dynamic)),
                       (), jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars)))
+    self.donate = tuple(sorted({i for i in out_state if i is not None}))
     removed = {k for run in self.proxy.repeats
                for k in range(run.start + self.proxy.kept * run.period, run.stop)}
     self.part = OpTable(axes, r, state, skip=frozenset(removed))
@@ -92,7 +95,7 @@ class Target:
 
   def lower(self, in_specs: list, out_specs: list) -> Any:
     """The program (or its proxy) with the candidate's specs, partitioned."""
-    return lower(self.f, in_specs, out_specs, self.devices)
+    return lower(self.f, in_specs, out_specs, self.devices, self.donate)
 
   def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
             loaded: Any) -> tuple[Cost, float, str]:
@@ -192,11 +195,13 @@ def compiled_score(f: Function, in_specs: list, out_specs: list,
   return scored(program, compile_program(program), place.hosts, place.device)
 
 
-def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any]) -> Any:
-  """One layout of ``f`` partitioned by our pipeline: its ``Program``."""
+def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any],
+          donate: Sequence[int] = ()) -> Any:
+  """One layout of ``f`` partitioned by our pipeline: its ``Program``
+  (``donate``: the positional arguments whose buffers it may reuse)."""
   jitted = sharded_jit(f.fun, in_parts=jax.tree_util.tree_unflatten(f.in_tree, in_specs),
                        out_parts=jax.tree_util.tree_unflatten(f.out_tree, out_specs),
-                       static_argnums=f.static, devices=devices)
+                       static_argnums=f.static, donate_argnums=tuple(donate), devices=devices)
   return jitted.lower(*f.args).program
 
 

@@ -276,7 +276,7 @@ def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
 
 def test_timed_steps_on_accelerators_donate_only_whole_state_arguments():
   from partitioner._search import inputs as _inputs
-  from partitioner._search.measure import _state_args
+  from partitioner._search.measure import state_args as _state_args
   s = jax.ShapeDtypeStruct
   params = {"w": s((4, 4), jnp.float32), "b": s((4,), jnp.float32)}
   opt = (s((4, 4), jnp.float32), s((4,), jnp.float32))

@@ -1,0 +1,101 @@
+"""A decoder with Llama 3's shapes, written in plain jax, for plans of real
+sizes: grouped-query attention (``jax.nn.dot_product_attention``), SwiGLU,
+RMSNorm, untied embeddings; float32 weights and Adam state, bfloat16
+compute, each layer under ``jax.checkpoint`` (its input saved, the rest
+recomputed). Shapes only (``jax.ShapeDtypeStruct``): nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  layers: int
+  width: int
+  mlp: int
+  heads: int
+  kv_heads: int
+  vocab: int
+  batch: int
+  seq: int
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.heads
+
+  def params(self) -> int:
+    """The parameter count."""
+    d, h = self.width, self.head_dim
+    attention = d * d * 2 + d * self.kv_heads * h * 2
+    return self.layers * (attention + 3 * d * self.mlp + 2 * d) + 2 * self.vocab * d + d
+
+
+# Llama 3 8B and 70B (Meta's model cards), a batch of 8 (64) sequences of 4096.
+LLAMA3_8B = Shape(layers=32, width=4096, mlp=14336, heads=32, kv_heads=8, vocab=128256,
+                  batch=8, seq=4096)
+LLAMA3_70B = Shape(layers=80, width=8192, mlp=28672, heads=64, kv_heads=8, vocab=128256,
+                   batch=64, seq=4096)
+
+
+def abstract(shape: Shape):
+  """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
+  Adam train step and its arguments' shapes."""
+  import jax
+  import jax.numpy as jnp
+  s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
+  d, h = shape.width, shape.head_dim
+  layer = {"attn_norm": s(d), "wq": s(d, shape.heads * h), "wk": s(d, shape.kv_heads * h),
+           "wv": s(d, shape.kv_heads * h), "wo": s(shape.heads * h, d), "mlp_norm": s(d),
+           "w_gate": s(d, shape.mlp), "w_up": s(d, shape.mlp), "w_down": s(shape.mlp, d)}
+  params = {"embed": s(shape.vocab, d), "layers": [dict(layer) for _ in range(shape.layers)],
+            "final_norm": s(d), "unembed": s(d, shape.vocab)}
+  opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
+  tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
+  return make_step(shape), (params, opt_state), tokens
+
+
+def make_step(shape: Shape):
+  """The train step: cross-entropy of the next token, Adam (lr 3e-4)."""
+  import jax
+  import jax.numpy as jnp
+
+  def rms(x, w):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+    return (x32 * w).astype(jnp.bfloat16)
+
+  def block(x, p):
+    bf = lambda name: p[name].astype(jnp.bfloat16)
+    b, t, _ = x.shape
+    y = rms(x, p["attn_norm"])
+    q = (y @ bf("wq")).reshape(b, t, shape.heads, shape.head_dim)
+    k = (y @ bf("wk")).reshape(b, t, shape.kv_heads, shape.head_dim)
+    v = (y @ bf("wv")).reshape(b, t, shape.kv_heads, shape.head_dim)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + a.reshape(b, t, -1) @ bf("wo")
+    y = rms(x, p["mlp_norm"])
+    return x + (jax.nn.silu(y @ bf("w_gate")) * (y @ bf("w_up"))) @ bf("w_down")
+
+  layer = jax.checkpoint(block)
+
+  def loss(params, tokens):
+    x = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]
+    for p in params["layers"]:
+      x = layer(x, p)
+    logits = (rms(x, params["final_norm"]) @ params["unembed"].astype(jnp.bfloat16))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    count = opt_state["count"] + 1
+    mu = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt_state["mu"], grads)
+    nu = jax.tree_util.tree_map(lambda n, g: 0.95 * n + 0.05 * g * g, opt_state["nu"], grads)
+    c1, c2 = 1 - 0.9 ** count, 1 - 0.95 ** count
+    new = jax.tree_util.tree_map(
+        lambda p, m, n: p - 3e-4 * (m / c1) / (jnp.sqrt(n / c2) + 1e-8), params, mu, nu)
+    return new, {"mu": mu, "nu": nu, "count": count}, value
+
+  return step

@@ -1,0 +1,299 @@
+"""An accelerator's memory per device, counted from the jaxpr: the peak a
+layout needs on a GPU (or TPU) when its compiler cannot run here.
+
+XLA:CPU's buffer assignment is no GPU's: it keeps a decoder's attention
+scores (sequence x sequence, per head) that a GPU's fused attention kernel
+never holds, and plans the peak of a deep model far above what the same
+layout needs on an accelerator (an 8B decoder's FSDP over 8: 305 GB by
+XLA:CPU, about 25 GB on an H100). The account walks the program in order,
+as an accelerator runs it, and counts per device what is live at each op:
+
+- the arguments (weights, optimizer state, the batch), split as their specs
+  say; a state argument (which a training loop donates) is freed after its
+  last use, the others are held throughout;
+- every value computed and still needed later (a ``jax.checkpoint``'s
+  saved inputs, the logits, the gradients as they accumulate), split as
+  the layout's rules split its dimensions; a value shaped and laid out like
+  a state argument (a weight's gradient) is split as that argument is
+  (XLA's partitioner propagates the parameter's sharding to its gradient:
+  FSDP reduce-scatters each gradient once computed);
+- the op's own working set: its results at their unsplit-by-FSDP size and
+  the peak inside its sub-program (a ``jax.checkpoint``'s recomputation, a
+  scan's body, once);
+- inside ``jax.nn.dot_product_attention`` nothing is held but what leaves
+  it: GPUs and TPUs run it as one fused kernel (cuDNN's, a flash kernel).
+
+It is an estimate: XLA fuses elementwise chains (the account holds one op's
+operands and results at a time), reuses buffers and may rematerialize
+further; checked against XLA:TPU's own memory analysis of the same layouts
+(tests) and a first-principles account of Llama 3 8B (docs/search.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from partitioner._search.axes import _sub_jaxprs
+from partitioner._search.candidates import Candidate
+from partitioner._search.estimate import OpTable, _Value, _Walk
+
+# Frames of jax's own attention: its ops run as one kernel on accelerators.
+_FUSED_ATTENTION = frozenset({"_dot_product_attention_xla", "_dot_product_attention_core"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAccount:
+  """Bytes per device at the peak of one call, by where they go.
+
+  Attributes:
+    arguments: the arguments still held (weights, optimizer state, batch).
+    kept: values computed earlier and still needed (saved activations,
+      gradients, logits).
+    working: the op at the peak: its results and its sub-program's peak.
+    at: that op (primitive and results).
+  """
+  arguments: float
+  kept: float
+  working: float
+  at: str = ""
+
+  @property
+  def peak(self) -> float:
+    return self.arguments + self.kept + self.working
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"arguments": self.arguments, "kept": self.kept, "working": self.working,
+            "at": self.at}
+
+
+@dataclasses.dataclass
+class _Step:
+  """One equation: its results (None where nothing keeps them), the values
+  its end frees (their indices in the block), its sub-programs."""
+  outs: list[_Value | None]
+  out_ids: list[int]
+  frees: list[int]
+  subs: list[_Block]
+  op: str = ""  # what it is, for the report: ``dot_general -> bf16[8,4096,4096]``
+  kernel: bool = False  # inside a fused kernel: it holds only what leaves it
+
+
+@dataclasses.dataclass
+class _Block:
+  """A (sub-)program's steps; ``key``: equal for blocks alike (a model's
+  layers), whose peak is computed once per candidate."""
+  steps: list[_Step]
+  key: Any = None
+
+
+class Liveness:
+  """The program's equations in order, once, for every candidate's account.
+
+  Args:
+    table: the cheap model's table (each variable's roles).
+    state: per flat input, whether it is state (donated, freed after its
+      last use).
+  """
+
+  def __init__(self, table: OpTable, state: Sequence[bool]):
+    self.table = table
+    jaxpr = table.axes.jaxpr.jaxpr
+    self.state = tuple(state)
+    self.inputs = [table.value((), v) for v in jaxpr.invars]
+    ids = {v: k for k, v in enumerate(jaxpr.invars)}
+    self.top = self._block(jaxpr, (), ids, {})
+    # A value shaped and laid out as a state argument is split as it is.
+    self.state_like: dict[tuple, int] = {}
+    for k, (val, st) in enumerate(zip(self.inputs, self.state)):
+      if st:
+        self.state_like.setdefault((val.shape, val.itemsize, val.roles), k)
+
+  def _block(self, jaxpr: Any, ctx: tuple, ids: dict, hints: dict) -> _Block:
+    """``ids``: the block's values numbered (its inputs first); ``hints``:
+    shape -> roles of the values around a sub-program, for those inside it
+    the logical axes did not reach (a library's nested jit: a value of the
+    same shape as its caller's is laid out as it)."""
+    last: dict[Any, int] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.invars:
+        if not isinstance(v, jex_core.Literal):
+          last[v] = k
+    for v in jaxpr.outvars:
+      if not isinstance(v, jex_core.Literal):
+        last[v] = len(jaxpr.eqns)
+    inside = [_in_attention(eqn) for eqn in jaxpr.eqns]
+    outside_use = _used_outside(jaxpr, inside)
+    unfused = _materialized(jaxpr)
+    if ctx:  # a sub-program's results are its caller's (counted there)
+      unfused -= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    steps, frees_at = [], {}
+    for v, k in last.items():
+      if v in ids or k < len(jaxpr.eqns):
+        frees_at.setdefault(k, []).append(v)
+    for k, eqn in enumerate(jaxpr.eqns):
+      inner = [] if inside[k] else _sub_jaxprs(eqn)
+      if inner:
+        around = {**hints, **{x.shape: x.roles for x in map(
+            lambda v: self._value(ctx, v, hints), [*eqn.invars, *eqn.outvars])
+                             if any(r is not None for r in x.roles)}}
+      subs = [self._block(j, (*ctx, k, n), {}, around) for n, j in enumerate(inner)]
+      outs, out_ids = [], []
+      for v in eqn.outvars:
+        kept = (v in last and v in unfused
+                and not (inside[k] and v not in outside_use))
+        ids[v] = len(ids)
+        outs.append(self._value(ctx, v, hints) if kept else None)
+        out_ids.append(ids[v])
+      frees = [ids[v] for v in frees_at.get(k, ()) if v in ids]
+      steps.append(_Step(outs, out_ids, frees, subs, _describe(eqn)))
+    base = len(jaxpr.invars) if not ctx else 0
+    key = tuple((tuple(outs), tuple(i - base for i in out_ids), tuple(i - base for i in frees),
+                 tuple(b.key for b in sub)) for outs, out_ids, frees, sub in
+                ((st.outs, st.out_ids, st.frees, st.subs) for st in steps))
+    return _Block(steps, hash(key) if ctx else None)
+
+  def _value(self, ctx: tuple, v: Any, hints: dict) -> _Value:
+    val = self.table.value(ctx, v)
+    if hints and val.shape in hints and all(r is None for r in val.roles):
+      return dataclasses.replace(val, roles=hints[val.shape])
+    return val
+
+  def account(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]]) -> MemoryAccount:
+    """The candidate's peak per device; ``in_dims``: per flat input, the
+    grid axes of each dimension (from its spec)."""
+    walk = _Walk(c, in_dims, (False,) * len(c.grid), {})
+    sizes: dict = {}
+    whole: dict = {}
+
+    def stored(val: _Value) -> float:
+      key = (val.shape, val.itemsize, val.roles)
+      if key not in sizes:
+        k = self.state_like.get(key)
+        sizes[key] = walk.local_bytes(val, in_dims[k] if k is not None else walk.wanted(val))
+      return sizes[key]
+
+    def transient(val: _Value) -> float:  # (a result as computed: before FSDP's scatter)
+      key = (val.shape, val.itemsize, val.roles)
+      if key not in whole:
+        whole[key] = walk.local_bytes(val, walk.wanted(val))
+      return whole[key]
+
+    counter = _Counter(stored, transient)
+    args = [walk.local_bytes(val, in_dims[k]) for k, val in enumerate(self.inputs)]
+    held = sum(b for k, b in enumerate(args) if not self.state[k])
+    live = {k: b for k, b in enumerate(args) if self.state[k]}
+    total, state_live = sum(live.values()), sum(live.values())
+    n_inputs = len(self.inputs)
+    best: list[Any] = [0.0, 0.0, 0.0, ""]  # total, arguments, working, op
+    for step in self.top.steps:
+      working = counter.working(step)
+      if held + total + working > best[0]:
+        best[:] = [held + total + working, held + state_live, working, step.op]
+      for v, i in zip(step.outs, step.out_ids):
+        if v is not None:
+          b = stored(v)
+          total += b - live.get(i, 0.0)
+          live[i] = b
+      for i in step.frees:
+        b = live.pop(i, 0.0)
+        total -= b
+        if i < n_inputs:
+          state_live -= b
+    peak, arguments, working, at = best
+    return MemoryAccount(arguments, peak - arguments - working, working, at)
+
+
+class _Counter:
+  """One candidate's sizes, and the peak of each kind of block once."""
+
+  def __init__(self, stored: Any, transient: Any):
+    self.stored, self.transient = stored, transient
+    self.peaks: dict = {}
+
+  def working(self, step: _Step) -> float:
+    results = sum(self.transient(v) for v in step.outs if v is not None)
+    return results + max((self.peak(b) for b in step.subs), default=0.0)
+
+  def peak(self, block: _Block) -> float:
+    """The most a sub-program holds at once beyond its inputs."""
+    hit = self.peaks.get(block.key)
+    if hit is not None:
+      return hit
+    live: dict[int, float] = {}
+    total = peak = 0.0
+    for step in block.steps:
+      peak = max(peak, total + self.working(step))
+      for v, i in zip(step.outs, step.out_ids):
+        if v is not None:
+          b = self.stored(v)
+          total += b - live.get(i, 0.0)
+          live[i] = b
+      for i in step.frees:
+        total -= live.pop(i, 0.0)
+    self.peaks[block.key] = peak
+    return peak
+
+
+# Ops XLA fuses into their consumers (loop and input fusion): their results
+# are never written out when every consumer fuses them too.
+_SHAPING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
+                      "expand_dims", "select_n", "iota"})
+_REDUCING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                       "argmin"})
+
+
+def _elementwise(eqn: Any) -> bool:
+  if eqn.primitive.name in _SHAPING:
+    return True
+  if len(eqn.outvars) != 1 or _sub_jaxprs(eqn):
+    return False
+  shape = getattr(eqn.outvars[0].aval, "shape", None)
+  if shape is None:
+    return False
+  def fits(s: Any) -> bool:  # (the same shape, a scalar, or size-1 dimensions of it)
+    return s == () or (s is not None and len(s) == len(shape)
+                       and all(a in (b, 1) for a, b in zip(s, shape)))
+  return all(fits(getattr(v.aval, "shape", None)) for v in eqn.invars)
+
+
+def _materialized(jaxpr: Any) -> set:
+  """The variables written to memory: all but the results of elementwise
+  ops whose every consumer is elementwise or a reduction (fused into it)."""
+  fusing = [_elementwise(e) or e.primitive.name in _REDUCING for e in jaxpr.eqns]
+  consumers: dict[Any, list[bool]] = {}
+  for eqn, fuses in zip(jaxpr.eqns, fusing):
+    for v in eqn.invars:
+      if not isinstance(v, jex_core.Literal):
+        consumers.setdefault(v, []).append(fuses)
+  results = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  written = set()
+  for eqn in jaxpr.eqns:
+    fused = _elementwise(eqn)
+    for v in eqn.outvars:
+      if not (fused and v not in results and all(consumers.get(v, [False]))):
+        written.add(v)
+  return written
+
+
+def _describe(eqn: Any) -> str:
+  outs = ", ".join(f"{getattr(v.aval, 'dtype', '')}{list(getattr(v.aval, 'shape', ()))}"
+                   for v in eqn.outvars[:2])
+  return f"{eqn.primitive.name} -> {outs}"
+
+
+def _in_attention(eqn: Any) -> bool:
+  tb = eqn.source_info.traceback
+  return tb is not None and any(f.function_name in _FUSED_ATTENTION for f in tb.frames)
+
+
+def _used_outside(jaxpr: Any, inside: list[bool]) -> set:
+  """The variables an equation outside attention (or the block's result) uses."""
+  used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  for eqn, kernel in zip(jaxpr.eqns, inside):
+    if not kernel:
+      used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+  return used
