@@ -213,7 +213,14 @@ def libtpu_installed() -> bool:
 
 def topology_devices(topology: str, num_slices: int) -> tuple[Device, ...]:
   """The compile-only devices of a TPU topology (libtpu's compiler)."""
+  import os
+
+  from jax._src import hardware_utils
   from jax.experimental import topologies
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+    # No TPU here to guard: let several processes load libtpu (two plans at
+    # once, a test and its subprocess) instead of failing on its lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   desc = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices)
   return tuple(desc.devices)
 
