@@ -39,6 +39,17 @@ LLAMA3_70B = Shape(layers=80, width=8192, mlp=28672, heads=64, kv_heads=8, vocab
                    batch=64, seq=4096)
 
 
+def first_principles_bytes(shape: Shape, devices: int) -> float:
+  """Bytes per device of the step under FSDP over ``devices``, counted by
+  hand as a conservative sum (everything at once): float32 weights,
+  gradients and Adam's two moments (16 bytes a parameter), each layer's
+  saved input (bfloat16), and at the loss the logits in bfloat16 and
+  float32, their log-softmax and its gradient (2 + 4 + 4 + 4 bytes)."""
+  tokens = shape.batch * shape.seq
+  return (16 * shape.params() + shape.layers * tokens * shape.width * 2
+          + tokens * shape.vocab * 14) / devices
+
+
 def abstract(shape: Shape):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
   Adam train step and its arguments' shapes."""
