@@ -7,7 +7,7 @@ range is pinned in pyproject.toml.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -147,6 +147,30 @@ def executable_shardings(loaded: LoadedExecutable) -> tuple[list[Any], list[Any]
   outs = loaded.get_output_shardings() or []
   return ([_xc.HloSharding.from_proto(p) for p in params],
           [_xc.HloSharding.from_proto(o) for o in outs])
+
+
+def known_xla_options(options: Mapping[str, Any], device: Device) -> dict[str, Any]:
+  """The ``options`` (XLA options, as ``env_option_overrides`` takes them)
+  that this jaxlib's XLA has: XLA drops options between releases, and an
+  unknown one fails the compile (``xla_cpu_use_fusion_emitters`` went with
+  XLA:CPU's legacy emitters in jaxlib 0.11)."""
+  return {k: v for k, v in options.items() if _xla_has_option(k, v, device)}
+
+
+# A program with nothing in it, compiled once per option asked about.
+_EMPTY_MODULE = b"module @probe {\n  func.func public @main() {\n    return\n  }\n}\n"
+
+
+@functools.cache
+def _xla_has_option(name: str, value: Any, device: Device) -> bool:
+  options = CompileOptions()
+  options.device_assignment = device_assignment([device.id])
+  options.env_option_overrides = [(name, value)]
+  try:
+    compile_and_load(_EMPTY_MODULE, [device], options)
+  except Exception as e:  # (a compile-only device fails otherwise: keep the option)
+    return "No such compile option" not in str(e)
+  return True
 
 
 def serialize_compile_options(options: Any) -> bytes:
@@ -407,6 +431,17 @@ def jax_device_assignment(compiled: Any) -> tuple[Device, ...]:
   if not shardings:
     return tuple(compiled.runtime_executable().local_devices())
   return tuple(shardings[0]._device_assignment)
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+  """(constants, carries) among a ``scan`` equation's inputs, which come in
+  that order before the scanned inputs: ``num_consts`` and ``num_carry`` in
+  jax 0.10; from 0.11 the three groups are packed in ``ft_in`` (a flat tree
+  of them, as jax's own lowerings count them)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carries, _ = params["ft_in"].unpack()
+  return len(consts), len(carries)
 
 
 def in_named_scope(eqn: Any, name: str) -> Any:

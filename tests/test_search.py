@@ -243,7 +243,10 @@ def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   for family in ("data parallel 8", "data x model 2 x 4"):
     if family in by_family:
       assert best.network_bytes <= by_family[family].network_bytes
-  assert best.seconds == min(c.seconds for c in found.candidates if not c.error)
+  # Among those within the model's error of the fastest, the plan takes the
+  # lean one that sends the fewest bytes across hosts.
+  fastest = min(c.seconds for c in found.candidates if not c.error)
+  assert best.seconds <= fastest * (1 + partitioner.DEVICE_MODELS["h100"].error)
   # The same layout runs as is.
   step = sharded_jit(mlp_step, in_parts=found.in_parts, out_parts=found.out_parts)
   p, loss = step(params, x)
@@ -298,7 +301,9 @@ def test_a_deep_model_is_searched_through_a_proxy_of_its_layers():
 def test_the_search_costs_about_the_same_at_any_depth():
   """What the search estimates and compiles does not grow with depth: the
   same candidates, and proxies of the same size, at 4 and 16 layers."""
-  shallow = partitioner.search(_deep_step, *_deep(4), max_compiles=3, measure=0)
-  deep = partitioner.search(_deep_step, *_deep(16), max_compiles=3, measure=0)
+  # (at a batch of 16 no family's best is near FAMILY_WITHIN of the best at
+  # either depth, where it would be compiled at one depth only)
+  shallow = partitioner.search(_deep_step, *_deep(4, b=16), max_compiles=3, measure=0)
+  deep = partitioner.search(_deep_step, *_deep(16, b=16), max_compiles=3, measure=0)
   assert shallow.estimated == deep.estimated and shallow.compiled == deep.compiled
   assert deep.proxy["proxy_ops"] == shallow.proxy["proxy_ops"]

@@ -106,11 +106,12 @@ def test_gemma_bf16_with_one_key_value_head(transformers):
 
   # SGD: AdamW moves each weight by about +-LR at first, whichever the sign
   # of its gradient, and bfloat16 gradients summed in another order change
-  # sign where they are near 0. SGD's steps differ by 1% of their size here.
+  # sign where they are near 0. SGD's steps differ by 1% of their size here
+  # (4% from jaxlib 0.11 on, as much as jax.jit's own program of the layout).
   optimizer = optax.sgd(0.5, momentum=0.9)
   step = train_step(next_token_loss(logits), optimizer)
   search_and_train(step, (model.params, optimizer.init(model.params)),
-                   [(tokens(0),), (tokens(1),)], rtol=1e-3, atol=0, moved=3e-2)
+                   [(tokens(0),), (tokens(1),)], rtol=1e-3, atol=0, moved=5e-2)
 
 
 @pytest.mark.slow  # a search compiles about 9 layouts

@@ -300,7 +300,8 @@ def test_lower_and_compile_stages(mode):
   compiled = lowered.compile()
   assert compilation_stats()["compiles"] == before + 1
   hlo = compiled.as_text()
-  assert "num_partitions=2" in hlo and "sharding={devices=[2,1]" in hlo
+  # x's half (XLA's text shows the parameters' shardings up to jaxlib 0.11 only)
+  assert "num_partitions=2" in hlo and "f32[4,4]{1,0} parameter(0)" in hlo
   assert compiled.cost_analysis()["flops"] > 0
   assert compiled.memory_analysis().argument_size_in_bytes > 0
   np.testing.assert_array_equal(compiled(x, w), 4 * np.ones((8, 4)))

@@ -68,10 +68,14 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
     avals = _local_parts.global_avals(avals, in_specs, in_local)
   rebuild = layout.rebuild(inputs.nargs, inputs.static_values)
   donated = tuple(layout.donated_leaves(inputs))
-  traced = trace_and_lower(
-      request.fun, request.name,
-      lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
-      avals, donated, in_specs, _lowering_platform(request.devices))
+  # jax lowers for the partitioner that compiles the module, so that its own
+  # sharding ops (on extended dtypes' physical arrays) are that partitioner's:
+  # from jaxlib 0.11 on, XLA's GSPMD partitioner aborts the process on Shardy's.
+  with _compat.jax_partitioner(config.partitioner):
+    traced = trace_and_lower(
+        request.fun, request.name,
+        lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
+        avals, donated, in_specs, _lowering_platform(request.devices))
 
   out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")

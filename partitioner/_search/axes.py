@@ -17,6 +17,8 @@ from typing import Any, cast
 
 from jax.extend import core as jex_core
 
+from partitioner import _compat
+
 # Primitives whose sub-jaxpr maps its inputs and outputs one to one.
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
@@ -294,7 +296,7 @@ def _scan(eqn: Any, s: _Scoped) -> None:
   axis; its carries in and out through the outer values."""
   p = eqn.params
   inner = p["jaxpr"].jaxpr
-  nc, ncarry = p["num_consts"], p["num_carry"]
+  nc, ncarry = _compat.scan_counts(p)
   for k, (outer, iv) in enumerate(zip(eqn.invars, inner.invars)):
     lead = 1 if k >= nc + ncarry else 0
     for d in range(len(shape_of(iv))):

@@ -268,7 +268,8 @@ def _log_compile(name: str, num_devices: int, mode: str, elapsed: float,
 
 
 # Analysed, never run, on CPU: XLA's HLO passes as usual, legacy kernel code
-# generators (analyses within 1-2%, compiled 2-3x faster).
+# generators (analyses within 1-2%, compiled 2-3x faster), where this XLA
+# still has them (the options it lacks are left out).
 SCORE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False,
                   "xla_cpu_parallel_codegen_split_count": 1}
 
@@ -295,7 +296,8 @@ def program_options(program: Program, *, score_only: bool = False) -> _compat.Co
   xla_options = dict(config.xla_options or {})
   platform = program.devices[0].platform
   if score_only and platform == "cpu":
-    xla_options = {**SCORE_ONLY_CPU, **xla_options}
+    xla_options = {**_compat.known_xla_options(SCORE_ONLY_CPU, program.devices[0]),
+                   **xla_options}
   if score_only and platform in ("gpu", "cuda", "rocm"):
     xla_options = {**SCORE_ONLY_GPU, **xla_options}
   if platform in ("gpu", "cuda", "rocm") and len({d.process_index for d in program.devices}) > 1:
