@@ -21,6 +21,7 @@ from partitioner import _compat, sharded_jit
 from partitioner._compile.partition import _lowering_platform
 from sharding import PartitionSpec as P
 from sharding import from_named
+from tests.test_search import mlp_step
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -134,13 +135,17 @@ def test_devices_of_another_platform_lower_for_it():
   assert "lapack" in g.lower(jax.ShapeDtypeStruct((64, 64), jnp.float32)).as_text()
 
 
+def _abstract_mlp(d, h, b):
+  """Shapes only: the weights of ``tests.test_search.mlp`` and a batch."""
+  s = jax.ShapeDtypeStruct
+  return {"w1": s((d, h), jnp.float32), "w2": s((h, d), jnp.float32)}, s((b, d), jnp.float32)
+
+
 @needs_libtpu
 def test_a_search_plans_for_a_tpu_slice_with_its_own_compiler():
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  s = jax.ShapeDtypeStruct
-  params = {"w1": s((2048, 8192), jnp.float32), "w2": s((8192, 2048), jnp.float32)}
-  x = s((64, 2048), jnp.float32)
-  found = partitioner.search(_mlp_step2, params, x, devices=chips, max_compiles=4)
+  params, x = _abstract_mlp(2048, 8192, 64)
+  found = partitioner.search(mlp_step, params, x, devices=chips, max_compiles=4)
   assert found.device_model == partitioner.DEVICE_MODELS["tpu-v5p"].name
   assert found.measured == 0  # compile-only devices: nothing timed
   assert found.budget == pytest.approx(0.95 * 95e9)
@@ -153,26 +158,17 @@ def test_a_search_plans_for_a_tpu_slice_with_its_own_compiler():
   peak = compiled.cost().peak_memory
   assert peak == best.peak_memory
   with pytest.raises(TypeError, match=r"devices must be a sequence of jax.Device"):
-    partitioner.search(_mlp_step2, params, x, devices=chips[0])
-
-
-def _mlp_step2(params, x):
-  def loss(p):
-    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
-  value, g = jax.value_and_grad(loss)(params)
-  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+    partitioner.search(mlp_step, params, x, devices=chips[0])
 
 
 @needs_libtpu
 def test_a_tpu_plan_exports_to_jax_jit_on_the_slice():
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  s = jax.ShapeDtypeStruct
-  params = {"w1": s((1024, 4096), jnp.float32), "w2": s((4096, 1024), jnp.float32)}
-  x = s((64, 1024), jnp.float32)
-  found = partitioner.search(_mlp_step2, params, x, devices=chips, max_compiles=3)
+  params, x = _abstract_mlp(1024, 4096, 64)
+  found = partitioner.search(mlp_step, params, x, devices=chips, max_compiles=3)
   mesh, ins, outs = found.named_shardings()
   assert {d.id for d in mesh.devices.flat} == {d.id for d in chips}
-  theirs = jax.jit(_mlp_step2, in_shardings=ins, out_shardings=outs).lower(params, x).compile()
+  theirs = jax.jit(mlp_step, in_shardings=ins, out_shardings=outs).lower(params, x).compile()
   ours = found.sharded_jit(devices=chips).lower(params, x).compile()
   assert (theirs.memory_analysis().argument_size_in_bytes
           == ours.memory_analysis().argument_size_in_bytes)

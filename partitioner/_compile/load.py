@@ -20,6 +20,7 @@ import jax
 
 from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
+from partitioner._compile.cache.tiers import program_options
 from partitioner._compile.execute import Executable, Shardings
 from partitioner._compile.program import Program
 from partitioner._compile.stats import stats
@@ -92,7 +93,7 @@ def compile_only(program: Program) -> Any:
 
   Not cached: it cannot run, and planning compiles each layout once.
   """
-  options = compilation_cache.key(program)[2]
+  options = program_options(program)
   start = time.perf_counter()
   compiled = _compat.compile_only(program.module, program.devices, options)
   stats.add("compiles", front_end=program.front_end)

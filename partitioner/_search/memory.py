@@ -79,7 +79,6 @@ class _Step:
   frees: list[int]
   subs: list[_Block]
   op: str = ""  # what it is, for the report: ``dot_general -> bf16[8,4096,4096]``
-  kernel: bool = False  # inside a fused kernel: it holds only what leaves it
 
 
 @dataclasses.dataclass
@@ -193,16 +192,8 @@ class Liveness:
       working = counter.working(step)
       if held + total + working > best[0]:
         best[:] = [held + total + working, held + state_live, working, step.op]
-      for v, i in zip(step.outs, step.out_ids):
-        if v is not None:
-          b = stored(v)
-          total += b - live.get(i, 0.0)
-          live[i] = b
-      for i in step.frees:
-        b = live.pop(i, 0.0)
-        total -= b
-        if i < n_inputs:
-          state_live -= b
+      state_live -= sum(live.get(i, 0.0) for i in step.frees if i < n_inputs)
+      total += counter.advance(step, live)
     peak, arguments, working, at = best
     return MemoryAccount(arguments, peak - arguments - working, working, at)
 
@@ -227,15 +218,22 @@ class _Counter:
     total = peak = 0.0
     for step in block.steps:
       peak = max(peak, total + self.working(step))
-      for v, i in zip(step.outs, step.out_ids):
-        if v is not None:
-          b = self.stored(v)
-          total += b - live.get(i, 0.0)
-          live[i] = b
-      for i in step.frees:
-        total -= live.pop(i, 0.0)
+      total += self.advance(step, live)
     self.peaks[block.key] = peak
     return peak
+
+  def advance(self, step: _Step, live: dict[int, float]) -> float:
+    """Past ``step``: its kept results live, what it was last to use
+    freed; the change of the bytes live."""
+    change = 0.0
+    for v, i in zip(step.outs, step.out_ids):
+      if v is not None:
+        b = self.stored(v)
+        change += b - live.get(i, 0.0)
+        live[i] = b
+    for i in step.frees:
+      change -= live.pop(i, 0.0)
+    return change
 
 
 # Ops XLA fuses into their consumers (loop and input fusion): their results
