@@ -87,6 +87,7 @@ def test_explain_draws_the_devices_of_each_tile():
   assert "| 0,1 |" not in str(report)
 
 
+@pytest.mark.eight_devices
 def test_tiling_of_a_partially_replicated_spec():
   t = tiling(P(2, 1), D[:8], 2)
   assert t.copies == 4
@@ -187,6 +188,7 @@ def test_scan_and_while_loop_keep_the_partitions():
   np.testing.assert_allclose(w(X), want, rtol=1e-5)
 
 
+@pytest.mark.eight_devices
 def test_constraints_apply_in_a_multi_device_jax_program():
   mesh = Mesh(np.array(D[:4]), ("a",))
   g = jax.jit(lambda x: wsc(x * 2, P(1, 4)),
@@ -198,6 +200,7 @@ def test_constraints_apply_in_a_multi_device_jax_program():
   assert jax.jit(lambda x: wsc(x * 2, P(1, 4)))(X).sharding.num_devices == 1
 
 
+@pytest.mark.eight_devices
 def test_errors_under_transformations():
   donating = sharded_jit(lambda x: x * 2, in_parts=P(2, 1), out_parts=P(2, 1), donate_argnums=0)
   with pytest.raises(ValueError, match=r"donate_argnums, which cannot be honoured under a jax transformation.*Hint: donate at the outermost jax.jit"):
@@ -210,6 +213,7 @@ def test_errors_under_transformations():
         np.ones((24, 2), np.float32))
 
 
+@pytest.mark.eight_devices
 def test_unpartitioned_sharded_jit_inside_jax_pmap_runs():
   f = sharded_jit(lambda x: x + 1, in_parts=None, out_parts=None)
   np.testing.assert_array_equal(jax.pmap(f)(np.ones((2, 3))), np.full((2, 3), 2.0))
@@ -361,6 +365,7 @@ def test_pmap_sums_over_replicas_before_a_transpose(mode):
   _check(partitioner.pmap(both(f), "data")(x), jax.pmap(both(jnp.tanh), "data")(x), 4)
 
 
+@pytest.mark.eight_devices
 def test_pmap_grad_step_compiles_like_jax_jit_on_a_2d_mesh():
   # Data x model MLP gradients averaged over replicas: XLA:CPU must get the
   # same program as jax.jit's, every dot in a fast matmul fusion. Before

@@ -28,6 +28,7 @@ def _collectives(compiled) -> list[str]:
   return sorted(m.group(1) for m in _COLLECTIVE.finditer(compiled.as_text()))
 
 
+@pytest.mark.eight_devices
 @pytest.mark.parametrize("shape", [(512, 2048, 8), (64, 256, 64)])
 def test_the_found_layout_runs_under_jax_jit_alike(shape):
   params, x = mlp(*shape)
@@ -60,6 +61,7 @@ def test_to_named_is_from_named_s_inverse_on_a_mesh(spec):
   assert from_named(named, ndim=2).counts == spec.counts
 
 
+@pytest.mark.eight_devices
 def test_to_named_of_any_device_order_without_a_mesh():
   spec = P(2, 4, device_ids=(7, 6, 5, 4, 3, 2, 1, 0))
   named = to_named(spec)

@@ -22,6 +22,7 @@ def test_to_global_lays_out_as_sharded_jit_would():
   assert f.lower(out).in_shardings[1] == out["w"].sharding  # (flat: b, w)
 
 
+@pytest.mark.eight_devices
 def test_to_local_re_lays_out_arrays_from_anywhere():
   arr = jax.device_put(W, tiling(P(1, 2), D[:2], 2).named_sharding())
   out = to_local({"w": arr}, P(2, 2))

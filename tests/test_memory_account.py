@@ -23,6 +23,7 @@ def _plan(shape=TINY, **kwargs):
                             max_compiles=6, measure=0, **kwargs)
 
 
+@pytest.mark.eight_devices
 def test_a_plan_for_an_accelerator_counts_its_memory_by_layout():
   found = _plan()
   state_bytes = 3 * 4 * TINY.params()  # weights, mu, nu in float32
@@ -40,6 +41,7 @@ def test_a_plan_for_an_accelerator_counts_its_memory_by_layout():
   assert "Each other family's best:" in report
 
 
+@pytest.mark.eight_devices
 def test_the_budget_decides_what_fits():
   found = _plan(memory_budget_bytes=_plan().candidates[0].peak_memory * 0.99)
   assert found.best.fits and found.best.peak_memory <= found.budget
@@ -64,6 +66,7 @@ def _attention_step(fused):
   return step
 
 
+@pytest.mark.eight_devices
 def test_fused_attention_holds_no_sequence_by_sequence_scores():
   w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
   x = jax.ShapeDtypeStruct((8, 2048, 256), jnp.float32)

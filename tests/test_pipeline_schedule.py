@@ -315,7 +315,9 @@ def test_a_library_decoders_own_layer_list():
   FlaxGemmaDecoderLayer applied per layer (the library's names, rotary
   positions, one key/value head); stages read from in_parts."""
   transformers = pytest.importorskip("transformers")
-  from transformers.models.gemma.modeling_flax_gemma import FlaxGemmaDecoderLayer
+  flax_gemma = pytest.importorskip("transformers.models.gemma.modeling_flax_gemma",
+                                   reason="transformers 5 dropped its flax models")
+  FlaxGemmaDecoderLayer = flax_gemma.FlaxGemmaDecoderLayer
   transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
   layers, seq, width = 4, 16, 32
   config = transformers.GemmaConfig(

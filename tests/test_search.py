@@ -50,6 +50,7 @@ def test_the_found_layout_trains_like_an_unsharded_run():
   assert found.sharded_jit()(params, x)[1].shape == ()
 
 
+@pytest.mark.eight_devices
 def test_a_wide_mlp_with_a_small_batch_splits_the_weights():
   params, x = mlp(512, 2048, 8)
   found = partitioner.search(mlp_step, params, x, max_compiles=4)
@@ -96,6 +97,7 @@ def test_the_memory_budget():
   assert smallest <= peaks[0]  # (it also compiles the smallest by the cheap model)
 
 
+@pytest.mark.eight_devices
 def test_the_report_and_the_candidates():
   params, x = mlp(64, 256, 32)
   found = partitioner.search(mlp_step, params, x, max_compiles=4, device_model="h100")
@@ -143,11 +145,13 @@ def test_compiled_cost_scores_any_program():
     (lambda: partitioner.search(mlp_step, *mlp(8, 16, 4), memory_budget_bytes=-1), ValueError,
      "memory_budget_bytes must be a positive number"),
 ])
+@pytest.mark.eight_devices
 def test_bad_input(call, error, match):
   with pytest.raises(error, match=match):
     call()
 
 
+@pytest.mark.eight_devices
 def test_measure_times_the_best_candidates():
   params, x = mlp(64, 256, 32)
   found = partitioner.search(mlp_step, params, x, max_compiles=4, measure=2)
@@ -165,6 +169,7 @@ def click_step(params, ids, labels):
   return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
 
 
+@pytest.mark.eight_devices
 def test_an_embedding_table_that_outweighs_the_model_is_split_not_copied():
   """A table of 16384 x 32 (all but 1% of the parameters) looked up by
   integer ids: the search splits it (copied, its dense gradient would be
@@ -227,6 +232,7 @@ def test_measure_must_be_a_count():
     partitioner.search(mlp_step, params, x, measure=-1)
 
 
+@pytest.mark.eight_devices
 def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   """2 hosts of 4 devices with a slow network (h100's model: NVLink inside,
   50 GB/s across): the found layout moves no more bytes across hosts than
@@ -254,6 +260,7 @@ def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
 
 
+@pytest.mark.eight_devices
 def test_hosts_must_divide_the_devices():
   params, x = mlp(16, 32, 8)
   with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 8"

@@ -47,6 +47,7 @@ def data(d, f):
   return params, rng.normal(size=(BATCH, d)).astype(np.float32)
 
 
+@pytest.mark.eight_devices
 def test_stage_counts_are_candidates_and_the_found_layout_runs():
   params, x = data(32, 64)
   found = search(piped, params, x, measure=0)
@@ -65,6 +66,7 @@ def test_stage_counts_are_candidates_and_the_found_layout_runs():
   assert "pipeline" in found.report()
 
 
+@pytest.mark.eight_devices
 def test_planned_for_two_hosts_it_keeps_the_weights_off_the_network():
   """Weights far heavier than a microbatch's activations, 2 hosts x 4 of
   h100: stages across the hosts; their bytes across hosts are at most a

@@ -1,6 +1,7 @@
 """White-box: the persistent cache key and the XLA flags of the process."""
 
 import jax
+import pytest
 
 from partitioner._compile import program as _program
 from partitioner._compile.cache import key as _key
@@ -15,6 +16,7 @@ def _options(device_count: int):
   return options
 
 
+@pytest.mark.eight_devices
 def test_the_device_count_in_the_options_keeps_the_key():
   devices = jax.devices()[:4]
   keys = {_key.program_key("module", _options(n), "shardy", devices) for n in (1, 4, 8, 64)}
@@ -25,6 +27,7 @@ def test_the_device_count_in_the_options_keeps_the_key():
   assert options.executable_build_options.debug_options.xla_force_host_platform_device_count == 8
 
 
+@pytest.mark.eight_devices
 def test_other_devices_change_the_key():
   key = {_key.program_key("module", _options(8), "shardy", d)
          for d in (jax.devices()[:4], jax.devices()[4:])}
@@ -39,6 +42,7 @@ def test_xla_flags_sorted_without_the_device_count(monkeypatch):
   assert _key.xla_flags("LIBTPU_INIT_ARGS") == ""
 
 
+@pytest.mark.eight_devices
 def test_a_flag_changes_the_program_key(monkeypatch):
   devices = jax.devices()[:4]
   monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)

@@ -96,6 +96,7 @@ def test_find_gpus(monkeypatch, tmp_path):
   for name in ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"]:
     (tmp_path / name).touch()
   dev = str(tmp_path)
+  monkeypatch.setattr(launch, "_GPU_PLUGINS", ("no_such_plugin_module",))
   assert launch.find_gpus({}, dev) == []  # no jax GPU plugin installed: the CPU
   monkeypatch.setattr(launch, "_GPU_PLUGINS", ("json",))  # (an installed module)
   assert launch.find_gpus({}, dev) == ["0", "1", "2", "3"]
