@@ -20,8 +20,12 @@ as an accelerator runs it, and counts per device what is live at each op:
 - the op's own working set: its results at their unsplit-by-FSDP size and
   the peak inside its sub-program (a ``jax.checkpoint``'s recomputation, a
   scan's body, once);
-- inside ``jax.nn.dot_product_attention`` nothing is held but what leaves
-  it: GPUs and TPUs run it as one fused kernel (cuDNN's, a flash kernel).
+- inside ``jax.nn.dot_product_attention`` in bfloat16 or float16 on a
+  GPU, nothing is held but what leaves it: jax runs it there as cuDNN's
+  fused kernel. Elsewhere (float32 on a GPU, a TPU) jax runs it as XLA
+  ops, and XLA holds its scores (sequence x sequence, per head) as it
+  holds any other op's: the same peak as attention written by hand (one
+  H200, XLA:GPU: equal peaks, 1.68 GB, for float32).
 
 It is an estimate: XLA fuses elementwise chains (the account holds one op's
 operands and results at a time), reuses buffers and may rematerialize
@@ -35,13 +39,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 from partitioner._search.axes import _sub_jaxprs
 from partitioner._search.candidates import Candidate
 from partitioner._search.estimate import OpTable, _Value, _Walk
 
-# Frames of jax's own attention: its ops run as one kernel on accelerators.
+# Frames of jax's own attention: one cuDNN kernel on a GPU in half precision.
 _FUSED_ATTENTION = frozenset({"_dot_product_attention_xla", "_dot_product_attention_core"})
 
 
@@ -96,12 +102,15 @@ class Liveness:
     table: the cheap model's table (each variable's roles).
     state: per flat input, whether it is state (donated, freed after its
       last use).
+    fused_attention: the target runs ``jax.nn.dot_product_attention`` in
+      half precision as one kernel (a GPU: cuDNN).
   """
 
-  def __init__(self, table: OpTable, state: Sequence[bool]):
+  def __init__(self, table: OpTable, state: Sequence[bool], fused_attention: bool = False):
     self.table = table
     jaxpr = table.axes.jaxpr.jaxpr
     self.state = tuple(state)
+    self.fused = fused_attention and _half_precision_attention(jaxpr)
     self.inputs = [table.value((), v) for v in jaxpr.invars]
     ids = {v: k for k, v in enumerate(jaxpr.invars)}
     self.top = self._block(jaxpr, (), ids, {})
@@ -124,9 +133,9 @@ class Liveness:
     for v in jaxpr.outvars:
       if not isinstance(v, jex_core.Literal):
         last[v] = len(jaxpr.eqns)
-    inside = [_in_attention(eqn) for eqn in jaxpr.eqns]
+    inside = [self.fused and _in_attention(eqn) for eqn in jaxpr.eqns]
     outside_use = _used_outside(jaxpr, inside)
-    unfused = _materialized(jaxpr)
+    unfused = _materialized(jaxpr) - _constant_like(jaxpr, hints.get(_CHEAP, ()))
     if ctx:  # a sub-program's results are its caller's (counted there)
       unfused -= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
     steps, frees_at = [], {}
@@ -134,11 +143,14 @@ class Liveness:
       if v in ids or k < len(jaxpr.eqns):
         frees_at.setdefault(k, []).append(v)
     for k, eqn in enumerate(jaxpr.eqns):
-      inner = [] if inside[k] else _sub_jaxprs(eqn)
+      inner = [] if inside[k] or _elementwise(eqn) else _sub_jaxprs(eqn)
       if inner:
         around = {**hints, **{x.shape: x.roles for x in map(
             lambda v: self._value(ctx, v, hints), [*eqn.invars, *eqn.outvars])
                              if any(r is not None for r in x.roles)}}
+        cheap = _constant_like(jaxpr, hints.get(_CHEAP, ()))
+        around[_CHEAP] = tuple(k for k, v in enumerate(eqn.invars)
+                               if isinstance(v, jex_core.Literal) or v in cheap)
       subs = [self._block(j, (*ctx, k, n), {}, around) for n, j in enumerate(inner)]
       outs, out_ids = [], []
       for v in eqn.outvars:
@@ -244,10 +256,17 @@ _REDUCING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", 
                        "argmin"})
 
 
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
 def _elementwise(eqn: Any) -> bool:
   if eqn.primitive.name in _SHAPING:
     return True
-  if len(eqn.outvars) != 1 or _sub_jaxprs(eqn):
+  subs = _sub_jaxprs(eqn)
+  if subs:  # a call of elementwise ops (jnp.where's, jnp.tril's): fused alike
+    return (eqn.primitive.name in _CALLS and len(subs) == 1
+            and all(_elementwise(e) for e in subs[0].eqns))
+  if len(eqn.outvars) != 1:
     return False
   shape = getattr(eqn.outvars[0].aval, "shape", None)
   if shape is None:
@@ -277,6 +296,33 @@ def _materialized(jaxpr: Any) -> set:
   return written
 
 
+_CHEAP = "constant-like inputs"  # (a key of the hints: which inputs of a sub-program)
+
+
+def _constant_like(jaxpr: Any, inputs: Sequence[int] = ()) -> set:
+  """Values made by elementwise and shaping ops from scalars, literals,
+  iotas and ``inputs`` (positions of constant-like invars) alone: a
+  broadcast -inf, a causal mask. XLA fuses them into each consumer,
+  recomputed, instead of writing them out (across calls too: jnp.where's
+  broadcast operand kept for the backward pass)."""
+  cheap = {jaxpr.invars[k] for k in inputs if k < len(jaxpr.invars)}
+  cheap |= {v for v in jaxpr.invars if getattr(v.aval, "shape", None) == ()}
+  def known(v: Any) -> bool:
+    return isinstance(v, jex_core.Literal) or v in cheap or getattr(v.aval, "shape", 1) == ()
+
+  for eqn in jaxpr.eqns:
+    subs = _sub_jaxprs(eqn)
+    if not subs:
+      if _elementwise(eqn) and all(known(v) for v in eqn.invars):
+        cheap.update(eqn.outvars)
+    elif eqn.primitive.name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(
+        eqn.invars) and len(subs[0].outvars) == len(eqn.outvars):
+      inner = _constant_like(subs[0], [k for k, v in enumerate(eqn.invars) if known(v)])
+      cheap.update(o for o, i in zip(eqn.outvars, subs[0].outvars)
+                   if isinstance(i, jex_core.Literal) or i in inner)
+  return cheap
+
+
 def _describe(eqn: Any) -> str:
   outs = ", ".join(f"{getattr(v.aval, 'dtype', '')}{list(getattr(v.aval, 'shape', ()))}"
                    for v in eqn.outvars[:2])
@@ -286,6 +332,18 @@ def _describe(eqn: Any) -> str:
 def _in_attention(eqn: Any) -> bool:
   tb = eqn.source_info.traceback
   return tb is not None and any(f.function_name in _FUSED_ATTENTION for f in tb.frames)
+
+
+def _half_precision_attention(jaxpr: Any) -> bool:
+  """Whether jax's attention here takes bfloat16 or float16 operands (what
+  cuDNN's fused kernel needs; jax's own choice of it on a GPU)."""
+  for eqn in jaxpr.eqns:
+    if _in_attention(eqn) and eqn.primitive.name == "dot_general":
+      dtype = np.dtype(eqn.invars[0].aval.dtype)
+      return dtype.itemsize == 2 and (dtype.kind == "f" or dtype == jnp.bfloat16)
+    if any(_half_precision_attention(sub) for sub in _sub_jaxprs(eqn)):
+      return True
+  return False
 
 
 def _used_outside(jaxpr: Any, inside: list[bool]) -> set:
