@@ -19,6 +19,10 @@ Then it runs the checks, each recorded pass, fail or skip with its time:
   and the weights come back in the same layout;
 - donation: the donated weights are deleted by the call (the first call
   and a call-cache hit), the batch is not;
+- calibration: ``partitioner.calibrate()`` on the devices found (matmul
+  rate, memory bandwidth, collectives by size), written beside the report
+  (``accelerator-check-calibration.json``, a ``search(device_model=)``
+  file), each figure next to the named device model's;
 - the persistent compilation cache: a process compiles and writes the
   program to a fresh ``SHARDED_JIT_CACHE_DIR``; a second, fresh process
   loads it (a persistent hit, no compile) and computes the same loss;
@@ -48,11 +52,13 @@ and a TPU, which one process holds at a time, is free for the next child.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -77,6 +83,7 @@ CPU_DEVICES = 8  # simulated, without an accelerator
 LAYOUTS = ("data parallel", "FSDP", "tensor parallel (Megatron MLP)", "pipeline")
 RATIOS = ("steps/s: data parallel MLP", "steps/s: tensor parallel MLP")
 DEVICE_CHECKS = (*LAYOUTS, "donation", *RATIOS)
+CALIBRATION = "calibration (partitioner.calibrate)"
 CACHE, TWO_PROCESSES, TEST_SUITE = ("persistent cache, fresh process",
                                     "two processes (partitioner.launch)", "test suite")
 BENCHMARK_SECTIONS = {"dispatch": ("--calls", "2000", "--first-calls", "2"),
@@ -856,6 +863,48 @@ def _processes_env(machine: Machine) -> tuple[int, dict[str, str], str]:
   return CPU_DEVICES // 2, child_env(Machine(platform="cpu")), where
 
 
+def calibrate_child(path: str) -> None:
+  """``partitioner.calibrate`` on every device this process sees, written
+  to ``path``; prints the named model's figures (where there is one)."""
+  import jax
+
+  import partitioner
+  found = partitioner.calibrate(path=path)
+  named = found.named and {"key": found.named,
+                           **dataclasses.asdict(partitioner.DEVICE_MODELS[found.named])}
+  print(json.dumps({"named": named, "count": len(jax.local_devices())}))
+
+
+def _versus(measured: float, named: float | None, unit: float, label: str) -> str:
+  if named is None or not math.isfinite(measured):
+    return f"{measured / unit:.4g}"
+  return f"{measured / unit:.4g} ({measured / named:.2f}x the named {label!r}: {named / unit:.4g})"
+
+
+def check_calibration(machine: Machine, report_path: str) -> str:
+  """``partitioner.calibrate()`` on the devices found, written beside the
+  report; the measured model beside the named one."""
+  env = child_env(machine)
+  path = os.path.splitext(os.path.abspath(report_path))[0] + "-calibration.json"
+  child = _json_child("calibrate_child", env, 900, path)
+  with open(path) as f:
+    model = json.load(f)["model"]
+  named = child["named"] or {}
+  label = named.get("key", "model")
+
+  def figure(what: str, key: str, unit: float, unit_name: str) -> str:
+    return f"{what} {unit_name} {_versus(model[key], named.get(key), unit, label)}"
+
+  parts = [figure("matmul", "flops_per_s", 1e12, "TFLOP/s"),
+           figure("memory", "memory_bytes_per_s", 1e9, "GB/s")]
+  if child["count"] > 1:
+    parts += [figure("links", "link_bytes_per_s", 1e9, "GB/s"),
+              f"latency {model['latency_s'] * 1e6:.3g} us"]
+  else:
+    parts.append("collectives: one device, not measured")
+  return f"{'; '.join(parts)}. Written to {os.path.basename(path)}"
+
+
 def check_two_processes(machine: Machine, steps: int = 3) -> str:
   """``benchmarks.multiprocess_child`` (a tensor parallel MLP over both
   processes' devices) as 2 processes under ``python -m partitioner.launch``:
@@ -928,10 +977,12 @@ def check_benchmark(machine: Machine, section: str) -> Outcome:
                  f"-{max(r.ratio for r in ratios):.2f}", ratios)
 
 
-def run_checks(recorder: Recorder, machine: Machine, skip: Iterable[str] = ()) -> None:
+def run_checks(recorder: Recorder, machine: Machine, skip: Iterable[str] = (),
+               report_path: str = "accelerator-check.md") -> None:
   """Every check, in order, each in its own child process or processes;
   ``skip``: "tests" and/or "benchmarks" leave those out."""
   run_device_checks(recorder, machine)
+  recorder.check(CALIBRATION, check_calibration, machine, report_path)
   recorder.check(CACHE, check_cache, machine)
   recorder.check(TWO_PROCESSES, check_two_processes, machine)
   if machine.accelerator:
@@ -1035,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
           f" {CPU_DEVICES} simulated CPU devices.", flush=True)
   for note in machine.notes:
     print(note, flush=True)
-  run_checks(recorder, machine, args.skip)
+  run_checks(recorder, machine, args.skip, args.report)
   with open(args.report, "w") as f:
     f.write(report(recorder, machine, time.perf_counter() - start))
   failed = [r.name for r in recorder.results if r.status == FAIL]

@@ -36,19 +36,22 @@ from partitioner._report.explanation import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
 from partitioner._search import FoundLayout as FoundLayout
 from partitioner._search import search as search
+from partitioner._search.calibrate import Calibration as Calibration
+from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
-__all__ = ["DEVICE_MODELS", "CacheStore", "CandidateResult", "Compiled", "Config", "Cost",
+__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Compiled",
+           "Config", "Cost",
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
-           "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
+           "calibrate", "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
            "pipeline_order",
            "pmap", "search", "sharded_jit", "to_global", "to_local", "tpu_devices"]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
-             Compiled, Lowered, Cost, DeviceModel):
+             Compiled, Lowered, Cost, DeviceModel, Calibration):
   _cls.__module__ = "partitioner"
 del _cls

@@ -319,6 +319,12 @@ _WEIGHT = {
 }
 
 
+def collective_weight(opcode: str, group: int) -> float:
+  """The bytes a ring algorithm sends per byte of ``opcode``'s result per
+  device, for a group of ``group`` devices."""
+  return _WEIGHT[opcode](group)
+
+
 def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
           device: DeviceModel) -> Cost:
   """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned

@@ -55,6 +55,8 @@ Give your own with ``DeviceModel(...)`` (``search(..., device_model=)``).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import types
 
 
@@ -78,6 +80,10 @@ class DeviceModel:
       on the devices instead of trusting the estimate.
     memory_bytes: memory per device (HBM), or None where unknown (CPU).
     usable_fraction: of ``memory_bytes``, what programs may use.
+    platform: "gpu", "tpu" or "cpu" (jax's name), or "" where unknown:
+      what its compiler does that the account of memory must follow
+      (``jax.nn.dot_product_attention`` in bfloat16 runs as cuDNN's fused
+      kernel on a GPU, as XLA's ops elsewhere).
   """
   name: str
   flops_per_s: float
@@ -89,6 +95,7 @@ class DeviceModel:
   error: float = 0.3
   memory_bytes: float | None = None
   usable_fraction: float = 0.95
+  platform: str = ""
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -110,25 +117,25 @@ _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 2.5e10, 2.5e9, 4.5e8, 2.25e8, 50e-6,
-                       overlap=False, error=0.23),
+                       overlap=False, error=0.23, platform="cpu"),
     "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 600e9, 25e9, 10e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU),
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "h100": DeviceModel("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 900e9, 50e9, 8e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU),
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "h200": DeviceModel("NVIDIA H200 SXM", 989e12, 4.8e12, 900e9, 50e9, 8e-6,
-                        memory_bytes=141e9, usable_fraction=_JAX_GPU),
+                        memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 900e9, 50e9, 8e-6,
-                         memory_bytes=96e9, usable_fraction=_JAX_GPU),
+                         memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
-                        memory_bytes=180e9, usable_fraction=_JAX_GPU),
+                        memory_bytes=180e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
-                          memory_bytes=32 * 2**30),
+                          memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,
-                           memory_bytes=16e9),
+                           memory_bytes=16e9, platform="tpu"),
     "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 25e9, 10e-6,
-                           memory_bytes=95e9),
+                           memory_bytes=95e9, platform="tpu"),
     "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 448e9, 25e9, 10e-6,
-                           memory_bytes=32e9),
+                           memory_bytes=32e9, platform="tpu"),
 })
 
 
@@ -161,19 +168,39 @@ def default_model(device_kind: str, platform: str) -> DeviceModel:
       " partitioner.DeviceModel(...) with this device's figures.")
 
 
-def resolve(model: DeviceModel | str | None, device_kind: str, platform: str) -> DeviceModel:
-  """``device_model=`` as given: a DeviceModel, a name of :data:`MODELS`, or
-  None for the devices' own.
+def resolve(model: DeviceModel | str | os.PathLike | None, device_kind: str,
+            platform: str) -> DeviceModel:
+  """``device_model=`` as given: a DeviceModel, a name of :data:`MODELS`, a
+  file written by ``partitioner.calibrate(path=...)``, or None for the
+  devices' own.
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: an unknown name, or a file that holds no model.
   """
   if model is None:
     return default_model(device_kind, platform)
   if isinstance(model, DeviceModel):
     return model
-  if model in MODELS:
+  if isinstance(model, str) and model in MODELS:
     return MODELS[model]
-  raise ValueError(f"device_model={model!r} is not a DeviceModel or one of"
-                   f" {sorted(MODELS)}. Hint: pass partitioner.DeviceModel(...) for"
-                   " other hardware.")
+  if isinstance(model, str | os.PathLike) and os.path.isfile(model):
+    return load_model(model)
+  raise ValueError(f"device_model={model!r} is not a DeviceModel, one of {sorted(MODELS)}"
+                   " or a calibration file. Hint: pass partitioner.DeviceModel(...) for"
+                   " other hardware, or measure one with partitioner.calibrate(path=...).")
+
+
+def load_model(path: str | os.PathLike) -> DeviceModel:
+  """The model of a calibration file (``partitioner.calibrate(path=...)``).
+
+  Raises:
+    ValueError: not such a file.
+  """
+  try:
+    with open(path) as f:
+      fields = json.load(f)["model"]
+    return DeviceModel(**fields)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"device_model={os.fspath(path)!r}: not a calibration file written by"
+                     f" partitioner.calibrate ({type(e).__name__}: {e}). Hint:"
+                     " partitioner.calibrate(path=...) writes one.") from None

@@ -97,7 +97,7 @@ COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 def search(  # noqa: PLR0913 (the search's keywords)
     fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
     memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
-    device_model: DeviceModel | str | None = None, measure: int | None = None,
+    device_model: DeviceModel | str | os.PathLike | None = None, measure: int | None = None,
     max_compiles: int = 10, progress: bool | None = None,
     hosts: int | None = None, devices: Sequence[Any] | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
@@ -116,7 +116,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
     device_model: what the devices cost: a :class:`DeviceModel`, a name of
       ``partitioner.DEVICE_MODELS`` (``"cpu"``, ``"a100"``, ``"h100"``,
       ``"h200"``, ``"gh200"``, ``"b200"``, ``"tpu-v4"``, ``"tpu-v5e"``,
-      ``"tpu-v5p"``, ``"tpu-v6e"``), or None for the devices' own.
+      ``"tpu-v5p"``, ``"tpu-v6e"``), the path of a file written by
+      ``partitioner.calibrate(path=...)`` (measured on the devices), or
+      None for the devices' own.
     measure: time the best ``measure`` candidates for a few steps on the
       devices and keep the fastest measured (one process only). By default
       (None) the close calls are timed: of the candidates whose estimates
@@ -358,7 +360,8 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
       by_layout[key] = (c, dims)
   # Planning accelerators from simulated CPU devices: their memory is
   # counted from the jaxpr (XLA:CPU's buffer assignment is no GPU's).
-  liveness = Liveness(program, state) if accounted(request) else None
+  liveness = (Liveness(program, state, fused_attention=request.device.platform == "gpu")
+              if accounted(request) else None)
   rows = [(c, list(dims), _estimate(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)

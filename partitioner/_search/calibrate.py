@@ -1,0 +1,351 @@
+"""Device models measured on the devices at hand: :func:`calibrate`.
+
+Every figure is timed the same way: a program runs its operation ``k`` and
+``2 k`` times in a loop (each iteration depends on the last, so nothing is
+hoisted or merged), and the difference over ``k`` is one operation's time:
+the dispatch and the loop's entry cancel out. Each is the median of a few
+such pairs.
+
+- compute: chained square matmuls ``c = a @ c`` at a few sizes, in
+  bfloat16 and float32 (float32 only on a CPU);
+- memory: ``x = x * s + 1`` over an array several times the caches, read
+  and written once per iteration;
+- collectives: each kind (all-reduce, all-gather, reduce-scatter,
+  all-to-all, collective-permute) over all the devices in ``shard_map``,
+  at message sizes from a few KiB up, its bytes per device counted as the
+  cost model counts them (the result's, weighted by a ring algorithm's
+  factor for the group size).
+
+The model takes the largest matmul's rate in the accelerator's dtype
+(bfloat16; float32 on a CPU), the memory rate, and the line
+``seconds = latency + weighted bytes / bandwidth`` fitted to every
+collective by least squares on the relative error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from partitioner._report.cost import collective_weight
+from partitioner._report.device_models import MODELS, DeviceModel, default_model, load_model
+
+__all__ = ["Calibration", "calibrate", "load"]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """What :func:`calibrate` measured, and the model fitted to it.
+
+  Attributes:
+    model: the fitted :class:`DeviceModel` (``search(device_model=)``).
+    matmul: ``{dtype: {n: flop/s}}``, square n x n matmuls on one device.
+    memory: ``{bytes: bytes/s}``, read plus written per second.
+    collectives: ``{kind: [(bytes per device, group size, seconds)]}``.
+    devices: the device kind and how many were measured.
+    named: the key of ``partitioner.DEVICE_MODELS`` that describes these
+      devices from published figures (``"h100"``), or None.
+  """
+  model: DeviceModel
+  matmul: dict[str, dict[int, float]]
+  memory: dict[int, float]
+  collectives: dict[str, list[tuple[int, int, float]]]
+  devices: str
+  named: str | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    return {"model": dataclasses.asdict(self.model), "devices": self.devices,
+            "named": self.named,
+            "matmul": {d: {str(n): r for n, r in rows.items()} for d, rows in self.matmul.items()},
+            "memory": {str(b): r for b, r in self.memory.items()},
+            "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()}}
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1)
+
+
+def load(path: str | os.PathLike) -> Calibration:
+  """A :class:`Calibration` saved by :meth:`Calibration.save`.
+
+  Raises:
+    ValueError: not such a file.
+  """
+  model = load_model(path)
+  with open(path) as f:
+    data = json.load(f)
+  try:
+    return Calibration(
+        model=model, devices=data["devices"], named=data.get("named"),
+        matmul={d: {int(n): r for n, r in rows.items()} for d, rows in data["matmul"].items()},
+        memory={int(b): r for b, r in data["memory"].items()},
+        collectives={k: [tuple(row) for row in rows] for k, rows in data["collectives"].items()})
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"device_model={os.fspath(path)!r}: not a calibration file written by"
+                     f" partitioner.calibrate ({e}). Hint: calibrate(path=...) writes one.") from e
+
+
+def _per_iteration(build: Callable[[int], Callable], args: Sequence[Any], k: int,
+                   repeats: int) -> float:
+  """Seconds per loop iteration: (time of 2k - time of k) / k, median."""
+  once, twice = jax.jit(build(k)), jax.jit(build(2 * k))
+  jax.block_until_ready(once(*args))
+  jax.block_until_ready(twice(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(once(*args))
+    middle = time.perf_counter()
+    jax.block_until_ready(twice(*args))
+    end = time.perf_counter()
+    samples.append(max((end - middle) - (middle - start), 1e-9) / k)
+  return statistics.median(samples)
+
+
+def _iterations(seconds_each: float, target: float) -> int:
+  """Loop iterations so that the short program runs about ``target`` s."""
+  return int(min(max(target / max(seconds_each, 1e-7), 2), 4096))
+
+
+def _timed(build: Callable[[int], Callable], args: Sequence[Any], target: float,
+           repeats: int) -> float:
+  rough = _per_iteration(build, args, 2, 1)
+  return _per_iteration(build, args, _iterations(rough, target), repeats)
+
+
+def _on_all(devices: Sequence[Any], step: Callable[[Any, Any], Any],
+            *blocks: np.ndarray) -> tuple[Callable[[int], Callable], tuple[Any, ...]]:
+  """A loop of ``step`` run by every device on its own blocks at once (no
+  communication), and its arguments: what one device achieves while all
+  of them work, as in a training step (simulated CPU devices share cores)."""
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("d",))
+  spec = PartitionSpec("d")
+  args = tuple(jax.device_put(np.concatenate([b] * n), jax.sharding.NamedSharding(mesh, spec))
+               for b in blocks)
+
+  def build(k: int) -> Callable:
+    def body(*xs):
+      *fixed, carry = xs
+      return jax.lax.fori_loop(0, k, lambda i, c: step(fixed, c), carry)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(blocks), out_specs=spec,
+                         check_vma=False)
+
+  return build, args
+
+
+def measure_matmul(devices: Sequence[Any], n: int, dtype: Any, target: float,
+                   repeats: int) -> float:
+  """flop/s per device of ``c = a @ c`` for n x n matrices, every device at once."""
+  rng = np.random.default_rng(0)
+  a = (rng.standard_normal((n, n)) / np.sqrt(n)).astype(jnp.dtype(dtype))
+  c = rng.standard_normal((n, n)).astype(jnp.dtype(dtype))
+  build, args = _on_all(devices, lambda fixed, c: fixed[0] @ c, a, c)
+  return 2 * n ** 3 / _timed(build, args, target, repeats)
+
+
+def measure_memory(devices: Sequence[Any], nbytes: int, target: float, repeats: int) -> float:
+  """Bytes read and written per second per device by an elementwise
+  update, every device at once."""
+  build, args = _on_all(devices, lambda fixed, x: x * 0.999 + 1.0,
+                        np.ones((nbytes // 4,), np.float32))
+  return 2 * nbytes / _timed(build, args, target, repeats)
+
+
+def _collective_step(kind: str, n: int) -> Callable[[Any, Any], Any]:
+  """One iteration of ``kind`` inside shard_map over axis "d" (size n);
+  each keeps its block's shape so iterations chain."""
+  if kind == "all-reduce":
+    return lambda i, x: jax.lax.psum(x, "d") * (1.0 / n)
+  if kind == "all-gather":
+    def gather(i, x):
+      full = jax.lax.all_gather(x, "d", tiled=True)
+      return jax.lax.dynamic_slice_in_dim(full, (i % n) * x.shape[0], x.shape[0])
+    return gather
+  if kind == "reduce-scatter":
+    def scatter(i, x):
+      part = jax.lax.psum_scatter(x, "d", tiled=True)
+      return jax.lax.dynamic_update_slice_in_dim(x, part, (i % n) * part.shape[0], 0)
+    return scatter
+  if kind == "all-to-all":
+    return lambda i, x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True)
+  ring = [(j, (j + 1) % n) for j in range(n)]
+  return lambda i, x: jax.lax.ppermute(x, "d", ring)
+
+
+def _result_bytes(kind: str, block_bytes: int, n: int) -> int:
+  """The collective's result per device, as the cost model counts it."""
+  if kind == "all-gather":
+    return block_bytes * n
+  if kind == "reduce-scatter":
+    return block_bytes // n
+  return block_bytes
+
+
+def measure_collective(devices: Sequence[Any], kind: str, block_bytes: int, target: float,
+                       repeats: int) -> float:
+  """Seconds of one ``kind`` collective whose per-device block (its input,
+  float32) is ``block_bytes``, over all of ``devices``."""
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("d",))
+  elements = max(block_bytes // 4 // n, 1) * n
+  x = jax.device_put(jnp.ones((elements * n,), jnp.float32),
+                     jax.sharding.NamedSharding(mesh, PartitionSpec("d")))
+  step = _collective_step(kind, n)
+
+  def build(k: int) -> Callable:
+    body = jax.shard_map(lambda x: jax.lax.fori_loop(0, k, step, x), mesh=mesh, in_specs=PartitionSpec("d"),
+                         out_specs=PartitionSpec("d"), check_vma=False)
+    return body
+
+  return _timed(build, (x,), target, repeats)
+
+
+def fit_links(rows: Sequence[tuple[str, int, int, float]]) -> tuple[float, float]:
+  """(bandwidth bytes/s, latency s) of ``seconds = latency + weighted /
+  bandwidth`` over ``(kind, result bytes, group, seconds)`` rows, least
+  squares on the relative error, both kept positive."""
+  weighted = np.array([b * collective_weight(k, g) for k, b, g, _ in rows], float)
+  seconds = np.array([s for *_, s in rows], float)
+  a = np.stack([np.ones_like(seconds), weighted], axis=1) / seconds[:, None]
+  (latency, inverse), *_ = np.linalg.lstsq(a, np.ones_like(seconds), rcond=None)
+  if inverse <= 0:  # no size dependence seen: all latency
+    return float("inf"), float(np.median(seconds))
+  if latency <= 0:  # no fixed cost seen: all bandwidth
+    return float(np.median(weighted / seconds)), 0.0
+  return float(1 / inverse), float(latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What to measure on a platform."""
+  matmul: dict[str, tuple[int, ...]]
+  memory_bytes: int
+  block_bytes: tuple[int, ...]
+  target: float  # seconds per timed program
+
+
+def _plan(platform: str) -> _Plan:
+  if platform == "cpu":
+    return _Plan({"float32": (256, 512, 1024)}, 64 << 20,
+                 tuple(4 << (2 * i) for i in range(5, 10)), 0.02)
+  return _Plan({"bfloat16": (1024, 4096, 8192), "float32": (1024, 4096, 8192)},
+               1 << 30, tuple(4 << (2 * i) for i in range(5, 13)), 0.02)
+
+
+def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike | None = None,
+              repeats: int = 3, kinds: Sequence[str] = KINDS,
+              progress: Callable[[str], None] | None = None) -> Calibration:
+  """Measures a :class:`DeviceModel` on ``devices`` (default: this
+  process's, ``jax.local_devices()``): matmul rates, memory bandwidth and
+  each collective's time by size among them. About a minute (on 8
+  simulated CPU devices, 50 s; on one H200, 40 s). ``path``: also
+  written there, as JSON, for ``search(device_model=path)``. The network
+  between hosts is not measured: its figure is the named model's (or half
+  the links' where there is none).
+
+  Args:
+    devices: jax devices of one kind, all of this process.
+    path: where to write the calibration (JSON).
+    repeats: timed pairs per figure (the median is kept).
+    kinds: which collectives to measure (default: all five).
+    progress: called with one line per figure measured (e.g. ``print``).
+
+  Raises:
+    ValueError: no devices, devices of more than one kind or of another
+      process, or an unknown collective kind.
+  """
+  devices = list(jax.local_devices() if devices is None else devices)
+  if not devices:
+    raise ValueError("calibrate(devices=[]): no devices. Hint: leave devices out for this"
+                     " process's devices.")
+  remote = [d for d in devices if d.process_index != jax.process_index()]
+  if remote:
+    raise ValueError(f"calibrate(devices=...): {len(remote)} device(s) of other processes"
+                     f" ({remote[0]}). Hint: calibrate measures the devices of the process"
+                     " that calls it; call it on one host.")
+  kinds_seen = {(d.platform, d.device_kind) for d in devices}
+  if len(kinds_seen) > 1:
+    raise ValueError(f"calibrate(devices=...): devices of {len(kinds_seen)} kinds"
+                     f" {sorted(kinds_seen)}. Hint: calibrate each kind on its own.")
+  unknown = [k for k in kinds if k not in KINDS]
+  if unknown:
+    raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
+  say = progress or (lambda line: None)
+  first = devices[0]
+  plan = _plan(first.platform)
+  matmul: dict[str, dict[int, float]] = {}
+  for dtype, sizes in plan.matmul.items():
+    for n in sizes:
+      matmul.setdefault(dtype, {})[n] = measure_matmul(devices, n, dtype, plan.target, repeats)
+      say(f"matmul {dtype} {n}: {matmul[dtype][n] / 1e12:.3g} TFLOP/s")
+  memory = {plan.memory_bytes: measure_memory(devices, plan.memory_bytes, plan.target, repeats)}
+  say(f"memory: {memory[plan.memory_bytes] / 1e9:.4g} GB/s")
+  collectives: dict[str, list[tuple[int, int, float]]] = {}
+  if len(devices) > 1:
+    for kind in kinds:
+      for block in plan.block_bytes:
+        seconds = measure_collective(devices, kind, block, plan.target, repeats)
+        size = _result_bytes(kind, max(block // 4 // len(devices), 1) * len(devices) * 4,
+                             len(devices))
+        collectives.setdefault(kind, []).append((size, len(devices), seconds))
+        say(f"{kind} {size} B: {seconds * 1e6:.1f} us")
+  model = _fit(devices, matmul, memory, collectives)
+  found = Calibration(model, matmul, memory, collectives,
+                      f"{len(devices)} x {first.device_kind} ({first.platform})",
+                      _named(first))
+  if path is not None:
+    found.save(path)
+  return found
+
+
+def _named(device: Any) -> str | None:
+  try:
+    model = default_model(device.device_kind, device.platform)
+  except ValueError:
+    return None
+  return next((k for k, v in MODELS.items() if v == model), None)
+
+
+def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: dict[int, float],
+         collectives: dict[str, list[tuple[int, int, float]]]) -> DeviceModel:
+  first = devices[0]
+  try:
+    named = default_model(first.device_kind, first.platform)
+  except ValueError:
+    named = None
+  dtype = "float32" if first.platform == "cpu" else "bfloat16"
+  rates = matmul[dtype]
+  fields: dict[str, Any] = {
+      "name": f"measured: {first.device_kind} ({first.platform}), {len(devices)} devices",
+      "flops_per_s": rates[max(rates)],
+      "memory_bytes_per_s": max(memory.values()),
+      "overlap": first.platform != "cpu", "platform": first.platform}
+  rows = [(k, b, g, s) for k, found in collectives.items() for b, g, s in found]
+  if rows:
+    fields["link_bytes_per_s"], fields["latency_s"] = fit_links(rows)
+  elif named is not None:
+    fields["link_bytes_per_s"], fields["latency_s"] = named.link_bytes_per_s, named.latency_s
+  else:
+    fields["link_bytes_per_s"], fields["latency_s"] = float("inf"), 0.0
+  if named is not None:
+    fields["network_bytes_per_s"] = named.network_bytes_per_s
+    fields["memory_bytes"], fields["usable_fraction"] = named.memory_bytes, named.usable_fraction
+  else:
+    fields["network_bytes_per_s"] = fields["link_bytes_per_s"] / 2
+  stats = first.memory_stats() if hasattr(first, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    fields["memory_bytes"], fields["usable_fraction"] = float(stats["bytes_limit"]), 1.0
+  return DeviceModel(**fields)

@@ -1,0 +1,99 @@
+"""partitioner.calibrate: a device model measured on the devices at hand."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partitioner
+from partitioner._search import calibrate as cal
+from tests.test_search import mlp_step
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+  path = tmp_path_factory.mktemp("calibration") / "cpu.json"
+  lines = []
+  found = partitioner.calibrate(path=path, repeats=1, kinds=("all-reduce", "all-gather"),
+                                progress=lines.append)
+  return found, path, lines
+
+
+@pytest.mark.eight_devices
+def test_it_measures_rates_and_collectives_by_size(measured):
+  found, path, lines = measured
+  m = found.model
+  assert m.platform == "cpu" and not m.overlap and m.name.startswith("measured: cpu")
+  for value in (m.flops_per_s, m.memory_bytes_per_s, m.link_bytes_per_s):
+    assert np.isfinite(value) and value > 0
+  assert m.latency_s >= 0
+  assert set(found.collectives) == {"all-reduce", "all-gather"}
+  for rows in found.collectives.values():
+    sizes = [b for b, _, _ in rows]
+    assert sizes == sorted(sizes) and all(g == 8 for _, g, _ in rows)
+    assert rows[-1][2] > rows[0][2]  # the largest message takes longer than the smallest
+  assert set(found.matmul) == {"float32"}
+  assert any(line.startswith("all-gather") for line in lines)
+  assert json.loads(path.read_text())["model"]["name"] == m.name
+
+
+@pytest.mark.eight_devices
+def test_the_search_takes_the_file_or_the_model(measured):
+  found, path, _ = measured
+  for model in (path, str(path), found.model):
+    layout = partitioner.search(mlp_step, *_mlp(), device_model=model, progress=False,
+                                max_compiles=2, measure=0)
+    assert found.model.name in layout.report()
+  assert cal.load(path) == found
+
+
+def _mlp(width=256):
+  f32 = jnp.float32
+  params = {"w1": jax.ShapeDtypeStruct((width, 2 * width), f32),
+            "w2": jax.ShapeDtypeStruct((2 * width, width), f32)}
+  return params, jax.ShapeDtypeStruct((64, width), f32)
+
+
+def test_the_fit_recovers_a_line():
+  bandwidth, latency = 5e9, 20e-6
+  rows = [(kind, size, 8, latency + size * partitioner._report.cost.collective_weight(kind, 8)
+           / bandwidth)
+          for kind in ("all-reduce", "collective-permute") for size in (4096, 65536, 1 << 20)]
+  got = cal.fit_links(rows)
+  assert got == pytest.approx((bandwidth, latency), rel=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fake:
+  platform: str = "cpu"
+  device_kind: str = "cpu"
+  process_index: int = 0
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(devices=[]), r"calibrate\(devices=\[\]\): no devices"),
+    (dict(devices=[_Fake(), _Fake("tpu", "TPU v5")]), "devices of 2 kinds"),
+    (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: calibrate measures"),
+    (dict(kinds=("all-reduce", "broadcast")), r"unknown \['broadcast'\].*Hint: any of"),
+])
+def test_bad_input(kw, message):
+  with pytest.raises(ValueError, match=message):
+    partitioner.calibrate(**kw)
+
+
+def test_a_file_that_is_no_calibration_is_a_clear_error(tmp_path):
+  bad = tmp_path / "other.json"
+  bad.write_text('{"weights": []}')
+  with pytest.raises(ValueError, match="not a calibration file written by partitioner.calibrate"):
+    partitioner.search(mlp_step, *_mlp(8), device_model=bad, progress=False)
+  with pytest.raises(ValueError, match="or a calibration file"):
+    partitioner.search(mlp_step, *_mlp(8), device_model=str(tmp_path / "missing.json"),
+                       progress=False)
+
+
+def test_it_names_the_published_model_of_its_devices(measured):
+  found, path, _ = measured
+  assert found.named == "cpu" and cal.load(path).named == "cpu"
