@@ -34,7 +34,10 @@ Then it runs the checks, each recorded pass, fail or skip with its time:
   and a tensor parallel MLP (weights donated and kept on the devices,
   interleaved rounds, medians): reported as ratios; such a check fails
   only if the two sides' losses differ, never on speed;
-- on an accelerator also the test suite (``SHARDED_JIT_TEST_PLATFORM`` set,
+- on an accelerator, a plan against the device (``benchmarks.plan_check``:
+  a 0.3B-parameter decoder's memory as the search counts it against XLA's,
+  and the device models' step time against the measured one), the test
+  suite (``SHARDED_JIT_TEST_PLATFORM`` set,
   so tests/conftest.py keeps to the accelerator; tests that need the 8
   simulated CPU devices skip, ``slow`` and ``mpi`` tests are left out) and
   the ``dispatch`` and ``scaling`` benchmark sections on its devices.
@@ -84,6 +87,7 @@ LAYOUTS = ("data parallel", "FSDP", "tensor parallel (Megatron MLP)", "pipeline"
 RATIOS = ("steps/s: data parallel MLP", "steps/s: tensor parallel MLP")
 DEVICE_CHECKS = (*LAYOUTS, "donation", *RATIOS)
 CALIBRATION = "calibration (partitioner.calibrate)"
+PLAN = "a plan against the device (benchmarks.plan_check)"
 CACHE, TWO_PROCESSES, TEST_SUITE = ("persistent cache, fresh process",
                                     "two processes (partitioner.launch)", "test suite")
 BENCHMARK_SECTIONS = {"dispatch": ("--calls", "2000", "--first-calls", "2"),
@@ -905,6 +909,34 @@ def check_calibration(machine: Machine, report_path: str) -> str:
   return f"{'; '.join(parts)}. Written to {os.path.basename(path)}"
 
 
+def check_plan(machine: Machine, report_path: str) -> str:
+  """``benchmarks.plan_check`` on the first device: the memory the search
+  counts for it against XLA's, and the device models' estimated step time
+  against the measured one (the calibrated model's too, where the
+  calibration check wrote one)."""
+  calibration = os.path.splitext(os.path.abspath(report_path))[0] + "-calibration.json"
+  with tempfile.TemporaryDirectory(prefix="accelerator-check-plan-") as tmp:
+    path = os.path.join(tmp, "plan.json")
+    cmd = [sys.executable, "-m", "benchmarks.plan_check", "--json", path]
+    if os.path.isfile(calibration):
+      cmd += ["--calibration", calibration]
+    out = subprocess.run(cmd, env=child_env(machine), cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    if out.returncode:
+      raise RuntimeError(f"plan_check exited with {out.returncode}: {_tail(out.stderr)}")
+    with open(path) as f:
+      rows = {r["figure"]: r for r in json.load(f)}
+  counted = rows["counted / XLA's peak"]["value"]
+  parts = [f"{rows['device']['params'] / 1e9:.2f}B-parameter decoder: counted / XLA's peak"
+           f" {counted:.2f}"]
+  parts += [f"{name.split('device model ')[-1]}: estimated / measured time {r['value']:.2f}"
+            for name, r in rows.items() if name.startswith("estimated / measured")]
+  search = next(r for name, r in rows.items() if name.startswith("search on the device"))
+  if search["value"] is None:
+    raise AssertionError(f"the search on the device failed: {search['detail']}")
+  return "; ".join(parts)
+
+
 def check_two_processes(machine: Machine, steps: int = 3) -> str:
   """``benchmarks.multiprocess_child`` (a tensor parallel MLP over both
   processes' devices) as 2 processes under ``python -m partitioner.launch``:
@@ -986,6 +1018,7 @@ def run_checks(recorder: Recorder, machine: Machine, skip: Iterable[str] = (),
   recorder.check(CACHE, check_cache, machine)
   recorder.check(TWO_PROCESSES, check_two_processes, machine)
   if machine.accelerator:
+    recorder.check(PLAN, check_plan, machine, report_path)
     if "tests" not in skip:
       recorder.check(TEST_SUITE, check_test_suite, machine)
     for section in BENCHMARK_SECTIONS if "benchmarks" not in skip else ():

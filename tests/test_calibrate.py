@@ -97,3 +97,18 @@ def test_a_file_that_is_no_calibration_is_a_clear_error(tmp_path):
 def test_it_names_the_published_model_of_its_devices(measured):
   found, path, _ = measured
   assert found.named == "cpu" and cal.load(path).named == "cpu"
+
+
+def test_plan_check_runs_on_the_device_at_hand(tmp_path):
+  """benchmarks.plan_check (the accelerator check's plan against the device)
+  on a CPU device, at a toy size: every figure present."""
+  from benchmarks import plan_check
+  path = tmp_path / "plan.json"
+  assert plan_check.main(["--layers", "2", "--width", "64", "--mlp", "128", "--heads", "4",
+                          "--kv-heads", "2", "--vocab", "128", "--batch", "2", "--seq", "32",
+                          "--steps", "2", "--json", str(path)]) == 0
+  rows = {r["figure"]: r for r in json.loads(path.read_text())}
+  assert rows["counted / XLA's peak"]["value"] > 0
+  assert rows["measured seconds per step (median)"]["value"] > 0
+  assert rows["estimated / measured seconds, device model h200"]["value"] > 0
+  assert rows["search on the device: measured / estimated seconds"]["value"] is not None

@@ -314,3 +314,25 @@ def test_the_search_costs_about_the_same_at_any_depth():
   deep = partitioner.search(_deep_step, *_deep(16, b=16), max_compiles=3, measure=0)
   assert shallow.estimated == deep.estimated and shallow.compiled == deep.compiled
   assert deep.proxy["proxy_ops"] == shallow.proxy["proxy_ops"]
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("layers,whole", [(3, True), (12, False)])
+def test_close_calls_time_the_whole_program_where_the_proxy_is_most_of_it(
+    monkeypatch, layers, whole):
+  """A proxy that is most of the program (3 layers, 2 kept): the whole
+  program is timed, not the proxy plus an estimate of the rest; a deep
+  model's short proxy is timed as before."""
+  from partitioner._search import measure as _measure
+  timed = []
+  real = _measure.measure
+
+  def spy(f, out_state, layouts, devices, **kw):
+    timed.append(len(jax.make_jaxpr(f.fun)(*f.args).jaxpr.eqns))
+    return real(f, out_state, layouts, devices, **kw)
+
+  monkeypatch.setattr(_measure, "measure", spy)
+  found = partitioner.search(_deep_step, *_deep(layers), max_compiles=3, measure=2)
+  assert found.proxy and timed
+  assert (timed[0] > found.proxy["proxy_ops"]) == whole
+  assert all(x.measured_seconds for x in found.candidates[:2])

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.core import eval_jaxpr
 
 from partitioner import _compat
 from partitioner._compile import program as _program
@@ -77,8 +78,13 @@ class Target:
       self.donate = _measure.state_args(f, out_state)
       return
     run = self.proxy.fun()
-    self.f = Function(lambda *flat: tuple(run(*flat)), tuple(jax.tree_util.tree_leaves(f.dynamic)),
-                      (), jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars)))
+    leaves = tuple(jax.tree_util.tree_leaves(f.dynamic))
+    flat_out = jax.tree_util.tree_structure((0,) * len(closed.jaxpr.outvars))
+    self.f = Function(lambda *flat: tuple(run(*flat)), leaves, (), flat_out)
+    # The whole program over the same flat arguments: timed instead of the
+    # proxy where the proxy is most of it (compiling it costs little more).
+    self.whole = Function(
+        lambda *flat: tuple(eval_jaxpr(closed.jaxpr, closed.consts, *flat)), leaves, (), flat_out)
     self.donate = tuple(sorted({i for i in out_state if i is not None}))
     removed = {k for run in self.proxy.repeats
                for k in range(run.start + self.proxy.kept * run.period, run.stop)}
@@ -98,11 +104,14 @@ class Target:
     return lower(self.f, in_specs, out_specs, self.devices, self.donate)
 
   def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
-            loaded: Any) -> tuple[Cost, float, str]:
+            loaded: Any, counted: float | None = None) -> tuple[Cost, float, str]:
     """The candidate's cost for the whole program (``program``, compiled
     as ``loaded``), the estimated time of what the proxy leaves out (0
     without a proxy: the whole program's time less the proxy's), and a
-    digest of the compiled program (equal for identical programs)."""
+    digest of the compiled program (equal for identical programs).
+    ``counted``: the whole program's peak counted from the jaxpr, which a
+    proxy's peak takes instead of its scaled one (never below the proxy's
+    own: the whole holds more)."""
     got, digest, text = scored(program, loaded, self.hosts, self.device)
     if self.part is None or self.proxy is None:
       return got, 0.0, digest
@@ -112,15 +121,26 @@ class Target:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
       scaled = extrapolate(got, whole, part, self.device)
+    if counted is not None:
+      scaled = dataclasses.replace(scaled, peak_memory=int(max(counted, got.peak_memory)))
     return scaled, scaled.seconds - got.seconds, digest
+
+  @property
+  def whole_is_cheap(self) -> bool:
+    """Whether the proxy is most of the program (at least half its
+    equations): then the whole is timed, not the proxy."""
+    return self.proxy is not None and 2 * len(self.proxy.jaxpr.jaxpr.eqns) >= len(
+        self.closed.jaxpr.eqns)
 
   def measure(self, layouts: Sequence[tuple[list, list]], out_state: Sequence[int | None],
               offsets: Sequence[float]) -> list[float]:
-    """Seconds per step of each layout, timed on the devices: as the proxy,
-    plus the estimated time of what it leaves out (``offsets``; scaling
-    the proxy's time by the estimates' ratio would multiply the errors of
-    its non-repeated part, an embedding's, as many times as layers are
-    left out)."""
+    """Seconds per step of each layout, timed on the devices: the whole
+    program where it is cheap, else as the proxy plus the estimated time
+    of what it leaves out (``offsets``; scaling the proxy's time by the
+    estimates' ratio would multiply the errors of its non-repeated part,
+    an embedding's, as many times as layers are left out)."""
+    if self.whole_is_cheap:
+      return _measure.measure(self.whole, out_state, layouts, self.devices)
     times = _measure.measure(self.f, out_state, layouts, self.devices)
     return [t + o for t, o in zip(times, offsets)]
 
