@@ -15,6 +15,12 @@ the other processes. The exit code is the job's: non-zero if any rank
 fails, or if a rank did not finish normally (killed, or ``os._exit``) even
 when ``mpiexec`` itself reports success.
 
+``--max-restarts R``: when the job fails (a rank dies, or exits non-zero),
+every rank is ended (as always) and the whole job starts again, up to R
+times, with one line on stderr per restart; each rank reads its attempt
+(0, then 1, 2 ...) from ``SHARDED_JIT_RESTART``, e.g. to restore the
+last checkpoint. A job ended by ``--timeout`` or Ctrl-C is not restarted.
+
 The console: rank 0 says ``2 processes x 4 devices ready`` once the
 processes are connected; gloo's ``[Gloo] Rank k is connected to ...`` lines
 and jax's INFO logs about connecting are hidden (``--verbose`` shows them);
@@ -40,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from partitioner._distributed import console as _console
 from partitioner._distributed.env import (
@@ -55,7 +62,7 @@ from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
 from partitioner._distributed.job_report import exit_statuses, how_it_ended
 from sharding._checks import positive_count
 
-__all__ = ["LAUNCHER_ENV", "command", "environment", "find_gpus", "find_mpiexec",
+__all__ = ["LAUNCHER_ENV", "RESTART_ENV", "command", "environment", "find_gpus", "find_mpiexec",
            "launcher_world", "main", "with_cpu_device_count"]
 
 
@@ -183,12 +190,22 @@ def _parser() -> argparse.ArgumentParser:
                       help="show everything: gloo's connection lines and jax's INFO"
                            f" logs about connecting (env: {_console.VERBOSE_ENV}=1)")
   parser.add_argument("--timeout", type=float, default=None,
-                      help="end the whole job (exit code 124) after this many seconds")
+                      help="end the whole job (exit code 124) after this many seconds"
+                           " (all its attempts, with --max-restarts)")
+  parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
+                      help="when the job fails (a rank dies or exits non-zero), end every"
+                           " rank and start the whole job again, up to R times; each rank"
+                           f" reads the attempt (0, 1, ...) from {RESTART_ENV}. Not after"
+                           " --timeout or Ctrl-C")
   parser.add_argument("-m", dest="module", action="store_true",
                       help="run a module (like python -m) instead of a script")
   parser.add_argument("target", nargs=argparse.REMAINDER,
                       help="script.py (or module with -m) and its arguments")
   return parser
+
+
+RESTART_ENV = "SHARDED_JIT_RESTART"  # the attempt a rank runs in: 0, then 1, 2 ...
+_NO_RESTART = (124, 130)  # --timeout reached, Ctrl-C: the job ends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,26 +215,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("give the script to run")
   try:
     positive_count(args.num_processes, "-n", hint="-n is the number of processes, e.g. -n 2.")
+    if args.max_restarts < 0:
+      raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}. Hint:"
+                       " --max-restarts 3 starts a failed job again up to 3 times.")
   except ValueError as e:
     parser.error(str(e))
   if args.prefix_rank and not _is_hydra(find_mpiexec()):
     parser.error(f"--prefix-rank needs MPICH's mpiexec (Hydra), not {find_mpiexec()}."
                  " Hint: pip install 'sharded-jit[mpi]' (the mpich wheel).")
+  cmd = command(args.num_processes, args.target, args.module)
+  deadline = None if args.timeout is None else time.monotonic() + args.timeout
+  for attempt in range(args.max_restarts + 1):
+    code = _attempt(parser, args, cmd, attempt, deadline)
+    if code == 0 or code in _NO_RESTART or not args.max_restarts:
+      return code
+    if attempt == args.max_restarts:
+      sys.stderr.write(f"partitioner.launch: the job failed in all {attempt + 1} attempts"
+                       f" (--max-restarts {args.max_restarts} spent); exit code {code}.\n")
+      return code
+    sys.stderr.write(f"partitioner.launch: attempt {attempt + 1} failed (exit code {code});"
+                     f" starting the job again, restart {attempt + 1} of"
+                     f" {args.max_restarts}.\n")
+    sys.stderr.flush()
+  return code
+
+
+def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd: list[str],
+             attempt: int, deadline: float | None) -> int:
+  """One run of the whole job, ended at ``deadline`` (``--timeout`` bounds
+  all attempts together); its exit code (a failure reported)."""
   verbose = args.verbose or _console.verbose()
   hide = [_EXIT_LINE, *([] if verbose else [_console.gloo_connected])]
-  cmd = command(args.num_processes, args.target, args.module)
   with tempfile.TemporaryDirectory(prefix="sharded_jit_launch_") as markers:
     try:
       env = environment(args.devices_per_process, markers, verbose, args.num_processes)
     except ValueError as e:
       parser.error(str(e))
+    env[RESTART_ENV] = str(attempt)
     proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     try:
-      code = proc.wait(timeout=args.timeout)
+      code = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
       output.join()
       errors.join()
     except subprocess.TimeoutExpired:

@@ -282,3 +282,43 @@ def test_launcher_prefixes_ranks_and_shows_everything_when_verbose():
   assert re.search(r"^\[rank \d\] \[Gloo\] Rank", proc.stdout, re.M), out
   assert re.search(r"^\[rank \d\] I\d{4} .*Connecting to JAX distributed service",
                    proc.stderr, re.M), out
+
+
+_FLAKY = ("import os, signal, sys\n"
+          "attempt, rank = int(os.environ['SHARDED_JIT_RESTART']), int(os.environ['PMI_RANK'])\n"
+          "print(f'attempt {attempt} rank {rank}', flush=True)\n"
+          "if attempt < int(sys.argv[1]) and rank == 1:\n"
+          "  os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'kill' else sys.exit(3)\n")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_max_restarts_starts_a_failed_job_again(tmp_path, how):
+  script = tmp_path / "flaky.py"
+  script.write_text(_FLAKY)
+  proc, _ = mp.launch(str(script), "1", how, devices=1, flags=["--max-restarts", "2"])
+  assert proc.returncode == 0, proc.stderr
+  assert mp.found(r"attempt \d rank \d", proc.stdout) == [
+      "attempt 0 rank 0", "attempt 0 rank 1", "attempt 1 rank 0", "attempt 1 rank 1"]
+  assert "attempt 1 failed" in proc.stderr and "restart 1 of 2" in proc.stderr
+  assert "restart 2 of 2" not in proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_spent_restart_budget_is_the_jobs_failure(tmp_path):
+  script = tmp_path / "flaky.py"
+  script.write_text(_FLAKY)
+  proc, _ = mp.launch(str(script), "9", "exit", devices=1, flags=["--max-restarts", "1"])
+  assert proc.returncode != 0
+  assert "restart 1 of 1" in proc.stderr
+  assert "the job failed in all 2 attempts (--max-restarts 1 spent)" in proc.stderr
+  assert len(mp.found(r"attempt \d rank 1", proc.stdout)) == 2
+
+
+@pytest.mark.slow
+def test_max_restarts_must_not_be_negative():
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2",
+                        "--max-restarts", "-1", "x.py"], capture_output=True, text=True)
+  assert out.returncode == 2 and "--max-restarts must be 0 or more, got -1" in out.stderr
