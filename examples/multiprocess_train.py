@@ -33,12 +33,21 @@ Three layouts (--layout):
 
 At the end rank 0 checks that the loss curve matches the same steps run
 unsharded in one process.
+
+With --checkpoint_dir the weights are saved every --checkpoint_every steps
+(partitioner.Checkpointer, async, with the losses so far) and a start
+resumes from the latest complete checkpoint: under
+`python -m partitioner.launch --max-restarts 2`, a rank that dies
+(--crash_at_step S kills rank 1 at step S in the first attempt, to try it)
+costs at most --checkpoint_every steps, and the loss curve still matches
+the unsharded run's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -60,6 +69,14 @@ _LAYOUT = flags.DEFINE_enum(
     " (partitioner.pmap over sharded_jit); global: one sharded_jit over every"
     " device of every rank, each rank passing its pieces (local_in_parts);"
     " pipeline: one pipeline stage per rank x tensor parallel inside each.")
+
+_CKPT = flags.DEFINE_string("checkpoint_dir", None,
+                            "Save the weights there every --checkpoint_every steps and resume"
+                            " from the latest complete checkpoint.")
+_CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 5, "Steps between checkpoints.")
+_CRASH = flags.DEFINE_integer("crash_at_step", None,
+                              "To try restarts: rank 1 kills itself (SIGKILL) at this step in"
+                              " the first attempt (SHARDED_JIT_RESTART=0).")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -122,6 +139,7 @@ def main(argv):
                   range(which.start, which.stop)]).astype(np.float32)
     return x, np.tanh(x @ teacher)
 
+  saved_parts = None  # the global layout of the weights, for checkpoints (replicated)
   if _LAYOUT.value == "data_x_model":
     # Tensor parallel over this rank's devices: the gradient of one replica.
     parts = {"w1": P(1, per), "w2": P(per, 1)}
@@ -146,7 +164,8 @@ def main(argv):
     # (sharded_jit logs, at INFO, how it guards the slices of the pipeline's
     # lax.scan at the loop counter, a clamp that costs nothing: not shown)
     logging.getLogger("partitioner").setLevel(logging.WARNING)
-    train, full, params, ref_loss, layout = pipeline_layout(world, d, hdim, b, _MICRO.value, sgd)
+    train, full, params, ref_loss, layout, saved_parts = pipeline_layout(
+        world, d, hdim, b, _MICRO.value, sgd)
     rows = slice(0, b)  # every rank passes the whole batch
   else:
     parts = {"w1": P(1, n), "w2": P(n, 1)}
@@ -159,6 +178,7 @@ def main(argv):
     train = sharded_jit(step, in_parts=(parts, P(n, 1), P(n, 1)), out_parts=(parts, None),
                         local_in_parts=(local, P(per, 1), P(per, 1)),
                         local_out_parts=(local, None))
+    saved_parts = parts
     cols = slice(rank * hdim // world.size, (rank + 1) * hdim // world.size)
     params = {"w1": full["w1"][:, cols], "w2": full["w2"][cols]}
     layout = (f"one sharded_jit over {n} devices; each rank passes {b // world.size}"
@@ -166,14 +186,31 @@ def main(argv):
 
   if rank == 0:
     print(f"layout: {layout}", flush=True)
-  losses = []
-  for i in range(_STEPS.value):
+  losses, start, ckpt = [], 0, None
+  if _CKPT.value:
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)  # (orbax's INFO lines, each save)
+    ckpt = partitioner.Checkpointer(_CKPT.value, every=_CKPT_EVERY.value)
+    restored, start, extra = ckpt.restore(partitioner.to_global(params, saved_parts))
+    if start:
+      params, losses = partitioner.to_local(restored, saved_parts), list(extra["losses"])
+      if rank == 0:
+        print(f"resumed from the checkpoint of step {start}", flush=True)
+  attempt = int(os.environ.get("SHARDED_JIT_RESTART", "0"))
+  for i in range(start, _STEPS.value):
+    if _CRASH.value == i and rank == 1 and attempt == 0:
+      os.kill(os.getpid(), signal.SIGKILL)
     # No per-step read: steps are dispatched ahead while the devices work
     # (partitioner bounds how far, config.max_inflight_steps).
     params, loss = train(params, *rows_of(i, rows))
     losses.append(loss)
     if rank == 0 and (i % _LOG_EVERY.value == 0 or i == _STEPS.value - 1):
       print(f"step {i:3d}  loss {float(loss):.5f}", flush=True)
+    if ckpt is not None and (i + 1) % _CKPT_EVERY.value == 0:
+      ckpt.save(i + 1, partitioner.to_global(params, saved_parts),
+                {"losses": [float(x) for x in losses]})
+  if ckpt is not None:
+    ckpt.close()
   losses = [float(l) for l in losses]
   if _LAYOUT.value == "pipeline":  # weights stay on their stage: no all-gather
     totals = partitioner.explain(train, params, *rows_of(0, rows)).collective_totals()
@@ -181,6 +218,11 @@ def main(argv):
       print("collectives per step (partitioner.explain): " + ", ".join(
           f"{k} {c}" for k, (c, _) in totals.items() if k != "reduce-scatter"), flush=True)
 
+  # (over the global weights, the same in every layout: a jit's replicated result)
+  total = float(jax.jit(lambda t: sum(jax.numpy.abs(w).sum() for w in jax.tree_util.tree_leaves(t)))(
+      partitioner.to_global(params, saved_parts)))
+  if rank == 0:
+    print(f"final weights: sum of |w| {total:.6f}", flush=True)
   stats = compilation_stats()
   print(f"rank {rank}: compiled {stats['compiles']} program(s), received"
         f" {stats['received_from_rank0']} from rank 0", flush=True)
@@ -243,7 +285,7 @@ def pipeline_layout(world, d, hdim, b, microbatches, sgd):
             f" parallel over each rank's {per} devices, {microbatches} microbatches of"
             f" {b // microbatches} rows; each rank passes only its stage's weights")
   mine = jax.tree_util.tree_map(lambda w: w[world.rank * 2:world.rank * 2 + 2], full)
-  return train, full, mine, plain_loss, layout
+  return train, full, mine, plain_loss, layout, parts
 
 
 if __name__ == "__main__":

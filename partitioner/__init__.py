@@ -18,6 +18,7 @@ from partitioner._config import config as config
 from partitioner._distributed import PeerError as PeerError
 from partitioner._distributed import World as World
 from partitioner._distributed import initialize as initialize
+from partitioner._distributed.checkpoint import Checkpointer as Checkpointer
 from partitioner._distributed.global_arrays import to_global as to_global
 from partitioner._distributed.global_arrays import to_local as to_local
 from partitioner._front.analysis import cost as cost
@@ -40,7 +41,8 @@ from partitioner._search.calibrate import Calibration as Calibration
 from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
-__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Compiled",
+__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
+           "Compiled",
            "Config", "Cost",
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
@@ -52,6 +54,6 @@ __all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Com
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
-             Compiled, Lowered, Cost, DeviceModel, Calibration):
+             Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer):
   _cls.__module__ = "partitioner"
 del _cls

@@ -1,0 +1,93 @@
+"""partitioner.Checkpointer: every K steps, async; the latest complete
+checkpoint restored into any layout; clear errors, nothing overwritten."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+
+import partitioner  # noqa: E402
+from sharding import PartitionSpec as P  # noqa: E402
+from sharding import tiling  # noqa: E402
+
+
+def _state(value=1.0, devices=None):
+  devices = devices or jax.devices()[:4]
+  w = jax.device_put(jnp.full((8, 4), float(value)), tiling(P(len(devices), 1), devices, 2)
+                     .named_sharding())
+  return {"w": w, "b": jnp.zeros(4) + float(value)}
+
+
+@pytest.mark.eight_devices
+def test_it_saves_every_k_steps_and_restores_the_latest_into_another_layout(tmp_path):
+  with partitioner.Checkpointer(tmp_path, every=2, keep=2) as ckpt:
+    assert ckpt.restore(_state())[1:] == (0, {})
+    saved = [ckpt.save(step, _state(step), {"position": step}) for step in range(1, 6)]
+  assert saved == [False, True, False, True, False]
+  columns = tiling(P(1, 2), jax.devices()[:2], 2).named_sharding()
+  target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=columns),
+            "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  with partitioner.Checkpointer(tmp_path, every=2) as ckpt:
+    state, step, extra = ckpt.restore(target)
+  assert step == 4 and extra == {"position": 4}
+  assert state["w"].sharding.shard_shape((8, 4)) == (8, 2)
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.full((8, 4), 4.0))
+  assert sorted(os.listdir(tmp_path)) == ["2", "4"]  # (keep=2; the lock released)
+
+
+def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, {"b": jnp.ones(4)})
+  # A crash during the save of step 2: orbax's temporary directory, never renamed.
+  os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "state")
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    state, step, _ = ckpt.restore({"b": jnp.zeros(4)})
+  assert step == 1 and float(state["b"][0]) == 1.0
+
+
+@pytest.mark.parametrize("other,match", [
+    ({"w": jnp.ones((8, 5)), "b": jnp.zeros(4)}, r"state\['w'\] is float32\[8, 4\] there,"
+     r" float32\[8, 5\] here"),
+    ({"w": jnp.ones((8, 4))}, r"1 of its leaves are not in this state \(\[?'?\['b'\]"),
+    ({"w": jnp.ones((8, 4), jnp.int32), "b": jnp.zeros(4)}, "is float32.*there, int32"),
+])
+def test_another_models_state_is_a_clear_error(tmp_path, other, match):
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)})
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    with pytest.raises(ValueError, match=match) as info:
+      ckpt.restore(other)
+  assert "another model's state" in str(info.value) and "nothing was restored" in str(info.value)
+  assert os.listdir(tmp_path) == ["1"]
+
+
+def test_a_directory_another_running_job_writes_is_refused(tmp_path):
+  owner = {"host": socket.gethostname(), "pid": os.getppid()}  # (a live process)
+  (tmp_path / "sharded_jit.lock").write_text(json.dumps(owner))
+  with pytest.raises(RuntimeError, match=rf"being written by another job \(process"
+                     rf" {owner['pid']}.*Hint: give this job its own directory"):
+    partitioner.Checkpointer(tmp_path, every=1)
+
+
+def test_a_dead_jobs_directory_is_taken_over(tmp_path):
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  (tmp_path / "sharded_jit.lock").write_text(
+      json.dumps({"host": socket.gethostname(), "pid": gone.pid}))
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    assert ckpt.save(1, {"b": jnp.ones(4)})
+
+
+@pytest.mark.parametrize("kw", [dict(every=0), dict(every=2.5), dict(every=2, keep=0),
+                                dict(every=True)])
+def test_bad_arguments(tmp_path, kw):
+  with pytest.raises(ValueError, match="must be a positive int"):
+    partitioner.Checkpointer(tmp_path, **kw)
