@@ -12,6 +12,7 @@ import time
 import benchmarks
 from benchmarks import (
   _scale,
+  checkpoint,
   dispatch,
   fsdp,
   layout,
@@ -30,7 +31,7 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
-            "multiprocess": multiprocess.run}
+            "multiprocess": multiprocess.run, "checkpoint": checkpoint.run}
 
 
 def parser() -> argparse.ArgumentParser:
