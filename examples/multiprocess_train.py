@@ -40,7 +40,9 @@ resumes from the latest complete checkpoint: under
 `python -m partitioner.launch --max-restarts 2`, a rank that dies
 (--crash_at_step S kills rank 1 at step S in the first attempt, to try it)
 costs at most --checkpoint_every steps, and the loss curve still matches
-the unsharded run's.
+the unsharded run's; with `--min-processes 1` as well, the job goes on
+with the rank it has left, laid out for its devices, restoring the
+checkpoint into that layout.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main(argv):
   del argv
   from partitioner.launch import launcher_world, with_cpu_device_count
-  if launcher_world()[1] == 1 and _PROCESSES.value > 1:
-    # Not under a launcher yet: start the processes and wait for them.
+  under_launcher = launcher_world()[1] > 1 or "SHARDED_JIT_LAUNCH_DIR" in os.environ
+  if not under_launcher and _PROCESSES.value > 1:
+    # Not under a launcher yet (ours says so even on one process, as after
+    # --min-processes went down to 1): start the processes and wait.
     cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(_PROCESSES.value),
            "--devices-per-process", str(_DEVICES.value), os.path.abspath(__file__),
            *sys.argv[1:]]
@@ -148,6 +152,8 @@ def main(argv):
 
     def step(params, x, y):
       loss, grads = grads_fn(params, x, y)
+      if world.size == 1:  # (one replica, as after --min-processes 1: nothing to average)
+        return sgd(params, grads), loss
       grads = lax.pmean(grads, "data")  # the only traffic between ranks
       return sgd(params, grads), lax.pmean(loss, "data")
 

@@ -20,6 +20,9 @@ every rank is ended (as always) and the whole job starts again, up to R
 times, with one line on stderr per restart; each rank reads its attempt
 (0, then 1, 2 ...) from ``SHARDED_JIT_RESTART``, e.g. to restore the
 last checkpoint. A job ended by ``--timeout`` or Ctrl-C is not restarted.
+``--min-processes M``: a rank killed by a signal is taken as lost (its
+host gone or preempted), and the next attempt runs with one process fewer
+for each, never fewer than M.
 
 The console: rank 0 says ``2 processes x 4 devices ready`` once the
 processes are connected; gloo's ``[Gloo] Rank k is connected to ...`` lines
@@ -59,7 +62,7 @@ from partitioner._distributed.env import (
 from partitioner._distributed.env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed.env import launcher_world as launcher_world
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
-from partitioner._distributed.job_report import exit_statuses, how_it_ended
+from partitioner._distributed.job_report import exit_statuses, how_it_ended, lost
 from sharding._checks import positive_count
 
 __all__ = ["LAUNCHER_ENV", "RESTART_ENV", "command", "environment", "find_gpus", "find_mpiexec",
@@ -197,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
                            " rank and start the whole job again, up to R times; each rank"
                            f" reads the attempt (0, 1, ...) from {RESTART_ENV}. Not after"
                            " --timeout or Ctrl-C")
+  parser.add_argument("--min-processes", "--min_processes", type=int, default=None,
+                      metavar="M",
+                      help="with --max-restarts: a rank killed by a signal (its host gone,"
+                           " preempted) is taken as lost, and the job starts again with one"
+                           " process fewer for each, never fewer than M; the script lays"
+                           " itself out for the processes there are")
   parser.add_argument("-m", dest="module", action="store_true",
                       help="run a module (like python -m) instead of a script")
   parser.add_argument("target", nargs=argparse.REMAINDER,
@@ -218,37 +227,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts < 0:
       raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}. Hint:"
                        " --max-restarts 3 starts a failed job again up to 3 times.")
+    if args.min_processes is not None and not (
+        1 <= args.min_processes <= args.num_processes and args.max_restarts):
+      raise ValueError(f"--min-processes {args.min_processes} needs --max-restarts and a"
+                       f" count from 1 to -n {args.num_processes}. Hint: -n 4"
+                       " --max-restarts 3 --min-processes 2 goes on with 2 or 3 processes"
+                       " when ranks are lost.")
   except ValueError as e:
     parser.error(str(e))
   if args.prefix_rank and not _is_hydra(find_mpiexec()):
     parser.error(f"--prefix-rank needs MPICH's mpiexec (Hydra), not {find_mpiexec()}."
                  " Hint: pip install 'sharded-jit[mpi]' (the mpich wheel).")
-  cmd = command(args.num_processes, args.target, args.module)
   deadline = None if args.timeout is None else time.monotonic() + args.timeout
+  n = args.num_processes
   for attempt in range(args.max_restarts + 1):
-    code = _attempt(parser, args, cmd, attempt, deadline)
+    code, gone = _attempt(parser, args, n, attempt, deadline)
     if code == 0 or code in _NO_RESTART or not args.max_restarts:
       return code
     if attempt == args.max_restarts:
       sys.stderr.write(f"partitioner.launch: the job failed in all {attempt + 1} attempts"
                        f" (--max-restarts {args.max_restarts} spent); exit code {code}.\n")
       return code
+    fewer = max(n - len(gone), args.min_processes) if args.min_processes else n
+    on = "" if fewer == n else (
+        f" on {fewer} processes (rank{'s' if len(gone) > 1 else ''}"
+        f" {', '.join(map(str, gone))} killed, taken as lost; --min-processes"
+        f" {args.min_processes})")
+    n = fewer
     sys.stderr.write(f"partitioner.launch: attempt {attempt + 1} failed (exit code {code});"
-                     f" starting the job again, restart {attempt + 1} of"
+                     f" starting the job again{on}, restart {attempt + 1} of"
                      f" {args.max_restarts}.\n")
     sys.stderr.flush()
   return code
 
 
-def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd: list[str],
-             attempt: int, deadline: float | None) -> int:
-  """One run of the whole job, ended at ``deadline`` (``--timeout`` bounds
-  all attempts together); its exit code (a failure reported)."""
+def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
+             attempt: int, deadline: float | None) -> tuple[int, list[int]]:
+  """One run of the whole job on ``n`` processes, ended at ``deadline``
+  (``--timeout`` bounds all attempts together); its exit code (a failure
+  reported) and the ranks killed by a signal."""
   verbose = args.verbose or _console.verbose()
   hide = [_EXIT_LINE, *([] if verbose else [_console.gloo_connected])]
+  cmd = command(n, args.target, args.module)
   with tempfile.TemporaryDirectory(prefix="sharded_jit_launch_") as markers:
     try:
-      env = environment(args.devices_per_process, markers, verbose, args.num_processes)
+      env = environment(args.devices_per_process, markers, verbose, n)
     except ValueError as e:
       parser.error(str(e))
     env[RESTART_ENV] = str(attempt)
@@ -266,15 +289,17 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd: lis
       _join(output, errors)
       sys.stderr.write(f"partitioner.launch: the job did not finish within"
                        f" {args.timeout:g} s; ending it.\n")
-      return 124
+      return 124, []
     except KeyboardInterrupt:
       _kill(proc)
       _join(output, errors)
-      return 130
-    marks = read_marks(markers, args.num_processes)
+      return 130, []
+    marks = read_marks(markers, n)
   if all("done" in m for m in marks.values()):
-    return code
-  return _report_failure(cmd, code, marks, (output.tail(), errors.tail()), args.num_processes)
+    return code, []
+  tails = (output.tail(), errors.tail())
+  gone = lost(marks, exit_statuses(tails[0], n))
+  return _report_failure(cmd, code, marks, tails, n), gone
 
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],

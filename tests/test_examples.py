@@ -150,3 +150,29 @@ def test_multiprocess_train_survives_a_killed_rank(tmp_path, layout):
 def test_help(script):
   proc = run(script, "--help")  # (absl exits with 1 after printing help)
   assert "--steps" in proc.stdout and "Training steps" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ["data_x_model", "global"])
+def test_multiprocess_train_goes_on_with_the_processes_left(tmp_path, layout):
+  """--min-processes 1: rank 1 killed at step 17 is taken as lost; the job
+  starts again on one process of 4 devices, restores the checkpoint into
+  that layout and ends with the uninterrupted run's losses (within float
+  noise: the sums split otherwise)."""
+  pytest.importorskip("mpi4py")
+  pytest.importorskip("orbax.checkpoint")
+  args = ["examples/multiprocess_train.py", "--steps", "30", "--hidden", "128",
+          "--layout", layout]
+  launch = ["-m", "partitioner.launch", "-n", "2", "--devices-per-process", "4"]
+  whole = run(*launch, *args)
+  left = run(*launch, "--max-restarts", "2", "--min-processes", "1", *args,
+             "--checkpoint_dir", str(tmp_path / "ck"), "--crash_at_step", "17")
+  assert whole.returncode == 0 and left.returncode == 0, left.stdout + left.stderr
+  assert ("starting the job again on 1 processes (rank 1 killed, taken as lost;"
+          " --min-processes 1), restart 1 of 2") in left.stderr
+  assert "resumed from the checkpoint of step" in left.stdout
+  assert "data parallel over 1 ranks" in left.stdout or "over 4 devices" in left.stdout
+  final = re.compile(r"final weights: sum of \|w\| (\S+)")
+  ours, theirs = float(final.findall(left.stdout)[-1]), float(final.findall(whole.stdout)[-1])
+  assert ours == pytest.approx(theirs, rel=1e-5)
+  assert "(match)" in left.stdout

@@ -26,6 +26,14 @@ def exit_statuses(text: bytes, size: int) -> dict[int, int]:
   return dict(enumerate(int(c) for c in codes[:size]))
 
 
+def lost(marks: dict[int, dict[str, str]], statuses: dict[int, int]) -> list[int]:
+  """The ranks killed by a signal before any Python exit (as when their
+  host goes away or preempts them), not those ended after a peer."""
+  return sorted(r for r, m in marks.items()
+                if (status := statuses.get(r)) and status <= 255 and status & 0x7F
+                and not m.keys() & {"done", "failed", "ended", "left", "stopped"})
+
+
 def how_it_ended(marks: dict[str, str], status: int | None,
                   cause_known: bool) -> tuple[int, str]:
   """One rank's ending, from the markers it left (``env.mark``) and its

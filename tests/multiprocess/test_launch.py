@@ -322,3 +322,22 @@ def test_max_restarts_must_not_be_negative():
   out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2",
                         "--max-restarts", "-1", "x.py"], capture_output=True, text=True)
   assert out.returncode == 2 and "--max-restarts must be 0 or more, got -1" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,message", [
+    (["--min-processes", "1"], "--min-processes 1 needs --max-restarts"),
+    (["--max-restarts", "1", "--min-processes", "3"], "a count from 1 to -n 2"),
+    (["--max-restarts", "1", "--min-processes", "0"], "a count from 1 to -n 2"),
+])
+def test_min_processes_needs_restarts_and_a_count_up_to_n(flags, message):
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2", *flags, "x.py"],
+                       capture_output=True, text=True)
+  assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_lost_a_rank_stopped_after_it_is_not():
+  from partitioner._distributed.job_report import lost
+  marks = {0: {"started": "1", "stopped": "1"}, 1: {"started": "2"}, 2: {"started": "3"},
+           3: {"started": "4", "failed": "ValueError"}}
+  assert lost(marks, {0: 0, 1: 9, 2: 256, 3: 256}) == [1]
