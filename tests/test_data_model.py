@@ -586,3 +586,15 @@ def test_composition_when_jax_uses_gspmd(jax_gspmd, monkeypatch):
   assert same_tiling(h(X), P(1, 4))
 
 
+
+
+def test_one_replica_reducing_a_partitioned_value_is_a_clear_error():
+  """XLA's partitioner rejects an all-reduce over a size-1 manual axis of a
+  partitioned value (a RET_CHECK): said in our words, with the fix."""
+  grads = sharded_jit(lambda w, x: jax.grad(lambda w: (x @ w).sum())(w),
+                      in_parts=(P(1, 4), None), out_parts=P(1, 4))
+  step = partitioner.pmap(lambda w, x: jax.lax.pmean(grads(w, x), "data"), "data",
+                          in_axes=(None, 0), out_axes=None)
+  with pytest.raises(NotImplementedError, match=r"runs one replica here.*Hint: with one"
+                     " replica the reduction does nothing"):
+    step(np.ones((8, 16), np.float32), np.ones((1, 2, 8), np.float32))

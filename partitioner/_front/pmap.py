@@ -385,8 +385,23 @@ class MappedProgram:
 
   def compile(self, layout: Sequence[Any]) -> MappedCompiled:
     """Lowers and compiles for inputs laid out as ``layout``; remembered for
-    that layout and for the one XLA chose, which the outputs fed back have."""
-    compiled = self.lower(layout).compile()
+    that layout and for the one XLA chose, which the outputs fed back have.
+
+    Raises:
+      NotImplementedError: one replica whose program reduces a partitioned
+        value over the replica axis (XLA's partitioner rejects it).
+    """
+    try:
+      compiled = self.lower(layout).compile()
+    except Exception as e:
+      if "Cross-partition allreduce must be in (partial) manual" not in str(e):
+        raise
+      raise NotImplementedError(
+          f"partitioner.pmap({self.name}) runs one replica here, and its function"
+          " reduces a partitioned value over the replica axis (lax.psum, pmean):"
+          " XLA's partitioner rejects that with a single replica. Hint: with one"
+          " replica the reduction does nothing; call the function without the"
+          " pmap (or give it 2 or more replicas).") from None
     self._compiled.put(_layout_key(layout), compiled)
     chosen = [abstract(x, sharding=s) if isinstance(x, jax.ShapeDtypeStruct) else x
               for x, s in zip(layout, compiled.input_shardings)]
