@@ -20,6 +20,9 @@ every rank is ended (as always) and the whole job starts again, up to R
 times, with one line on stderr per restart; each rank reads its attempt
 (0, then 1, 2 ...) from ``SHARDED_JIT_RESTART``, e.g. to restore the
 last checkpoint. A job ended by ``--timeout`` or Ctrl-C is not restarted.
+``python -m partitioner.launch --max-restarts R -- srun -n 16 python
+train.py`` restarts another launcher's command (``srun``, ``mpirun``,
+``mpiexec``) as a whole the same way, its output passed through.
 ``--min-processes M``: a rank killed by a signal is taken as lost (its
 host gone or preempted), and the next attempt runs with one process fewer
 for each, never fewer than M.
@@ -181,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
       # abbreviations of ours.
       allow_abbrev=False)
   parser.add_argument("-n", "--num-processes", "--num_processes", type=int,
-                      required=True, metavar="N", help="number of processes (MPI ranks)")
+                      default=None, metavar="N",
+                      help="number of processes (MPI ranks); not with -- LAUNCHER ...")
   parser.add_argument("--devices-per-process", "--devices_per_process", type=int,
                       default=None, metavar="K",
                       help="devices per process: K simulated CPU devices, and on a"
@@ -222,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not args.target:
     parser.error("give the script to run")
+  if args.target[0] == "--":  # another launcher's command, restarted as a whole
+    return _wrap(parser, args)
+  if args.num_processes is None:
+    parser.error("the following arguments are required: -n/--num-processes")
   try:
     positive_count(args.num_processes, "-n", hint="-n is the number of processes, e.g. -n 2.")
     if args.max_restarts < 0:
@@ -258,6 +266,56 @@ def main(argv: list[str] | None = None) -> int:
                      f" starting the job again{on}, restart {attempt + 1} of"
                      f" {args.max_restarts}.\n")
     sys.stderr.flush()
+  return code
+
+
+def _wrap(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """``-- srun ...`` (or ``mpirun``, ``mpiexec``): that command, started
+  again while it fails, up to ``--max-restarts`` times, each attempt with
+  ``SHARDED_JIT_RESTART`` set; its output passes through as it is."""
+  cmd = args.target[1:]
+  if not cmd:
+    parser.error("give the command to run after --, e.g. -- srun -n 16 python train.py")
+  ours = [flag for flag, value in (("-n", args.num_processes),
+                                   ("--devices-per-process", args.devices_per_process),
+                                   ("--min-processes", args.min_processes),
+                                   ("--prefix-rank", args.prefix_rank or None)) if value]
+  if ours:
+    parser.error(f"{', '.join(ours)}: not with -- {cmd[0]} ..., which starts the processes"
+                 f" itself. Hint: give {cmd[0]} its own flags (srun -n 16, --gpus-per-task),"
+                 " or drop the --.")
+  if args.max_restarts < 0:
+    parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
+  name = os.path.basename(cmd[0])
+  deadline = None if args.timeout is None else time.monotonic() + args.timeout
+  code = 0
+  for attempt in range(args.max_restarts + 1):
+    env = dict(os.environ, **{RESTART_ENV: str(attempt)})
+    try:
+      proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except OSError as e:
+      parser.error(f"cannot start {cmd[0]}: {e}")
+    try:
+      code = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+      _kill(proc)
+      sys.stderr.write(f"partitioner.launch: {name} did not finish within"
+                       f" {args.timeout:g} s; ending it.\n")
+      return 124
+    except KeyboardInterrupt:
+      _kill(proc)
+      return 130
+    code = code if code >= 0 else 128 - code  # (killed by a signal: 128 + its number)
+    if code == 0 or attempt == args.max_restarts:
+      break
+    sys.stderr.write(f"partitioner.launch: attempt {attempt + 1} of {name} failed (exit"
+                     f" code {code}); starting it again, restart {attempt + 1} of"
+                     f" {args.max_restarts}.\n")
+    sys.stderr.flush()
+  if code and args.max_restarts:
+    sys.stderr.write(f"partitioner.launch: {name} failed in all {args.max_restarts + 1}"
+                     f" attempts (--max-restarts {args.max_restarts} spent); exit code"
+                     f" {code}.\n")
   return code
 
 

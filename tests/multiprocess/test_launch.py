@@ -341,3 +341,40 @@ def test_a_rank_killed_by_a_signal_is_lost_a_rank_stopped_after_it_is_not():
   marks = {0: {"started": "1", "stopped": "1"}, 1: {"started": "2"}, 2: {"started": "3"},
            3: {"started": "4", "failed": "ValueError"}}
   assert lost(marks, {0: 0, 1: 9, 2: 256, 3: 256}) == [1]
+
+
+_ATTEMPTS = ("import os, sys\n"
+             "attempt = os.environ['SHARDED_JIT_RESTART']\n"
+             "print(f'attempt {attempt} rank {os.environ.get(\"PMI_RANK\", \"-\")}', flush=True)\n"
+             "sys.exit(3 if attempt == '0' else 0)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("under_mpiexec", [False, True])
+def test_another_launchers_command_is_restarted_as_a_whole(tmp_path, under_mpiexec):
+  """``launch --max-restarts R -- srun ...``: the command (here the mpich
+  wheel's mpiexec, or a plain python) started again while it fails."""
+  script = tmp_path / "attempts.py"
+  script.write_text(_ATTEMPTS)
+  if under_mpiexec:
+    pytest.importorskip("mpi4py")
+  cmd = ([launch.find_mpiexec(), "-n", "2"] if under_mpiexec else []) + [sys.executable,
+                                                                        str(script)]
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "--max-restarts", "2",
+                        "--timeout", "120", "--", *cmd], capture_output=True, text=True,
+                       timeout=180)
+  assert out.returncode == 0, out.stderr
+  ranks = ["0", "1"] if under_mpiexec else ["-"]
+  assert sorted(re.findall(r"attempt \d rank \S+", out.stdout)) == [
+      f"attempt {a} rank {r}" for a in "01" for r in ranks]
+  assert f"attempt 1 of {os.path.basename(cmd[0])} failed (exit code 3)" in out.stderr
+  assert "restart 1 of 2" in out.stderr and "restart 2 of 2" not in out.stderr
+
+
+@pytest.mark.slow
+def test_our_process_flags_are_refused_with_another_launcher():
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2",
+                        "--max-restarts", "1", "--", "srun", "python", "x.py"],
+                       capture_output=True, text=True)
+  assert out.returncode == 2
+  assert "-n: not with -- srun ..., which starts the processes itself" in out.stderr
