@@ -250,8 +250,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
               progress: Callable[[str], None] | None = None) -> Calibration:
   """Measures a :class:`DeviceModel` on ``devices`` (default: this
   process's, ``jax.local_devices()``): matmul rates, memory bandwidth and
-  each collective's time by size among them. About a minute (on 8
-  simulated CPU devices, 50 s; on one H200, 40 s). ``path``: also
+  each collective's time by size among them. Under a minute (8 simulated
+  CPU devices on 2 cores: 26-47 s; one H200: 20 s). ``path``: also
   written there, as JSON, for ``search(device_model=path)``. The network
   between hosts is not measured: its figure is the named model's (or half
   the links' where there is none).
