@@ -128,22 +128,31 @@ def test_multiprocess_train_survives_a_killed_rank(tmp_path, layout):
   complete checkpoint (every 5 steps; the one being written may be lost)
   and ends with the weights of an uninterrupted run."""
   crash = random.randint(11, 24)
+  whole, broken = _whole_and_killed(tmp_path, layout, crash)
+  assert "rank 1: died first" in broken.stderr and "restart 1 of 2" in broken.stderr
+  resumed = re.findall(r"resumed from the checkpoint of step (\d+)", broken.stdout)
+  last = crash // 5 * 5  # (at most 2 x 5 steps redone)
+  assert resumed and int(resumed[0]) in (last - 5, last), (crash, broken.stdout)
+  assert _FINAL.findall(broken.stdout) == _FINAL.findall(whole.stdout) != []
+  assert "(match)" in broken.stdout
+
+
+_FINAL = re.compile(r"final weights: sum of \|w\| (\S+)")
+
+
+def _whole_and_killed(tmp_path, layout, crash, *flags):
+  """The example uninterrupted, and with rank 1 killed at step ``crash``
+  under --max-restarts 2 (and ``flags``), checkpointing every 5 steps."""
   pytest.importorskip("mpi4py")
   pytest.importorskip("orbax.checkpoint")
   args = ["examples/multiprocess_train.py", "--steps", "30", "--hidden", "128",
           "--layout", layout]
   launch = ["-m", "partitioner.launch", "-n", "2", "--devices-per-process", "4"]
   whole = run(*launch, *args)
-  broken = run(*launch, "--max-restarts", "2", *args, "--checkpoint_dir", str(tmp_path / "ck"),
-               "--checkpoint_every", "5", "--crash_at_step", str(crash))
-  assert whole.returncode == 0 and broken.returncode == 0, broken.stdout + broken.stderr
-  assert "rank 1: died first" in broken.stderr and "restart 1 of 2" in broken.stderr
-  resumed = re.findall(r"resumed from the checkpoint of step (\d+)", broken.stdout)
-  last = crash // 5 * 5  # (at most 2 x 5 steps redone)
-  assert resumed and int(resumed[0]) in (last - 5, last), (crash, broken.stdout)
-  final = re.compile(r"final weights: sum of \|w\| (\S+)")
-  assert final.findall(broken.stdout) == final.findall(whole.stdout) != []
-  assert "(match)" in broken.stdout
+  killed = run(*launch, "--max-restarts", "2", *flags, *args, "--checkpoint_dir",
+               str(tmp_path / "ck"), "--checkpoint_every", "5", "--crash_at_step", str(crash))
+  assert whole.returncode == 0 and killed.returncode == 0, killed.stdout + killed.stderr
+  return whole, killed
 
 
 @pytest.mark.parametrize("script", ["examples/flax_optax.py",
@@ -162,20 +171,11 @@ def test_multiprocess_train_goes_on_with_the_processes_left(tmp_path, layout):
   starts again on one process of 4 devices, restores the checkpoint into
   that layout and ends with the uninterrupted run's losses (within float
   noise: the sums split otherwise)."""
-  pytest.importorskip("mpi4py")
-  pytest.importorskip("orbax.checkpoint")
-  args = ["examples/multiprocess_train.py", "--steps", "30", "--hidden", "128",
-          "--layout", layout]
-  launch = ["-m", "partitioner.launch", "-n", "2", "--devices-per-process", "4"]
-  whole = run(*launch, *args)
-  left = run(*launch, "--max-restarts", "2", "--min-processes", "1", *args,
-             "--checkpoint_dir", str(tmp_path / "ck"), "--crash_at_step", "17")
-  assert whole.returncode == 0 and left.returncode == 0, left.stdout + left.stderr
+  whole, left = _whole_and_killed(tmp_path, layout, 17, "--min-processes", "1")
   assert ("starting the job again on 1 processes (rank 1 killed, taken as lost;"
           " --min-processes 1), restart 1 of 2") in left.stderr
   assert "resumed from the checkpoint of step" in left.stdout
   assert "data parallel over 1 ranks" in left.stdout or "over 4 devices" in left.stdout
-  final = re.compile(r"final weights: sum of \|w\| (\S+)")
-  ours, theirs = float(final.findall(left.stdout)[-1]), float(final.findall(whole.stdout)[-1])
+  ours, theirs = float(_FINAL.findall(left.stdout)[-1]), float(_FINAL.findall(whole.stdout)[-1])
   assert ours == pytest.approx(theirs, rel=1e-5)
   assert "(match)" in left.stdout
