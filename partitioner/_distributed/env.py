@@ -181,9 +181,13 @@ def mark(rank: int, kind: str, text: str = "") -> None:
   directory = os.environ.get(LAUNCH_DIR_ENV)
   if not directory:
     return
+  path = os.path.join(directory, f"rank-{rank}.{kind}")
   with contextlib.suppress(OSError):  # the launcher's report is best effort
-    with open(os.path.join(directory, f"rank-{rank}.{kind}"), "w") as f:
+    # Written whole, then renamed into place: a rank killed while writing
+    # (MPICH ends the others as soon as one fails) leaves no half mark.
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
       f.write(text)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
 
 
 def read_marks(directory: str, size: int) -> dict[int, dict[str, str]]:
