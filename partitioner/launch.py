@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from partitioner._distributed import console as _console
 from partitioner._distributed.env import (
@@ -246,14 +247,24 @@ def main(argv: list[str] | None = None) -> int:
   if args.prefix_rank and not _is_hydra(find_mpiexec()):
     parser.error(f"--prefix-rank needs MPICH's mpiexec (Hydra), not {find_mpiexec()}."
                  " Hint: pip install 'sharded-jit[mpi]' (the mpich wheel).")
+  return _restarting(args, args.num_processes,
+                     lambda attempt, n, deadline: _attempt(parser, args, n, attempt, deadline))
+
+
+def _restarting(args: argparse.Namespace, n: int, run: Callable, name: str = "") -> int:
+  """``run(attempt, n, deadline) -> (exit code, ranks lost)`` until it
+  succeeds, up to ``--max-restarts`` times more, each restart said on
+  stderr (``name``: the wrapped launcher's, else the job's own); with
+  ``--min-processes``, the next attempt on the processes not lost."""
   deadline = None if args.timeout is None else time.monotonic() + args.timeout
-  n = args.num_processes
+  what = name or "the job"
+  code = 0
   for attempt in range(args.max_restarts + 1):
-    code, gone = _attempt(parser, args, n, attempt, deadline)
+    code, gone = run(attempt, n, deadline)
     if code == 0 or code in _NO_RESTART or not args.max_restarts:
       return code
     if attempt == args.max_restarts:
-      sys.stderr.write(f"partitioner.launch: the job failed in all {attempt + 1} attempts"
+      sys.stderr.write(f"partitioner.launch: {what} failed in all {attempt + 1} attempts"
                        f" (--max-restarts {args.max_restarts} spent); exit code {code}.\n")
       return code
     fewer = max(n - len(gone), args.min_processes) if args.min_processes else n
@@ -262,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         f" {', '.join(map(str, gone))} killed, taken as lost; --min-processes"
         f" {args.min_processes})")
     n = fewer
-    sys.stderr.write(f"partitioner.launch: attempt {attempt + 1} failed (exit code {code});"
-                     f" starting the job again{on}, restart {attempt + 1} of"
-                     f" {args.max_restarts}.\n")
+    sys.stderr.write(f"partitioner.launch: attempt {attempt + 1}{f' of {name}' if name else ''}"
+                     f" failed (exit code {code}); starting {'it' if name else 'the job'}"
+                     f" again{on}, restart {attempt + 1} of {args.max_restarts}.\n")
     sys.stderr.flush()
   return code
 
@@ -287,36 +298,39 @@ def _wrap(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   if args.max_restarts < 0:
     parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
   name = os.path.basename(cmd[0])
-  deadline = None if args.timeout is None else time.monotonic() + args.timeout
-  code = 0
-  for attempt in range(args.max_restarts + 1):
-    env = dict(os.environ, **{RESTART_ENV: str(attempt)})
+
+  def run(attempt: int, n: int, deadline: float | None) -> tuple[int, list[int]]:
     try:
-      proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+      proc = subprocess.Popen(cmd, env=dict(os.environ, **{RESTART_ENV: str(attempt)}),
+                              start_new_session=True)
     except OSError as e:
       parser.error(f"cannot start {cmd[0]}: {e}")
-    try:
-      code = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
-    except subprocess.TimeoutExpired:
-      _kill(proc)
-      sys.stderr.write(f"partitioner.launch: {name} did not finish within"
-                       f" {args.timeout:g} s; ending it.\n")
-      return 124
-    except KeyboardInterrupt:
-      _kill(proc)
-      return 130
-    code = code if code >= 0 else 128 - code  # (killed by a signal: 128 + its number)
-    if code == 0 or attempt == args.max_restarts:
-      break
-    sys.stderr.write(f"partitioner.launch: attempt {attempt + 1} of {name} failed (exit"
-                     f" code {code}); starting it again, restart {attempt + 1} of"
-                     f" {args.max_restarts}.\n")
-    sys.stderr.flush()
-  if code and args.max_restarts:
-    sys.stderr.write(f"partitioner.launch: {name} failed in all {args.max_restarts + 1}"
-                     f" attempts (--max-restarts {args.max_restarts} spent); exit code"
-                     f" {code}.\n")
-  return code
+    code, _ = _wait(proc, deadline, args.timeout, name)
+    return (code if code >= 0 else 128 - code), []  # (a signal's: 128 + its number)
+
+  return _restarting(args, 1, run, name)
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None, timeout: float | None, what: str,
+          threads: tuple[threading.Thread, ...] = ()) -> tuple[int, bool]:
+  """``proc``'s exit code, and whether we ended it: at ``deadline``
+  (``--timeout``, 124) or on Ctrl-C (130); ``threads``: its output's,
+  joined."""
+  try:
+    code = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+  except subprocess.TimeoutExpired:
+    _kill(proc)
+    _join(*threads)
+    sys.stderr.write(f"partitioner.launch: {what} did not finish within {timeout:g} s;"
+                     " ending it.\n")
+    return 124, True
+  except KeyboardInterrupt:
+    _kill(proc)
+    _join(*threads)
+    return 130, True
+  for thread in threads:
+    thread.join()
+  return code, False
 
 
 def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
@@ -338,20 +352,9 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
                             stderr=subprocess.PIPE)
     output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
-    try:
-      code = proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
-      output.join()
-      errors.join()
-    except subprocess.TimeoutExpired:
-      _kill(proc)
-      _join(output, errors)
-      sys.stderr.write(f"partitioner.launch: the job did not finish within"
-                       f" {args.timeout:g} s; ending it.\n")
-      return 124, []
-    except KeyboardInterrupt:
-      _kill(proc)
-      _join(output, errors)
-      return 130, []
+    code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))
+    if ended:
+      return code, []
     marks = read_marks(markers, n)
   if all("done" in m for m in marks.values()):
     return code, []
