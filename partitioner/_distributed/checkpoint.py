@@ -9,6 +9,7 @@ that saves returns once the arrays are copied off the devices.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -98,7 +99,8 @@ class Checkpointer:
 
     Raises:
       ValueError: the checkpoint holds another model's state (another
-        structure, shape or dtype): nothing is restored or overwritten.
+        structure or shape): nothing is restored or overwritten. Another
+        dtype is cast (a float32 checkpoint restored as bfloat16).
     """
     step = self.latest_step()
     if step is None:
@@ -141,8 +143,8 @@ def _check_same(directory: str, step: int, metadata: Any, target: Any) -> None:
   saved = metadata["state"] if metadata is not None and "state" in metadata else None
   if saved is None:
     return
-  want = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(target)}
-  have = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(saved)
+  want = {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(target)}
+  have = {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(saved)
           if hasattr(v, "shape")}
   hint = (" Hint: restore with the state this job saved, or give another directory;"
           " nothing was restored or overwritten.")
@@ -152,13 +154,22 @@ def _check_same(directory: str, step: int, metadata: Any, target: Any) -> None:
                      f" another model's state: {len(missing)} leaves of this state are not in"
                      f" it ({', '.join(missing[:3]) or 'none'}), {len(extra)} of its leaves are"
                      f" not in this state ({', '.join(extra[:3]) or 'none'}).{hint}")
-  for path, v in want.items():
+  for path, v in want.items():  # (another dtype is cast, as orbax does: float32 -> bfloat16)
     got = have[path]
-    if tuple(got.shape) != tuple(v.shape) or (
-        getattr(got, "dtype", None) is not None and got.dtype != v.dtype):
+    if tuple(got.shape) != tuple(v.shape):
       raise ValueError(f"Checkpointer: the checkpoint of step {step} in {directory} holds"
                        f" another model's state: state{path} is {got.dtype}{list(got.shape)}"
                        f" there, {v.dtype}{list(v.shape)} here.{hint}")
+
+
+def _path(keys: tuple) -> str:
+  """A leaf's path as ``['a'][0]['b']`` whatever its containers (orbax's
+  metadata holds an optax namedtuple's fields as a dict's keys)."""
+  parts = []
+  for k in keys:
+    name = next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
+    parts.append(f"[{name!r}]")
+  return "".join(parts)
 
 
 def _claim(directory: str) -> None:
@@ -166,20 +177,29 @@ def _claim(directory: str) -> None:
   running, marked it (a dead job's mark is taken over)."""
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, _LOCK)
-  me = {"host": socket.gethostname(), "pid": os.getpid()}
-  try:
-    with open(path) as f:
-      owner = json.load(f)
-  except (OSError, ValueError):
-    owner = None
-  if owner and owner != me and _alive(owner):
+  owner = _owner(path)
+  if owner and owner != _me() and _alive(owner):
     raise RuntimeError(
         f"Checkpointer: {directory} is being written by another job (process"
         f" {owner.get('pid')} on {owner.get('host')}); two jobs writing one directory would"
         " overwrite each other's checkpoints. Hint: give this job its own directory, or"
         f" end the other job (if it is gone, delete {path}).")
   with open(path, "w") as f:
-    json.dump(me, f)
+    json.dump(_me(), f)
+
+
+def _me() -> dict:
+  return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _owner(path: str) -> dict | None:
+  """Who marked the directory (``_me()`` of that process), or None."""
+  try:
+    with open(path) as f:
+      owner = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return owner if isinstance(owner, dict) else None
 
 
 def _alive(owner: dict) -> bool:
@@ -195,10 +215,8 @@ def _alive(owner: dict) -> bool:
 
 
 def _release(directory: str) -> None:
+  """Removes this process's mark (another's stays)."""
   path = os.path.join(directory, _LOCK)
-  try:
-    with open(path) as f:
-      if json.load(f) == {"host": socket.gethostname(), "pid": os.getpid()}:
-        os.remove(path)
-  except (OSError, ValueError):
-    pass
+  if _owner(path) == _me():
+    with contextlib.suppress(OSError):
+      os.remove(path)
