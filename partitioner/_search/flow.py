@@ -361,15 +361,15 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
       by_layout[key] = (c, dims)
   # Planning accelerators from simulated CPU devices: their memory is
   # counted from the jaxpr (XLA:CPU's buffer assignment is no GPU's).
-  fused = request.device.platform == "gpu"
-  liveness = Liveness(program, state, fused_attention=fused) if accounted(request) else None
   # On a GPU, a proxy's peak scaled by the cheap model's ratio overstated
   # the whole's (one H200: 1.6-2.7x); the count came to 0.90-1.01x XLA:GPU's.
   # (On a TPU slice both fall short of XLA:TPU's, the count further: the
   # scaled peak stays there.)
-  proxy_counts = (Liveness(program, state, fused_attention=fused)
-                  if liveness is None and target.proxy is not None
-                  and request.devices[0].platform == "gpu" else None)
+  proxied_gpu = target.proxy is not None and request.devices[0].platform == "gpu"
+  counts = (Liveness(program, state, fused_attention=request.device.platform == "gpu")
+            if accounted(request) or proxied_gpu else None)
+  liveness = counts if accounted(request) else None
+  proxy_counts = None if accounted(request) else counts
   rows = [(c, list(dims), _estimate(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
