@@ -315,7 +315,8 @@ def flops(lines: list[str], matmuls_only: bool = False) -> float:
 # ``__cublas$lt$matmul`` and its fp8 form), their dimension numbers in the
 # backend config's JSON (``"lhs_contracting_dimensions":["1"]``, the quotes
 # escaped where the config is printed as a string). cuDNN's convolutions
-# (``__cudnn$...``) are no matmuls here, as XLA's convolutions are not.
+# (``__cudnn$...``) are no matmuls here. XLA's own ``convolution`` is: XLA:TPU
+# prints every dot as one (``dim_labels=bf_io->bf``), run by the MXU.
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'lhs_contracting_dimensions\\?"?:\[([^\]]*)\]')
@@ -324,9 +325,14 @@ _GEMM_CONTRACTING = re.compile(r'lhs_contracting_dimensions\\?"?:\[([^\]]*)\]')
 _OPERAND_NAME = re.compile(r"%?([A-Za-z_][\w.\-]*)(?=\s*(?:,|$))")
 
 
+_CONV_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
 def is_matmul(line: str) -> bool:
-  """Whether an HLO line is a matrix multiply: a dot or a cuBLAS gemm."""
-  return " dot(" in line or bool(_GEMM.search(line))
+  """Whether an HLO line is a matrix multiply: a dot, a cuBLAS gemm, or
+  XLA's convolution (XLA:TPU's form of a dot)."""
+  return " dot(" in line or " convolution(" in line or bool(_GEMM.search(line))
 
 
 def _first_operand(args: str) -> str:
@@ -365,6 +371,8 @@ def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | Non
   result is its tuple's first array; the second is its workspace) x the
   contracted size of the left operand; None for any other op, or where the
   shapes are unknown."""
+  if m.group("kind") == "convolution":
+    return _convolution_flops(m, line, shapes)
   if m.group("kind") == "dot":
     contracting = _DOT_CONTRACTING.search(line)
   elif m.group("kind") == "custom-call" and _GEMM.search(line):
@@ -379,6 +387,54 @@ def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | Non
   k = math.prod(dims[int(i)] for i in re.findall(r"\d+", contracting.group(1))) \
       if contracting else 1
   return 2.0 * _elements(out.group(1)) * k
+
+
+def _convolution_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
+  """A convolution's flops: 2 x the output's batch and features x the
+  kernel's input features x, per spatial dimension, the (output, window)
+  pairs that land on an input element (not on padding, nor between the
+  elements a dilated input spreads apart: XLA:TPU rewrites some
+  transposed dots as such convolutions); None where a shape or the labels
+  are unknown."""
+  labels = _CONV_LABELS.search(line)
+  operands = _OPERAND_NAME.findall(m.group("args"))
+  if labels is None or len(operands) < 2:
+    return None
+  shaped = [_DIMS.search(s) for s in (shapes.get(operands[0], ""),
+                                       shapes.get(operands[1], ""), m.group("shape"))]
+  if any(x is None for x in shaped):
+    return None
+  lhs, rhs, out = ([int(d) for d in x.group(1).split(",") if d] for x in shaped)  # type: ignore[union-attr]
+  lhs_l, rhs_l, out_l = labels.group(1), labels.group(2), labels.group(3)
+  if (len(lhs), len(rhs), len(out)) != (len(lhs_l), len(rhs_l), len(out_l)):
+    return None
+  window = _window(line)
+  macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+  for j, label in enumerate(sorted(c for c in rhs_l if c.isdigit())):
+    attr = lambda key, default: window.get(key, [default] * (j + 1))[j]
+    lo = int(str(attr("pad", "0_0")).split("_")[0])
+    macs *= _valid_pairs(lhs[lhs_l.index(label)], out[out_l.index(label)],
+                         rhs[rhs_l.index(label)], int(attr("stride", 1)), lo,
+                         int(attr("lhs_dilate", 1)), int(attr("rhs_dilate", 1)))
+  return 2.0 * macs
+
+
+def _window(line: str) -> dict[str, list[str]]:
+  """A convolution's ``window={size=3x3 stride=2x1 pad=1_1x0_0 ...}``: each
+  attribute's per-dimension values."""
+  m = _WINDOW.search(line)
+  return {} if m is None else {k: v.split("x") for k, v in
+                               (kv.split("=") for kv in m.group(1).split() if "=" in kv)}
+
+
+def _valid_pairs(size: int, outputs: int, window: int, stride: int, low: int,
+                 dilate: int, window_dilate: int) -> int:
+  """How many (output, window) positions of one spatial dimension read an
+  input element: the input's ``size`` elements spread ``dilate`` apart,
+  ``low`` padding before them."""
+  last = (size - 1) * dilate
+  return sum(1 for o in range(outputs) for w in range(window)
+             if 0 <= (p := o * stride + w * window_dilate - low) <= last and p % dilate == 0)
 
 
 def repeated_flops(hlo_text: str) -> float:

@@ -159,3 +159,38 @@ def test_dots_are_counted_as_before():
   assert _hlo.flops(lines, matmuls_only=True) == 2.0 * 8 * 4 * 16
   assert _hlo.flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
                      .replace("f32[16,4]{1,0} %y", "%y")]) == 2.0 * 8 * 4 * 16
+
+
+# ---- XLA's convolutions: XLA:TPU's form of every dot ----
+
+# As XLA:TPU prints a [512,1024] x [1024,512] dot: a convolution with the
+# kernel's input and output features labelled (``bf_io->bf``); a 3x3
+# convolution over 4 input features in 2 groups, as a CNN's (padded: the
+# window's positions on the padding do no work); and a transposed dot
+# XLA:TPU rewrote as a convolution of an input dilated 8 times (1 window
+# position in 8 reads an element).
+_TPU = """\
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[512,1024], w: bf16[1024,512], i: f32[1,8,8,4], k: f32[3,3,2,6], a: bf16[4,2,16], b: bf16[3,2,8]) -> bf16[512,512] {
+  %x = bf16[512,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(1)
+  %i = f32[1,8,8,4]{3,2,1,0} parameter(2)
+  %k = f32[3,3,2,6]{3,2,1,0} parameter(3)
+  %a = bf16[4,2,16]{2,1,0} parameter(4)
+  %b = bf16[3,2,8]{2,1,0} parameter(5)
+  %c = f32[1,8,8,6]{3,2,1,0} convolution(%i, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, feature_group_count=2
+  %d = bf16[4,3,17]{2,1,0} convolution(%a, %b), window={size=8 stride=7 lhs_dilate=8}, dim_labels=bf0_oi0->bf0
+  ROOT %convolution.118 = bf16[512,512]{0,1:T(8,128)(2,1)} convolution(%x, %w), dim_labels=bf_io->bf, metadata={op_name="jit(f)/dot_general"}
+}
+"""
+
+
+def test_xla_convolutions_are_matmuls_with_their_flops():
+  lines = _hlo.computations(_TPU)["main"]
+  dot = 2.0 * 512 * 512 * 1024
+  conv = 2.0 * 6 * 2 * 22 * 22  # 22 of the 8 x 3 positions per dimension off the padding
+  dilated = 2.0 * 4 * 3 * 2 * 17  # one of each output's 8 window positions
+  assert _hlo.flops(lines, matmuls_only=True) == dot + conv + dilated
+  assert _hlo.is_matmul(lines[-1])
+  assert _hlo.matmul_flops(_TPU) == dot + conv + dilated
