@@ -21,7 +21,7 @@ from partitioner import _compat, sharded_jit
 from partitioner._compile.partition import _lowering_platform
 from sharding import PartitionSpec as P
 from sharding import from_named
-from tests.test_search import mlp_step
+from tests.test_search import _deep_step, mlp_step
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -172,3 +172,37 @@ def test_a_tpu_plan_exports_to_jax_jit_on_the_slice():
   ours = found.sharded_jit(devices=chips).lower(params, x).compile()
   assert (theirs.memory_analysis().argument_size_in_bytes
           == ours.memory_analysis().argument_size_in_bytes)
+
+
+def _abstract_deep(layers, d, h, b):
+  s = jax.ShapeDtypeStruct
+  layer = {"up": s((d, h), jnp.float32), "down": s((h, d), jnp.float32)}
+  return ({"layers": [dict(layer) for _ in range(layers)], "head": s((d, 16), jnp.float32)},
+          s((b, d), jnp.float32))
+
+
+@needs_libtpu
+def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
+  """A deep model is compiled as proxies; the winner is then compiled whole
+  by XLA:TPU, and its exact peak is what the search reports and what its
+  budget is held to."""
+  chips = partitioner.tpu_devices("v5p:2x2x2")
+  params, x = _abstract_deep(12, 1024, 4096, 64)
+  found = partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3)
+  best = found.best
+  assert found.proxy and best.memory["by"] == "XLA:TPU, the whole program"
+  compiled = found.sharded_jit(devices=chips, donate_argnums=(0,)).lower(params, x).compile()
+  assert compiled.cost().peak_memory == best.peak_memory
+  assert best.xla_seconds and best.xla_seconds > 0  # (the whole program's own estimate)
+  assert best.memory["arguments"] > 0 and best.memory["aliased"] > 0  # (the donated state)
+  report = found.report()
+  assert "Memory per device at the peak (XLA:TPU, the whole program)" in report
+  # Under a budget below that peak the winner is another layout, which fits.
+  tight = partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3,
+                             memory_budget_bytes=best.peak_memory - 1)
+  assert tight.best.layout != best.layout
+  assert tight.best.peak_memory < best.peak_memory
+  assert tight.best.memory["by"] == "XLA:TPU, the whole program"
+  with pytest.raises(ValueError, match=r"no layout fits memory_budget_bytes=1,000"):
+    partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3,
+                       memory_budget_bytes=1000)

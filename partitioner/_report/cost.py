@@ -48,7 +48,7 @@ class Cost:
       group size (what a ring sends).
     network_bytes: the part of those that crosses processes.
     peak_memory: XLA's per-device peak estimate (arguments + outputs +
-      temporaries - aliased).
+      temporaries - aliased; on a TPU, XLA:TPU's own peak).
     seconds: the estimated time of one call under the device model.
     matmul_flops: the part of ``flops`` in matrix multiplies (dots, and
       on GPU the cuBLAS calls XLA turns them into), each as often as it
@@ -338,6 +338,8 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   accessed = float(cost.get("bytes accessed", 0.0))
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
+    peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
   seconds = (device.compute_seconds(flops, accessed)
              + device.comm_seconds(weighted - network, count, network))
   own = cost.get("optimal_seconds")

@@ -309,8 +309,11 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -
   compiler = _Compiler(space, request)
   compiler.compile_all(space.chosen)
   compiler.compile_all(_select.variants(space.rows, compiler.results, space.refine))
-  compiler.budget_rounds()
-  fits = _ranked(compiler, space, request)
+  if space.target.settles:
+    fits = _settled(compiler, space, request)
+  else:
+    compiler.budget_rounds()
+    fits = _ranked(compiler, space, request)
   rest = sorted((x for x in compiler.results if x not in fits),
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   r = space.r
@@ -375,19 +378,23 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
   rows += staged  # every stage count is compiled: the cheap model sees one stage
   refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
-  chosen = _shortlist(rows, request, refine, liveness is not None)
+  chosen = _shortlist(rows, request, refine, liveness is not None, target.settles)
   chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
              if i not in {k for k, *_ in chosen}]
   return _Space(r, out_state, target, rows, chosen, refine, liveness, proxy_counts)
 
 
-def _shortlist(rows: list, request: _Request, refine: int, counted: bool) -> list:
+def _shortlist(rows: list, request: _Request, refine: int, counted: bool,
+               settles: bool = False) -> list:
   """The first candidates to compile; with memory counted for the
   accelerator, only among those that fit (the count is the verdict: no
   compile would correct it)."""
   k, budget = request.max_compiles - refine, request.budget
   if not counted or budget is None:
-    return _select.shortlist(rows, k, budget is not None)
+    # (where every compile is XLA:TPU's and the winner is compiled whole
+    # anyway, the few smallest configurations, not each one's smallest)
+    few = SETTLE_SMALLEST if settles else None
+    return _select.shortlist(rows, k, budget is not None, few)
   eligible = [i for i, row in enumerate(rows) if row[2].memory <= budget]
   if not eligible:
     smallest = min(row[2].memory for row in rows)
@@ -455,14 +462,14 @@ class _Compiler:
     """One compiled candidate's result (an error is a result too)."""
     index, c, dims, est = row
     in_specs, out_specs, program = low
-    offset, digest, memory = 0.0, None, None
+    offset, digest, memory, own = 0.0, None, None, 0
     try:
       if load is None:
         raise program
       counts = self.space.proxy_counts
       counted = counts.account(c, dims).peak if counts is not None else None
-      got, offset, digest = self.space.target.score(c, dims, est, program, load.result(),
-                                                    counted)
+      got, offset, digest, own = self.space.target.score(c, dims, est, program,
+                                                         load.result(), counted)
       if self.space.liveness is not None:
         account = self.space.liveness.account(c, dims)
         got = dataclasses.replace(got, peak_memory=int(account.peak))
@@ -474,7 +481,8 @@ class _Compiler:
       return
     names = self.space.r.names
     result = _found.Result(index, c, c.describe(names), c.family(), est, got,
-                           in_specs, out_specs, time_offset=offset, memory=memory)
+                           in_specs, out_specs, time_offset=offset, memory=memory,
+                           own_peak=own)
     self.results.append(result)
     if digest is not None:
       self.programs[digest] = result
@@ -515,18 +523,75 @@ def _is_own(device: DeviceModel, d: Any) -> bool:
     return True
 
 
+def _compiled(compiler: _Compiler, who: str) -> list[_found.Result]:
+  """The results that compiled; an error when none did."""
+  scored = [x for x in compiler.results if not x.failed]
+  if not scored:
+    results = compiler.results
+    raise ValueError(f"{who}: no candidate layout compiled; the first error: "
+                     f"{results[0].error if results else 'no candidates'}")
+  return scored
+
+
+# Whole programs the target's compiler may compile to settle the winner.
+EXACT_COMPILES = 3
+# Configurations whose smallest candidate is compiled on such a target.
+SETTLE_SMALLEST = 3
+
+
+def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_found.Result]:
+  """The results best first, the winner's memory settled by the target's
+  own compiler (``Target.settles``: compile-only devices, a proxy). In the
+  order the search ranks them, each candidate whose floor
+  (``Target.least_peak``: its arguments, its proxy's peak) is within the
+  budget is compiled whole, and the first whose exact peak fits wins (at
+  most ``EXACT_COMPILES`` whole programs). The winner's cost is then the
+  whole program's: XLA's peak, flops, collectives and own time estimate."""
+  who, budget, target = request.who, request.budget, space.target
+  order = sorted(_compiled(compiler, who), key=lambda x: (x.score.seconds, x.index))
+  if request.hosts > 1:
+    order = _select.plan_order(order, request.device.error)
+  bar = Progress(EXACT_COMPILES, f"{who}: compiling the winner whole", request.progress)
+  left, winner, peaks = EXACT_COMPILES, None, []
+  for x in order:
+    floor = target.least_peak(x.in_specs, x.own_peak)
+    if budget is not None and floor > budget:
+      x.got = dataclasses.replace(x.score, peak_memory=floor)
+      x.memory = {"by": "at least: its arguments' shards, its proxy's peak"}
+      peaks.append(floor)
+      continue
+    left -= 1
+    try:
+      x.got, x.memory = target.exact(x.in_specs, x.out_specs)
+    except Exception as e:  # a candidate XLA refuses whole: not a layout
+      x.got, x.memory = f"{type(e).__name__}: {str(e)[:300]}", None
+    bar.update(EXACT_COMPILES - left)
+    if not x.failed:
+      peaks.append(x.score.peak_memory)
+      if budget is None or x.score.peak_memory <= budget:
+        winner = x
+        break
+    if not left:
+      break
+  bar.close()
+  for x in compiler.results:  # (the rest: a proxy's peak scaled, an estimate)
+    if not x.failed and x.memory is None:
+      x.memory = {"by": "a proxy's peak scaled by the cheap model, an estimate"}
+  if winner is None:
+    raise _select.budget_error(who, min(peaks, default=float("inf")), budget or 0.0)
+  rest = sorted((x for x in compiler.fitting() if x is not winner),
+                key=lambda x: (x.score.seconds, x.index))
+  return [winner] + rest
+
+
 def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_found.Result]:
   """The results that fit, best first: by score, the close calls timed on
   the devices where they can be; a plan for hosts nothing here can time,
   the lean, quiet layout of the close ones."""
   who, devices, device = request.who, request.devices, request.device
-  scored, fits = [x for x in compiler.results if not x.failed], compiler.fitting()
-  if scored and not fits and request.budget is not None:
+  scored, fits = _compiled(compiler, who), compiler.fitting()
+  if not fits and request.budget is not None:
     raise _select.budget_error(who, min(x.score.peak_memory for x in scored), request.budget)
-  if not scored:
-    results = compiler.results
-    raise ValueError(f"{who}: no candidate layout compiled; the first error: "
-                     f"{results[0].error if results else 'no candidates'}")
   fits.sort(key=lambda x: (x.score.seconds, x.index))
   own = _is_own(device, devices[0]) and not _compat.is_compile_only(devices[0])
   processes = len({d.process_index for d in devices})

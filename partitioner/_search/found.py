@@ -38,6 +38,7 @@ class Result:
   time_offset: float = 0.0  # the whole program's time less the compiled (proxy's)
   alike: int = 0  # other candidates that compiled to the same program
   memory: dict | None = None  # the accelerator's account (search.memory), where used
+  own_peak: int = 0  # the compiled program's own peak (a proxy's, unscaled)
 
   @property
   def failed(self) -> bool:
@@ -81,7 +82,10 @@ class CandidateResult:
       one (XLA:TPU, for a TPU topology's devices), else None.
     memory: where ``peak_memory`` goes (``arguments``, ``kept``,
       ``working``, bytes per device) when it is counted from the jaxpr for
-      an accelerator planned on simulated CPU devices, else None.
+      an accelerator planned on simulated CPU devices; for a proxied plan
+      on a TPU topology, whose figure it is (``by``) and, for the winner
+      (its whole program compiled by XLA:TPU), ``arguments``,
+      ``outputs``, ``temporaries`` and ``aliased``; else None.
   """
   layout: str
   family: str

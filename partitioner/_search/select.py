@@ -46,13 +46,13 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
   return scale
 
 
-def shortlist(rows: list, k: int, low_memory: bool) -> list:
+def shortlist(rows: list, k: int, low_memory: bool, smallest_of: int | None = None) -> list:
   """(index, candidate, dims, estimate) of the ``k`` best by the cheap
   model (at most ``k / PER_FAMILY`` of a family), the best of each family that
   does not copy work (within ``FAMILY_WITHIN`` of the best) and, under a
-  memory budget,
-  the smallest of each (grid, batch, FSDP) configuration; in candidate
-  order."""
+  memory budget, the smallest of each (grid, batch, FSDP) configuration
+  (of the ``smallest_of`` configurations with the smallest, where given:
+  a 256-chip slice has dozens); in candidate order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
   family = [c.family() for c, *_ in rows]
   picked, per_family, cap = [], {}, max(2, k // PER_FAMILY)
@@ -71,7 +71,7 @@ def shortlist(rows: list, k: int, low_memory: bool) -> list:
     for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
       c = rows[i][0]
       smallest.setdefault((c.grid, c.batch, c.fsdp), i)
-    picked += smallest.values()
+    picked += list(smallest.values())[:smallest_of]
   return [(i, *rows[i]) for i in sorted(set(picked))]
 
 

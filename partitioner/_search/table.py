@@ -69,6 +69,14 @@ def where_memory_goes(best: Any) -> str:
   m = best.memory
   if not m:
     return ""
+  if "arguments" in m and "by" in m:  # the target compiler's figures, whole program
+    aliased = f" ({size(m['aliased'])} of them in donated buffers)" if m["aliased"] else ""
+    return (f"Memory per device at the peak ({m['by']}): {size(best.peak_memory)};"
+            f" arguments {size(m['arguments'])} (weights, optimizer state, batch),"
+            f" outputs {size(m['outputs'])}{aliased}, temporaries"
+            f" {size(m['temporaries'])} (activations, gradients, working space).")
+  if "by" in m:
+    return f"Memory per device at the peak: {size(best.peak_memory)} ({m['by']})."
   return (f"Memory per device at the peak (counted for the accelerator, not XLA:CPU's):"
           f" {size(best.peak_memory)} = arguments {size(m['arguments'])} (weights,"
           f" optimizer state, batch) + kept {size(m['kept'])} (saved activations,"
@@ -84,7 +92,10 @@ def families_that_lost(found: Any) -> str:
       continue
     seen.add(x.family)
     if not x.fits and found.budget:
-      parts.append(f"{x.family}: over the budget ({x.peak_memory / found.budget:.2f}x)")
+      by = (x.memory or {}).get("by", "")
+      how = (" by a proxy's scaled estimate" if "scaled" in by else
+             " at least" if by.startswith("at least") else "")
+      parts.append(f"{x.family}: over the budget{how} ({x.peak_memory / found.budget:.2f}x)")
     else:
       parts.append(f"{x.family}: {x.seconds / max(best.seconds, 1e-12):.2f}x slower")
   return ("Each other family's best: " + "; ".join(parts) + ".") if parts else ""

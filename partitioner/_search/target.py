@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -104,17 +105,18 @@ class Target:
     return lower(self.f, in_specs, out_specs, self.devices, self.donate)
 
   def score(self, c: Candidate, dims: Sequence[Any], whole: Estimate, program: Any,
-            loaded: Any, counted: float | None = None) -> tuple[Cost, float, str]:
+            loaded: Any, counted: float | None = None) -> tuple[Cost, float, str, int]:
     """The candidate's cost for the whole program (``program``, compiled
     as ``loaded``), the estimated time of what the proxy leaves out (0
-    without a proxy: the whole program's time less the proxy's), and a
-    digest of the compiled program (equal for identical programs).
+    without a proxy: the whole program's time less the proxy's), a
+    digest of the compiled program (equal for identical programs), and
+    the compiled program's own peak (the proxy's, unscaled).
     ``counted``: the whole program's peak counted from the jaxpr, which a
     proxy's peak takes instead of its scaled one (never below the proxy's
     own: the whole holds more)."""
     got, digest, text = scored(program, loaded, self.hosts, self.device)
     if self.part is None or self.proxy is None:
-      return got, 0.0, digest
+      return got, 0.0, digest, got.peak_memory
     part = self.part.estimate(c, dims, self.device, self.hosts)
     parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
     if len(parts) > 1:
@@ -123,7 +125,44 @@ class Target:
       scaled = extrapolate(got, whole, part, self.device)
     if counted is not None:
       scaled = dataclasses.replace(scaled, peak_memory=int(max(counted, got.peak_memory)))
-    return scaled, scaled.seconds - got.seconds, digest
+    return scaled, scaled.seconds - got.seconds, digest, got.peak_memory
+
+  @property
+  def settles(self) -> bool:
+    """Whether the target's own compiler settles the winner's memory: a
+    proxied program for compile-only devices (a TPU topology), whose
+    compiler is the target's and whose peak a proxy's scaled one misses
+    (XLA:TPU keeps what it likes across layers: a decoder's gathered
+    weights, for one)."""
+    return self.proxy is not None and _compat.is_compile_only(self.devices[0])
+
+  def least_peak(self, in_specs: list, own_peak: int) -> int:
+    """What a proxied candidate's whole program holds at least: its
+    arguments' shards (weights, optimizer state, batch) and no less than
+    its proxy (``own_peak``, the compiler's peak of the proxy). A floor,
+    not an estimate: a proxy's peak cannot be carried to the whole by a
+    line (XLA:TPU's peak of Llama 3 8B in FSDP 8: 7.1, 9.1, 14.2, 38.4 GB
+    at 2, 4, 8, 32 layers; through 2 and 3 layers' peaks, 17 GB at 32)."""
+    held = 0
+    for v, spec in zip(self.closed.jaxpr.invars, in_specs):
+      counts = tuple(spec) if spec is not None else ()
+      shard = math.prod(-(-n // (counts[i] if i < len(counts) else 1))
+                        for i, n in enumerate(v.aval.shape))
+      held += shard * v.aval.dtype.itemsize
+    return max(held, own_peak)
+
+  def exact(self, in_specs: list, out_specs: list) -> tuple[Cost, dict]:
+    """The whole program of one layout compiled by the target's compiler:
+    its cost (XLA's peak, flops and own time estimate) and where its
+    memory goes (``arguments``, ``outputs``, ``temporaries``, ``aliased``,
+    bytes per device, ``by``: whose figures)."""
+    program = lower(self.whole, in_specs, out_specs, self.devices, self.donate)
+    loaded = compile_program(program)
+    cost = scored(program, loaded, self.hosts, self.device)[0]
+    m = loaded.get_compiled_memory_stats()
+    return cost, {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+                  "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
+                  "by": f"XLA:{self.devices[0].platform.upper()}, the whole program"}
 
   @property
   def whole_is_cheap(self) -> bool:
