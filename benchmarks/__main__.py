@@ -25,13 +25,15 @@ from benchmarks import (
   search,
   search_models,
   startup,
+  tpu_models,
 )
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
-            "multiprocess": multiprocess.run, "checkpoint": checkpoint.run}
+            "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
+            "tpu_models": tpu_models.run}
 
 
 def parser() -> argparse.ArgumentParser:
