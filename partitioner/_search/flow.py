@@ -578,7 +578,10 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
     if not x.failed and x.memory is None:
       x.memory = {"by": "a proxy's peak scaled by the cheap model, an estimate"}
   if winner is None:
-    raise _select.budget_error(who, min(peaks, default=float("inf")), budget or 0.0)
+    if budget is None or not peaks:  # (XLA refused every one it compiled whole)
+      raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
+                       f"{next(x.error for x in order if x.failed)}")
+    raise _select.budget_error(who, min(peaks), budget)
   rest = sorted((x for x in compiler.fitting() if x is not winner),
                 key=lambda x: (x.score.seconds, x.index))
   return [winner] + rest
