@@ -194,6 +194,8 @@ def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
   compiled = found.sharded_jit(devices=chips, donate_argnums=(0,)).lower(params, x).compile()
   assert compiled.cost().peak_memory == best.peak_memory
   assert best.xla_seconds and best.xla_seconds > 0  # (the whole program's own estimate)
+  # Its time is scored as the others' (a proxy's, scaled): it leads them.
+  assert best.seconds <= min(x.seconds for x in found.candidates[1:] if x.fits and not x.error)
   assert best.memory["arguments"] > 0 and best.memory["aliased"] > 0  # (the donated state)
   report = found.report()
   assert "Memory per device at the peak (XLA:TPU, the whole program)" in report
