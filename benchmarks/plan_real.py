@@ -86,8 +86,9 @@ TPU_PLANS = {"tpu8b": ("v5p:2x2x2", 8), "tpu256": ("v5p:4x8x8", 256)}
 
 def _plan_tpu(which: str) -> list[dict]:
   """The 8B planned for a v5p slice by XLA:TPU itself (compile-only
-  devices from libtpu): search time, and the winner's peak as its
-  proxies carried it against XLA:TPU's exact figure for its whole program."""
+  devices from libtpu): search time, and the winner's peak (XLA:TPU's,
+  its whole program) against jax.jit's compile of the exported layout and
+  against the budget."""
   import dataclasses
 
   from benchmarks import _llama

@@ -141,6 +141,13 @@ class PartitionSpec:
     spec = PartitionSpec(*self._counts, **self.order_kwargs())
     return spec.extend(ndim - len(spec)) if ndim > len(spec) else spec
 
+  def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the piece each device holds of an array of ``shape``
+    (uneven splits padded; dimensions past the counts, of an open spec,
+    whole)."""
+    counts = self._counts + (1,) * (len(shape) - len(self._counts))
+    return tuple(-(-s // c) for s, c in zip(shape, counts))
+
   @property
   def is_partitioned(self) -> bool:
     """True when some dimension is split into more than one tile."""

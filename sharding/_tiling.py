@@ -100,7 +100,7 @@ class Tiling:
 
   def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of the piece each device holds."""
-    return tuple(-(-s // c) for s, c in zip(shape, self.spec.counts))  # uneven: padded
+    return self.spec.shard_shape(shape)  # (uneven: padded)
 
   def device_slices(self, shape: Sequence[int]) -> tuple[tuple[slice, ...], ...]:
     """For each device of the assignment, the slice of the global array it holds."""

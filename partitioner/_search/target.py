@@ -143,12 +143,8 @@ class Target:
     not an estimate: a proxy's peak cannot be carried to the whole by a
     line (XLA:TPU's peak of Llama 3 8B in FSDP 8: 7.1, 9.1, 14.2, 38.4 GB
     at 2, 4, 8, 32 layers; through 2 and 3 layers' peaks, 17 GB at 32)."""
-    held = 0
-    for v, spec in zip(self.closed.jaxpr.invars, in_specs):
-      counts = tuple(spec) if spec is not None else ()
-      shard = math.prod(-(-n // (counts[i] if i < len(counts) else 1))
-                        for i, n in enumerate(v.aval.shape))
-      held += shard * v.aval.dtype.itemsize
+    held = sum(math.prod(spec.shard_shape(v.aval.shape) if spec is not None else v.aval.shape)
+               * v.aval.dtype.itemsize for v, spec in zip(self.closed.jaxpr.invars, in_specs))
     return max(held, own_peak)
 
   def exact(self, in_specs: list, out_specs: list) -> tuple[Cost, dict]:

@@ -86,3 +86,9 @@ def test_huge_counts_are_refused_at_once(spec, shape, match):
 ])
 def test_nearest_fit(spec, shape, fit):
   assert spec.nearest_fit(shape) == fit
+
+
+def test_shard_shape_pads_uneven_splits_and_keeps_an_open_specs_tail():
+  assert P(2, 4).shard_shape((8, 10)) == (4, 3)
+  assert P(2, ...).shard_shape((8, 6, 5)) == (4, 6, 5)
+  assert P(...).shard_shape((3,)) == (3,)
