@@ -24,9 +24,10 @@ Three layouts (--layout):
   half of the rows and of each weight matrix (local_in_parts) and gets its
   half back (local_out_parts).
 - pipeline: pipeline parallel across the ranks, tensor parallel inside each
-  rank. The model is a stack of residual MLP layers (two per rank) whose
+  rank. The model is a stack of --layers residual MLP layers whose
   weights have a leading layer dimension split over the ranks, one stage
-  per rank; partitioner.pipeline runs them on --microbatches microbatches
+  per rank (one process alone runs two stages, on halves of its devices);
+  partitioner.pipeline runs them on --microbatches microbatches
   inside one sharded_jit over all 8 devices. Each rank passes and gets back
   only its stage's weights (local_in_parts); only activations cross
   processes (the collectives explain() lists are printed: no all-gather).
@@ -35,7 +36,8 @@ At the end rank 0 checks that the loss curve matches the same steps run
 unsharded in one process.
 
 With --checkpoint_dir the weights are saved every --checkpoint_every steps
-(partitioner.Checkpointer, async, with the losses so far) and a start
+(partitioner.Checkpointer, async: the step after a save waits for it,
+so a crash costs at most --checkpoint_every steps; with the losses so far) and a start
 resumes from the latest complete checkpoint: under
 `python -m partitioner.launch --max-restarts 2`, a rank that dies
 (--crash_at_step S kills rank 1 at step S in the first attempt, to try it)
@@ -65,6 +67,7 @@ _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden width.")
 _LR = flags.DEFINE_float("lr", 0.05, "SGD learning rate.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 5, "Print the loss every this many steps.")
 _MICRO = flags.DEFINE_integer("microbatches", 4, "Pipeline microbatches (--layout pipeline).")
+_LAYERS = flags.DEFINE_integer("layers", 4, "Residual MLP layers (--layout pipeline).")
 _LAYOUT = flags.DEFINE_enum(
     "layout", "data_x_model", ["data_x_model", "global", "pipeline"],
     "data_x_model: data parallel across ranks x tensor parallel inside each rank"
@@ -212,9 +215,9 @@ def main(argv):
     losses.append(loss)
     if rank == 0 and (i % _LOG_EVERY.value == 0 or i == _STEPS.value - 1):
       print(f"step {i:3d}  loss {float(loss):.5f}", flush=True)
-    if ckpt is not None and (i + 1) % _CKPT_EVERY.value == 0:
+    if ckpt is not None:  # (every step: the one after a save waits for it to be written)
       ckpt.save(i + 1, partitioner.to_global(params, saved_parts),
-                {"losses": [float(x) for x in losses]})
+                lambda: {"losses": [float(x) for x in losses]})
   if ckpt is not None:
     ckpt.close()
   losses = [float(l) for l in losses]
@@ -258,14 +261,21 @@ def pipeline_layout(world, d, hdim, b, microbatches, sgd):
   import partitioner
   from sharding import PartitionSpec as P
 
-  stages, per = world.size, len(jax.local_devices())
-  L = 2 * stages  # two layers a stage
+  # A stage a rank; one process alone (as after --min-processes 1) runs two
+  # stages, each on half of its devices. The model is the same either way.
+  stages = world.size if world.size > 1 else 2
+  mine_stages, per = stages // world.size, len(jax.local_devices()) * world.size // stages
+  L = _LAYERS.value
+  if L % stages or len(jax.local_devices()) % mine_stages:
+    raise app.UsageError(f"--layers {L} over {stages} pipeline stages on {world.size} ranks"
+                         f" of {len(jax.local_devices())} devices: the layers and each rank's"
+                         " devices must split evenly over its stages.")
   rng = np.random.default_rng(1)  # the same on every rank: each keeps its stage
   full = {"w1": rng.normal(0, d ** -0.5, (L, d, hdim)).astype(np.float32),
           "w2": rng.normal(0, (hdim * L) ** -0.5, (L, hdim, d)).astype(np.float32)}
-  # Layers split over the ranks (process-major), each weight over the rank's devices.
+  # Layers split over the stages (process-major), each weight over a stage's devices.
   parts = {"w1": P(stages, 1, per), "w2": P(stages, per, 1)}
-  local = {"w1": P(1, 1, per), "w2": P(1, per, 1)}
+  local = {"w1": P(mine_stages, 1, per), "w2": P(mine_stages, per, 1)}
 
   def layer(p, h):
     return h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
@@ -287,10 +297,12 @@ def pipeline_layout(world, d, hdim, b, microbatches, sgd):
   train = partitioner.sharded_jit(step, in_parts=(parts, None, None), out_parts=(parts, None),
                                   local_in_parts=(local, None, None),
                                   local_out_parts=(local, None))
-  layout = (f"{stages} pipeline stages of {L // stages} layers, one per rank, x tensor"
-            f" parallel over each rank's {per} devices, {microbatches} microbatches of"
-            f" {b // microbatches} rows; each rank passes only its stage's weights")
-  mine = jax.tree_util.tree_map(lambda w: w[world.rank * 2:world.rank * 2 + 2], full)
+  where = "one per rank" if mine_stages == 1 else f"{mine_stages} on each rank"
+  layout = (f"{stages} pipeline stages of {L // stages} layers, {where}, x tensor"
+            f" parallel over each stage's {per} devices, {microbatches} microbatches of"
+            f" {b // microbatches} rows; each rank passes only its stages' weights")
+  layers = L // world.size  # (this rank's)
+  mine = jax.tree_util.tree_map(lambda w: w[world.rank * layers:(world.rank + 1) * layers], full)
   return train, full, mine, plain_loss, layout, parts
 
 

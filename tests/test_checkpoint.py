@@ -43,6 +43,21 @@ def test_it_saves_every_k_steps_and_restores_the_latest_into_another_layout(tmp_
   assert sorted(os.listdir(tmp_path)) == ["2", "4"]  # (keep=2; the lock released)
 
 
+@pytest.mark.parametrize("finish_within,listed", [(1, "2"), (2, "2.orbax-checkpoint-tmp")])
+def test_the_step_after_a_save_waits_for_it_so_a_crash_loses_at_most_every_steps(
+    tmp_path, finish_within, listed):
+  """The save of step 2 (64 MB: longer to write than the calls take) is
+  complete when the call of step 2 + finish_within returns; before then it
+  is still orbax's temporary directory (with finish_within=2 at step 3)."""
+  state = {"w": jnp.ones((4096, 4096))}
+  extras = []
+  with partitioner.Checkpointer(tmp_path, every=2, finish_within=finish_within) as ckpt:
+    assert ckpt.save(2, state, lambda: extras.append(2) or {"position": 2})
+    assert not ckpt.save(3, state, lambda: extras.append(3) or {})
+    assert [n for n in os.listdir(tmp_path) if n[0].isdigit()] == [listed]
+  assert extras == [2]  # (a function for extra is called only to save)
+
+
 def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})
@@ -86,7 +101,7 @@ def test_a_dead_jobs_directory_is_taken_over(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [dict(every=0), dict(every=2.5), dict(every=2, keep=0),
-                                dict(every=True)])
+                                dict(every=True), dict(every=2, finish_within=0)])
 def test_bad_arguments(tmp_path, kw):
   with pytest.raises(ValueError, match="must be a positive int"):
     partitioner.Checkpointer(tmp_path, **kw)
