@@ -42,6 +42,27 @@ def test_a_plan_for_an_accelerator_counts_its_memory_by_layout():
 
 
 @pytest.mark.eight_devices
+def test_zero_1_holds_the_weights_whole_and_an_eighth_of_the_optimizer_state():
+  """ZeRO-1 8 (the optimizer state split, the weights whole): its arguments
+  are the weights plus an eighth of Adam's moments, its new moments split
+  as the old (not as the weights alike), its peak between FSDP's and data
+  parallel's; with a budget under its peak FSDP takes over."""
+  found = _plan()
+  weights, moments = 4 * TINY.params(), 8 * TINY.params()
+  by_family = {c.family: c for c in reversed(found.candidates) if not c.error}
+  zero, dp, fsdp = by_family["ZeRO-1 8"], by_family["data parallel 8"], by_family["FSDP 8"]
+  assert "optimizer state sharded" in zero.layout
+  tokens = TINY.batch * (TINY.seq + 1) * 4 / 8
+  small = 2 * 4 * 4 * TINY.width * (2 * TINY.layers + 1)  # (norm scales: below FSDP's size)
+  assert weights + moments / 8 + tokens <= zero.memory["arguments"]
+  assert zero.memory["arguments"] <= weights + moments / 8 + tokens + small
+  assert fsdp.peak_memory < zero.peak_memory < dp.peak_memory
+  assert dp.peak_memory - zero.peak_memory >= moments * 7 / 8 * 0.95
+  tight = _plan(memory_budget_bytes=(zero.peak_memory + fsdp.peak_memory) / 2)
+  assert tight.best.peak_memory <= tight.budget and not tight.best.family.startswith("ZeRO")
+
+
+@pytest.mark.eight_devices
 def test_the_budget_decides_what_fits():
   found = _plan(memory_budget_bytes=_plan().candidates[0].peak_memory * 0.99)
   assert found.best.fits and found.best.peak_memory <= found.budget

@@ -8,8 +8,10 @@ batch-like arguments on ``data`` and ``fsdp``; with FSDP, each state
 leaf's largest free dimension on ``fsdp`` (and on ``model`` if no model
 role splits it); a set of weight axes on ``model``. Those give every
 hand-written layout (data parallel, FSDP, Megatron d x m, pure tensor
-parallel, FSDP x TP), hybrid FSDP (replicas across hosts, FSDP inside)
-and the mixes between them (attention replicated, MLP tensor parallel).
+parallel, FSDP x TP), hybrid FSDP (replicas across hosts, FSDP inside),
+ZeRO-1 (only the optimizer state on ``fsdp``: the weights whole, see
+``weights``) and the mixes between them (attention replicated, MLP tensor
+parallel).
 Pipeline stages (``_stage_axis``) are one more axis, major to all of
 them: ``stages`` on a candidate, the grid of each stage inside. Axes are
 grouped into *roles* first: the same axis of every layer (``blocks/0/wq
@@ -59,12 +61,17 @@ class Candidate:
     model: the roles split over ``model``.
     stages: pipeline stages (``partitioner.pipeline``), major to the grid:
       the devices are ``stages x data x fsdp x model``; 1: no pipeline.
+    zero: with ``fsdp``, only the optimizer state (the state leaves that
+      feed no matmul) takes the ``fsdp`` axis; the weights stay whole on
+      it (ZeRO-1: they are not gathered layer by layer, the moments are
+      split).
   """
   grid: tuple[int, int, int]
   batch: int | None
   fsdp: bool
   model: tuple[int, ...]
   stages: int = 1
+  zero: bool = False
 
   @property
   def layout_grid(self) -> tuple[int, ...]:
@@ -90,7 +97,8 @@ class Candidate:
       what = role_names[self.batch] if self.batch is not None else "nothing"
       head = (f"data {data} x fsdp {fsdp}" if data > 1 and fsdp > 1
               else f"data {self.replicas}")
-      parts.append(f"{head}: {what}" + (" + FSDP" if self.fsdp and fsdp > 1 else ""))
+      sharded = " + optimizer state sharded" if self.zero else " + FSDP"
+      parts.append(f"{head}: {what}" + (sharded if self.fsdp and fsdp > 1 else ""))
     if model > 1:
       parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
                                            or "nothing")
@@ -110,6 +118,10 @@ class Candidate:
     tp = self.model and model > 1
     if self.stages > 1:
       return f"pipeline {self.stages}" + (f" x TP {model}" if tp else "")
+    if self.zero:  # the optimizer state split over fsdp, the weights whole there
+      head = f"data {data} x ZeRO-1 {fsdp}" if data > 1 else f"ZeRO-1 {fsdp}"
+      return (head + (f" x TP {model}" if tp else "")
+              + (", batch whole" if self.batch is None else ""))
     if data > 1 and fsdp > 1:  # hybrid: replicas across hosts, FSDP inside
       return (f"data {data} x FSDP {fsdp}" + (f" x TP {model}" if tp else "")
               + (", batch whole" if self.batch is None else ""))
@@ -216,38 +228,50 @@ def role_sets(r: Roles):
         yield c
 
 
-def enumerate_candidates(n: int, r: Roles, hosts: int = 1) -> list[Candidate]:
+def enumerate_candidates(n: int, r: Roles, hosts: int = 1,
+                         zero: bool = False) -> list[Candidate]:
   """Every candidate on ``n`` devices (``hosts`` hosts of consecutive
   devices), in a fixed order: per configuration (grid, batch, FSDP), its
-  role sets. At most ``MAX_CANDIDATES``, those with the fewest model roles."""
-  configs: list[tuple[tuple[int, int, int], int | None, bool]] = []
+  role sets. At most ``MAX_CANDIDATES``, those with the fewest model roles.
+  ``zero``: the state holds optimizer state (leaves that feed no matmul):
+  each FSDP grid also as ZeRO-1, splitting only that."""
+  configs: list[tuple[tuple[int, int, int], int | None, bool, bool]] = []
   for grid, sharded in grids(n, hosts):
     replicas = grid[DATA] * grid[FSDP]
     for batch in ([None] + list(r.batch) if replicas > 1 else [None]):
       for fsdp in ((False, True) if replicas == 1 else (sharded,)):
         if not (replicas > 1 and batch is None and not fsdp):
-          configs.append((grid, batch, fsdp))
+          configs.append((grid, batch, fsdp, False))
+          if zero and fsdp and grid[FSDP] > 1 and batch is not None:
+            configs.append((grid, batch, fsdp, True))
   kept = []  # (configuration, role set's rank, candidate)
   for rank, chosen in enumerate(role_sets(r)):
     # The model axis takes a role set, or does nothing (a smaller grid says it).
     fits = [k for k, (grid, *_) in enumerate(configs) if (grid[MODEL] > 1) == bool(chosen)]
-    kept += [(k, rank, Candidate(*configs[k], tuple(chosen))) for k in fits]
+    kept += [(k, rank, Candidate(*configs[k][:3], tuple(chosen), zero=configs[k][3]))
+             for k in fits]
     if len(kept) >= MAX_CANDIDATES:
       break
   by_size = sorted(kept, key=lambda t: (len(t[2].model), t[1], t[0]))[:MAX_CANDIDATES]
   return [c for *_, c in sorted(by_size, key=lambda t: t[:2])]
 
 
+# What a leaf is (``leaf_dims``' ``kind``): batch-like, a weight, optimizer state.
+BATCH_LIKE, WEIGHT, OPTIMIZER = 0, 1, 2
+
+
 def leaf_dims(candidate: Candidate, r: Roles, axes: Sequence[int], shape: Sequence[int],
-              is_state: bool) -> tuple[tuple[int, ...], ...]:
+              kind: int) -> tuple[tuple[int, ...], ...]:
   """Per dimension of one leaf, the grid axes (``DATA``, ``FSDP``,
-  ``MODEL``) it is split over under ``candidate``."""
-  return role_dims(candidate, tuple(r.of_axis.get(a) for a in axes), tuple(shape), is_state)
+  ``MODEL``) it is split over under ``candidate``; ``kind``: ``BATCH_LIKE``,
+  ``WEIGHT`` or ``OPTIMIZER`` (state that feeds no matmul; a bool: state
+  or not)."""
+  return role_dims(candidate, tuple(r.of_axis.get(a) for a in axes), tuple(shape), int(kind))
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
-              is_state: bool) -> tuple[tuple[int, ...], ...]:
+              kind: int) -> tuple[tuple[int, ...], ...]:
   """``leaf_dims`` of a leaf whose dimensions have the roles ``role``
   (a model's layers share them: each is worked out once per candidate)."""
   grid = candidate.grid
@@ -265,7 +289,8 @@ def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
         and shape[d] % grid[MODEL] == 0):
       used.add(MODEL)
       dims[d] = (MODEL,)
-  if candidate.fsdp and is_state and math.prod(shape) >= FSDP_MIN_SIZE:
+  sharded = kind == OPTIMIZER or (kind == WEIGHT and not candidate.zero)
+  if candidate.fsdp and sharded and math.prod(shape) >= FSDP_MIN_SIZE:
     # ZeRO-3: a state leaf also takes the grid axes it does not use, on its
     # largest other dimension that divides, else its split one (major
     # first), as fsdp_tp_specs does.

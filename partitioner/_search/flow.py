@@ -58,11 +58,18 @@ from partitioner._search import select as _select
 from partitioner._search import stage_axis as _stage_axis
 from partitioner._search import target as _target
 from partitioner._search.axes import logical_axes
-from partitioner._search.candidates import enumerate_candidates, leaf_dims, roles, spec_of
+from partitioner._search.candidates import (
+    OPTIMIZER,
+    enumerate_candidates,
+    leaf_dims,
+    roles,
+    spec_of,
+)
 from partitioner._search.estimate import OpTable
 from partitioner._search.memory import Liveness
 from partitioner._search.progress import Progress
 from partitioner._search.target import Target
+from partitioner._search.weights import feeds_matmul
 from partitioner._version import __version__
 from sharding._checks import positive_count
 
@@ -350,13 +357,16 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
                                      [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
+  # State that feeds no matmul is optimizer state (Adam's moments): ZeRO-1 splits only it.
+  kinds = [OPTIMIZER if st and not w else int(st)
+           for st, w in zip(state, feeds_matmul(closed))]
   r = roles(axes.in_axes, shapes, names, state)
   program = OpTable(axes, r, state)
   target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines,
                   out_state=out_state)
   by_layout: dict = {}  # rules that give the same specs are one layout
-  for c in enumerate_candidates(n, r, hosts):
-    dims = tuple(leaf_dims(c, r, a, s, st) for a, s, st in zip(axes.in_axes, shapes, state))
+  for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):
+    dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
     if pipelines and _stage_axis.splits_layers(pipelines, dims):
       continue
     key = tuple(spec_of(d, c.layout_grid) for d in dims)
@@ -369,7 +379,8 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   # (On a TPU slice both fall short of XLA:TPU's, the count further: the
   # scaled peak stays there.)
   proxied_gpu = target.proxy is not None and request.devices[0].platform == "gpu"
-  counts = (Liveness(program, state, fused_attention=request.device.platform == "gpu")
+  counts = (Liveness(program, state, fused_attention=request.device.platform == "gpu",
+                     returns=out_state)
             if accounted(request) or proxied_gpu else None)
   liveness = counts if accounted(request) else None
   proxy_counts = None if accounted(request) else counts

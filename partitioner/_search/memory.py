@@ -104,12 +104,18 @@ class Liveness:
       last use).
     fused_attention: the target runs ``jax.nn.dot_product_attention`` in
       half precision as one kernel (a GPU: cuDNN).
+    returns: per output, the state input it is the new value of (or
+      None): it is split as that input is (ZeRO-1's new moments, not as
+      the weights alike).
   """
 
-  def __init__(self, table: OpTable, state: Sequence[bool], fused_attention: bool = False):
+  def __init__(self, table: OpTable, state: Sequence[bool], fused_attention: bool = False,
+               returns: Sequence[int | None] = ()):
     self.table = table
     jaxpr = table.axes.jaxpr.jaxpr
     self.state = tuple(state)
+    self.returned = {v: k for v, k in zip(jaxpr.outvars, returns)
+                     if k is not None and not isinstance(v, jex_core.Literal)}
     self.fused = fused_attention and _half_precision_attention(jaxpr)
     self.inputs = [table.value((), v) for v in jaxpr.invars]
     ids = {v: k for k, v in enumerate(jaxpr.invars)}
@@ -157,7 +163,10 @@ class Liveness:
         kept = (v in last and v in unfused
                 and not (inside[k] and v not in outside_use))
         ids[v] = len(ids)
-        outs.append(self._value(ctx, v, hints) if kept else None)
+        value = self._value(ctx, v, hints) if kept else None
+        if value is not None and not ctx and v in self.returned:  # (as the input it renews)
+          value = dataclasses.replace(value, source=self.returned[v])
+        outs.append(value)
         out_ids.append(ids[v])
       frees = [ids[v] for v in frees_at.get(k, ()) if v in ids]
       steps.append(_Step(outs, out_ids, frees, subs, _describe(eqn)))
@@ -181,9 +190,9 @@ class Liveness:
     whole: dict = {}
 
     def stored(val: _Value) -> float:
-      key = (val.shape, val.itemsize, val.roles)
+      key = (val.shape, val.itemsize, val.roles, val.source)
       if key not in sizes:
-        k = self.state_like.get(key)
+        k = val.source if val.source is not None else self.state_like.get(key[:3])
         sizes[key] = walk.local_bytes(val, in_dims[k] if k is not None else walk.wanted(val))
       return sizes[key]
 

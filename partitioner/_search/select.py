@@ -10,9 +10,9 @@ from partitioner._search.candidates import Candidate
 
 def plainer(c: Candidate, other: Candidate) -> bool:
   """Of two rule sets giving the same specs, the one named more plainly:
-  no FSDP flag, fewer model roles, a batch that is split."""
-  return ((c.fsdp, len(c.model), c.batch is None, c.grid)
-          < (other.fsdp, len(other.model), other.batch is None, other.grid))
+  no FSDP flag, fewer model roles, a batch that is split, not ZeRO-1."""
+  return ((c.fsdp, len(c.model), c.batch is None, c.grid, c.zero)
+          < (other.fsdp, len(other.model), other.batch is None, other.grid, other.zero))
 
 
 # Of the k best by the cheap model, at most k / PER_FAMILY (and 2) of one family.
@@ -36,12 +36,12 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
   for x in results:
     if not x.failed and x.estimate.memory > 0:
       c = x.candidate
-      by.setdefault((c.grid, c.batch, c.fsdp), []).append(x.score.peak_memory / x.estimate.memory)
+      by.setdefault((c.grid, c.batch, c.fsdp, c.zero), []).append(x.score.peak_memory / x.estimate.memory)
   every = sorted(r for rs in by.values() for r in rs)
   overall = every[len(every) // 2] if every else 1.0
 
   def scale(c: Candidate) -> float:
-    rs = sorted(by.get((c.grid, c.batch, c.fsdp), ()))
+    rs = sorted(by.get((c.grid, c.batch, c.fsdp, c.zero), ()))
     return rs[len(rs) // 2] if rs else overall
   return scale
 
@@ -70,7 +70,7 @@ def shortlist(rows: list, k: int, low_memory: bool, smallest_of: int | None = No
     smallest: dict = {}
     for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
       c = rows[i][0]
-      smallest.setdefault((c.grid, c.batch, c.fsdp), i)
+      smallest.setdefault((c.grid, c.batch, c.fsdp, c.zero), i)
     picked += list(smallest.values())[:smallest_of]
   return [(i, *rows[i]) for i in sorted(set(picked))]
 
@@ -81,7 +81,7 @@ def variants(rows: list, results: list, k: int) -> list:
   compiled ones, best compiled first, each configuration's by the cheap
   model; in candidate order."""
   done, picked = {x.index for x in results}, []
-  config = lambda c: (c.grid, c.batch, c.fsdp, c.stages)
+  config = lambda c: (c.grid, c.batch, c.fsdp, c.zero, c.stages)
   for x in sorted((x for x in results if not x.failed), key=lambda x: (x.score.seconds, x.index)):
     same = sorted((i for i in range(len(rows)) if i not in done and i not in picked
                    and config(rows[i][0]) == config(x.candidate)),

@@ -116,9 +116,43 @@ def test_family_names_and_layouts_that_copy_work():
            (Candidate((1, 1, 8), None, True, (1,)), "tensor parallel 8, rest sharded", False),
            (Candidate((2, 1, 4), 0, False, (1,)), "data x model 2 x 4", False),
            (Candidate((2, 4, 1), 0, True, ()), "data 2 x FSDP 4", False),
-           (Candidate((2, 2, 2), 0, True, (1,)), "data 2 x FSDP 2 x TP 2", False)]
+           (Candidate((2, 2, 2), 0, True, (1,)), "data 2 x FSDP 2 x TP 2", False),
+           (Candidate((1, 8, 1), 0, True, (), zero=True), "ZeRO-1 8", False),
+           (Candidate((2, 4, 1), 0, True, (), zero=True), "data 2 x ZeRO-1 4", False),
+           (Candidate((1, 4, 2), 0, True, (1,), zero=True), "ZeRO-1 4 x TP 2", False)]
   for c, family, copies in cases:
     assert (c.family(), c.copies_work) == (family, copies)
+
+
+def test_weights_feed_a_matmul_and_optimizer_state_does_not():
+  """Adam's moments and step count meet the gradients only in the update;
+  the weights (a norm's scale too, through its product) reach a matmul:
+  through a jitted step, a scan over layers, a while loop and a cond."""
+  optax = pytest.importorskip("optax")
+  from partitioner._search.weights import feeds_matmul
+  tx = optax.adamw(1e-3)
+
+  def loss(p, x):
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(layer, x * p["scale"], p["ws"])
+    h = jax.lax.fori_loop(0, 2, lambda i, h: h @ p["loop"], h)
+    h = jax.lax.cond(h.sum() > 0, lambda h: h @ p["branch"], lambda h: h, h)
+    return jnp.mean(h ** 2)
+
+  @jax.jit
+  def step(p, opt, x):
+    grads = jax.grad(loss)(p, x)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt
+
+  p = {"ws": jnp.ones((3, 8, 8)), "scale": jnp.ones(8), "loop": jnp.eye(8),
+       "branch": jnp.eye(8)}
+  args = (p, tx.init(p), jnp.ones((4, 8)))
+  got = feeds_matmul(jax.make_jaxpr(step)(*args))
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(args)]
+  weights = {n for n, w in zip(names, got) if w}
+  assert weights == {"[0]['branch']", "[0]['loop']", "[0]['scale']", "[0]['ws']", "[2]"}
 
 
 def test_measure_decides_on_the_close_calls():
