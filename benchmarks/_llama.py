@@ -35,6 +35,9 @@ class Shape:
 # Llama 3 8B and 70B (Meta's model cards), a batch of 8 (64) sequences of 4096.
 LLAMA3_8B = Shape(layers=32, width=4096, mlp=14336, heads=32, kv_heads=8, vocab=128256,
                   batch=8, seq=4096)
+# Llama 3.2 3B's shapes (Meta's model card), its embedding untied here: 3.6B.
+LLAMA32_3B = Shape(layers=28, width=3072, mlp=8192, heads=24, kv_heads=8, vocab=128256,
+                   batch=8, seq=4096)
 LLAMA3_70B = Shape(layers=80, width=8192, mlp=28672, heads=64, kv_heads=8, vocab=128256,
                    batch=64, seq=4096)
 
