@@ -168,7 +168,9 @@ def _plan(which: str) -> list[dict]:
                  "detail": detail})
   if which == "3b":  # ZeRO-1 where it pays: against the best FSDP and data parallel
     for family in ("FSDP 8", "data parallel 8"):
-      other = next(c for c in found.candidates if c.family == family and not c.error)
+      other = next((c for c in found.candidates if c.family == family and not c.error), None)
+      if other is None:  # (not compiled: nothing to put beside the winner)
+        continue
       rows.append({"case": f"{name}: estimated time vs the best {family}", "unit": "ms",
                    "ours": best.seconds * 1e3, "jax": other.seconds * 1e3,
                    "against": f"{family} ({other.peak_memory / 2**30:.1f} GiB)",

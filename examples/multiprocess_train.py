@@ -174,7 +174,7 @@ def main(argv):
     # lax.scan at the loop counter, a clamp that costs nothing: not shown)
     logging.getLogger("partitioner").setLevel(logging.WARNING)
     train, full, params, ref_loss, layout, saved_parts = pipeline_layout(
-        world, d, hdim, b, _MICRO.value, sgd)
+        world, d, hdim, b, _MICRO.value, _LAYERS.value, sgd)
     rows = slice(0, b)  # every rank passes the whole batch
   else:
     parts = {"w1": P(1, n), "w2": P(n, 1)}
@@ -249,7 +249,7 @@ def main(argv):
       sys.exit(1)
 
 
-def pipeline_layout(world, d, hdim, b, microbatches, sgd):
+def pipeline_layout(world, d, hdim, b, microbatches, layers, sgd):
   """The pipeline layout: (train, the full stacked weights, this rank's
   stage of them, the plain loss, a description). ``train(my stage's weights,
   x, y) -> (them updated, loss)``: one sharded_jit over every device, stage
@@ -265,7 +265,7 @@ def pipeline_layout(world, d, hdim, b, microbatches, sgd):
   # stages, each on half of its devices. The model is the same either way.
   stages = world.size if world.size > 1 else 2
   mine_stages, per = stages // world.size, len(jax.local_devices()) * world.size // stages
-  L = _LAYERS.value
+  L = layers
   if L % stages or len(jax.local_devices()) % mine_stages:
     raise app.UsageError(f"--layers {L} over {stages} pipeline stages on {world.size} ranks"
                          f" of {len(jax.local_devices())} devices: the layers and each rank's"
@@ -301,8 +301,8 @@ def pipeline_layout(world, d, hdim, b, microbatches, sgd):
   layout = (f"{stages} pipeline stages of {L // stages} layers, {where}, x tensor"
             f" parallel over each stage's {per} devices, {microbatches} microbatches of"
             f" {b // microbatches} rows; each rank passes only its stages' weights")
-  layers = L // world.size  # (this rank's)
-  mine = jax.tree_util.tree_map(lambda w: w[world.rank * layers:(world.rank + 1) * layers], full)
+  own = L // world.size  # (this rank's layers)
+  mine = jax.tree_util.tree_map(lambda w: w[world.rank * own:(world.rank + 1) * own], full)
   return train, full, mine, plain_loss, layout, parts
 
 

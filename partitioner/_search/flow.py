@@ -59,7 +59,9 @@ from partitioner._search import stage_axis as _stage_axis
 from partitioner._search import target as _target
 from partitioner._search.axes import logical_axes
 from partitioner._search.candidates import (
+    BATCH_LIKE,
     OPTIMIZER,
+    WEIGHT,
     enumerate_candidates,
     leaf_dims,
     roles,
@@ -358,7 +360,7 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
                                      [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
   state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
   # State that feeds no matmul is optimizer state (Adam's moments): ZeRO-1 splits only it.
-  kinds = [OPTIMIZER if st and not w else int(st)
+  kinds = [(WEIGHT if w else OPTIMIZER) if st else BATCH_LIKE
            for st, w in zip(state, feeds_matmul(closed))]
   r = roles(axes.in_axes, shapes, names, state)
   program = OpTable(axes, r, state)

@@ -11,6 +11,8 @@ until their carries settle) and both ways out of a cond.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,7 +98,4 @@ def _has_matmul(jaxpr: Any) -> bool:
 
 
 def _union(masks: Sequence[int]) -> int:
-  out = 0
-  for m in masks:
-    out |= m
-  return out
+  return functools.reduce(operator.or_, masks, 0)
