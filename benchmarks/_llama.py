@@ -53,9 +53,10 @@ def first_principles_bytes(shape: Shape, devices: int) -> float:
           + tokens * shape.vocab * 14) / devices
 
 
-def abstract(shape: Shape):
+def abstract(shape: Shape, accumulate: bool = False):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
-  Adam train step and its arguments' shapes."""
+  Adam train step and its arguments' shapes (``accumulate``: its
+  gradients through ``partitioner.accumulate``, the count the search's)."""
   import jax
   import jax.numpy as jnp
   s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
@@ -67,11 +68,13 @@ def abstract(shape: Shape):
             "final_norm": s(d), "unembed": s(d, shape.vocab)}
   opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
   tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
-  return make_step(shape), (params, opt_state), tokens
+  return make_step(shape, accumulate), (params, opt_state), tokens
 
 
-def make_step(shape: Shape):
-  """The train step: cross-entropy of the next token, Adam (lr 3e-4)."""
+def make_step(shape: Shape, accumulate: bool = False):
+  """The train step: cross-entropy of the next token, Adam (lr 3e-4);
+  with ``accumulate``, its gradients summed over microbatches
+  (``partitioner.accumulate``, the count left to the search)."""
   import jax
   import jax.numpy as jnp
 
@@ -103,7 +106,11 @@ def make_step(shape: Shape):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
   def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
+    if accumulate:
+      import partitioner
+      value, grads = partitioner.accumulate(jax.value_and_grad(loss), params, tokens)
+    else:
+      value, grads = jax.value_and_grad(loss)(params, tokens)
     count = opt_state["count"] + 1
     mu = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt_state["mu"], grads)
     nu = jax.tree_util.tree_map(lambda n, g: 0.95 * n + 0.05 * g * g, opt_state["nu"], grads)

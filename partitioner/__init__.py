@@ -28,6 +28,7 @@ from partitioner._front.pmap import pmap as pmap
 from partitioner._front.sharded_jit import ShardedJitFunction as ShardedJitFunction
 from partitioner._front.sharded_jit import sharded_jit as sharded_jit
 from partitioner._lower.topology import tpu_devices as tpu_devices
+from partitioner._pipeline.accumulate import accumulate as accumulate
 from partitioner._pipeline.schedule import pipeline as pipeline
 from partitioner._pipeline.schedule import pipeline_order as pipeline_order
 from partitioner._report.cost import Cost as Cost
@@ -41,7 +42,7 @@ from partitioner._search.calibrate import Calibration as Calibration
 from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
-__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
+__all__ = ["DEVICE_MODELS", "accumulate", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
            "Compiled",
            "Config", "Cost",
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",

@@ -233,6 +233,7 @@ class Tracing:
     self._inputs: dict[int, tuple[Any, int]] = {}
     self.read_specs = False
     self.pipelines: list[PipelineCall] = []
+    self.accumulations: list = []  # partitioner.accumulate's calls (AccumulateCall)
 
   def bind(self, leaves: Sequence[Any]) -> None:
     """The flat inputs, as the tracers the function receives."""

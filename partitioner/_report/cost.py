@@ -2,8 +2,8 @@
 execution) and read the compiled program.
 
 - compute: ``cost_analysis()``'s flops and bytes accessed per device,
-  with the matmuls of a while loop's body counted for every iteration
-  (XLA counts a body once);
+  with the matmuls and the bytes of a while loop's body counted for every
+  iteration (XLA counts a body once);
 - communication: each collective in the partitioned HLO (as many times as
   it runs: inside a loop, the trip count), its bytes per
   device weighted by what a ring algorithm sends for its group size
@@ -335,7 +335,7 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     k, sent, across = _collective(op, processes)
     count, weighted, network = count + k, weighted + sent, network + across
   flops = float(cost.get("flops", 0.0)) + _hlo.repeated_flops(hlo_text)
-  accessed = float(cost.get("bytes accessed", 0.0))
+  accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)

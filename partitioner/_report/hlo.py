@@ -446,6 +446,48 @@ def repeated_flops(hlo_text: str) -> float:
              if name and counts.get(name, 1) > 1)
 
 
+def repeated_bytes(hlo_text: str) -> float:
+  """The bytes accessed ``cost_analysis()`` leaves out: each while body's
+  (:func:`accessed`) for every iteration after the first, where the body
+  does matmuls (a scan over layers or microbatches). The loops XLA makes
+  of a scatter or a sort (XLA:CPU: one iteration a token, its buffers
+  updated in place) keep XLA's count."""
+  counts, comps = runs(hlo_text), computations(hlo_text)
+  bodies = {w.group("body") for w in map(_WHILE.search, hlo_text.splitlines()) if w}
+
+  def has_matmul(name: str) -> bool:
+    lines = comps.get(name, [])
+    return any(is_matmul(line) for line in lines) or any(
+        has_matmul(callee) for line in lines for callee in CALLED.findall(line))
+  return sum((counts[name] - 1) * accessed(comps[name]) for name in bodies
+             if name in comps and counts.get(name, 1) > 1 and has_matmul(name))
+
+
+def accessed(lines: list[str]) -> float:
+  """The bytes one computation's instructions move, about as XLA counts
+  them: each result written and read once (twice its bytes); an update in
+  place (a result shaped as one of its operands: a dynamic-update-slice,
+  a scatter, a fusion ending in one) its other operands twice, not the
+  buffer it updates. Loops, tuples and parameters move none of their own."""
+  shapes: dict[str, str] = {}
+  total = 0
+  for line in lines:
+    m = DEFINITION.match(line)
+    if m is None:
+      continue
+    shape, kind = m.group("shape"), m.group("kind")
+    shapes[m.group("name")] = shape
+    if kind in NOT_COMPUTED or kind in ("while", "conditional", "call"):
+      continue
+    operands = [shapes.get(name, "") for name in _OPERAND_NAME.findall(m.group("args"))]
+    if shape in operands:  # (in place: the update, not the buffer)
+      operands.remove(shape)
+      total += 2 * sum(array_bytes(t, d) for o in operands for t, d in ARRAY.findall(o))
+    else:
+      total += 2 * result_bytes(kind, shape)
+  return float(total)
+
+
 def matmul_flops(hlo_text: str) -> float:
   """The flops of every matmul of the program (dots, cuBLAS gemms), each
   as often as it runs."""

@@ -18,6 +18,7 @@ from typing import Any, cast
 from jax.extend import core as jex_core
 
 from partitioner import _compat
+from partitioner._pipeline.accumulate import SPLIT as MICROBATCH_SPLIT
 
 # Primitives whose sub-jaxpr maps its inputs and outputs one to one.
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
@@ -277,6 +278,9 @@ def _calls(eqn: Any, uf: _Scoped) -> None:
     if len(inner.outvars) == len(eqn.outvars):
       for outer, ov in zip(eqn.outvars, inner.outvars):
         _map(s, outer, ov)
+    if eqn.params.get("name") == MICROBATCH_SPLIT:  # partitioner.accumulate's split  # (B, ...) -> (M, B / M, ...)
+      for x, y in zip(eqn.invars, eqn.outvars):
+        uf.join(x, 0, y, 1)  # the batch is its microbatches' (strided: kept in place)
 
 
 def _cond(eqn: Any, uf: _Scoped) -> None:

@@ -65,6 +65,8 @@ class Candidate:
       feed no matmul) takes the ``fsdp`` axis; the weights stay whole on
       it (ZeRO-1: they are not gathered layer by layer, the moments are
       split).
+    microbatches: the free ``partitioner.accumulate`` calls run this many
+      microbatches (1: the whole batch at once, or no such call).
   """
   grid: tuple[int, int, int]
   batch: int | None
@@ -72,6 +74,7 @@ class Candidate:
   model: tuple[int, ...]
   stages: int = 1
   zero: bool = False
+  microbatches: int = 1
 
   @property
   def layout_grid(self) -> tuple[int, ...]:
@@ -103,6 +106,8 @@ class Candidate:
       parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
                                            or "nothing")
                    + (" + rest sharded" if self.fsdp and fsdp == 1 else ""))
+    if self.microbatches > 1:
+      parts.append(f"{self.microbatches} microbatches")
     return "; ".join(parts) or "replicated"
 
   @property
@@ -112,7 +117,12 @@ class Candidate:
 
   def family(self) -> str:
     """The kind of layout this is: a hand-written one's name, or one of
-    theirs with the batch whole or the work copied."""
+    theirs with the batch whole or the work copied; with gradient
+    accumulation, its microbatch count after it."""
+    name = self._family()
+    return name if self.microbatches == 1 else f"{name}, {self.microbatches} microbatches"
+
+  def _family(self) -> str:
     data, fsdp, model = self.grid
     n, replicas = data * fsdp * model, self.replicas
     tp = self.model and model > 1

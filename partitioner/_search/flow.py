@@ -47,6 +47,7 @@ from partitioner._lower import trace as _trace_lib
 from partitioner._lower.args import argnums
 from partitioner._lower.devices import check_devices_argument, choose_devices
 from partitioner._lower.trace import reusing_traces
+from partitioner._pipeline import accumulate as _accumulate
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
@@ -175,15 +176,16 @@ def search(  # noqa: PLR0913 (the search's keywords)
       progress=progress)
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
                for i, a in enumerate(example_args))
-  closed, out_shape, pipelines = _trace(fun, args, example_args, static, who)
+  closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
   key = _key(request, closed, [repr(example_args[i]) for i in static])
   f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
+  counts = _counts(accumulations, pipelines)
   blob = _answers.get(key)
   if blob is None:
     store = compilation_cache.store()
     blob = store.get(key) if store is not None else None
     if blob is None:
-      run = lambda: _run(f, closed, request, pipelines)
+      run = lambda: _run(f, closed, request, pipelines, counts, example_args)
       blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
       if store is not None and world.rank == 0:
         store.put(key, blob)
@@ -278,9 +280,11 @@ def _measure_count(who: str, measure: Any, processes: int) -> int | None:
 
 
 def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[Any],
-           static: tuple[int, ...], who: str) -> tuple[Any, Any, list]:
-  """The function's jaxpr, its output shapes, and its pipelines whose
-  stages the specs would give (traced as one stage)."""
+           static: tuple[int, ...], who: str,
+           microbatches: int | None = None) -> tuple[Any, Any, list, list]:
+  """The function's jaxpr, its output shapes, its pipelines whose stages
+  the specs would give (traced as one stage), and its accumulate calls
+  whose count the search chooses (traced with ``microbatches``, else 1)."""
   dynamic = [a for i, a in enumerate(args) if i not in static]
 
   def probed(*dyn):
@@ -288,7 +292,7 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
     return fun(*_inputs.merge(dyn, example_args, static))
 
   try:
-    with _trace_lib.tracing(None, probe=True) as probe:
+    with _trace_lib.tracing(None, probe=True) as probe, _accumulate.chosen(microbatches):
       closed, out_shape = jax.make_jaxpr(probed, return_shape=True)(*dynamic)
   except Exception as e:  # the user's function: any error means it does not trace
     raise ValueError(
@@ -296,7 +300,29 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
         f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}. Hint: pass the"
         " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
         " mark non-array arguments with static_argnums.") from e
-  return closed, out_shape, _stage_axis.free(probe.pipelines)
+  return (closed, out_shape, _stage_axis.free(probe.pipelines),
+          [c for c in probe.accumulations if c.free])
+
+
+# The microbatch counts tried for partitioner.accumulate(microbatches=None):
+# in turn, up to the one after the first where a layout fits (by estimate).
+MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
+
+
+def _any_fits(space: _Space, budget: float | None) -> bool:
+  """Whether any of the space's layouts fits the budget by its estimate."""
+  return budget is None or any(est.memory <= budget for _, _, est in space.rows)
+
+
+def _counts(calls: Sequence[Any], pipelines: Sequence[Any]) -> list[int]:
+  """The counts of ``MICROBATCH_COUNTS`` that divide every free accumulate
+  call's batch (none without such calls; [1] with free pipeline stages:
+  the stage search reads one trace)."""
+  if not calls:
+    return []
+  if pipelines:
+    return [1]
+  return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
 
 
 def _key(request: _Request, closed: Any, static_reprs: list[str]) -> str:
@@ -311,10 +337,23 @@ def _key(request: _Request, closed: Any, static_reprs: list[str]) -> str:
        + repr(static_reprs)).encode()).hexdigest()
 
 
-def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -> bytes:
+def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
+         counts: Sequence[int] = (), example_args: Sequence[Any] = ()) -> bytes:
   """The search itself; its result as the JSON the caches keep."""
   start = time.perf_counter()
-  space = _space(f, closed, request, pipelines)
+  whole = dataclasses.replace(f, fun=_accumulate.with_count(f.fun, 1)) if counts else f
+  space = _space(whole, closed, request, pipelines)
+  fitted = 1 if _any_fits(space, request.budget) else None
+  for m in counts[1:]:  # (each microbatch count traced anew: its own program)
+    if fitted is not None and m > 2 * fitted:
+      break  # (up to the count after the first that fits: more only cost time)
+    counted = dataclasses.replace(f, fun=_accumulate.with_count(f.fun, m))
+    closed_m = _trace(f.fun, f.args, example_args, f.static, request.who, m)[0]
+    part = _space(counted, closed_m, request, pipelines, m)
+    space.add(part)
+    fitted = fitted or (m if _any_fits(part, request.budget) else None)
+  space.choose(request)
+  assert space.target is not None  # (the whole batch's: always compiled as itself)
   compiler = _Compiler(space, request)
   compiler.compile_all(space.chosen)
   compiler.compile_all(_select.variants(space.rows, compiler.results, space.refine))
@@ -330,28 +369,68 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -
                         time.perf_counter() - start,
                         (request.hosts, [d.id for d in request.devices]),
                         [(r.names[k], m) for k, m in sorted(r.repeats.items())],
-                        space.target.describe())
+                        space.target.describe(), accumulate=bool(counts))
 
 
 @dataclasses.dataclass
 class _Space:
   """What the search chooses among: every distinct layout with its
   estimate (``rows``: candidate, each leaf's dims, estimate), the first
-  ones to compile, and how the program is compiled (``target``)."""
+  ones to compile, and how the program is compiled (``target``).
+
+  With free ``partitioner.accumulate`` calls, each microbatch count is a
+  space of its own (its trace, account and estimates: ``parts``), its rows
+  added to the first's. Where memory is counted for an accelerator, a
+  count's layout is compiled as the whole batch's (``base_of``: its row
+  there), its time corrected by the cheap model's difference and its
+  peak counted: the accumulation loop holds all the layers in one body,
+  which the short proxy cannot shorten."""
   r: Any
   out_state: list
-  target: _target.Target
+  target: _target.Target | None
   rows: list
-  chosen: list
-  refine: int
+  keys: list  # each row's specs (the staged rows' None)
   liveness: Liveness | None = None
   proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
+  microbatches: int = 1
+  staged: list = dataclasses.field(default_factory=list)  # rows every search compiles
+  parts: dict = dataclasses.field(default_factory=dict)  # count -> its _Space
+  base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
+  chosen: list = dataclasses.field(default_factory=list)
+  refine: int = 0
+
+  def part(self, c: Any) -> _Space:
+    """The space of ``c``'s microbatch count."""
+    return self.parts.get(c.microbatches, self)
+
+  def add(self, other: _Space) -> None:
+    """Another count's rows; where memory is counted, only the layouts the
+    whole batch has too (they compile as it)."""
+    where = {k: i for i, k in enumerate(self.keys) if k is not None}
+    for row, key in zip(other.rows, other.keys):
+      if self.liveness is not None:
+        if key not in where:
+          continue
+        self.base_of[len(self.rows)] = where[key]
+      self.rows.append(row)
+      self.keys.append(key)
+    self.parts[other.microbatches] = other
+
+  def choose(self, request: _Request) -> None:
+    """The shortlist to compile first (and every stage count)."""
+    self.refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
+    assert self.target is not None
+    chosen = _shortlist(self.rows, request, self.refine, self.liveness is not None,
+                        self.target.settles)
+    picked = {k for k, *_ in chosen}
+    self.chosen = chosen + [(i, *self.rows[i]) for i in self.staged if i not in picked]
 
 
-def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list) -> _Space:
+def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
+           microbatches: int = 1) -> _Space:
   """The function's logical axes and roles, its candidate layouts (one
-  per distinct set of specs) with the cheap model's estimates, and the
-  shortlist to compile first."""
+  per distinct set of specs) with the cheap model's estimates, the
+  candidates' free accumulate calls running ``microbatches``."""
   n, hosts, device = len(request.devices), request.hosts, request.device
   names = _inputs.leaf_names(f.fun, list(f.args), f.static)
   axes = logical_axes(closed)
@@ -364,10 +443,9 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
            for st, w in zip(state, feeds_matmul(closed))]
   r = roles(axes.in_axes, shapes, names, state)
   program = OpTable(axes, r, state)
-  target = Target(f, closed, axes, r, state, request.place, proxy=not pipelines,
-                  out_state=out_state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):
+    c = dataclasses.replace(c, microbatches=microbatches)
     dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
     if pipelines and _stage_axis.splits_layers(pipelines, dims):
       continue
@@ -380,7 +458,11 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   # the whole's (one H200: 1.6-2.7x); the count came to 0.90-1.01x XLA:GPU's.
   # (On a TPU slice both fall short of XLA:TPU's, the count further: the
   # scaled peak stays there.)
-  proxied_gpu = target.proxy is not None and request.devices[0].platform == "gpu"
+  proxied_gpu = not pipelines and request.devices[0].platform == "gpu"
+  # (a count of microbatches where memory is counted compiles as the whole batch's)
+  target = None if accounted(request) and microbatches > 1 else Target(
+      f, closed, axes, r, state, request.place, proxy=not pipelines, out_state=out_state)
+  proxied_gpu = proxied_gpu and target is not None and target.proxy is not None
   counts = (Liveness(program, state, fused_attention=request.device.platform == "gpu",
                      returns=out_state)
             if accounted(request) or proxied_gpu else None)
@@ -388,13 +470,12 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list)
   proxy_counts = None if accounted(request) else counts
   rows = [(c, list(dims), _estimate(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
+  keys: list = list(by_layout)
   staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
-  chosen = _shortlist(rows, request, refine, liveness is not None, target.settles)
-  chosen += [(i, *rows[i]) for i in range(len(rows) - len(staged), len(rows))
-             if i not in {k for k, *_ in chosen}]
-  return _Space(r, out_state, target, rows, chosen, refine, liveness, proxy_counts)
+  keys += [None] * len(staged)
+  return _Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
+                staged=list(range(len(rows) - len(staged), len(rows))))
 
 
 def _shortlist(rows: list, request: _Request, refine: int, counted: bool,
@@ -421,6 +502,25 @@ def accounted(request: _Request) -> bool:
   a plan for an accelerator (a device model with memory) on simulated CPU
   devices, whose compiler's peak is no accelerator's."""
   return request.devices[0].platform == "cpu" and request.device.memory_bytes is not None
+
+
+def accumulated(got: Any, est: Any, whole: Any, device: DeviceModel) -> Any:
+  """The compiled whole batch's cost ``got`` as a count of microbatches':
+  each total moved by the cheap model's difference between the count's
+  estimate ``est`` and the whole batch's ``whole`` (the loop's repeated
+  gathers and reductions, its carried sums), the time recomputed."""
+  more = lambda a, b, c: max(0.0, a + b - c)
+  flops = more(got.flops, est.flops, whole.flops)
+  accessed = more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed)
+  moved = more(got.collective_bytes, est.collective_bytes, whole.collective_bytes)
+  network = min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes))
+  count = max(0, round(got.collectives + est.collectives - whole.collectives))
+  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
+      moved - network, count, network)
+  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             matmul_flops=more(got.matmul_flops, est.flops, whole.flops),
+                             collective_bytes=moved, network_bytes=network, seconds=seconds,
+                             xla_seconds=None)
 
 
 def _estimate(program: OpTable, liveness: Liveness | None, c: Any, dims: list,
@@ -457,13 +557,21 @@ class _Compiler:
         bar.update(k + 1)
     bar.close()
 
+  def _target(self, index: int, c: Any) -> _target.Target:
+    """What the row ``index`` (candidate ``c``) compiles as: its count's
+    program, or the whole batch's (see :class:`_Space`)."""
+    space = self.space if index in self.space.base_of else self.space.part(c)
+    assert space.target is not None
+    return space.target
+
   def _lower(self, batch: list) -> list[tuple[list, list, Any]]:
     """Each candidate's specs and program (or the error our checks raise)."""
-    target, out = self.space.target, []
+    out = []
     with reusing_traces():  # (tracing in turn; XLA compiles them side by side)
-      for _, c, dims, _ in batch:
+      for index, c, dims, _ in batch:
+        target = self._target(index, c)
         in_specs = [spec_of(d, c.layout_grid) for d in dims]
-        out_specs = target.out_specs(c, in_specs, self.space.out_state)
+        out_specs = target.out_specs(c, in_specs, self.space.part(c).out_state)
         try:
           program = target.lower(in_specs, out_specs)
         except Exception as e:  # a candidate our checks refuse: not a layout
@@ -475,16 +583,21 @@ class _Compiler:
     """One compiled candidate's result (an error is a result too)."""
     index, c, dims, est = row
     in_specs, out_specs, program = low
+    part, base = self.space.part(c), self.space.base_of.get(index)
     offset, digest, memory, own = 0.0, None, None, 0
     try:
       if load is None:
         raise program
-      counts = self.space.proxy_counts
+      counts = part.proxy_counts
       counted = counts.account(c, dims).peak if counts is not None else None
-      got, offset, digest, own = self.space.target.score(c, dims, est, program,
-                                                         load.result(), counted)
-      if self.space.liveness is not None:
-        account = self.space.liveness.account(c, dims)
+      c0, dims0, est0 = (c, dims, est) if base is None else self.space.rows[base]
+      got, offset, digest, own = self._target(index, c).score(c0, dims0, est0, program,
+                                                              load.result(), counted)
+      if base is not None:  # (compiled as the whole batch: the difference estimated)
+        got = accumulated(got, est, est0, self.request.device)
+        digest = f"{digest}/{c.microbatches}"
+      if part.liveness is not None:
+        account = part.liveness.account(c, dims)
         got = dataclasses.replace(got, peak_memory=int(account.peak))
         memory = account.as_dict()
     except Exception as e:  # a candidate XLA or our checks refuse: not a layout
@@ -492,7 +605,7 @@ class _Compiler:
     if digest in self.programs:  # the same program as another: one row
       self.programs[digest].alike += 1
       return
-    names = self.space.r.names
+    names = part.r.names
     result = _found.Result(index, c, c.describe(names), c.family(), est, got,
                            in_specs, out_specs, time_offset=offset, memory=memory,
                            own_peak=own)
@@ -563,13 +676,15 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   collectives stay the proxy's, scaled as every other candidate's (on a
   Gemma decoder the whole program's estimate was 1.3x its scaled one: the
   ranking compares like with like)."""
-  who, budget, target = request.who, request.budget, space.target
+  who, budget = request.who, request.budget
   order = sorted(_compiled(compiler, who), key=lambda x: (x.score.seconds, x.index))
   if request.hosts > 1:
     order = _select.plan_order(order, request.device.error)
   bar = Progress(EXACT_COMPILES, f"{who}: compiling the winner whole", request.progress)
   left, winner, peaks = EXACT_COMPILES, None, []
   for x in order:
+    target = space.part(x.candidate).target
+    assert target is not None  # (counted memory never settles: every count has its own)
     floor = target.least_peak(x.in_specs, x.own_peak)
     if budget is not None and floor > budget:
       x.got = dataclasses.replace(x.score, peak_memory=floor)
@@ -617,16 +732,20 @@ def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_foun
   own = _is_own(device, devices[0]) and not _compat.is_compile_only(devices[0])
   processes = len({d.process_index for d in devices})
   target = space.target
+  assert target is not None
   timed = _measure.close_calls(request.measure, [x.score.seconds for x in fits],
                                [x.family for x in fits], device,
                                own and request.hosts == processes, processes,
                                target.proxy is not None and not target.whole_is_cheap)
   if timed:
     chosen = [fits[i] for i in timed]
-    times = target.measure([(x.in_specs, x.out_specs) for x in chosen], space.out_state,
-                           [x.time_offset for x in chosen])
-    for x, t in zip(chosen, times):
-      x.measured = t
+    for m in sorted({x.candidate.microbatches for x in chosen}):  # (each count its program)
+      group, part = [x for x in chosen if x.candidate.microbatches == m], space.parts.get(m, space)
+      assert part.target is not None  # (only the devices' own are timed: never counted)
+      times = part.target.measure([(x.in_specs, x.out_specs) for x in group], part.out_state,
+                                  [x.time_offset for x in group])
+      for x, t in zip(group, times):
+        x.measured = t
     return _measure.ranked(chosen) + [x for x in fits if x not in chosen]
   if request.hosts > 1:
     return _select.plan_order(fits, device.error)

@@ -13,6 +13,7 @@ import numpy as np
 
 from partitioner._front.analysis import explain
 from partitioner._front.sharded_jit import sharded_jit
+from partitioner._pipeline.accumulate import with_count
 from partitioner._report.cost import Cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import table as _table
@@ -78,6 +79,9 @@ class CandidateResult:
       row for all of them).
     stages: pipeline stages (``partitioner.pipeline``), major to ``grid``;
       1: none.
+    microbatches: the microbatch count of the function's
+      ``partitioner.accumulate(microbatches=None)`` calls (1: none, or
+      the whole batch at once).
     xla_seconds: XLA's own estimate of a call where its compiler gives
       one (XLA:TPU, for a TPU topology's devices), else None.
     memory: where ``peak_memory`` goes (``arguments``, ``kept``,
@@ -102,15 +106,19 @@ class CandidateResult:
   error: str = ""
   alike: int = 0
   stages: int = 1
+  microbatches: int = 1
   xla_seconds: float | None = None
   memory: dict | None = None
 
 
-def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
-            estimated: int, seconds: float, where: tuple[int, Sequence[int]] = (1, ()),
-            grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None) -> bytes:
+def to_json(  # noqa: PLR0913 (the parts of the answer)
+    results: Sequence[Result], device: DeviceModel, budget: float | None,
+    estimated: int, seconds: float, where: tuple[int, Sequence[int]] = (1, ()),
+    grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None,
+    accumulate: bool = False) -> bytes:
   """The search's answer as JSON (cached, shared between ranks); ``where``:
-  the hosts it planned for and its devices' ids, in order."""
+  the hosts it planned for and its devices' ids, in order; ``accumulate``:
+  the function leaves its microbatch count to the search."""
   hosts, devices = where
   rows = []
   for x in results:
@@ -125,13 +133,15 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
+        "microbatches": x.candidate.microbatches,
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
                      "search_seconds": seconds, "hosts": hosts,
                      "grouped": [list(g) for g in grouped], "proxy": proxy or {},
-                     "devices": list(devices), "candidates": rows}).encode()
+                     "devices": list(devices), "accumulate": accumulate,
+                     "candidates": rows}).encode()
 
 
 class FoundLayout:
@@ -156,6 +166,10 @@ class FoundLayout:
       "kept": repetitions kept, "runs": [[period, repetitions], ...]}``;
       else ``{}``.
     search_seconds: how long the search took (the first time).
+    microbatches: the count the function's
+      ``partitioner.accumulate(microbatches=None)`` calls run in this
+      layout (``sharded_jit()`` and ``function()`` apply it); None when
+      it has no such call.
     device_model: the name of the device model it scored with.
   """
 
@@ -175,6 +189,7 @@ class FoundLayout:
     self.device_model = data["device_model"]
     self.budget = data["budget"]
     self.device_ids = tuple(data.get("devices", ()))
+    self.microbatches = self.best.microbatches if data.get("accumulate") else None
     self.devices: tuple = ()  # (the search's devices, when it has them)
 
   @classmethod
@@ -193,10 +208,17 @@ class FoundLayout:
                        for r in rows)
     return cls(fun, static, data, in_parts, out_parts, candidates)
 
+  def function(self) -> Callable[..., Any]:
+    """The searched function, its ``partitioner.accumulate(microbatches=None)``
+    calls running the count found (the function itself without such
+    calls): for ``jax.jit(found.function(), in_shardings=..., ...)``."""
+    return with_count(self.fun, self.microbatches)
+
   def sharded_jit(self, **kwargs) -> Any:
     """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``
-    with this layout (more keyword arguments pass through)."""
-    return sharded_jit(self.fun, in_parts=self.in_parts, out_parts=self.out_parts,
+    with this layout and microbatch count (more keyword arguments pass
+    through)."""
+    return sharded_jit(self.function(), in_parts=self.in_parts, out_parts=self.out_parts,
                        static_argnums=self.static, **kwargs)
 
   def mesh(self) -> jax.sharding.Mesh:

@@ -85,6 +85,7 @@ class _Step:
   frees: list[int]
   subs: list[_Block]
   op: str = ""  # what it is, for the report: ``dot_general -> bf16[8,4096,4096]``
+  carried: bool = False  # a loop's: its results are its carries, kept in their layout
 
 
 @dataclasses.dataclass
@@ -169,7 +170,8 @@ class Liveness:
         outs.append(value)
         out_ids.append(ids[v])
       frees = [ids[v] for v in frees_at.get(k, ()) if v in ids]
-      steps.append(_Step(outs, out_ids, frees, subs, _describe(eqn)))
+      steps.append(_Step(outs, out_ids, frees, subs, _describe(eqn),
+                         eqn.primitive.name in ("scan", "while")))
     base = len(jaxpr.invars) if not ctx else 0
     key = tuple((tuple(outs), tuple(i - base for i in out_ids), tuple(i - base for i in frees),
                  tuple(b.key for b in sub)) for outs, out_ids, frees, sub in
@@ -227,7 +229,10 @@ class _Counter:
     self.peaks: dict = {}
 
   def working(self, step: _Step) -> float:
-    results = sum(self.transient(v) for v in step.outs if v is not None)
+    # (a loop's carries are summed in their layout: a gradient accumulated
+    # over microbatches under FSDP is reduce-scattered each time, not whole)
+    size = self.stored if step.carried else self.transient
+    results = sum(size(v) for v in step.outs if v is not None)
     return results + max((self.peak(b) for b in step.subs), default=0.0)
 
   def peak(self, block: _Block) -> float:

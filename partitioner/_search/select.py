@@ -28,6 +28,11 @@ BUDGET_ROUNDS = 3
 REFINE = 2
 
 
+def _config(c: Candidate) -> tuple:
+  """A candidate's configuration: all but its model roles."""
+  return (c.grid, c.batch, c.fsdp, c.zero, c.stages, c.microbatches)
+
+
 def memory_scale(results: list) -> Callable[[Candidate], float]:
   """How far the cheap model's memory is off, learnt from the compiled
   candidates: per (grid, batch, FSDP) configuration, else overall, the
@@ -36,12 +41,12 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
   for x in results:
     if not x.failed and x.estimate.memory > 0:
       c = x.candidate
-      by.setdefault((c.grid, c.batch, c.fsdp, c.zero), []).append(x.score.peak_memory / x.estimate.memory)
+      by.setdefault(_config(c), []).append(x.score.peak_memory / x.estimate.memory)
   every = sorted(r for rs in by.values() for r in rs)
   overall = every[len(every) // 2] if every else 1.0
 
   def scale(c: Candidate) -> float:
-    rs = sorted(by.get((c.grid, c.batch, c.fsdp, c.zero), ()))
+    rs = sorted(by.get(_config(c), ()))
     return rs[len(rs) // 2] if rs else overall
   return scale
 
@@ -70,7 +75,7 @@ def shortlist(rows: list, k: int, low_memory: bool, smallest_of: int | None = No
     smallest: dict = {}
     for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
       c = rows[i][0]
-      smallest.setdefault((c.grid, c.batch, c.fsdp, c.zero), i)
+      smallest.setdefault(_config(c)[:-1], i)  # (of every microbatch count: its largest)
     picked += list(smallest.values())[:smallest_of]
   return [(i, *rows[i]) for i in sorted(set(picked))]
 
@@ -81,10 +86,9 @@ def variants(rows: list, results: list, k: int) -> list:
   compiled ones, best compiled first, each configuration's by the cheap
   model; in candidate order."""
   done, picked = {x.index for x in results}, []
-  config = lambda c: (c.grid, c.batch, c.fsdp, c.zero, c.stages)
   for x in sorted((x for x in results if not x.failed), key=lambda x: (x.score.seconds, x.index)):
     same = sorted((i for i in range(len(rows)) if i not in done and i not in picked
-                   and config(rows[i][0]) == config(x.candidate)),
+                   and _config(rows[i][0]) == _config(x.candidate)),
                   key=lambda i: (rows[i][2].seconds, i))
     picked += same[:k - len(picked)]
     if len(picked) >= k:
@@ -117,5 +121,6 @@ def budget_error(who: str, smallest: float, budget: float) -> ValueError:
   return ValueError(
       f"{who}: no layout fits memory_budget_bytes={budget:,.0f}: the smallest peak"
       f" per device found is {smallest:,.0f} bytes ({smallest / max(budget, 1):.2f}x"
-      " the budget). Hint: raise the budget, use more devices, or shrink the"
-      " batch.")
+      " the budget). Hint: raise the budget, use more devices, shrink the batch, or"
+      " accumulate gradients over microbatches (partitioner.accumulate, whose count"
+      " the search chooses).")
