@@ -38,6 +38,8 @@ LLAMA3_8B = Shape(layers=32, width=4096, mlp=14336, heads=32, kv_heads=8, vocab=
 # Llama 3.2 3B's shapes (Meta's model card), its embedding untied here: 3.6B.
 LLAMA32_3B = Shape(layers=28, width=3072, mlp=8192, heads=24, kv_heads=8, vocab=128256,
                    batch=8, seq=4096)
+# The 8B with a batch of 64 sequences: its activations fit 8 H100s only in microbatches.
+LLAMA3_8B_64 = dataclasses.replace(LLAMA3_8B, batch=64)
 LLAMA3_70B = Shape(layers=80, width=8192, mlp=28672, heads=64, kv_heads=8, vocab=128256,
                    batch=64, seq=4096)
 

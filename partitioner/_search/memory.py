@@ -94,6 +94,31 @@ class _Block:
   layers), whose peak is computed once per candidate."""
   steps: list[_Step]
   key: Any = None
+  arrays: _Arrays | None = None  # (built once, on the first count)
+
+
+@dataclasses.dataclass
+class _Arrays:
+  """A block's steps as arrays over the account's distinct values, so that
+  each candidate's walk is a few vector sums (a decoder's step has
+  thousands of equations, a plan thousands of candidates).
+
+  Attributes:
+    out_step, out_val: per kept result, its step and its value's index.
+    carried: per step, whether it is a loop (its results kept as stored).
+    free_step, free_val, free_input: per value a step's end frees, the
+      step, and the value's index or (-1 there) the argument's.
+    subs: ``(step, sub-blocks)`` of the steps that have sub-programs.
+    ops: per step, what it is.
+  """
+  out_step: np.ndarray
+  out_val: np.ndarray
+  carried: np.ndarray
+  free_step: np.ndarray
+  free_val: np.ndarray
+  free_input: np.ndarray
+  subs: list[tuple[int, list[_Block]]]
+  ops: list[str]
 
 
 class Liveness:
@@ -121,6 +146,8 @@ class Liveness:
     self.inputs = [table.value((), v) for v in jaxpr.invars]
     ids = {v: k for k, v in enumerate(jaxpr.invars)}
     self.top = self._block(jaxpr, (), ids, {})
+    self.values: list[_Value] = []  # the distinct values the account sizes
+    self._numbers: dict[tuple, int] = {}
     # A value shaped and laid out as a state argument is split as it is.
     self.state_like: dict[tuple, int] = {}
     for k, (val, st) in enumerate(zip(self.inputs, self.state)):
@@ -188,78 +215,107 @@ class Liveness:
     """The candidate's peak per device; ``in_dims``: per flat input, the
     grid axes of each dimension (from its spec)."""
     walk = _Walk(c, in_dims, (False,) * len(c.grid), {})
-    sizes: dict = {}
-    whole: dict = {}
+    top = self._arrays(self.top)
 
     def stored(val: _Value) -> float:
-      key = (val.shape, val.itemsize, val.roles, val.source)
-      if key not in sizes:
-        k = val.source if val.source is not None else self.state_like.get(key[:3])
-        sizes[key] = walk.local_bytes(val, in_dims[k] if k is not None else walk.wanted(val))
-      return sizes[key]
+      k = val.source if val.source is not None else self.state_like.get(
+          (val.shape, val.itemsize, val.roles))
+      return walk.local_bytes(val, in_dims[k] if k is not None else walk.wanted(val))
 
-    def transient(val: _Value) -> float:  # (a result as computed: before FSDP's scatter)
-      key = (val.shape, val.itemsize, val.roles)
-      if key not in whole:
-        whole[key] = walk.local_bytes(val, walk.wanted(val))
-      return whole[key]
+    # (a result as computed: before FSDP's scatter)
+    whole = [walk.local_bytes(val, walk.wanted(val)) for val in self.values]
+    counts = _Counts(np.array([stored(val) for val in self.values]), np.array(whole), self)
+    args = np.array([walk.local_bytes(val, in_dims[k]) for k, val in enumerate(self.inputs)])
+    state = np.array(self.state, dtype=bool)
+    held = float(args[~state].sum())
+    live = np.where(state, args, 0.0)  # (state arguments are freed after their last use)
+    before, working = counts.walk(top, float(live.sum()), live)
+    if not len(working):
+      return MemoryAccount(held + float(live.sum()), 0.0, 0.0, "")
+    best = int(np.argmax(before + working))
+    freed = np.bincount(top.free_step, minlength=len(working), weights=np.where(
+        top.free_input >= 0, live[np.maximum(top.free_input, 0)], 0.0))
+    arguments = held + float(live.sum()) - float(freed[:best].sum())
+    peak = held + float(before[best] + working[best])
+    return MemoryAccount(arguments, peak - arguments - float(working[best]),
+                         float(working[best]), top.ops[best])
 
-    counter = _Counter(stored, transient)
-    args = [walk.local_bytes(val, in_dims[k]) for k, val in enumerate(self.inputs)]
-    held = sum(b for k, b in enumerate(args) if not self.state[k])
-    live = {k: b for k, b in enumerate(args) if self.state[k]}
-    total, state_live = sum(live.values()), sum(live.values())
-    n_inputs = len(self.inputs)
-    best: list[Any] = [0.0, 0.0, 0.0, ""]  # total, arguments, working, op
-    for step in self.top.steps:
-      working = counter.working(step)
-      if held + total + working > best[0]:
-        best[:] = [held + total + working, held + state_live, working, step.op]
-      state_live -= sum(live.get(i, 0.0) for i in step.frees if i < n_inputs)
-      total += counter.advance(step, live)
-    peak, arguments, working, at = best
-    return MemoryAccount(arguments, peak - arguments - working, working, at)
+  def _arrays(self, block: _Block) -> _Arrays:
+    """``block``'s arrays (built on first use; its values numbered in
+    ``self.values``)."""
+    if block.arrays is not None:
+      return block.arrays
+    out_step, out_val, free_step, free_val, free_input = [], [], [], [], []
+    val_of: dict[int, int] = {}
+    n_inputs = len(self.inputs) if block is self.top else 0
+    for k, step in enumerate(block.steps):
+      for v, i in zip(step.outs, step.out_ids):
+        if v is not None:
+          val_of[i] = self._number(v)
+          out_step.append(k)
+          out_val.append(val_of[i])
+      for i in step.frees:
+        if i in val_of or i < n_inputs:
+          free_step.append(k)
+          free_val.append(val_of.get(i, -1))
+          free_input.append(-1 if i in val_of else i)
+    ints = lambda xs: np.array(xs, dtype=np.int64)
+    block.arrays = _Arrays(
+        ints(out_step), ints(out_val), np.array([st.carried for st in block.steps], dtype=bool),
+        ints(free_step), ints(free_val), ints(free_input),
+        [(k, st.subs) for k, st in enumerate(block.steps) if st.subs],
+        [st.op for st in block.steps])
+    for _, subs in block.arrays.subs:
+      for sub in subs:
+        self._arrays(sub)
+    return block.arrays
+
+  def _number(self, v: _Value) -> int:
+    """``v``'s index among the distinct values the account sizes."""
+    key = (v.shape, v.itemsize, v.roles, v.source)
+    if key not in self._numbers:
+      self._numbers[key] = len(self.values)
+      self.values.append(v)
+    return self._numbers[key]
 
 
-class _Counter:
-  """One candidate's sizes, and the peak of each kind of block once."""
+class _Counts:
+  """One candidate's sizes of the account's values (``stored``: as kept,
+  ``whole``: as computed), and the peak of each kind of block once."""
 
-  def __init__(self, stored: Any, transient: Any):
-    self.stored, self.transient = stored, transient
+  def __init__(self, stored: np.ndarray, whole: np.ndarray, liveness: Liveness):
+    self.stored, self.whole, self.liveness = stored, whole, liveness
     self.peaks: dict = {}
 
-  def working(self, step: _Step) -> float:
-    # (a loop's carries are summed in their layout: a gradient accumulated
-    # over microbatches under FSDP is reduce-scattered each time, not whole)
-    size = self.stored if step.carried else self.transient
-    results = sum(size(v) for v in step.outs if v is not None)
-    return results + max((self.peak(b) for b in step.subs), default=0.0)
+  def walk(self, a: _Arrays, start: float,
+           inputs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the bytes live before it (from ``start``) and its working
+    set: its results (a loop's as kept, any other's as computed) and its
+    sub-programs' peak. ``inputs``: the arguments' live sizes (the top
+    block frees them)."""
+    n = len(a.ops)
+    kept = self.stored[a.out_val]
+    results = np.where(a.carried[a.out_step], kept, self.whole[a.out_val])
+    working = np.bincount(a.out_step, weights=results, minlength=n).astype(float)
+    for k, subs in a.subs:
+      working[k] += max(self.peak(b) for b in subs)
+    sizes = np.where(a.free_val >= 0, self.stored[np.maximum(a.free_val, 0)], 0.0)
+    if inputs is not None:
+      sizes = np.where(a.free_input >= 0, inputs[np.maximum(a.free_input, 0)], sizes)
+    change = (np.bincount(a.out_step, weights=kept, minlength=n)
+              - np.bincount(a.free_step, weights=sizes, minlength=n))
+    before = start + np.concatenate(([0.0], np.cumsum(change)[:-1])) if n else change
+    return before, working
 
   def peak(self, block: _Block) -> float:
     """The most a sub-program holds at once beyond its inputs."""
     hit = self.peaks.get(block.key)
     if hit is not None:
       return hit
-    live: dict[int, float] = {}
-    total = peak = 0.0
-    for step in block.steps:
-      peak = max(peak, total + self.working(step))
-      total += self.advance(step, live)
-    self.peaks[block.key] = peak
+    assert block.arrays is not None
+    before, working = self.walk(block.arrays, 0.0)
+    self.peaks[block.key] = peak = float(max(0.0, (before + working).max(initial=0.0)))
     return peak
-
-  def advance(self, step: _Step, live: dict[int, float]) -> float:
-    """Past ``step``: its kept results live, what it was last to use
-    freed; the change of the bytes live."""
-    change = 0.0
-    for v, i in zip(step.outs, step.out_ids):
-      if v is not None:
-        b = self.stored(v)
-        change += b - live.get(i, 0.0)
-        live[i] = b
-    for i in step.frees:
-      change -= live.pop(i, 0.0)
-    return change
 
 
 # Ops XLA fuses into their consumers (loop and input fusion): their results
