@@ -97,6 +97,8 @@ def test_the_search_accumulates_only_where_memory_asks():
   p, x = _data()
   free = search(step, p, x, measure=0, progress=False)
   assert free.microbatches == 1 and free.best.microbatches == 1
+  # (at one microbatch the step traces as the plain one: not its cached answer)
+  assert search(whole_step, p, x, measure=0, progress=False).microbatches is None
   counts = {c.microbatches for c in free.candidates}
   assert counts == {1, 2}, counts  # (the count after the first that fits, no more)
   whole_peak = min(c.peak_memory for c in free.candidates if c.microbatches == 1)

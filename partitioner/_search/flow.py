@@ -177,9 +177,11 @@ def search(  # noqa: PLR0913 (the search's keywords)
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
                for i, a in enumerate(example_args))
   closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
-  key = _key(request, closed, [repr(example_args[i]) for i in static])
-  f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
   counts = _counts(accumulations, pipelines)
+  # (a free accumulate call traces as the plain step at one microbatch: the
+  # counts tried tell the two apart)
+  key = _key(request, closed, [repr(example_args[i]) for i in static], counts)
+  f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
   blob = _answers.get(key)
   if blob is None:
     store = compilation_cache.store()
@@ -325,16 +327,18 @@ def _counts(calls: Sequence[Any], pipelines: Sequence[Any]) -> list[int]:
   return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
 
 
-def _key(request: _Request, closed: Any, static_reprs: list[str]) -> str:
+def _key(request: _Request, closed: Any, static_reprs: list[str],
+         counts: Sequence[int] = ()) -> str:
   """The answer's key in the caches: the program, the settings, the
-  static arguments, the versions of the toolkit and of the rules."""
+  static arguments, the microbatch counts it may try, the versions of the
+  toolkit and of the rules."""
   devices = request.devices
   settings = (len(devices), request.hosts, request.device, request.budget, request.measure,
               request.max_compiles, config.partitioner,
               tuple(d.device_kind for d in devices[:1]), __version__, RULES_DIGEST)
   return hashlib.sha256(  # (a program's key hashes other text: no clash)
       ("partitioner.search " + str(closed) + repr(settings)
-       + repr(static_reprs)).encode()).hexdigest()
+       + repr(static_reprs) + repr(list(counts))).encode()).hexdigest()
 
 
 def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
