@@ -152,7 +152,8 @@ def _plan(which: str) -> list[dict]:
                              device_model="h100", progress=False)
   seconds = time.perf_counter() - start
   best = found.best
-  name = (f"Llama 3{'.2' if which == '3b' else ''} {which[:2].upper()} ({shape.params() / 1e9:.2f}B),"
+  size = which.upper().removesuffix("64")  # (8b64: the 8B with 64 sequences)
+  name = (f"Llama 3{'.2' if which == '3b' else ''} {size} ({shape.params() / 1e9:.2f}B),"
           f" {hosts} x {devices // hosts} H100 80 GB, shapes only"
           + (f", batch {shape.batch} x {shape.seq} through partitioner.accumulate"
              if which == "8b64" else ""))

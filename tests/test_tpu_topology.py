@@ -181,6 +181,33 @@ def _abstract_deep(layers, d, h, b):
           s((b, d), jnp.float32))
 
 
+def _deep_accumulated(params, x):
+  def loss(p, xb):
+    h = xb
+    for layer in p["layers"]:
+      h = h + jnp.tanh(h @ layer["up"]) @ layer["down"]
+    return jnp.mean((h @ p["head"]) ** 2)
+  value, g = partitioner.accumulate(jax.value_and_grad(loss), params, x)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.01 * d, params, g), value
+
+
+@needs_libtpu
+def test_a_tpu_plan_of_microbatches_holds_xla_tpus_own_peak():
+  """On a TPU topology a count of microbatches is compiled whole by
+  XLA:TPU (its layers run inside the loop): under a budget the whole
+  batch misses, the winner accumulates, and its peak is XLA:TPU's."""
+  chips = partitioner.tpu_devices("v5p:2x2x1")
+  params, x = _abstract_deep(8, 256, 1024, 16384)
+  free = partitioner.search(_deep_accumulated, params, x, devices=chips, max_compiles=3)
+  assert free.microbatches == 1
+  tight = partitioner.search(_deep_accumulated, params, x, devices=chips, max_compiles=3,
+                             memory_budget_bytes=free.best.peak_memory * 0.7)
+  best = tight.best
+  assert tight.microbatches > 1 and best.memory["by"] == "XLA:TPU, the whole program"
+  compiled = tight.sharded_jit(devices=chips, donate_argnums=(0,)).lower(params, x).compile()
+  assert compiled.cost().peak_memory == best.peak_memory <= free.best.peak_memory * 0.7
+
+
 @needs_libtpu
 def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
   """A deep model is compiled as proxies; the winner is then compiled whole

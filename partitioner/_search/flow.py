@@ -693,6 +693,13 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   for x in order:
     target = space.part(x.candidate).target
     assert target is not None  # (counted memory never settles: every count has its own)
+    if target.proxy is None:  # (a count of microbatches, compiled whole: its peak XLA's)
+      x.memory = {"by": f"XLA:{request.devices[0].platform.upper()}, the whole program"}
+      peaks.append(x.score.peak_memory)
+      if budget is None or x.score.peak_memory <= budget:
+        winner = x
+        break
+      continue
     floor = target.least_peak(x.in_specs, x.own_peak)
     if budget is not None and floor > budget:
       x.got = dataclasses.replace(x.score, peak_memory=floor)
