@@ -693,27 +693,10 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   for x in order:
     target = space.part(x.candidate).target
     assert target is not None  # (counted memory never settles: every count has its own)
-    if target.proxy is None:  # (a count of microbatches, compiled whole: its peak XLA's)
-      x.memory = {"by": f"XLA:{request.devices[0].platform.upper()}, the whole program"}
-      peaks.append(x.score.peak_memory)
-      if budget is None or x.score.peak_memory <= budget:
-        winner = x
-        break
-      continue
-    floor = target.least_peak(x.in_specs, x.own_peak)
-    if budget is not None and floor > budget:
-      x.got = dataclasses.replace(x.score, peak_memory=floor)
-      x.memory = {"by": "at least: its arguments' shards, its proxy's peak"}
-      peaks.append(floor)
-      continue
-    left -= 1
-    try:  # (its time stays the proxy's, scaled as every candidate's: like with like)
-      whole, x.memory = target.exact(x.in_specs, x.out_specs)
-      x.got = dataclasses.replace(x.score, peak_memory=whole.peak_memory,
-                                  xla_seconds=whole.xla_seconds)
-    except Exception as e:  # a candidate XLA refuses whole: not a layout
-      x.got, x.memory = f"{type(e).__name__}: {str(e)[:300]}", None
-    bar.update(EXACT_COMPILES - left)
+    compiled = _settle(x, target, budget, request.devices[0].platform)
+    left -= compiled
+    if compiled:
+      bar.update(EXACT_COMPILES - left)
     if not x.failed:
       peaks.append(x.score.peak_memory)
       if budget is None or x.score.peak_memory <= budget:
@@ -733,6 +716,31 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   rest = sorted((x for x in compiler.fitting() if x is not winner),
                 key=lambda x: (x.score.seconds, x.index))
   return [winner] + rest
+
+
+def _settle(x: _found.Result, target: _target.Target, budget: float | None,
+            platform: str) -> int:
+  """``x``'s peak settled: its whole program's where it was compiled whole
+  (a count of microbatches), else, when its floor is within the budget,
+  compiled whole now (its time stays the proxy's, scaled as every
+  candidate's: like with like), else the floor. How many programs it
+  compiled (0 or 1)."""
+  whole_by = f"XLA:{platform.upper()}, the whole program"
+  if target.proxy is None:
+    x.memory = {"by": whole_by}
+    return 0
+  floor = target.least_peak(x.in_specs, x.own_peak)
+  if budget is not None and floor > budget:
+    x.got = dataclasses.replace(x.score, peak_memory=floor)
+    x.memory = {"by": "at least: its arguments' shards, its proxy's peak"}
+    return 0
+  try:
+    whole, x.memory = target.exact(x.in_specs, x.out_specs)
+    x.got = dataclasses.replace(x.score, peak_memory=whole.peak_memory,
+                                xla_seconds=whole.xla_seconds)
+  except Exception as e:  # a candidate XLA refuses whole: not a layout
+    x.got, x.memory = f"{type(e).__name__}: {str(e)[:300]}", None
+  return 1
 
 
 def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_found.Result]:
