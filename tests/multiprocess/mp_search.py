@@ -46,4 +46,21 @@ train = found.sharded_jit()
 p, loss = train(params, x)
 _, ref = jax.jit(step)(params, x)
 np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+
+
+# A step whose microbatch count the search chooses (partitioner.accumulate):
+# every rank gets the count with the layout, and runs it.
+def accumulated(params, x):
+  loss = lambda p, xb: jnp.mean((jnp.tanh(xb @ p["w1"]) @ p["w2"] - xb) ** 2)
+  value, g = partitioner.accumulate(jax.value_and_grad(loss), params, x)
+  return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+
+
+before = len(compiles)
+acc = partitioner.search(accumulated, params, x, max_compiles=3, memory_budget_bytes=10e9)
+assert (len(compiles) > before) == (rank == 0), (rank, len(compiles))
+assert acc.microbatches is not None, acc.microbatches
+_, loss = acc.sharded_jit()(params, x)
+np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+print(f"rank {rank}: accumulate found {acc.microbatches}: {acc.best.family}", flush=True)
 print(f"rank {rank}: search ok", flush=True)

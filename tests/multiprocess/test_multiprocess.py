@@ -45,6 +45,8 @@ def test_search_runs_on_rank_0_and_every_rank_gets_its_answer():
   assert found(r"rank \d: search ok", proc.stdout) == ["rank 0: search ok", "rank 1: search ok"]
   answers = sorted(re.findall(r"rank \d: found (.*)", proc.stdout))
   assert len(answers) == 2 and answers[0] == answers[1], proc.stdout
+  counts = sorted(re.findall(r"rank \d: accumulate found (.*)", proc.stdout))
+  assert len(counts) == 2 and counts[0] == counts[1], proc.stdout
 
 
 def test_pmap_replicas_across_ranks_partitions_inside_each_rank():
