@@ -143,3 +143,33 @@ def test_a_loop_of_matmuls_counts_its_bytes_every_iteration():
   text = jax.jit(scatter).lower(jnp.ones((100, 64)), jnp.arange(50),
                                 jnp.ones((50, 64))).compile().as_text()
   assert hlo.repeated_bytes(text) == 0.0
+
+
+def test_a_count_is_tried_only_with_layouts_whose_split_divides_a_microbatch():
+  """16 rows over 8 devices: 4 microbatches of 4 rows cannot keep a split
+  of 8 in place (each microbatch would move between devices), so no such
+  pair is a candidate; the whole batch keeps it."""
+  rng = np.random.default_rng(0)
+  p = {"w1": rng.normal(size=(WIDTH, 4096)).astype(np.float32),
+       "w2": rng.normal(size=(4096, WIDTH)).astype(np.float32)}
+  x = rng.normal(size=(16, WIDTH)).astype(np.float32)
+  found = search(step, p, x, measure=0, progress=False, max_compiles=40,
+                 memory_budget_bytes=1e12)
+  seen = set()
+  for c in found.candidates:
+    parts = c.grid[0] * c.grid[1] if "x dim 0" in c.layout else 1
+    seen.add((c.microbatches, parts))
+    assert (16 // c.microbatches) % parts == 0, (c.family, c.layout)
+  assert (1, 8) in seen and (2, 8) in seen, seen
+
+
+def test_the_rule_keeps_a_split_only_where_it_divides_every_microbatch():
+  from partitioner._pipeline.accumulate import AccumulateCall
+  from partitioner._search.flow import _splits_microbatches
+  call = AccumulateCall("here", 1, 16, free=True, inputs=(2,))
+  data_8 = [((), ()), ((), ()), ((0,), ())]  # (the batch leaf, input 2: dim 0 on data)
+  assert _splits_microbatches([call], 2, data_8, (8, 1, 1))  # 8 rows over 8
+  assert not _splits_microbatches([call], 4, data_8, (8, 1, 1))  # 4 rows over 8
+  assert _splits_microbatches([call], 4, data_8, (4, 1, 2))  # 4 rows over 4
+  whole = [((), ()), ((), ()), ((), ())]
+  assert _splits_microbatches([call], 16, whole, (8, 1, 1))

@@ -49,11 +49,14 @@ class AccumulateCall:
     microbatches: M, as traced.
     batch: B, the batch dimension's size.
     free: whether ``microbatches=None`` left M to the search.
+    inputs: positions among the traced function's flat inputs of the
+      batch leaves that are inputs as they are.
   """
   site: str
   microbatches: int
   batch: int
   free: bool = False
+  inputs: tuple[int, ...] = ()
 
 
 def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
@@ -98,7 +101,9 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
         f" ({size}) does not split into {m} microbatches. Hint: a count that divides"
         f" {size}" + (" (the search chose it: report this)" if free else "") + ".")
   if tracing is not None:
-    call = AccumulateCall(site, m, size, free)
+    leaves = jax.tree_util.tree_leaves(batch)
+    call = AccumulateCall(site, m, size, free, tuple(
+        i for i in map(tracing.input_index, leaves) if i is not None))
     if call not in tracing.accumulations:  # (jax may trace a function twice)
       tracing.accumulations.append(call)
   if m == 1:

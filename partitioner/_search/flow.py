@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import time
@@ -352,8 +353,8 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
     if fitted is not None and m > 2 * fitted:
       break  # (up to the count after the first that fits: more only cost time)
     counted = dataclasses.replace(f, fun=_accumulate.with_count(f.fun, m))
-    closed_m = _trace(f.fun, f.args, example_args, f.static, request.who, m)[0]
-    part = _space(counted, closed_m, request, pipelines, m)
+    closed_m, _, _, calls = _trace(f.fun, f.args, example_args, f.static, request.who, m)
+    part = _space(counted, closed_m, request, pipelines, m, calls)
     space.add(part)
     fitted = fitted or (m if _any_fits(part, request.budget) else None)
   space.choose(request)
@@ -431,10 +432,12 @@ class _Space:
 
 
 def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
-           microbatches: int = 1) -> _Space:
+           microbatches: int = 1, accumulations: Sequence[Any] = ()) -> _Space:
   """The function's logical axes and roles, its candidate layouts (one
   per distinct set of specs) with the cheap model's estimates, the
-  candidates' free accumulate calls running ``microbatches``."""
+  candidates' free accumulate calls (``accumulations``) running
+  ``microbatches``: only layouts whose batch split divides a microbatch
+  (each device keeps its rows)."""
   n, hosts, device = len(request.devices), request.hosts, request.device
   names = _inputs.leaf_names(f.fun, list(f.args), f.static)
   axes = logical_axes(closed)
@@ -452,6 +455,8 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
     c = dataclasses.replace(c, microbatches=microbatches)
     dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
     if pipelines and _stage_axis.splits_layers(pipelines, dims):
+      continue
+    if not _splits_microbatches(accumulations, microbatches, dims, c.grid):
       continue
     key = tuple(spec_of(d, c.layout_grid) for d in dims)
     if key not in by_layout or _select.plainer(c, by_layout[key][0]):
@@ -503,6 +508,19 @@ def _shortlist(rows: list, request: _Request, refine: int, counted: bool,
     raise _select.budget_error(request.who, smallest, budget)
   picked = _select.shortlist([rows[i] for i in eligible], k, False)
   return [(eligible[j], *rest) for j, *rest in picked]
+
+
+def _splits_microbatches(calls: Sequence[Any], m: int, dims: Sequence[tuple],
+                         grid: Sequence[int]) -> bool:
+  """Whether each batch leaf of the accumulate ``calls`` splits its
+  leading dimension into parts that divide a microbatch (B / ``m``): a
+  split that does not would move rows between devices every microbatch."""
+  for call in calls:
+    for i in call.inputs:
+      parts = math.prod(grid[a] for a in dims[i][0]) if dims[i] else 1
+      if (call.batch // m) % parts:
+        return False
+  return True
 
 
 def accounted(request: _Request) -> bool:
