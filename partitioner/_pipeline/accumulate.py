@@ -109,8 +109,8 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
   if m == 1:
     return _checked(grad_fn(params, batch), site)
   micro = partitioner_microbatches(jax.tree_util.tree_map(_array, batch), m)
-  first = jax.tree_util.tree_map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(lambda p, b: _checked(grad_fn(p, b), site), params, first)
+  one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
+  shapes = jax.eval_shape(lambda p, b: _checked(grad_fn(p, b), site), params, one)
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
 
   def add(total, mb):

@@ -17,9 +17,10 @@ as an accelerator runs it, and counts per device what is live at each op:
   a state argument (a weight's gradient) is split as that argument is
   (XLA's partitioner propagates the parameter's sharding to its gradient:
   FSDP reduce-scatters each gradient once computed);
-- the op's own working set: its results at their unsplit-by-FSDP size and
-  the peak inside its sub-program (a ``jax.checkpoint``'s recomputation, a
-  scan's body, once);
+- the op's own working set: its results at their unsplit-by-FSDP size (a
+  loop's, its carries, as kept: a gradient summed over microbatches is
+  laid out as its weight) and the peak inside its sub-program (a
+  ``jax.checkpoint``'s recomputation, a scan's body, once);
 - inside ``jax.nn.dot_product_attention`` in bfloat16 or float16 on a
   GPU, nothing is held but what leaves it: jax runs it there as cuDNN's
   fused kernel. Elsewhere (float32 on a GPU, a TPU) jax runs it as XLA
