@@ -92,16 +92,13 @@ def _accumulated_against_tpu() -> list[dict]:
   best's), its winner compiled by XLA:TPU for 8 chips."""
   import partitioner
   from benchmarks import _llama
-  from partitioner._pipeline.accumulate import with_count
   step, state, tokens = _llama.abstract(_llama.Shape(**dict(SMALL, batch=32)), accumulate=True)
   plan = lambda budget: partitioner.search(step, *state, tokens, device_model="tpu-v5p",
                                            progress=False, measure=0,
                                            memory_budget_bytes=budget)
   found = plan(0.45 * plan(1e12).best.peak_memory)
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  xla = partitioner.sharded_jit(with_count(step, found.microbatches), in_parts=found.in_parts,
-                                out_parts=found.out_parts, devices=chips,
-                                donate_argnums=(0, 1)).lower(*state, tokens).compile()
+  xla = found.sharded_jit(devices=chips, donate_argnums=(0, 1)).lower(*state, tokens).compile()
   return [{"case": f"small decoder, 32 sequences through partitioner.accumulate, 8 v5p chips:"
                    f" {found.best.family}: counted vs XLA:TPU", "unit": "MB",
            "ours": found.best.peak_memory / 1e6, "jax": xla.cost().peak_memory / 1e6,
