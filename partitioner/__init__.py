@@ -42,12 +42,12 @@ from partitioner._search.calibrate import Calibration as Calibration
 from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
-__all__ = ["DEVICE_MODELS", "accumulate", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
+__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
            "Compiled",
            "Config", "Cost",
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
-           "PmapFunction", "ShardedJitFunction", "World", "clear_caches",
+           "PmapFunction", "ShardedJitFunction", "World", "accumulate", "clear_caches",
            "calibrate", "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
            "pipeline_order",
            "pmap", "search", "sharded_jit", "to_global", "to_local", "tpu_devices"]

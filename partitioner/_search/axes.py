@@ -278,7 +278,7 @@ def _calls(eqn: Any, uf: _Scoped) -> None:
     if len(inner.outvars) == len(eqn.outvars):
       for outer, ov in zip(eqn.outvars, inner.outvars):
         _map(s, outer, ov)
-    if eqn.params.get("name") == MICROBATCH_SPLIT:  # partitioner.accumulate's split  # (B, ...) -> (M, B / M, ...)
+    if eqn.params.get("name") == MICROBATCH_SPLIT:  # accumulate's (B, ...) -> (M, B / M, ...)
       for x, y in zip(eqn.invars, eqn.outvars):
         uf.join(x, 0, y, 1)  # the batch is its microbatches' (strided: kept in place)
 
