@@ -79,10 +79,14 @@ def test_errors_name_the_count_the_batch_and_the_way_out():
   grad = jax.value_and_grad(loss_fn)
   with pytest.raises(ValueError, match=r"microbatches=3\).*batch dimension \(256\).*divides"):
     accumulate(grad, p, x, microbatches=3)
-  with pytest.raises(ValueError, match=r"batch\['y'\] has shape \(8, 64\).*not batch\['x'\]'s 256"):
+  with pytest.raises(ValueError, match=r"same leading batch dimension B, but batch\['x'\] has"
+                     r" shape \(256, 64\) \(B = 256\) and batch\['y'\] has shape \(8, 64\)"
+                     r" \(B = 8\)"):
     accumulate(lambda p, b: grad(p, b["x"]), p, {"x": x, "y": x[:8]}, microbatches=2)
   with pytest.raises(ValueError, match=r"microbatches=None.*outside a search.*found.microbatches"):
     accumulate(grad, p, x)
+  with pytest.raises(ValueError, match=r"batch\['s'\] is a scalar \(shape \(\)\)"):
+    accumulate(lambda p, b: grad(p, b["x"]), p, {"x": x, "s": 1.0}, microbatches=2)
   with pytest.raises(ValueError, match=r"accumulate: microbatches"):
     accumulate(grad, p, x, microbatches=0)
   with pytest.raises(TypeError, match=r"grad_fn returned str at result\[1\]"):

@@ -27,9 +27,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.core import Tracer
 
 from partitioner._lower import trace as _trace
+from partitioner._pipeline.checks import leading
 from sharding._checks import positive_count
 from sharding._constraint import caller
 
@@ -91,7 +91,9 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
     ...                                      tokens, microbatches=4)
   """
   site = caller(skip=(_PACKAGE,))
-  size = _batch_size(batch, site)
+  size, leaves = leading(batch, f"{site}: partitioner.accumulate", "batch", "batch dimension B",
+                         "every batch leaf is cut along its leading dimension; pass other"
+                         " values through params or a closure")
   tracing = _trace.current()
   free = microbatches is None
   m = _free_count(site, tracing) if free else count_of(microbatches)
@@ -101,14 +103,14 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
         f" ({size}) does not split into {m} microbatches. Hint: a count that divides"
         f" {size}" + (" (the search chose it: report this)" if free else "") + ".")
   if tracing is not None:
-    leaves = jax.tree_util.tree_leaves(batch)
     call = AccumulateCall(site, m, size, free, tuple(
         i for i in map(tracing.input_index, leaves) if i is not None))
     if call not in tracing.accumulations:  # (jax may trace a function twice)
       tracing.accumulations.append(call)
   if m == 1:
     return _checked(grad_fn(params, batch), site)
-  micro = partitioner_microbatches(jax.tree_util.tree_map(_array, batch), m)
+  micro = partitioner_microbatches(
+      jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), leaves), m)
   one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
   shapes = jax.eval_shape(lambda p, b: _checked(grad_fn(p, b), site), params, one)
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
@@ -167,30 +169,6 @@ def with_count(fun: Callable[..., Any], m: int | None) -> Callable[..., Any]:
   return counted
 
 
-def _batch_size(batch: Any, site: str) -> int:
-  """B, the leading dimension every batch leaf shares."""
-  path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not path_leaves:
-    raise ValueError(f"{site}: partitioner.accumulate: batch has no arrays. Hint: pass"
-                     " the step's batch (arrays with a leading batch dimension).")
-  size, first = None, None
-  for path, x in path_leaves:
-    name = f"batch{jax.tree_util.keystr(path)}"
-    shape = tuple(getattr(x, "shape", jnp.shape(x)))
-    if not shape:
-      raise ValueError(f"{site}: partitioner.accumulate: {name} is a scalar (shape ());"
-                       " every batch leaf needs a leading batch dimension. Hint: pass"
-                       " scalars through params or a closure.")
-    if size is None:
-      size, first = shape[0], name
-    elif shape[0] != size:
-      raise ValueError(f"{site}: partitioner.accumulate: {name} has shape {shape}, whose"
-                       f" batch dimension {shape[0]} is not {first}'s {size}. Hint: every"
-                       " batch leaf is cut along its leading dimension.")
-  assert size is not None
-  return size
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def partitioner_microbatches(batch: Any, m: int) -> Any:
   """Each (B, ...) leaf as (M, B / M, ...): microbatch j is rows j, M + j, ..."""
@@ -201,10 +179,6 @@ def partitioner_microbatches(batch: Any, m: int) -> Any:
 # The jitted split's name, by which partitioner.search's axes know that each
 # leaf's batch dimension is its microbatches' (the split's dimension 1).
 SPLIT = "partitioner_microbatches"
-
-
-def _array(x: Any) -> Any:
-  return x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
 
 
 def _sum_dtype(dtype: Any) -> Any:

@@ -29,25 +29,33 @@ def count(value: Any, name: str) -> int:
 
 def layers(layer_params: Any) -> tuple[int, list]:
   """L, the shared leading dimension of every leaf, and the leaves."""
-  path_leaves = jax.tree_util.tree_flatten_with_path(layer_params)[0]
+  return leading(layer_params, "partitioner.pipeline", "layer_params", "layer dimension L",
+                 "stack every weight over the same layers, one value per layer")
+
+
+def leading(tree: Any, where: str, arg: str, dim: str, hint: str) -> tuple[int, list]:
+  """The leading dimension ``dim`` (its name and symbol: ``"layer dimension
+  L"``) that every leaf of ``tree`` (the argument ``arg`` of the call
+  ``where``) shares, and the leaves as arrays; each error names the leaf
+  and its shape."""
+  symbol = dim.split()[-1]
+  path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   if not path_leaves:
-    raise ValueError("partitioner.pipeline: layer_params has no arrays. Hint: pass"
-                     " the stacked weights, each with a leading layer dimension.")
+    raise ValueError(f"{where}: {arg} has no arrays. Hint: {hint}.")
   leaves, first = [], None
   for path, w in path_leaves:
-    name = f"layer_params{jax.tree_util.keystr(path)}"
+    name = f"{arg}{jax.tree_util.keystr(path)}"
     w = w if isinstance(w, jax.Array | Tracer) else jnp.asarray(w)
     if w.ndim < 1:
-      raise ValueError(f"partitioner.pipeline: {name} is a scalar (shape ()), with no"
-                       " leading layer dimension. Hint: stack one value per layer.")
+      raise ValueError(f"{where}: {name} is a scalar (shape ()), with no leading {dim}."
+                       f" Hint: {hint}.")
     if first is None:
       first = (name, w.shape)
     elif w.shape[0] != first[1][0]:
       raise ValueError(
-          f"partitioner.pipeline: every leaf of layer_params needs the same leading"
-          f" layer dimension L, but {first[0]} has shape {tuple(first[1])} (L ="
-          f" {first[1][0]}) and {name} has shape {tuple(w.shape)} (L = {w.shape[0]})."
-          " Hint: stack every weight over the same layers.")
+          f"{where}: every leaf of {arg} needs the same leading {dim}, but {first[0]} has"
+          f" shape {tuple(first[1])} ({symbol} = {first[1][0]}) and {name} has shape"
+          f" {tuple(w.shape)} ({symbol} = {w.shape[0]}). Hint: {hint}.")
     leaves.append(w)
   return leaves[0].shape[0], leaves
 
