@@ -536,17 +536,13 @@ def accumulated(got: Any, est: Any, whole: Any, device: DeviceModel) -> Any:
   estimate ``est`` and the whole batch's ``whole`` (the loop's repeated
   gathers and reductions, its carried sums), the time recomputed."""
   more = lambda a, b, c: max(0.0, a + b - c)
-  flops = more(got.flops, est.flops, whole.flops)
-  accessed = more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed)
   moved = more(got.collective_bytes, est.collective_bytes, whole.collective_bytes)
-  network = min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes))
-  count = max(0, round(got.collectives + est.collectives - whole.collectives))
-  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
-      moved - network, count, network)
-  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
-                             matmul_flops=more(got.matmul_flops, est.flops, whole.flops),
-                             collective_bytes=moved, network_bytes=network, seconds=seconds,
-                             xla_seconds=None)
+  return _target.rescored(
+      got, device, more(got.flops, est.flops, whole.flops),
+      more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed), moved,
+      min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes)),
+      max(0, round(got.collectives + est.collectives - whole.collectives)),
+      more(got.matmul_flops, est.flops, whole.flops))
 
 
 def _estimate(program: OpTable, liveness: Liveness | None, c: Any, dims: list,
@@ -743,9 +739,8 @@ def _settle(x: _found.Result, target: _target.Target, budget: float | None,
   compiled whole now (its time stays the proxy's, scaled as every
   candidate's: like with like), else the floor. How many programs it
   compiled (0 or 1)."""
-  whole_by = f"XLA:{platform.upper()}, the whole program"
   if target.proxy is None:
-    x.memory = {"by": whole_by}
+    x.memory = {"by": _target.whole_program(platform)}
     return 0
   floor = target.least_peak(x.in_specs, x.own_peak)
   if budget is not None and floor > budget:

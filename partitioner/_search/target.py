@@ -158,7 +158,7 @@ class Target:
     m = loaded.get_compiled_memory_stats()
     return cost, {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
                   "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
-                  "by": f"XLA:{self.devices[0].platform.upper()}, the whole program"}
+                  "by": whole_program(self.devices[0].platform)}
 
   @property
   def whole_is_cheap(self) -> bool:
@@ -203,13 +203,9 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   moved = got.collective_bytes * ratio(whole.collective_bytes, part.collective_bytes)
   network = min(moved, got.network_bytes * ratio(whole.network_bytes, part.network_bytes))
   count = round(got.collectives * ratio(whole.collectives, part.collectives))
-  peak = int(got.peak_memory * ratio(whole.memory, part.memory))
-  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
-      moved - network, count, network)
-  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
-                             matmul_flops=got.matmul_flops * ratio(whole.flops, part.flops),
-                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
-                             seconds=seconds, xla_seconds=None)  # (the proxy's)
+  return rescored(got, device, flops, accessed, moved, network, count,
+                  got.matmul_flops * ratio(whole.flops, part.flops),
+                  peak_memory=int(got.peak_memory * ratio(whole.memory, part.memory)))
 
 
 def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
@@ -233,12 +229,24 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
   network = got.network_bytes + more("network_bytes")
   count = max(0, round(got.collectives + more("collectives")))
   peak = int(got.peak_memory * (whole.memory / part.memory if part.memory > 0 else 1.0))
+  return rescored(got, device, flops, accessed, moved, network, count,
+                  got.matmul_flops + more("matmul_flops"), peak_memory=peak)
+
+
+def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, moved: float,
+             network: float, count: int, matmul_flops: float, **more: Any) -> Cost:
+  """``got`` with these totals (and ``more`` fields), its time recomputed
+  under ``device``; no XLA estimate (that was of the compiled program)."""
   seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(
       moved - network, count, network)
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
-                             matmul_flops=got.matmul_flops + more("matmul_flops"),
-                             collective_bytes=moved, network_bytes=network, peak_memory=peak,
-                             seconds=seconds, xla_seconds=None)  # (the proxy's)
+                             matmul_flops=matmul_flops, collective_bytes=moved,
+                             network_bytes=network, seconds=seconds, xla_seconds=None, **more)
+
+
+def whole_program(platform: str) -> str:
+  """Whose figures a whole program's memory is, for the report."""
+  return f"XLA:{platform.upper()}, the whole program"
 
 
 def compiled_score(f: Function, in_specs: list, out_specs: list,
