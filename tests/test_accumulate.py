@@ -99,14 +99,15 @@ def test_the_search_accumulates_only_where_memory_asks():
   a count, and the found layout runs it (sharded_jit and jax.jit alike),
   equal to the whole batch's step."""
   p, x = _data()
-  free = search(step, p, x, measure=0, progress=False)
+  free = search(step, p, x, measure=0, progress=False, max_compiles=200)  # (every layout)
   assert free.microbatches == 1 and free.best.microbatches == 1
   # (at one microbatch the step traces as the plain one: not its cached answer)
   assert search(whole_step, p, x, measure=0, progress=False).microbatches is None
   counts = {c.microbatches for c in free.candidates}
   assert counts == {1, 2}, counts  # (the count after the first that fits, no more)
   whole_peak = min(c.peak_memory for c in free.candidates if c.microbatches == 1)
-  tight = search(step, p, x, measure=0, progress=False, memory_budget_bytes=whole_peak - 1)
+  tight = search(step, p, x, measure=0, progress=False, memory_budget_bytes=whole_peak - 1,
+                 max_compiles=200)
   assert tight.microbatches > 1 and tight.best.peak_memory < whole_peak
   assert f"{tight.microbatches} microbatches" in tight.best.family
   want = whole_step(p, x)

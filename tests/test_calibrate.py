@@ -10,6 +10,7 @@ import pytest
 
 import partitioner
 from partitioner._search import calibrate as cal
+from partitioner._search import calibrate_steps as steps_lib
 from tests.test_search import mlp_step
 
 
@@ -38,6 +39,48 @@ def test_it_measures_rates_and_collectives_by_size(measured):
   assert set(found.matmul) == {"float32"}
   assert any(line.startswith("all-gather") for line in lines)
   assert json.loads(path.read_text())["model"]["name"] == m.name
+
+
+@pytest.mark.eight_devices
+def test_on_a_cpu_its_rates_are_fitted_to_whole_train_steps(measured):
+  """The rates are the fit to its family of timed train steps (each
+  scored by the cost model), its error the fit's rms error."""
+  found, path, lines = measured
+  m, steps = found.model, found.steps
+  assert len(steps) == len(steps_lib.programs(jax.devices())) >= 8
+  assert {s.name.split(": ")[1] for s in steps} >= {"replicated", "data parallel",
+                                                    "tensor parallel", "FSDP"}
+  assert all(s.seconds > 0 and s.flops > 0 for s in steps)
+  assert any(s.collectives > 0 for s in steps) and any(s.collectives == 0 for s in steps)
+  assert m.error == pytest.approx(steps_lib.rms_error(steps, m))
+  assert 0 < m.error < 1
+  assert any(line.startswith("fitted to") for line in lines)
+  assert cal.load(path).steps == steps
+
+
+def test_the_step_fit_recovers_known_rates():
+  flops, accessed, link, latency = 4e10, 8e9, 5e8, 150e-6
+  rng = np.random.default_rng(0)
+  rows = []
+  for k in range(9):
+    f, b, c, n = rng.uniform(1e7, 5e9), rng.uniform(1e6, 3e8), rng.uniform(0, 6e7), k % 4
+    rows.append(steps_lib.StepTime(f"step {k}", f, b, c, n,
+                                   f / flops + b / accessed + c / link + n * latency))
+  got, error = steps_lib.fitted(rows, latency, (1.0, 1.0, 1.0))
+  assert got == pytest.approx((flops, accessed, link), rel=1e-6) and error < 1e-9
+  # A term no step's time shows keeps the fallback rate.
+  no_comm = [dataclasses.replace(r, collective_bytes=0.0, collectives=0,
+                                 seconds=r.flops / flops + r.bytes_accessed / accessed)
+             for r in rows]
+  assert steps_lib.fitted(no_comm, latency, (1.0, 1.0, 7.0))[0][2] == 7.0
+  assert steps_lib.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
+      == pytest.approx([2.0, 0.0])  # a negative one is held at zero
+
+
+def test_steps_false_keeps_the_lone_rates():
+  found = partitioner.calibrate(jax.devices()[:1], repeats=1, steps=False)
+  rates = found.matmul["float32"]
+  assert found.steps == () and found.model.flops_per_s == rates[max(rates)]  # (the largest's)
 
 
 @pytest.mark.eight_devices
@@ -78,6 +121,8 @@ class _Fake:
     (dict(devices=[_Fake(), _Fake("tpu", "TPU v5")]), "devices of 2 kinds"),
     (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: calibrate measures"),
     (dict(kinds=("all-reduce", "broadcast")), r"unknown \['broadcast'\].*Hint: any of"),
+    (dict(devices=[_Fake("gpu", "NVIDIA H100")], steps=True),
+     r"steps=True\) on gpu devices.*Hint: leave steps out"),
 ])
 def test_bad_input(kw, message):
   with pytest.raises(ValueError, match=message):

@@ -8,20 +8,23 @@ by its algorithm and group size, over the bandwidth of the links it
 crosses: inside a host, or across hosts, i.e. processes) plus a latency
 per collective.
 
-The defaults are datasheet figures for one device (dense, 32-bit for CPU,
-bf16 for accelerators), from:
+The accelerators' figures are datasheet peaks for one device (dense,
+bf16), not measurements (one H200's, ``docs/measured``: 0.68-0.70x the
+matmul peak, 0.88-0.89x the memory bandwidth); the cpu's are measured:
 
-- ``cpu``: one of 8 simulated devices sharing a 2-core host, fitted by
-  ``python -m benchmarks.calibrate``: the measured time per step of the
-  hand-written layouts of four models (two transformers, two MLPs, and the
-  transformer example's own step: 26 programs), least squares on the
-  relative error of ``flops / F + bytes accessed / M + collective bytes /
-  L`` with a fixed 50 us per collective. Over those programs it is within
-  21-23% (rms, two fits) of the measured time and, fitted on three models, picks on the fourth a layout
-  within 7% of the fastest measured. Simulated devices' collectives are
-  memory copies between threads (about 0.5 GB/s per device here), which is
-  why they cost so much more than a CPU's arithmetic. Collectives across
-  processes (gloo over TCP) are not fitted: half the in-process rate;
+- ``cpu``: one of 8 simulated devices sharing a 2-core host, measured by
+  ``partitioner.calibrate()`` on it (three runs: 38-45 GFLOP/s, 7.9-9.1
+  GB/s accessed, 0.53-0.61 GB/s of weighted collective bytes, 150-166 us
+  a collective; the medians here): rates fitted to its small family of
+  whole train steps, not a lone matmul's or copy's. Over the search
+  section's 34 programs, which that fit never saw, its estimates are
+  within 30-31% (rms) of the measured times (``scripts/bench --only
+  calibrate``); the constants fitted before by hand on those programs
+  themselves had drifted to 86%. Simulated devices' collectives are
+  memory copies between threads, which is why they cost so much more
+  than a CPU's arithmetic; the largest (tens of MB) run slower still
+  than the fit says. Collectives across processes (gloo over TCP) are not
+  fitted: half the in-process rate;
 - ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
   HBM2e, NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
 - ``h100``: NVIDIA H100 SXM 80 GB datasheet: 989 TFLOP/s bf16 dense,
@@ -116,8 +119,8 @@ _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
-    "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 2.5e10, 2.5e9, 4.5e8, 2.25e8, 50e-6,
-                       overlap=False, error=0.23, platform="cpu"),
+    "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
+                       overlap=False, error=0.30, platform="cpu"),
     "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 600e9, 25e9, 10e-6,
                         memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu"),
     "h100": DeviceModel("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 900e9, 50e9, 8e-6,

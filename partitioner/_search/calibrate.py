@@ -39,6 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from partitioner._report.cost import collective_weight
 from partitioner._report.device_models import MODELS, DeviceModel, default_model, load_model
+from partitioner._search.calibrate_steps import StepTime, fitted, time_steps
 
 __all__ = ["Calibration", "calibrate", "load"]
 
@@ -57,6 +58,9 @@ class Calibration:
     devices: the device kind and how many were measured.
     named: the key of ``partitioner.DEVICE_MODELS`` that describes these
       devices from published figures (``"h100"``), or None.
+    steps: on a CPU, the train steps whose times the model's rates are
+      fitted to (``StepTime``: the cost model's terms and the seconds);
+      else empty.
   """
   model: DeviceModel
   matmul: dict[str, dict[int, float]]
@@ -64,13 +68,15 @@ class Calibration:
   collectives: dict[str, list[tuple[int, int, float]]]
   devices: str
   named: str | None = None
+  steps: tuple[StepTime, ...] = ()
 
   def to_json(self) -> dict[str, Any]:
     return {"model": dataclasses.asdict(self.model), "devices": self.devices,
             "named": self.named,
             "matmul": {d: {str(n): r for n, r in rows.items()} for d, rows in self.matmul.items()},
             "memory": {str(b): r for b, r in self.memory.items()},
-            "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()}}
+            "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()},
+            "steps": [dataclasses.asdict(row) for row in self.steps]}
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -92,7 +98,8 @@ def load(path: str | os.PathLike) -> Calibration:
               for d, rows in data.get("matmul", {}).items()},
       memory={int(b): r for b, r in data.get("memory", {}).items()},
       collectives={k: [tuple(row) for row in rows]
-                   for k, rows in data.get("collectives", {}).items()})
+                   for k, rows in data.get("collectives", {}).items()},
+      steps=tuple(StepTime(**row) for row in data.get("steps", ())))
 
 
 def _per_iteration(build: Callable[[int], Callable], args: Sequence[Any], k: int,
@@ -245,14 +252,20 @@ def _plan(platform: str) -> _Plan:
 
 def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike | None = None,
               repeats: int = 3, kinds: Sequence[str] = KINDS,
-              progress: Callable[[str], None] | None = None) -> Calibration:
+              progress: Callable[[str], None] | None = None,
+              steps: bool | None = None) -> Calibration:
   """Measures a :class:`DeviceModel` on ``devices`` (default: this
   process's, ``jax.local_devices()``): matmul rates, memory bandwidth and
-  each collective's time by size among them. Under a minute (8 simulated
-  CPU devices on 2 cores: 26-47 s; one H200: 20 s). ``path``: also
-  written there, as JSON, for ``search(device_model=path)``. The network
-  between hosts is not measured: its figure is the named model's (or half
-  the links' where there is none).
+  each collective's time by size among them. On a CPU it then times a
+  small family of train steps (MLPs in the usual layouts, an elementwise
+  step) and fits the model's rates to those whole steps (a lone matmul or
+  copy runs far faster than a step's ops do there); the fit's rms
+  relative error is the model's ``error``. About a minute (8 simulated
+  CPU devices on 2 cores: 50-80 s with the steps; one H200: 20 s).
+  ``path``: also written there, as JSON, for ``search(device_model=path)``.
+  The network between hosts is not measured: its figure is the named
+  model's (or half the links' where there is none, or where the steps
+  fitted them).
 
   Args:
     devices: jax devices of one kind, all of this process.
@@ -260,10 +273,14 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     repeats: timed pairs per figure (the median is kept).
     kinds: which collectives to measure (default: all five).
     progress: called with one line per figure measured (e.g. ``print``).
+    steps: fit the rates to timed train steps; default (None): on a CPU,
+      where a step's time is the sum of its terms. Not on accelerators,
+      whose model takes the larger of compute and memory time.
 
   Raises:
     ValueError: no devices, devices of more than one kind or of another
-      process, or an unknown collective kind.
+      process, an unknown collective kind, or ``steps=True`` on an
+      accelerator.
   """
   devices = list(jax.local_devices() if devices is None else devices)
   if not devices:
@@ -283,6 +300,10 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
   say = progress or (lambda line: None)
   first = devices[0]
+  if steps and first.platform != "cpu":
+    raise ValueError(f"calibrate(steps=True) on {first.platform} devices: the fit to whole"
+                     " steps adds compute, memory and communication time, as a CPU spends"
+                     " it; an accelerator overlaps them. Hint: leave steps out there.")
   plan = _plan(first.platform)
   matmul: dict[str, dict[int, float]] = {}
   for dtype, sizes in plan.matmul.items():
@@ -301,9 +322,19 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
         collectives.setdefault(kind, []).append((size, len(devices), seconds))
         say(f"{kind} {size} B: {seconds * 1e6:.1f} us")
   model = _fit(devices, matmul, memory, collectives)
+  timed: tuple[StepTime, ...] = ()
+  if steps or (steps is None and first.platform == "cpu"):
+    timed = tuple(time_steps(devices, model, say=say))
+    (flops, accessed, link), error = fitted(
+        timed, model.latency_s, (model.flops_per_s, model.memory_bytes_per_s,
+                                 model.link_bytes_per_s))
+    model = dataclasses.replace(model, flops_per_s=flops, memory_bytes_per_s=accessed,
+                                link_bytes_per_s=link, network_bytes_per_s=link / 2,
+                                error=error)
+    say(f"fitted to {len(timed)} steps: rms relative error {error:.0%}")
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
-                      _named(first))
+                      _named(first), timed)
   if path is not None:
     found.save(path)
   return found

@@ -71,18 +71,6 @@ def test_device_models_add_or_overlap_compute_and_memory():
   assert partitioner.DeviceModel("default", 1, 1, 1, 1, 0.0).overlap  # a roofline unless told
 
 
-def test_calibration_recovers_the_rates_that_made_the_times():
-  from benchmarks import calibrate
-  rng = np.random.default_rng(0)
-  rows = [{"flops": f, "bytes_accessed": b, "collective_bytes": c, "collectives": n,
-           "seconds": f / 2e10 + b / 3e9 + c / 5e8 + n * 1e-4}
-          for f, b, c, n in rng.uniform(1, 10, (12, 4)) * [1e9, 1e8, 1e7, 10]]
-  per = calibrate.fit(rows, latency=1e-4)
-  assert 1 / per == pytest.approx([2e10, 3e9, 5e8], rel=1e-6)
-  assert calibrate.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
-      == pytest.approx([2.0, 0.0])   # the negative one is held at zero
-
-
 def test_candidates_compiled_for_scoring_only_score_as_the_real_program():
   from partitioner._report.device_models import MODELS
   from partitioner._search import target as _target
@@ -162,7 +150,7 @@ def test_measure_decides_on_the_close_calls():
     families = families or [f"family {k}" for k in range(len(scores))]
     return _measure.close_calls(measure, scores, families, device, own, processes, proxy)
   assert close(None, [1.0, 1.1, 1.2, 1.22, 2.0]) == [0, 1]
-  assert close(None, [1.0, 1.3]) == []  # clearly ahead
+  assert close(None, [1.0, 1.0 + 1.5 * cpu.error]) == []  # clearly ahead
   assert close(None, [1.0, 1.1], own=False) == []  # not the model's devices
   assert close(None, [1.0, 1.1], processes=2) == []  # several processes
   assert close(None, [1.0], device=h100) == []
