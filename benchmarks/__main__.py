@@ -12,6 +12,7 @@ import time
 import benchmarks
 from benchmarks import (
   _scale,
+  calibrate,
   checkpoint,
   dispatch,
   fsdp,
@@ -33,7 +34,7 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
             "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
-            "tpu_models": tpu_models.run}
+            "tpu_models": tpu_models.run, "calibrate": calibrate.run}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
                  help="timed train steps (multiprocess, scaling, layout, fsdp, pipeline)")
   p.add_argument("--model-layers", type=lambda s: tuple(int(n) for n in s.split(",")),
                  help="search_models: the decoder depths, e.g. 2,24")
+  p.add_argument("--calibrate-rounds", type=int,
+                 help="calibrate: interleaved rounds of the programs it predicts")
   p.add_argument("--json", help="also write the results here")
   return p
 

@@ -27,6 +27,7 @@ class Scale:
     interleaved rounds and the final's least rounds. final_seconds: how
     long a final lasts at least. model_layers: the decoder's depths
     (search_models). cluster: the 64-device plan of Gemma 2B's size.
+    calibrate_rounds: the calibrate section's interleaved rounds.
   """
   calls: int
   first_calls: int
@@ -39,6 +40,7 @@ class Scale:
   final_seconds: float
   model_layers: tuple[int, ...]
   cluster: bool
+  calibrate_rounds: int
 
 
 FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
@@ -47,7 +49,7 @@ FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
                             "MLP wide, batch 16", "MLP narrow, batch 4096",
                             "embedding bag + MLP, batch 4096"),
              floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
-             cluster=True)
+             cluster=True, calibrate_rounds=5)
 
 # The default: every section, without the models that hold GBs (the
 # recommender's field holds 10 GB, the 24-layer decoder's 21 GB) or take
@@ -57,7 +59,7 @@ DEFAULT = Scale(calls=10000, first_calls=5, startup_runs=2, steps=12,
                 search_models=("transformer d_model 256", "MLP wide, batch 16",
                                "MLP narrow, batch 4096"),
                 floor=False, search_rounds=(2, 6), final_seconds=15.0, model_layers=(2,),
-                cluster=False)
+                cluster=False, calibrate_rounds=3)
 
 
 def apply(args) -> None:
