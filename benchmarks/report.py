@@ -160,7 +160,7 @@ def merge(results: dict, command: str, path: str) -> dict:
   merged.update(results)
   merged["commands"] = commands
   with open(path, "w") as f:
-    json.dump(merged, f, indent=2)
+    json.dump(merged, f, indent=1)
   return merged
 
 

@@ -359,12 +359,8 @@ class Scores:
 def scores(model: Model, layouts: dict, abstract) -> Scores:
   from partitioner import sharded_jit
   cpu, gpu, hosts = {}, {}, {}
-  # (the state donated, as the search scores its candidates: a train loop
-  # donates it, and XLA:CPU's programs then read and write other buffers)
-  donate = tuple(range(model.n_state))
   for name, (ins, outs) in layouts.items():
-    compiled = sharded_jit(model.step, in_parts=ins, out_parts=outs,
-                           donate_argnums=donate).lower(*abstract).compile()
+    compiled = sharded_jit(model.step, in_parts=ins, out_parts=outs).lower(*abstract).compile()
     cpu[name], gpu[name] = compiled.cost(), compiled.cost("h100")
     hosts[name] = compiled.cost("h100", hosts=2)
   return Scores(cpu, gpu, hosts)

@@ -282,28 +282,9 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
       process, an unknown collective kind, or ``steps=True`` on an
       accelerator.
   """
-  devices = list(jax.local_devices() if devices is None else devices)
-  if not devices:
-    raise ValueError("calibrate(devices=[]): no devices. Hint: leave devices out for this"
-                     " process's devices.")
-  remote = [d for d in devices if d.process_index != jax.process_index()]
-  if remote:
-    raise ValueError(f"calibrate(devices=...): {len(remote)} device(s) of other processes"
-                     f" ({remote[0]}). Hint: calibrate measures the devices of the process"
-                     " that calls it; call it on one host.")
-  kinds_seen = {(d.platform, d.device_kind) for d in devices}
-  if len(kinds_seen) > 1:
-    raise ValueError(f"calibrate(devices=...): devices of {len(kinds_seen)} kinds"
-                     f" {sorted(kinds_seen)}. Hint: calibrate each kind on its own.")
-  unknown = [k for k in kinds if k not in KINDS]
-  if unknown:
-    raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
+  devices = _checked(devices, kinds, steps)
   say = progress or (lambda line: None)
   first = devices[0]
-  if steps and first.platform != "cpu":
-    raise ValueError(f"calibrate(steps=True) on {first.platform} devices: the fit to whole"
-                     " steps adds compute, memory and communication time, as a CPU spends"
-                     " it; an accelerator overlaps them. Hint: leave steps out there.")
   plan = _plan(first.platform)
   matmul: dict[str, dict[int, float]] = {}
   for dtype, sizes in plan.matmul.items():
@@ -324,20 +305,53 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
   model = _fit(devices, matmul, memory, collectives)
   timed: tuple[StepTime, ...] = ()
   if steps or (steps is None and first.platform == "cpu"):
-    timed = tuple(time_steps(devices, model, say=say))
-    (flops, accessed, link), error = fitted(
-        timed, model.latency_s, (model.flops_per_s, model.memory_bytes_per_s,
-                                 model.link_bytes_per_s))
-    model = dataclasses.replace(model, flops_per_s=flops, memory_bytes_per_s=accessed,
-                                link_bytes_per_s=link, network_bytes_per_s=link / 2,
-                                error=error)
-    say(f"fitted to {len(timed)} steps: rms relative error {error:.0%}")
+    model, timed = _fitted_to_steps(devices, model, say)
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
                       _named(first), timed)
   if path is not None:
     found.save(path)
   return found
+
+
+def _checked(devices: Sequence[Any] | None, kinds: Sequence[str], steps: bool | None
+             ) -> list[Any]:
+  """``calibrate``'s devices (this process's by default), its arguments checked."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  if not devices:
+    raise ValueError("calibrate(devices=[]): no devices. Hint: leave devices out for this"
+                     " process's devices.")
+  remote = [d for d in devices if d.process_index != jax.process_index()]
+  if remote:
+    raise ValueError(f"calibrate(devices=...): {len(remote)} device(s) of other processes"
+                     f" ({remote[0]}). Hint: calibrate measures the devices of the process"
+                     " that calls it; call it on one host.")
+  kinds_seen = {(d.platform, d.device_kind) for d in devices}
+  if len(kinds_seen) > 1:
+    raise ValueError(f"calibrate(devices=...): devices of {len(kinds_seen)} kinds"
+                     f" {sorted(kinds_seen)}. Hint: calibrate each kind on its own.")
+  unknown = [k for k in kinds if k not in KINDS]
+  if unknown:
+    raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
+  if steps and devices[0].platform != "cpu":
+    raise ValueError(f"calibrate(steps=True) on {devices[0].platform} devices: the fit to whole"
+                     " steps adds compute, memory and communication time, as a CPU spends"
+                     " it; an accelerator overlaps them. Hint: leave steps out there.")
+  return devices
+
+
+def _fitted_to_steps(devices: Sequence[Any], model: DeviceModel, say: Callable[[str], None]
+                     ) -> tuple[DeviceModel, tuple[StepTime, ...]]:
+  """``model`` with its rates fitted to the family of train steps timed on
+  ``devices`` (its error the fit's), and those steps."""
+  timed = tuple(time_steps(devices, model, say=say))
+  (flops, accessed, link), error = fitted(
+      timed, model.latency_s, (model.flops_per_s, model.memory_bytes_per_s,
+                               model.link_bytes_per_s))
+  say(f"fitted to {len(timed)} steps: rms relative error {error:.0%}")
+  return dataclasses.replace(model, flops_per_s=flops, memory_bytes_per_s=accessed,
+                             link_bytes_per_s=link, network_bytes_per_s=link / 2,
+                             error=error), timed
 
 
 def _named(device: Any) -> str | None:

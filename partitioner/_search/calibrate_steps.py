@@ -115,7 +115,7 @@ def _elementwise_step(params: dict, x: jax.Array) -> dict:
   return {"h": h}
 
 
-def _layouts(n: int) -> dict[str, tuple[dict, Any]]:
+def _layouts() -> dict[str, tuple[dict, Any]]:
   """Per layout of the MLP: the weights' and the batch's specs."""
   d, none = PartitionSpec("d"), PartitionSpec()
   return {"replicated": ({"w1": none, "w2": none}, none),
@@ -134,7 +134,7 @@ def programs(devices: Sequence[Any]) -> list[tuple[str, Callable, tuple]]:
     params = {"w1": rng.normal(0, width ** -0.5, (width, hidden)).astype(np.float32),
               "w2": rng.normal(0, hidden ** -0.5, (hidden, width)).astype(np.float32)}
     x = rng.normal(size=(batch, width)).astype(np.float32)
-    for layout, (pspecs, xspec) in _layouts(len(devices)).items():
+    for layout, (pspecs, xspec) in _layouts().items():
       shard = {k: NamedSharding(mesh, s) for k, s in pspecs.items()}
       xs = NamedSharding(mesh, xspec)
       step = jax.jit(_mlp_step, in_shardings=(shard, xs), out_shardings=shard, donate_argnums=0)
