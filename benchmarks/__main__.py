@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
                               description=benchmarks.__doc__.splitlines()[0])
   p.add_argument("--full", action="store_true",
                  help="the whole run: every model at every size, more rounds"
-                      " (about 28-32 minutes and 21 GB; the default about 6-9 minutes, 4 GB)")
+                      " (about 28-32 minutes and 21 GB; the default about 10-13 minutes, 4 GB)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--calls", type=int, help="timed calls per dispatch case")
   p.add_argument("--first-calls", type=int,

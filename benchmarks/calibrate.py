@@ -19,7 +19,8 @@ search takes by default on these devices, and, per model, the
 hand-written layout each model would pick, measured against the fastest.
 
 ``python -m benchmarks.calibrate`` prints the same with the fitted model;
-``scripts/bench --only calibrate`` records it (about 5 minutes on 8
+``scripts/bench --only calibrate`` records it for the scale's models (the
+default's three, about 2 minutes; ``--full``'s five, about 5 minutes on 8
 simulated devices and 2 cores).
 """
 
@@ -59,12 +60,14 @@ def picks(rows: list[dict], predicted: np.ndarray) -> dict[str, tuple[str, float
   return out
 
 
-def measure(jax, rounds: int) -> list[dict]:
+def measure(jax, rounds: int, names=None) -> list[dict]:
+  """The programs of the search section's models (``names``; all five by
+  default), timed and scored."""
   from benchmarks import search
   from partitioner import sharded_jit
 
   rows = []
-  for name, model in search.models(jax).items():
+  for name, model in search.models(jax, names).items():
     example = model.example
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     layouts = search.hand_written(jax, example, model.rules, model.n_state, model.by_hand)
@@ -84,13 +87,13 @@ def measure(jax, rounds: int) -> list[dict]:
   return rows
 
 
-def _evaluate(jax, rounds: int):
+def _evaluate(jax, rounds: int, names=None):
   """(the programs, the calibrated model, the default model)."""
   import partitioner
   # (first, in a fresh process: after the recommender's 10 GB field, its
   # first measurement took 36 s to minutes on this host)
   calibrated = partitioner.calibrate().model
-  rows = measure(jax, rounds)
+  rows = measure(jax, rounds, names)
   default = partitioner.DEVICE_MODELS["cpu"]
   return rows, calibrated, default
 
@@ -101,11 +104,11 @@ def run(args) -> list[dict]:
   if args.devices != 8:
     return []
   return child_rows("benchmarks.calibrate", "--rows", "--rounds", str(args.calibrate_rounds),
-                    timeout=TIMEOUT)
+                    "--models", ";".join(args.search_models), timeout=TIMEOUT)
 
 
-def _rows(jax, rounds: int) -> list[dict]:
-  rows, calibrated, default = _evaluate(jax, rounds)
+def _rows(jax, rounds: int, names) -> list[dict]:
+  rows, calibrated, default = _evaluate(jax, rounds, names)
   where = "partitioner.calibrate() on 8 simulated devices"
   ours, theirs = rms_error(rows, calibrated), rms_error(rows, default)
   chosen = picks(rows, predict(rows, calibrated))
@@ -117,7 +120,7 @@ def _rows(jax, rounds: int) -> list[dict]:
       Row("rms relative error of the estimate over the search section's programs (held out)",
           ours, theirs, "", "the default cpu model", "<= 0.25", detail).record(where, ours),
       Row("the hand-written layout its estimate picks, measured time over the fastest's"
-          " (worst of the five models; the search times such close calls)", worst, 1.0, "x",
+          " (worst of the models; the search times such close calls)", worst, 1.0, "x",
           "the fastest hand-written layout", "-", "; ".join(f"{m}: {k} {r:.2f}" for m, (k, r) in chosen.items())
           ).record(where, worst)]
 
@@ -126,14 +129,16 @@ def main() -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.calibrate", description=__doc__)
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--models", type=lambda s: s.split(";"),
+                 help="the search section's models to predict, separated by ; (default: all)")
   p.add_argument("--rows", action="store_true",
                  help="print the section's rows as JSON (scripts/bench --only calibrate)")
   args = p.parse_args()
   jax = setup_jax(args.devices)
   if args.rows:
-    print(json.dumps(_rows(jax, args.rounds)))
+    print(json.dumps(_rows(jax, args.rounds, args.models)))
     return
-  rows, calibrated, default = _evaluate(jax, args.rounds)
+  rows, calibrated, default = _evaluate(jax, args.rounds, args.models)
   print(f"\npartitioner.calibrate(): {calibrated}")
   for name, model in (("calibrated", calibrated), ("default cpu", default)):
     print(f"{name}: rms relative error {rms_error(rows, model):.0%} over {len(rows)} programs")

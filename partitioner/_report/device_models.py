@@ -18,8 +18,8 @@ matmul peak, 0.88-0.89x the memory bandwidth); the cpu's are measured:
   a collective; the medians here): rates fitted to its small family of
   whole train steps, not a lone matmul's or copy's. Over the search
   section's 34 programs, which that fit never saw, its estimates are
-  within 30-37% (rms) of the measured times (``scripts/bench --only
-  calibrate``, two runs, and three calibrations against one measurement); the constants fitted before by hand on those programs
+  within 30-37% (rms) of the measured times (``scripts/bench --full --only
+  calibrate``, three runs, and three calibrations against one measurement); the constants fitted before by hand on those programs
   themselves had drifted to 86%. Simulated devices' collectives are
   memory copies between threads, which is why they cost so much more
   than a CPU's arithmetic; the largest (tens of MB) run slower still
