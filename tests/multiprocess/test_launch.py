@@ -284,9 +284,15 @@ def test_launcher_prefixes_ranks_and_shows_everything_when_verbose():
                    proc.stderr, re.M), out
 
 
-_FLAKY = ("import os, signal, sys\n"
+# Rank 0 leaves a mark once it has printed, and rank 1 fails only after seeing it: the
+# launcher ends rank 0 when rank 1 dies, which could otherwise beat rank 0's print.
+_FLAKY = ("import os, pathlib, signal, sys, time\n"
           "attempt, rank = int(os.environ['SHARDED_JIT_RESTART']), int(os.environ['PMI_RANK'])\n"
           "print(f'attempt {attempt} rank {rank}', flush=True)\n"
+          "mark = pathlib.Path(__file__).with_name(f'printed-{attempt}')\n"
+          "if rank == 0: mark.touch()\n"
+          "deadline = time.monotonic() + 60\n"
+          "while rank == 1 and not mark.exists() and time.monotonic() < deadline: time.sleep(0.01)\n"
           "if attempt < int(sys.argv[1]) and rank == 1:\n"
           "  os.kill(os.getpid(), signal.SIGKILL) if sys.argv[2] == 'kill' else sys.exit(3)\n")
 
