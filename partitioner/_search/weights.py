@@ -18,6 +18,7 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
+from partitioner._compat import scan_counts
 from partitioner._search.axes import _sub_jaxprs
 
 _MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
@@ -61,7 +62,7 @@ def _call(eqn: Any, subs: list, ins: list[int]) -> tuple[list[int], int]:
       outs, hit = [a | b for a, b in zip(outs, got)], hit | h
     return outs, hit
   if name == "scan":  # (consts, carry, xs) -> (carry, ys)
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = scan_counts(eqn.params)
     return _loop(subs[0], ins[:consts], ins[consts:consts + carry], ins[consts + carry:],
                  len(eqn.outvars))
   if name == "while":  # (cond consts, body consts, carry) -> carry
