@@ -28,6 +28,7 @@ from benchmarks import (
   startup,
   tpu_models,
 )
+from benchmarks._common import ON_ACCELERATOR
 
 SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.run,
             "fsdp": fsdp.run, "search": search.run, "search_models": search_models.run,
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                  help="the whole run: every model at every size, more rounds"
                       " (about 28-32 minutes and 21 GB; the default about 10-13 minutes, 4 GB)")
   p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--accelerator", action="store_true",
+                 help="run on the devices jax finds (a GPU or TPU; --devices their count)"
+                      " instead of simulated CPU devices")
   p.add_argument("--calls", type=int, help="timed calls per dispatch case")
   p.add_argument("--first-calls", type=int,
                  help="fresh functions traced and compiled per case")
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = parser().parse_args(argv)
   _scale.apply(args)
+  if args.accelerator:
+    os.environ[ON_ACCELERATOR] = "1"  # (the sections' child processes inherit it)
   results = {"devices": args.devices, "cores": os.cpu_count()}
   for name, run in SECTIONS.items():
     if args.only in (None, name):

@@ -11,10 +11,21 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ON_ACCELERATOR = "SHARDED_JIT_BENCH_ACCELERATOR"  # set by ``python -m benchmarks --accelerator``
+
+
 def setup_jax(devices: int):
   """Imports jax on ``devices`` simulated CPU devices (unless jax already
-  started its CPU backend) and returns it."""
+  started its CPU backend) and returns it; under ``--accelerator``, on the
+  devices jax finds, which must be ``devices`` of them."""
   sys.path.insert(0, ROOT)
+  if os.environ.get(ON_ACCELERATOR) == "1":
+    import jax
+    found = jax.devices()
+    if len(found) != devices:
+      raise SystemExit(f"--accelerator --devices {devices}: jax finds {len(found)}"
+                       f" {found[0].platform} device(s); pass --devices {len(found)}.")
+    return jax
   from partitioner.launch import with_cpu_device_count
   os.environ["XLA_FLAGS"] = with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), devices)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -989,11 +989,11 @@ def check_test_suite(machine: Machine, timeout: float = 1800) -> str:
 
 
 def check_benchmark(machine: Machine, section: str) -> Outcome:
-  """``python -m benchmarks --only SECTION`` on the accelerator's
-  devices, a smaller run; its rows become ratios."""
+  """``python -m benchmarks --accelerator --only SECTION`` on the
+  accelerator's devices, a smaller run; its rows become ratios."""
   with tempfile.TemporaryDirectory(prefix="accelerator-check-bench-") as tmp:
     path = os.path.join(tmp, "results.json")
-    cmd = [sys.executable, "-m", "benchmarks", "--only", section, "--devices",
+    cmd = [sys.executable, "-m", "benchmarks", "--accelerator", "--only", section, "--devices",
            str(machine.count), "--no-write", "--json", path, *BENCHMARK_SECTIONS[section]]
     out = subprocess.run(cmd, env=child_env(machine), cwd=ROOT, capture_output=True,
                          text=True, timeout=1200)

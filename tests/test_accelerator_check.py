@@ -265,3 +265,15 @@ def test_the_command_end_to_end(tmp_path):
   for name in ("jax finds the devices", *ac.DEVICE_CHECKS, ac.CACHE, ac.TWO_PROCESSES):
     assert f"| {name} | pass |" in text, name
   assert len([line for line in text.splitlines() if "| steps/s |" in line]) == len(ac.RATIOS)
+
+
+def test_benchmarks_on_an_accelerator_use_the_devices_jax_finds():
+  # Under --accelerator the sections keep jax's own devices (the check's
+  # benchmark rows once ran on one simulated CPU device beside the GPU):
+  # here jax finds one CPU device, which --devices 8 must match.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-m", "benchmarks", "--accelerator", "--devices", "8",
+                        "--only", "checkpoint", "--no-write"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert "--accelerator --devices 8: jax finds 1 cpu device(s); pass --devices 1." in out.stderr
