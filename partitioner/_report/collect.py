@@ -157,5 +157,5 @@ def explanation(described: Description, hlo_text: str, cost_analysis: dict,
       outputs=tuple(_value_layout(*o) for o in d.outputs),
       collectives=found, pipelines=pipelines(d.pipelines, found),
       temporaries=temporaries(hlo_text),
-      flops=float(cost_analysis.get("flops", 0.0)) + _hlo.repeated_flops(hlo_text),
+      flops=_hlo.program_flops(hlo_text, cost_analysis),
       memory=memory(memory_stats), guards=tuple(d.guards), replicas=d.replicas)

@@ -334,7 +334,7 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   for op in _hlo.instructions(hlo_text):
     k, sent, across = _collective(op, processes)
     count, weighted, network = count + k, weighted + sent, network + across
-  flops = float(cost.get("flops", 0.0)) + _hlo.repeated_flops(hlo_text)
+  flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)

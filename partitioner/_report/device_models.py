@@ -1,16 +1,17 @@
 """Device models: what a flop, a byte of memory and a byte on a link cost.
 
 A candidate's estimated time per call is its compute time (per-device flops
-over the peak rate and bytes accessed over memory bandwidth: on an
-accelerator the larger of the two, a roofline; on a CPU, which runs one
-op after another, their sum) plus its communication time (each collective's bytes, weighted
+over the peak rate and bytes accessed over memory bandwidth: on a TPU the
+larger of the two, a roofline; on a CPU, which runs one op after another,
+and on a GPU, which runs one kernel after another, their sum) plus its communication time (each collective's bytes, weighted
 by its algorithm and group size, over the bandwidth of the links it
 crosses: inside a host, or across hosts, i.e. processes) plus a latency
 per collective.
 
-The accelerators' figures are datasheet peaks for one device (dense,
-bf16), not measurements (one H200's, ``docs/measured``: 0.68-0.70x the
-matmul peak, 0.88-0.89x the memory bandwidth); the cpu's are measured:
+The H100's and H200's compute and memory rates are measured (by
+``partitioner.calibrate`` on one of each: ``docs/measured``); every other
+figure of the accelerators is a datasheet peak for one device (dense,
+bf16), not a measurement; the cpu's are measured:
 
 - ``cpu``: one of 8 simulated devices sharing a 2-core host, measured by
   ``partitioner.calibrate()`` on it (three runs: 38-45 GFLOP/s, 7.9-9.1
@@ -27,10 +28,14 @@ matmul peak, 0.88-0.89x the memory bandwidth); the cpu's are measured:
   fitted: half the in-process rate;
 - ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
   HBM2e, NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
-- ``h100``: NVIDIA H100 SXM 80 GB datasheet: 989 TFLOP/s bf16 dense,
-  3.35 TB/s HBM3, NVLink 4 900 GB/s, 400 Gb/s InfiniBand per GPU (50 GB/s);
-- ``h200``: NVIDIA H200 SXM datasheet: the H100's compute and links,
-  141 GB HBM3e at 4.8 TB/s;
+- ``h100``: measured on one H100 80 GB HBM3 (2026-11-26, jax 0.11.2,
+  ``docs/measured/h100-calibration.json``): 650 TFLOP/s of bf16 matmul
+  (8192 x 8192 x 8192; the datasheet's 989 dense), 3.0 TB/s of memory
+  read and written (the datasheet's 3.35); NVIDIA H100 SXM datasheet:
+  80 GB, NVLink 4 900 GB/s, 400 Gb/s InfiniBand per GPU (50 GB/s);
+- ``h200``: measured on one H200 (two runs, ``docs/measured``): 670-694
+  TFLOP/s of bf16 matmul, 4.24-4.28 TB/s (the datasheet's 989 and 4.8);
+  NVIDIA H200 SXM datasheet: 141 GB, the H100's links;
 - ``gh200``: NVIDIA GH200 Grace Hopper datasheet: the H100's compute and
   links, 96 GB HBM3 at 4.0 TB/s;
 - ``b200``: NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU,
@@ -77,7 +82,8 @@ class DeviceModel:
       device.
     latency_s: fixed cost of one collective.
     overlap: compute and memory traffic overlap (a roofline: the larger
-      of the two counts), as on accelerators; False adds them, as on a CPU.
+      of the two counts), as on TPUs; False adds them, as on a CPU and a
+      GPU (one kernel after another, each bound by one or the other).
     error: how far its estimates are from measured times (relative, rms):
       :func:`partitioner.search` times the candidates within it of the best
       on the devices instead of trusting the estimate.
@@ -122,15 +128,20 @@ MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
     "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 600e9, 25e9, 10e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu"),
-    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 900e9, 50e9, 8e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu"),
-    "h200": DeviceModel("NVIDIA H200 SXM", 989e12, 4.8e12, 900e9, 50e9, 8e-6,
-                        memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu"),
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
+                        overlap=False),
+    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 900e9, 50e9, 8e-6,
+                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
+                        overlap=False),
+    "h200": DeviceModel("NVIDIA H200 SXM", 680e12, 4.25e12, 900e9, 50e9, 8e-6,
+                        memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu",
+                        overlap=False),
     "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 900e9, 50e9, 8e-6,
-                         memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu"),
+                         memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu",
+                         overlap=False),
     "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
-                        memory_bytes=180e9, usable_fraction=_JAX_GPU, platform="gpu"),
+                        memory_bytes=180e9, usable_fraction=_JAX_GPU, platform="gpu",
+                        overlap=False),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,

@@ -273,9 +273,9 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     repeats: timed pairs per figure (the median is kept).
     kinds: which collectives to measure (default: all five).
     progress: called with one line per figure measured (e.g. ``print``).
-    steps: fit the rates to timed train steps; default (None): on a CPU,
-      where a step's time is the sum of its terms. Not on accelerators,
-      whose model takes the larger of compute and memory time.
+    steps: fit the rates to timed train steps; default (None): on a CPU.
+      Not on accelerators: the family's steps are sized for a CPU (on an
+      H100 they take 0.1-0.3 ms, bound by kernel launches).
 
   Raises:
     ValueError: no devices, devices of more than one kind or of another
@@ -334,9 +334,10 @@ def _checked(devices: Sequence[Any] | None, kinds: Sequence[str], steps: bool | 
   if unknown:
     raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
   if steps and devices[0].platform != "cpu":
-    raise ValueError(f"calibrate(steps=True) on {devices[0].platform} devices: the fit to whole"
-                     " steps adds compute, memory and communication time, as a CPU spends"
-                     " it; an accelerator overlaps them. Hint: leave steps out there.")
+    raise ValueError(f"calibrate(steps=True) on {devices[0].platform} devices: its family of"
+                     " steps is sized for a CPU; on an accelerator they take a fraction of a"
+                     " millisecond, bound by kernel launches (0.1-0.3 ms on an H100), which"
+                     " the model's rates do not describe. Hint: leave steps out there.")
   return devices
 
 
@@ -375,7 +376,7 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
       "name": f"measured: {first.device_kind} ({first.platform}), {len(devices)} devices",
       "flops_per_s": rates[max(rates)],
       "memory_bytes_per_s": max(memory.values()),
-      "overlap": first.platform != "cpu", "platform": first.platform}
+      "overlap": first.platform == "tpu", "platform": first.platform}
   rows = [(k, b, g, s) for k, found in collectives.items() for b, g, s in found]
   if rows:
     fields["link_bytes_per_s"], fields["latency_s"] = fit_links(rows)

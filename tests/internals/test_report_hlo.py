@@ -194,3 +194,16 @@ def test_xla_convolutions_are_matmuls_with_their_flops():
   assert _hlo.flops(lines, matmuls_only=True) == dot + conv + dilated
   assert _hlo.is_matmul(lines[-1])
   assert _hlo.matmul_flops(_TPU) == dot + conv + dilated
+
+
+def test_gemms_a_gpu_cost_analysis_left_out_are_added():
+  # jax's cost_analysis() on a GPU counts no cuBLAS call (an H100, jax
+  # 0.11.2): the program's flops add them, the loop's once per iteration.
+  main_only = _hlo.uncounted_gemm_flops(_GPU, counted=6.0)
+  assert main_only == _BATCHED + _PLAIN
+  assert _hlo.program_flops(_GPU, {"flops": 6.0}) == 6 + 6 * _BATCHED + _PLAIN + 6
+  # Where the analysis counted them (its flops reach the program's own
+  # count), nothing is added twice.
+  counted = _BATCHED + _PLAIN + 6
+  assert _hlo.uncounted_gemm_flops(_GPU, counted) == 0.0
+  assert _hlo.program_flops(_GPU, {"flops": counted}) == counted + 5 * _BATCHED + 6
