@@ -27,17 +27,23 @@ bf16), not a measurement; the cpu's are measured:
   than the fit says. Collectives across processes (gloo over TCP) are not
   fitted: half the in-process rate;
 - ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
-  HBM2e, NVLink 3 600 GB/s, 200 Gb/s InfiniBand per GPU (25 GB/s);
+  HBM2e, 200 Gb/s InfiniBand per GPU (25 GB/s); inside a host, the
+  all-reduce bus bandwidth nccl-tests measures on 8 A100 SXM4 over NVLink 3
+  at large sizes, 230-250 GB/s (published: docs/search.md cites it; the
+  datasheet's 600 GB/s counts both directions of every link);
 - ``h100``: measured on one H100 80 GB HBM3 (2026-11-26, jax 0.11.2,
   ``docs/measured/h100-calibration.json``): 650 TFLOP/s of bf16 matmul
   (8192 x 8192 x 8192; the datasheet's 989 dense), 3.0 TB/s of memory
-  read and written (the datasheet's 3.35); NVIDIA H100 SXM datasheet:
-  80 GB, NVLink 4 900 GB/s, 400 Gb/s InfiniBand per GPU (50 GB/s);
+  read and written (the datasheet's 3.35); inside a host, nccl-tests'
+  all-reduce bus bandwidth on 8 H100 SXM5 over NVLink 4 at large sizes,
+  460-480 GB/s (published, cited in docs/search.md; the datasheet's 900
+  GB/s counts both directions); NVIDIA H100 SXM datasheet: 80 GB, 400
+  Gb/s InfiniBand per GPU (50 GB/s, not a measurement);
 - ``h200``: measured on one H200 (two runs, ``docs/measured``): 670-694
   TFLOP/s of bf16 matmul, 4.24-4.28 TB/s (the datasheet's 989 and 4.8);
   NVIDIA H200 SXM datasheet: 141 GB, the H100's links;
-- ``gh200``: NVIDIA GH200 Grace Hopper datasheet: the H100's compute and
-  links, 96 GB HBM3 at 4.0 TB/s;
+- ``gh200``: NVIDIA GH200 Grace Hopper datasheet: 989 TFLOP/s, 96 GB
+  HBM3 at 4.0 TB/s; the H100's links (NVLink 4);
 - ``b200``: NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU,
   180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
 - ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
@@ -127,16 +133,16 @@ _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
-    "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 600e9, 25e9, 10e-6,
+    "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 240e9, 25e9, 10e-6,
                         memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
                         overlap=False),
-    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 900e9, 50e9, 8e-6,
+    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6,
                         memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
                         overlap=False),
-    "h200": DeviceModel("NVIDIA H200 SXM", 680e12, 4.25e12, 900e9, 50e9, 8e-6,
+    "h200": DeviceModel("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6,
                         memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu",
                         overlap=False),
-    "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 900e9, 50e9, 8e-6,
+    "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6,
                          memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu",
                          overlap=False),
     "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
