@@ -120,7 +120,7 @@ class _Fake:
 @pytest.mark.parametrize("kw,message", [
     (dict(devices=[]), r"calibrate\(devices=\[\]\): no devices"),
     (dict(devices=[_Fake(), _Fake("tpu", "TPU v5")]), "devices of 2 kinds"),
-    (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: calibrate measures"),
+    (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: leave devices out"),
     (dict(kinds=("all-reduce", "broadcast")), r"unknown \['broadcast'\].*Hint: any of"),
     (dict(devices=[_Fake("gpu", "NVIDIA H100")], steps=True),
      r"steps=True\) on gpu devices.*Hint: leave steps out"),
@@ -181,3 +181,10 @@ def test_the_named_h100_against_steps_measured_on_an_h100():
   assert len(rows) == 7 and rms(added) < 0.35 < 0.4 < rms(roofline)
   decoders = [v for k, v in added.items() if k.startswith("decoder")]
   assert len(decoders) == 2 and all(0.95 < v < 1.15 for v in decoders)
+
+
+def test_a_network_whose_times_show_no_size_is_never_free():
+  flat = {"all-reduce": [(4096, 8, 8e-3), (1 << 20, 8, 7e-3)]}
+  assert cal._network(flat) == pytest.approx((1 << 20) * 2 * 7 / 8 / 7e-3)
+  line = {"all-reduce": [(b, 8, 1e-3 + b * 1.75 / 1e9) for b in (4096, 1 << 20, 1 << 22)]}
+  assert cal._network(line) == pytest.approx(1e9, rel=1e-6)

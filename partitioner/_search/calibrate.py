@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from partitioner import _distributed
 from partitioner._report.cost import collective_weight
 from partitioner._report.device_models import MODELS, DeviceModel, default_model, load_model
 from partitioner._search.calibrate_steps import StepTime, fitted, time_steps
@@ -61,6 +62,9 @@ class Calibration:
     steps: on a CPU, the train steps whose times the model's rates are
       fitted to (``StepTime``: the cost model's terms and the seconds);
       else empty.
+    across: in a job of several processes, ``{kind: [(bytes per device,
+      group size, seconds)]}`` of each collective over every process's
+      devices (what ``network_bytes_per_s`` is fitted to); else empty.
   """
   model: DeviceModel
   matmul: dict[str, dict[int, float]]
@@ -69,6 +73,7 @@ class Calibration:
   devices: str
   named: str | None = None
   steps: tuple[StepTime, ...] = ()
+  across: dict[str, list[tuple[int, int, float]]] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict[str, Any]:
     return {"model": dataclasses.asdict(self.model), "devices": self.devices,
@@ -76,7 +81,8 @@ class Calibration:
             "matmul": {d: {str(n): r for n, r in rows.items()} for d, rows in self.matmul.items()},
             "memory": {str(b): r for b, r in self.memory.items()},
             "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()},
-            "steps": [dataclasses.asdict(row) for row in self.steps]}
+            "steps": [dataclasses.asdict(row) for row in self.steps],
+            "across": {k: [list(row) for row in rows] for k, rows in self.across.items()}}
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -99,7 +105,8 @@ def load(path: str | os.PathLike) -> Calibration:
       memory={int(b): r for b, r in data.get("memory", {}).items()},
       collectives={k: [tuple(row) for row in rows]
                    for k, rows in data.get("collectives", {}).items()},
-      steps=tuple(StepTime(**row) for row in data.get("steps", ())))
+      steps=tuple(StepTime(**row) for row in data.get("steps", ())),
+      across={k: [tuple(row) for row in rows] for k, rows in data.get("across", {}).items()})
 
 
 def _per_iteration(build: Callable[[int], Callable], args: Sequence[Any], k: int,
@@ -125,9 +132,12 @@ def _iterations(seconds_each: float, target: float) -> int:
 
 
 def _timed(build: Callable[[int], Callable], args: Sequence[Any], target: float,
-           repeats: int) -> float:
+           repeats: int, agree: Callable[[int], int] = lambda k: k) -> float:
+  """Seconds per iteration; ``agree`` turns this process's choice of loop
+  length into the one every process runs (a collective across processes
+  is one program everywhere)."""
   rough = _per_iteration(build, args, 2, 1)
-  return _per_iteration(build, args, _iterations(rough, target), repeats)
+  return _per_iteration(build, args, agree(_iterations(rough, target)), repeats)
 
 
 def _on_all(devices: Sequence[Any], step: Callable[[Any, Any], Any],
@@ -200,14 +210,15 @@ def _result_bytes(kind: str, block_bytes: int, n: int) -> int:
 
 
 def measure_collective(devices: Sequence[Any], kind: str, block_bytes: int, target: float,
-                       repeats: int) -> float:
+                       repeats: int, agree: Callable[[int], int] = lambda k: k) -> float:
   """Seconds of one ``kind`` collective whose per-device block (its input,
   float32) is ``block_bytes``, over all of ``devices``."""
   n = len(devices)
   mesh = Mesh(np.array(devices), ("d",))
   elements = max(block_bytes // 4 // n, 1) * n
-  x = jax.device_put(jnp.ones((elements * n,), jnp.float32),
-                     jax.sharding.NamedSharding(mesh, PartitionSpec("d")))
+  ones = np.ones((elements * n,), np.float32)
+  x = jax.make_array_from_callback(  # (devices of several processes: each places its own)
+      ones.shape, jax.sharding.NamedSharding(mesh, PartitionSpec("d")), lambda i: ones[i])
   step = _collective_step(kind, n)
 
   def build(k: int) -> Callable:
@@ -215,7 +226,7 @@ def measure_collective(devices: Sequence[Any], kind: str, block_bytes: int, targ
                          out_specs=PartitionSpec("d"), check_vma=False)
     return body
 
-  return _timed(build, (x,), target, repeats)
+  return _timed(build, (x,), target, repeats, agree)
 
 
 def fit_links(rows: Sequence[tuple[str, int, int, float]]) -> tuple[float, float]:
@@ -263,12 +274,19 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
   relative error is the model's ``error``. About a minute (8 simulated
   CPU devices on 2 cores: 50-80 s with the steps; one H200: 20 s).
   ``path``: also written there, as JSON, for ``search(device_model=path)``.
-  The network between hosts is not measured: its figure is the named
-  model's (or half the links' where there is none, or where the steps
-  fitted them).
+
+  In a job of several processes (``partitioner.initialize()``), every
+  process calls it with ``devices`` left out: each measures its own
+  devices, then all of them time each collective over every process's
+  devices, and the network between them (``network_bytes_per_s``) is
+  fitted to those (``Calibration.across``); every process returns process
+  0's figures, and process 0 alone writes ``path``. Otherwise the network
+  is not measured: its figure is the named model's (or half the links'
+  where there is none, or where the steps fitted them).
 
   Args:
-    devices: jax devices of one kind, all of this process.
+    devices: jax devices of one kind, all of this process (default: all
+      of them, and in a job of several processes, every process's too).
     path: where to write the calibration (JSON).
     repeats: timed pairs per figure (the median is kept).
     kinds: which collectives to measure (default: all five).
@@ -282,10 +300,13 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
       process, an unknown collective kind, or ``steps=True`` on an
       accelerator.
   """
+  everywhere = devices is None and _distributed.world().multi
   devices = _checked(devices, kinds, steps)
   say = progress or (lambda line: None)
   first = devices[0]
   plan = _plan(first.platform)
+  if everywhere:  # (a clear error, not a hang, where a process does not come)
+    _distributed.world().rendezvous("partitioner.calibrate(), which every process must call")
   matmul: dict[str, dict[int, float]] = {}
   for dtype, sizes in plan.matmul.items():
     for n in sizes:
@@ -293,22 +314,66 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
       say(f"matmul {dtype} {n}: {matmul[dtype][n] / 1e12:.3g} TFLOP/s")
   memory = {plan.memory_bytes: measure_memory(devices, plan.memory_bytes, plan.target, repeats)}
   say(f"memory: {memory[plan.memory_bytes] / 1e9:.4g} GB/s")
-  collectives: dict[str, list[tuple[int, int, float]]] = {}
-  if len(devices) > 1:
-    for kind in kinds:
-      for block in plan.block_bytes:
-        seconds = measure_collective(devices, kind, block, plan.target, repeats)
-        size = _result_bytes(kind, max(block // 4 // len(devices), 1) * len(devices) * 4,
-                             len(devices))
-        collectives.setdefault(kind, []).append((size, len(devices), seconds))
-        say(f"{kind} {size} B: {seconds * 1e6:.1f} us")
+  collectives = (_collective_rows(devices, kinds, plan, repeats, say) if len(devices) > 1
+                 else {})
+  across = (_collective_rows([d for d in jax.devices() if d.device_kind == first.device_kind],
+                             kinds, plan, repeats, lambda line: say(f"across processes: {line}"),
+                             across=True)
+            if everywhere else {})
   model = _fit(devices, matmul, memory, collectives)
   timed: tuple[StepTime, ...] = ()
   if steps or (steps is None and first.platform == "cpu"):
     model, timed = _fitted_to_steps(devices, model, say)
+  if across:
+    model = dataclasses.replace(model, name=f"{model.name}, {_distributed.world().size} processes",
+                                network_bytes_per_s=_network(across))
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
-                      _named(first), timed)
+                      _named(first), timed, across)
+  return _shared(found, path, everywhere)
+
+
+def _collective_rows(devices: Sequence[Any], kinds: Sequence[str], plan: _Plan, repeats: int,
+                     say: Callable[[str], None], across: bool = False
+                     ) -> dict[str, list[tuple[int, int, float]]]:
+  """Each of ``kinds`` over all of ``devices`` at the plan's sizes:
+  ``{kind: [(result bytes per device, group size, seconds)]}``; ``across``:
+  the devices of every process, each loop as long as process 0 chose."""
+  world = _distributed.world()
+  agree = (lambda k: world.bcast(k if world.rank == 0 else None)) if across else (lambda k: k)
+  rows: dict[str, list[tuple[int, int, float]]] = {}
+  n = len(devices)
+  for kind in kinds:
+    for block in plan.block_bytes:
+      seconds = measure_collective(devices, kind, block, plan.target, repeats, agree)
+      size = _result_bytes(kind, max(block // 4 // n, 1) * n * 4, n)
+      rows.setdefault(kind, []).append((size, n, seconds))
+      say(f"{kind} {size} B: {seconds * 1e6:.1f} us")
+  return rows
+
+
+def _network(across: dict[str, list[tuple[int, int, float]]]) -> float:
+  """The bandwidth across processes fitted to ``across``; where its times
+  show no size dependence (a latency of milliseconds between processes
+  can hide it), the best rate any of them reached, latency included: a
+  network is never free."""
+  rows = [(k, *row) for k, found in across.items() for row in found]
+  bandwidth, _ = fit_links(rows)
+  if bandwidth == float("inf"):
+    bandwidth = max(b * collective_weight(k, g) / s for k, b, g, s in rows)
+  return bandwidth
+
+
+def _shared(found: Calibration, path: str | os.PathLike | None, everywhere: bool
+            ) -> Calibration:
+  """``found``, or in a job whose every process calibrated, process 0's
+  (each timed its own: one model for all, as the search's answer is);
+  written to ``path`` by process 0 alone there."""
+  if everywhere:
+    world = _distributed.world()
+    found = world.bcast(found if world.rank == 0 else None)
+    if world.rank != 0:
+      return found
   if path is not None:
     found.save(path)
   return found
@@ -324,8 +389,8 @@ def _checked(devices: Sequence[Any] | None, kinds: Sequence[str], steps: bool | 
   remote = [d for d in devices if d.process_index != jax.process_index()]
   if remote:
     raise ValueError(f"calibrate(devices=...): {len(remote)} device(s) of other processes"
-                     f" ({remote[0]}). Hint: calibrate measures the devices of the process"
-                     " that calls it; call it on one host.")
+                     f" ({remote[0]}). Hint: leave devices out and call calibrate() on every"
+                     " process: it measures the collectives across them too.")
   kinds_seen = {(d.platform, d.device_kind) for d in devices}
   if len(kinds_seen) > 1:
     raise ValueError(f"calibrate(devices=...): devices of {len(kinds_seen)} kinds"

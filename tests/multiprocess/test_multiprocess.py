@@ -263,3 +263,23 @@ def test_resident_memory_stays_flat_over_2000_steps():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   growth = [float(g) for g in re.findall(r"growth (-?[\d.]+)%", proc.stdout)]
   assert len(growth) == 2 and max(growth) < 5.0, proc.stdout
+
+
+def test_calibrate_measures_the_network_across_processes(tmp_path):
+  # 2 ranks x 2 devices: each rank times its own devices' collectives
+  # (groups of 2), then both time them over all 4 devices; the network
+  # rate is fitted to those, and both ranks return rank 0's calibration,
+  # which rank 0 alone writes.
+  path = tmp_path / "calibration.json"
+  proc, _ = launch("mp_calibrate.py", str(path))
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  lines = sorted(re.findall(r"rank \d: (\{.*\})", proc.stdout))
+  assert len(lines) == 2 and lines[0] == lines[1], proc.stdout
+  got = json.loads(lines[0])
+  assert got["name"].endswith(", 2 processes")
+  assert sorted(got["across"]) == ["all-gather", "all-reduce"]
+  assert all(g == 4 for rows in got["across"].values() for _, g, _ in rows)
+  assert all(g == 2 for rows in got["local"].values() for _, g, _ in rows)
+  assert 0 < got["network"] < float("inf") and got["network"] != got["link"] / 2
+  data = json.loads(path.read_text())
+  assert data["model"]["network_bytes_per_s"] == got["network"] and data["across"]
