@@ -55,6 +55,8 @@ class Cost:
       runs: what a layout's share of the work is judged by.
     xla_seconds: XLA's own estimate of one call, where its compiler gives
       one (XLA:TPU's ``optimal_seconds``), else None.
+    f32_matmul_flops: the part of ``matmul_flops`` in float32 matmuls
+      (a GPU's TF32 rate, :attr:`DeviceModel.f32_flops_per_s`).
   """
   flops: float
   bytes_accessed: float
@@ -65,6 +67,7 @@ class Cost:
   seconds: float
   matmul_flops: float = 0.0
   xla_seconds: float | None = None
+  f32_matmul_flops: float = 0.0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -340,8 +343,9 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
-  seconds = (device.compute_seconds(flops, accessed)
+  f32 = _hlo.matmul_flops(hlo_text, "f32")
+  seconds = (device.compute_seconds(flops, accessed, f32)
              + device.comm_seconds(weighted - network, count, network))
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
-              _hlo.matmul_flops(hlo_text), float(own) if own and own > 0 else None)
+              _hlo.matmul_flops(hlo_text), float(own) if own and own > 0 else None, f32)

@@ -8,7 +8,10 @@ by its algorithm and group size, over the bandwidth of the links it
 crosses: inside a host, or across hosts, i.e. processes) plus a latency
 per collective.
 
-The H100's and H200's compute and memory rates are measured (by
+Float32 matmuls on a GPU run as TF32 at jax's default precision: the
+GPU models hold that rate too (the datasheets' TF32 dense figure, half
+the bf16 one; the H100's and H200's measured). The H100's and H200's
+compute and memory rates are measured (by
 ``partitioner.calibrate`` on one of each: ``docs/measured``); every other
 figure of the accelerators is a datasheet peak for one device (dense,
 bf16), not a measurement; the cpu's are measured:
@@ -33,14 +36,16 @@ bf16), not a measurement; the cpu's are measured:
   datasheet's 600 GB/s counts both directions of every link);
 - ``h100``: measured on one H100 80 GB HBM3 (2026-11-26, jax 0.11.2,
   ``docs/measured/h100-calibration.json``): 650 TFLOP/s of bf16 matmul
-  (8192 x 8192 x 8192; the datasheet's 989 dense), 3.0 TB/s of memory
+  (8192 x 8192 x 8192; the datasheet's 989 dense), 336 of float32 as
+  TF32 (the datasheet's 494), 3.0 TB/s of memory
   read and written (the datasheet's 3.35); inside a host, nccl-tests'
   all-reduce bus bandwidth on 8 H100 SXM5 over NVLink 4 at large sizes,
   460-480 GB/s (published, cited in docs/search.md; the datasheet's 900
   GB/s counts both directions); NVIDIA H100 SXM datasheet: 80 GB, 400
   Gb/s InfiniBand per GPU (50 GB/s, not a measurement);
 - ``h200``: measured on one H200 (two runs, ``docs/measured``): 670-694
-  TFLOP/s of bf16 matmul, 4.24-4.28 TB/s (the datasheet's 989 and 4.8);
+  TFLOP/s of bf16 matmul, 351-362 of float32 as TF32, 4.24-4.28 TB/s (the
+  datasheet's 989, 494 and 4.8);
   NVIDIA H200 SXM datasheet: 141 GB, the H100's links;
 - ``gh200``: NVIDIA GH200 Grace Hopper datasheet: 989 TFLOP/s, 96 GB
   HBM3 at 4.0 TB/s; the H100's links (NVLink 4);
@@ -99,6 +104,9 @@ class DeviceModel:
       what its compiler does that the account of memory must follow
       (``jax.nn.dot_product_attention`` in bfloat16 runs as cuDNN's fused
       kernel on a GPU, as XLA's ops elsewhere).
+    f32_flops_per_s: the rate of float32 matmuls where it is not
+      ``flops_per_s``'s (a GPU runs them as TF32 at jax's default
+      precision, about half its bfloat16 rate), else None.
   """
   name: str
   flops_per_s: float
@@ -111,14 +119,20 @@ class DeviceModel:
   memory_bytes: float | None = None
   usable_fraction: float = 0.95
   platform: str = ""
+  f32_flops_per_s: float | None = None
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
     budget), or None where the memory is unknown."""
     return None if self.memory_bytes is None else self.memory_bytes * self.usable_fraction
 
-  def compute_seconds(self, flops: float, bytes_accessed: float) -> float:
+  def compute_seconds(self, flops: float, bytes_accessed: float,
+                      f32_matmul_flops: float = 0.0) -> float:
+    """Seconds of ``flops`` (``f32_matmul_flops`` of them in float32
+    matmuls) and ``bytes_accessed``."""
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
+    if f32_matmul_flops and self.f32_flops_per_s:
+      flop_s += f32_matmul_flops * (1 / self.f32_flops_per_s - 1 / self.flops_per_s)
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
   def comm_seconds(self, weighted_bytes: float, collectives: float,
@@ -135,19 +149,19 @@ MODELS = types.MappingProxyType({
                        overlap=False, error=0.30, platform="cpu"),
     "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 240e9, 25e9, 10e-6,
                         memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False),
+                        overlap=False, f32_flops_per_s=156e12),
     "h100": DeviceModel("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6,
                         memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False),
+                        overlap=False, f32_flops_per_s=336e12),
     "h200": DeviceModel("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6,
                         memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False),
+                        overlap=False, f32_flops_per_s=356e12),
     "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6,
                          memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu",
-                         overlap=False),
+                         overlap=False, f32_flops_per_s=494e12),
     "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
                         memory_bytes=180e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False),
+                        overlap=False, f32_flops_per_s=1125e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,

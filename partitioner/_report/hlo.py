@@ -509,9 +509,30 @@ def accessed(lines: list[str]) -> float:
   return float(total)
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(hlo_text: str, dtype: str | None = None) -> float:
   """The flops of every matmul of the program (dots, cuBLAS gemms), each
-  as often as it runs."""
+  as often as it runs; with ``dtype`` (``"f32"``), of those whose left
+  operand is of it."""
   counts = runs(hlo_text)
-  return sum(counts.get(name, 1) * flops(lines, matmuls_only=True)
-             for name, lines in computations(hlo_text).items() if name)
+  return sum(counts.get(name, 1) * f
+             for name, lines in computations(hlo_text).items() if name
+             for line, f in line_flops(lines, matmuls_only=True)
+             if dtype is None or _operand_type(line, lines) == dtype)
+
+
+def _operand_type(line: str, lines: list[str]) -> str:
+  """The element type of ``line``'s first operand (``"f32"``), as printed
+  with it or where the computation defines it; "" where unknown."""
+  m = DEFINITION.match(line)
+  if m is None:
+    return ""
+  printed = re.match(r"\s*([a-z]+\d*)\[", m.group("args"))
+  if printed:
+    return printed.group(1)
+  name = _first_operand(m.group("args"))
+  for other in lines:
+    d = DEFINITION.match(other)
+    if d is not None and d.group("name") == name:
+      t = re.match(r"\s*\(?([a-z]+\d*)\[", d.group("shape"))
+      return t.group(1) if t else ""
+  return ""

@@ -442,6 +442,8 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
       "flops_per_s": rates[max(rates)],
       "memory_bytes_per_s": max(memory.values()),
       "overlap": first.platform == "tpu", "platform": first.platform}
+  if first.platform == "gpu" and matmul.get("float32"):  # (TF32 at jax's default precision)
+    fields["f32_flops_per_s"] = max(matmul["float32"].values())
   rows = [(k, b, g, s) for k, found in collectives.items() for b, g, s in found]
   if rows:
     fields["link_bytes_per_s"], fields["latency_s"] = fit_links(rows)

@@ -63,6 +63,7 @@ class Estimate:
   seconds: float
   network_bytes: float = 0.0  # the part of collective_bytes that crosses hosts
   bytes_accessed: float = 0.0
+  f32_matmul_flops: float = 0.0  # (of flops: a GPU runs them as TF32)
 
 
 def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
@@ -175,6 +176,7 @@ class _Walk:
     self.sizes = c.grid
     self.batch_axes = tuple(a for a in BATCH_AXES if self.sizes[a] > 1)
     self.flops = self.comm = self.network = self.count = self.memory = self.accessed = 0.0
+    self.f32 = 0.0
     self.gathered: set[int] = set()
     self._wanted: dict = {}
 
@@ -241,7 +243,9 @@ class _Walk:
     if op.kind == "dot":
       lhs, _ = op.ins
       contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
-      self.flops += 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
+      flops = 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
+      self.flops += flops
+      self.f32 += flops if lhs.itemsize == 4 else 0.0
       self.memory += self.local_bytes(op.outs[0], outs[0]) * op.times
       return {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
     if op.kind == "reduce":
@@ -258,7 +262,7 @@ class _Walk:
 
   def result(self, device: DeviceModel) -> Estimate:
     """The totals, and their time under ``device``."""
-    seconds = (device.compute_seconds(self.flops, self.accessed)
+    seconds = (device.compute_seconds(self.flops, self.accessed, self.f32)
                + device.comm_seconds(self.comm - self.network, self.count, self.network))
     return Estimate(self.flops, self.comm, round(self.count), self.memory, seconds,
-                    self.network, self.accessed)
+                    self.network, self.accessed, self.f32)

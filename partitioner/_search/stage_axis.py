@@ -98,5 +98,7 @@ def _spread(e: Estimate, s: int, bubble: float, device: DeviceModel) -> Estimate
   stages: a stage's share of the work and memory, times the bubble."""
   flops, accessed = e.flops / s * bubble, e.bytes_accessed / s * bubble
   moved, count = e.collective_bytes / s * bubble, round(e.collectives * bubble)
-  seconds = device.compute_seconds(flops, accessed) + device.comm_seconds(moved, count, 0.0)
-  return Estimate(flops, moved, count, e.memory / s, seconds, 0.0, accessed)
+  f32 = e.f32_matmul_flops / s * bubble
+  seconds = (device.compute_seconds(flops, accessed, f32)
+             + device.comm_seconds(moved, count, 0.0))
+  return Estimate(flops, moved, count, e.memory / s, seconds, 0.0, accessed, f32)

@@ -77,3 +77,11 @@ def test_hosts_are_hostnames_for_gpus_and_slices_for_tpus():
   two = [_dev(p // 2, "tpu", slice_index=p // 4) for p in range(8)]
   assert device_hosts(two, None, "cost") == [0] * 4 + [1] * 4
   assert device_hosts(gpus, 2, "cost", hostnames) == [0] * 4 + [1] * 4
+
+
+def test_float32_matmuls_take_the_gpu_s_tf32_rate():
+  h100 = DEVICE_MODELS["h100"]
+  assert h100.compute_seconds(1e12, 0.0, f32_matmul_flops=1e12) == pytest.approx(1e12 / 336e12)
+  assert h100.compute_seconds(1e12, 0.0) == pytest.approx(1e12 / 650e12)
+  cpu = DEVICE_MODELS["cpu"]  # (no rate of its own: the one rate)
+  assert cpu.compute_seconds(1e9, 0.0, f32_matmul_flops=1e9) == cpu.compute_seconds(1e9, 0.0)

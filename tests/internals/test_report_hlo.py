@@ -207,3 +207,10 @@ def test_gemms_a_gpu_cost_analysis_left_out_are_added():
   counted = _BATCHED + _PLAIN + 6
   assert _hlo.uncounted_gemm_flops(_GPU, counted) == 0.0
   assert _hlo.program_flops(_GPU, {"flops": counted}) == counted + 5 * _BATCHED + 6
+
+
+def test_float32_matmuls_are_counted_apart():
+  # (a GPU runs them as TF32, about half its bfloat16 rate)
+  assert _hlo.matmul_flops(_GPU, "f32") == _hlo.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
+  bf16 = _GPU.replace("f32[", "bf16[")
+  assert _hlo.matmul_flops(bf16, "f32") == 0.0 and _hlo.matmul_flops(bf16) > 0
