@@ -514,25 +514,34 @@ def matmul_flops(hlo_text: str, dtype: str | None = None) -> float:
   as often as it runs; with ``dtype`` (``"f32"``), of those whose left
   operand is of it."""
   counts = runs(hlo_text)
-  return sum(counts.get(name, 1) * f
-             for name, lines in computations(hlo_text).items() if name
-             for line, f in line_flops(lines, matmuls_only=True)
-             if dtype is None or _operand_type(line, lines) == dtype)
+  total = 0.0
+  for name, lines in computations(hlo_text).items():
+    if not name:
+      continue
+    found = line_flops(lines, matmuls_only=True)
+    if dtype is not None and found:
+      types = _element_types(lines)
+      found = [(line, f) for line, f in found if _operand_type(line, types) == dtype]
+    total += counts.get(name, 1) * sum(f for _, f in found)
+  return total
 
 
-def _operand_type(line: str, lines: list[str]) -> str:
-  """The element type of ``line``'s first operand (``"f32"``), as printed
-  with it or where the computation defines it; "" where unknown."""
+def _element_types(lines: list[str]) -> dict[str, str]:
+  """Each value a computation defines: its element type (``"f32"``)."""
+  out = {}
+  for line in lines:
+    d = DEFINITION.match(line)
+    t = re.match(r"\s*\(?([a-z]+\d*)\[", d.group("shape")) if d else None
+    if d is not None and t is not None:
+      out[d.group("name")] = t.group(1)
+  return out
+
+
+def _operand_type(line: str, types: dict[str, str]) -> str:
+  """The element type of ``line``'s first operand, as printed with it or
+  as its computation defines it (``types``); "" where unknown."""
   m = DEFINITION.match(line)
   if m is None:
     return ""
   printed = re.match(r"\s*([a-z]+\d*)\[", m.group("args"))
-  if printed:
-    return printed.group(1)
-  name = _first_operand(m.group("args"))
-  for other in lines:
-    d = DEFINITION.match(other)
-    if d is not None and d.group("name") == name:
-      t = re.match(r"\s*\(?([a-z]+\d*)\[", d.group("shape"))
-      return t.group(1) if t else ""
-  return ""
+  return printed.group(1) if printed else types.get(_first_operand(m.group("args")), "")
