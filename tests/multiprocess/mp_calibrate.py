@@ -13,7 +13,7 @@ import partitioner
 world = partitioner.initialize()
 
 path = sys.argv[1]
-found = partitioner.calibrate(repeats=1, kinds=("all-reduce", "all-gather"), steps=False,
+found = partitioner.calibrate(repeats=1, kinds=("all-reduce",), steps=False,
                               path=path)
 model = found.model
 print(f"rank {world.rank}: " + json.dumps({
