@@ -143,25 +143,25 @@ class DeviceModel:
 
 _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 
+
+def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
+         capacity: float, f32_flops: float) -> DeviceModel:
+  """A GPU's model: compute and memory time added (kernels run one after
+  another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
+  memory."""
+  return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
+                     memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
+                     f32_flops_per_s=f32_flops)
+
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
-    "a100": DeviceModel("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 240e9, 25e9, 10e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False, f32_flops_per_s=156e12),
-    "h100": DeviceModel("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6,
-                        memory_bytes=80e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False, f32_flops_per_s=336e12),
-    "h200": DeviceModel("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6,
-                        memory_bytes=141e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False, f32_flops_per_s=356e12),
-    "gh200": DeviceModel("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6,
-                         memory_bytes=96e9, usable_fraction=_JAX_GPU, platform="gpu",
-                         overlap=False, f32_flops_per_s=494e12),
-    "b200": DeviceModel("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6,
-                        memory_bytes=180e9, usable_fraction=_JAX_GPU, platform="gpu",
-                        overlap=False, f32_flops_per_s=1125e12),
+    "a100": _gpu("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
+    "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12),
+    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12),
+    "gh200": _gpu("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
+    "b200": _gpu("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,

@@ -460,6 +460,8 @@ def uncounted_gemm_flops(hlo_text: str, counted: float) -> float:
   jax's ``cost_analysis()`` on a GPU counts no custom call: measured on
   an H100 (jax 0.11.2), a float32 MLP step whose gemms do 10.7 GFLOP was
   counted as 19 MFLOP, its elementwise ops alone."""
+  if "__cublas$" not in hlo_text:  # (no GPU gemm: nothing to add, no pass over the program)
+    return 0.0
   comps = [lines for name, lines in computations(hlo_text).items() if name]
   gemms = sum(f for lines in comps for line, f in line_flops(lines, matmuls_only=True)
               if _GEMM.search(line))
@@ -509,21 +511,30 @@ def accessed(lines: list[str]) -> float:
   return float(total)
 
 
-def matmul_flops(hlo_text: str, dtype: str | None = None) -> float:
+def compiled_for_gpu(hlo_text: str) -> bool:
+  """Whether XLA:GPU compiled the program (its matmuls are cuBLAS or
+  Triton calls; XLA:CPU's are dots, bfloat16 ones computed in float32)."""
+  return "__cublas$" in hlo_text or "__triton" in hlo_text
+
+
+def matmul_flops(hlo_text: str) -> float:
   """The flops of every matmul of the program (dots, cuBLAS gemms), each
-  as often as it runs; with ``dtype`` (``"f32"``), of those whose left
-  operand is of it."""
+  as often as it runs."""
+  return sum(matmul_flops_by_type(hlo_text).values())
+
+
+def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
+  """:func:`matmul_flops` by the element type of each matmul's left
+  operand (``{"f32": ..., "bf16": ...}``; "" where unknown), in one pass."""
   counts = runs(hlo_text)
-  total = 0.0
+  out: dict[str, float] = {}
   for name, lines in computations(hlo_text).items():
-    if not name:
-      continue
-    found = line_flops(lines, matmuls_only=True)
-    if dtype is not None and found:
-      types = _element_types(lines)
-      found = [(line, f) for line, f in found if _operand_type(line, types) == dtype]
-    total += counts.get(name, 1) * sum(f for _, f in found)
-  return total
+    found = line_flops(lines, matmuls_only=True) if name else []
+    types = _element_types(lines) if found else {}
+    for line, f in found:
+      kind = _operand_type(line, types)
+      out[kind] = out.get(kind, 0.0) + counts.get(name, 1) * f
+  return out
 
 
 def _element_types(lines: list[str]) -> dict[str, str]:

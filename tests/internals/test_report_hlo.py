@@ -211,6 +211,6 @@ def test_gemms_a_gpu_cost_analysis_left_out_are_added():
 
 def test_float32_matmuls_are_counted_apart():
   # (a GPU runs them as TF32, about half its bfloat16 rate)
-  assert _hlo.matmul_flops(_GPU, "f32") == _hlo.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
+  assert _hlo.matmul_flops_by_type(_GPU) == {"f32": 6 * _BATCHED + _PLAIN}
   bf16 = _GPU.replace("f32[", "bf16[")
-  assert _hlo.matmul_flops(bf16, "f32") == 0.0 and _hlo.matmul_flops(bf16) > 0
+  assert _hlo.matmul_flops_by_type(bf16).get("f32", 0.0) == 0.0 and _hlo.matmul_flops(bf16) > 0
