@@ -1,6 +1,7 @@
 """explain() and cost() read jax.jit's compiled programs as they read ours."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -90,3 +91,13 @@ def test_cost_for_hosts_charges_what_crosses_them():
   assert partitioner.cost(ours, "h100", hosts=2) == two
   with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 4"):
     partitioner.cost(ours, hosts=3)
+
+
+@pytest.mark.eight_devices
+def test_a_cpu_compile_counts_no_float32_matmuls_for_a_gpu():
+  # XLA:CPU computes bfloat16 dots in float32 (a plan for GPUs made from
+  # CPU devices would charge a bfloat16 model's matmuls at the TF32 rate).
+  w, x = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
+  compiled = jax.jit(lambda w, x: jnp.tanh(x @ w)).lower(w, x).compile()
+  cost = partitioner.cost(compiled, "h100")
+  assert cost.matmul_flops > 0 and cost.f32_matmul_flops == 0.0

@@ -56,7 +56,10 @@ class Cost:
     xla_seconds: XLA's own estimate of one call, where its compiler gives
       one (XLA:TPU's ``optimal_seconds``), else None.
     f32_matmul_flops: the part of ``matmul_flops`` in float32 matmuls
-      (a GPU's TF32 rate, :attr:`DeviceModel.f32_flops_per_s`).
+      (a GPU's TF32 rate, :attr:`DeviceModel.f32_flops_per_s`), read off
+      a GPU's program only: XLA:CPU computes bfloat16 dots in float32, so
+      a program compiled for CPU devices (a plan for GPUs made from them)
+      counts none here.
   """
   flops: float
   bytes_accessed: float
@@ -343,9 +346,10 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
-  f32 = _hlo.matmul_flops(hlo_text, "f32")
+  matmuls = _hlo.matmul_flops_by_type(hlo_text)
+  f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
   seconds = (device.compute_seconds(flops, accessed, f32)
              + device.comm_seconds(weighted - network, count, network))
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
-              _hlo.matmul_flops(hlo_text), float(own) if own and own > 0 else None, f32)
+              sum(matmuls.values()), float(own) if own and own > 0 else None, f32)
