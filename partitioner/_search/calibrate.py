@@ -340,6 +340,8 @@ def _collective_rows(devices: Sequence[Any], kinds: Sequence[str], plan: _Plan, 
   ``{kind: [(result bytes per device, group size, seconds)]}``; ``across``:
   the devices of every process, each loop as long as process 0 chose."""
   world = _distributed.world()
+  if across:  # (each process measured its own devices at its own pace: gloo waits only 30 s)
+    world.rendezvous("partitioner.calibrate()'s collectives across processes")
   agree = (lambda k: world.bcast(k if world.rank == 0 else None)) if across else (lambda k: k)
   rows: dict[str, list[tuple[int, int, float]]] = {}
   n = len(devices)
