@@ -10,8 +10,9 @@ by round; reported as steps/s with checkpoints over steps/s without
 example's ``--checkpoint_every``) and K = 50 with the default
 ``finish_within=1`` (the step after a save waits for it: at most K steps
 lost), and for K = 5 with ``finish_within=5`` (a save runs 5 steps in the
-background: up to 2 K - 1 lost). A save here costs 65-90 ms of CPU (orbax's
-write), which the simulated devices' compute shares on this machine's cores.
+background: up to 2 K - 1 lost). A save here costs 40-70 ms of CPU (orbax's
+uncompressed write), which the simulated devices' compute shares on this
+machine's cores.
 
 Under ``--accelerator`` the weights are split over the devices jax finds,
 and the step runs at batches 256, 16384 and 131072 (on one H100: 1.6, 25
@@ -50,9 +51,10 @@ def _step(n: int):
                                  donate_argnums=0)
 
 
-def _rounds(every: int, finish_within: int, rounds: int, batch: int = BATCH
-            ) -> dict[str, list[float]]:
-  """Seconds per round of ``2 every`` steps, plain and checkpointed, interleaved."""
+def _rounds(every: int, finish_within: int, rounds: int, batch: int = BATCH,
+            compress: bool = False) -> dict[str, list[float]]:
+  """Seconds per round of ``2 every`` steps, plain and checkpointed, interleaved
+  (``compress``: the Checkpointer's)."""
   import jax
   import numpy as np
 
@@ -68,7 +70,7 @@ def _rounds(every: int, finish_within: int, rounds: int, batch: int = BATCH
   done = 0
   with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as directory:
     ckpt = partitioner.Checkpointer(directory, every=every, keep=2,
-                                    finish_within=finish_within)
+                                    finish_within=finish_within, compress=compress)
     for _ in range(rounds + 1):  # (the first round of each warms up: dropped)
       for which in times:
         start = time.perf_counter()

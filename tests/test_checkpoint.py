@@ -58,6 +58,27 @@ def test_the_step_after_a_save_waits_for_it_so_a_crash_loses_at_most_every_steps
   assert extras == [2]  # (a function for extra is called only to save)
 
 
+def _bytes_under(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_arrays_are_written_uncompressed_unless_asked(tmp_path):
+  """compress=False (the default) writes the 4 MB of ones whole; compress=True
+  zstd-compresses them (orbax's default); both restore the same state."""
+  state = {"w": jnp.ones((1024, 1024))}
+  sizes = {}
+  for compress in (False, True):
+    with partitioner.Checkpointer(tmp_path / str(compress), every=1,
+                                  compress=compress) as ckpt:
+      ckpt.save(1, state)
+    sizes[compress] = _bytes_under(tmp_path / str(compress) / "1")
+    with partitioner.Checkpointer(tmp_path / str(compress), every=1) as ckpt:
+      restored, step, _ = ckpt.restore(state)
+    assert step == 1
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((1024, 1024)))
+  assert sizes[False] > 4 << 20 > 100 * sizes[True], sizes
+
+
 def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})

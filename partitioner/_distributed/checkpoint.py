@@ -65,6 +65,10 @@ class Checkpointer:
       :meth:`save` call of step ``s + finish_within`` waits until the save
       of step ``s`` is complete. Raise it when writing a checkpoint takes
       longer than a step and a crash may lose more steps.
+    compress: zstd-compress the arrays (orbax's default). Off by default:
+      trained weights hardly compress (random float32 by about 7%) and
+      compressing doubled a save's time (32 MB: 60-130 ms with it, 40-70
+      ms without, on a 2-core CPU), which the step after a save waits for.
 
   Raises:
     ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int.
@@ -72,7 +76,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, every: int, keep: int = 3,
-               finish_within: int = 1):
+               finish_within: int = 1, compress: bool = False):
     for name, value in (("every", every), ("keep", keep), ("finish_within", finish_within)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Checkpointer({name}={value!r}): must be a positive int. Hint:"
@@ -89,7 +93,7 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
                                              enable_async_checkpointing=True),
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=bool(compress)),
                        "extra": ocp.JsonCheckpointHandler()})
     self._ocp = ocp
 
@@ -113,7 +117,7 @@ class Checkpointer:
     if callable(extra):
       extra = extra()
     ocp = self._ocp
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                               extra=ocp.args.JsonSave(dict(extra or {})))
     saved = bool(self._manager.save(step, args=args))
     if saved:
@@ -136,7 +140,9 @@ class Checkpointer:
     target = jax.tree_util.tree_map(_abstract, state)
     _check_same(self.directory, step, self._manager.item_metadata(step), target)
     got = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()))
+        state=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+        extra=ocp.args.JsonRestore()))
     return got["state"], step, dict(got["extra"] or {})
 
   def wait(self) -> None:
