@@ -66,9 +66,10 @@ class Checkpointer:
       of step ``s`` is complete. Raise it when writing a checkpoint takes
       longer than a step and a crash may lose more steps.
     compress: zstd-compress the arrays (orbax's default). Off by default:
-      trained weights hardly compress (random float32 by about 7%) and
-      compressing doubled a save's time (32 MB: 60-130 ms with it, 40-70
-      ms without, on a 2-core CPU), which the step after a save waits for.
+      weights compress little (normally distributed float32 by 7.5%,
+      bfloat16 by 22%) and compressing doubled a save's time (32 MB:
+      60-130 ms with it, 40-70 ms without, on a 2-core CPU), which the
+      step after a save waits for; turn it on where disk space counts.
 
   Raises:
     ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int.
