@@ -79,6 +79,23 @@ def test_arrays_are_written_uncompressed_unless_asked(tmp_path):
   assert sizes[False] > 4 << 20 > 100 * sizes[True], sizes
 
 
+def test_checkpoints_of_the_earlier_standard_handler_restore(tmp_path):
+  """Checkpoints written through orbax's StandardCheckpointHandler (this
+  class's before compress=) restore: the same files on disk."""
+  import orbax.checkpoint as ocp
+  state = {"w": jnp.arange(12.0).reshape(3, 4), "opt": (jnp.ones(3), jnp.zeros(()))}
+  manager = ocp.CheckpointManager(tmp_path, item_handlers={
+      "state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                          extra=ocp.args.JsonSave({"position": 3})))
+  manager.wait_until_finished()
+  manager.close()
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, extra = ckpt.restore(jax.tree_util.tree_map(jnp.zeros_like, state))
+  assert (step, extra) == (3, {"position": 3})
+  jax.tree_util.tree_map(np.testing.assert_array_equal, got, state)
+
+
 def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})
