@@ -96,6 +96,19 @@ def test_checkpoints_of_the_earlier_standard_handler_restore(tmp_path):
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, state)
 
 
+def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
+  """A jax array's sharding; a numpy array as numpy; a ShapeDtypeStruct
+  without a sharding as a jax array on this process's first device."""
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, {"a": np.arange(6.0), "b": jnp.ones(3), "s": jnp.full(3, 2.0)})
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, _, _ = ckpt.restore({"a": np.zeros(6), "b": jnp.zeros(3),
+                              "s": jax.ShapeDtypeStruct((3,), jnp.float32)})
+  assert isinstance(got["a"], np.ndarray) and isinstance(got["b"], jax.Array)
+  assert isinstance(got["s"], jax.Array) and got["s"].devices() == {jax.local_devices()[0]}
+  np.testing.assert_array_equal(np.asarray(got["s"]), np.full(3, 2.0))
+
+
 def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})

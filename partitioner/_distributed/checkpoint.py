@@ -166,8 +166,14 @@ class Checkpointer:
 
 
 def _abstract(x: Any) -> Any:
+  """The layout ``x`` asks for: a jax array's sharding, a numpy array's
+  none (restored as numpy); a ``jax.ShapeDtypeStruct`` without one, this
+  process's first device (a jax array, as ``jnp.zeros`` would place it)."""
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x
+    if x.sharding is not None:
+      return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   sharding = getattr(x, "sharding", None)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
