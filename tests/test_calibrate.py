@@ -57,23 +57,30 @@ def test_on_a_cpu_its_rates_are_fitted_to_whole_train_steps(measured):
   assert 0 < m.error < 1
   assert any(line.startswith("fitted to") for line in lines)
   assert cal.load(path).steps == steps
+  # One step of large transposes among them: the surcharge is fitted, and a
+  # refit without it is the model's form before it had one.
+  assert sum(s.transposed_bytes > 0 for s in steps) >= 1
+  assert found.refit() == m
+  plain = found.refit(transposes=False)
+  assert plain.transpose_bytes_per_s is None and plain.error >= m.error - 1e-12
 
 
 def test_the_step_fit_recovers_known_rates():
-  flops, accessed, link, latency = 4e10, 8e9, 5e8, 150e-6
+  flops, accessed, link, transpose, latency = 4e10, 8e9, 5e8, 2e8, 150e-6
   rng = np.random.default_rng(0)
   rows = []
   for k in range(9):
     f, b, c, n = rng.uniform(1e7, 5e9), rng.uniform(1e6, 3e8), rng.uniform(0, 6e7), k % 4
-    rows.append(steps_lib.StepTime(f"step {k}", f, b, c, n,
-                                   f / flops + b / accessed + c / link + n * latency))
+    t = b * rng.uniform(0, 0.5) if k % 3 == 0 else 0.0  # (some steps transpose)
+    rows.append(steps_lib.StepTime(f"step {k}", f, b, c, n, f / flops + b / accessed + c / link
+                                   + t / transpose + n * latency, t))
   got, error = steps_lib.fitted(rows, latency, (1.0, 1.0, 1.0))
-  assert got == pytest.approx((flops, accessed, link), rel=1e-6) and error < 1e-9
-  # A term no step's time shows keeps the fallback rate.
-  no_comm = [dataclasses.replace(r, collective_bytes=0.0, collectives=0,
+  assert got == pytest.approx((flops, accessed, link, transpose), rel=1e-6) and error < 1e-9
+  # A term no step's time shows keeps the fallback rate; no transposes, no surcharge.
+  no_comm = [dataclasses.replace(r, collective_bytes=0.0, collectives=0, transposed_bytes=0.0,
                                  seconds=r.flops / flops + r.bytes_accessed / accessed)
              for r in rows]
-  assert steps_lib.fitted(no_comm, latency, (1.0, 1.0, 7.0))[0][2] == 7.0
+  assert steps_lib.fitted(no_comm, latency, (1.0, 1.0, 7.0))[0][2:] == (7.0, None)
   assert steps_lib.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
       == pytest.approx([2.0, 0.0])  # a negative one is held at zero
 
@@ -82,6 +89,8 @@ def test_steps_false_keeps_the_lone_rates():
   found = partitioner.calibrate(jax.devices()[:1], repeats=1, steps=False)
   rates = found.matmul["float32" if jax.devices()[0].platform == "cpu" else "bfloat16"]
   assert found.steps == () and found.model.flops_per_s == rates[max(rates)]  # (the largest's)
+  with pytest.raises(ValueError, match=r"refit\(\): no train steps were timed"):
+    found.refit()
 
 
 @pytest.mark.eight_devices

@@ -60,6 +60,11 @@ class Cost:
       a GPU's program only: XLA:CPU computes bfloat16 dots in float32, so
       a program compiled for CPU devices (a plan for GPUs made from them)
       counts none here.
+    transposed_bytes: the bytes of the program's large transposes'
+      results (a copy that reorders an array's dimensions in memory, of
+      at least ``LARGE_TRANSPOSE_BYTES``), as often as they run: part of
+      ``bytes_accessed`` that a device model may charge more for
+      (:attr:`DeviceModel.transpose_bytes_per_s`).
   """
   flops: float
   bytes_accessed: float
@@ -71,6 +76,7 @@ class Cost:
   matmul_flops: float = 0.0
   xla_seconds: float | None = None
   f32_matmul_flops: float = 0.0
+  transposed_bytes: float = 0.0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -348,8 +354,9 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
   matmuls = _hlo.matmul_flops_by_type(hlo_text)
   f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
-  seconds = (device.compute_seconds(flops, accessed, f32)
+  transposed = _hlo.transposed_bytes(hlo_text)
+  seconds = (device.compute_seconds(flops, accessed, f32, transposed)
              + device.comm_seconds(weighted - network, count, network))
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
-              sum(matmuls.values()), float(own) if own and own > 0 else None, f32)
+              sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed)

@@ -26,9 +26,11 @@ bf16), not a measurement; the cpu's are measured:
   calibrate``, three runs, and three calibrations against one measurement); the constants fitted before by hand on those programs
   themselves had drifted to 86%. Simulated devices' collectives are
   memory copies between threads, which is why they cost so much more
-  than a CPU's arithmetic; the largest (tens of MB) run slower still
-  than the fit says. Collectives across processes (gloo over TCP) are not
-  fitted: half the in-process rate;
+  than a CPU's arithmetic. It holds no surcharge for large transposes
+  (``transpose_bytes_per_s``), which ``partitioner.calibrate()`` fits on
+  a CPU: XLA:CPU's transposed copies of tens of MB run several times
+  slower per byte than its elementwise ops. Collectives across processes
+  (gloo over TCP) are not fitted: half the in-process rate;
 - ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
   HBM2e, 200 Gb/s InfiniBand per GPU (25 GB/s); inside a host, the
   all-reduce bus bandwidth nccl-tests measures on 8 A100 SXM4 over NVLink 3
@@ -107,6 +109,13 @@ class DeviceModel:
     f32_flops_per_s: the rate of float32 matmuls where it is not
       ``flops_per_s``'s (a GPU runs them as TF32 at jax's default
       precision, about half its bfloat16 rate), else None.
+    transpose_bytes_per_s: where large transposes cost more than their
+      bytes accessed say (XLA:CPU: a transposed copy of 16 MB per device
+      takes 6.5x an elementwise op of the same bytes, on 8 simulated
+      devices), the rate of that surcharge: each byte of a large
+      transpose's result (:attr:`Cost.transposed_bytes`) adds ``1 /
+      transpose_bytes_per_s`` seconds. None: no surcharge. Fitted by
+      :func:`partitioner.calibrate` on a CPU.
   """
   name: str
   flops_per_s: float
@@ -120,6 +129,7 @@ class DeviceModel:
   usable_fraction: float = 0.95
   platform: str = ""
   f32_flops_per_s: float | None = None
+  transpose_bytes_per_s: float | None = None
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -127,10 +137,13 @@ class DeviceModel:
     return None if self.memory_bytes is None else self.memory_bytes * self.usable_fraction
 
   def compute_seconds(self, flops: float, bytes_accessed: float,
-                      f32_matmul_flops: float = 0.0) -> float:
+                      f32_matmul_flops: float = 0.0, transposed_bytes: float = 0.0) -> float:
     """Seconds of ``flops`` (``f32_matmul_flops`` of them in float32
-    matmuls) and ``bytes_accessed``."""
+    matmuls) and ``bytes_accessed`` (``transposed_bytes`` of them the
+    results of large transposes)."""
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
+    if transposed_bytes and self.transpose_bytes_per_s:
+      memory_s += transposed_bytes / self.transpose_bytes_per_s
     if f32_matmul_flops and self.f32_flops_per_s:
       flop_s += f32_matmul_flops * (1 / self.f32_flops_per_s - 1 / self.flops_per_s)
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s

@@ -556,3 +556,60 @@ def _operand_type(line: str, types: dict[str, str]) -> str:
     return ""
   printed = re.match(r"\s*([a-z]+\d*)\[", m.group("args"))
   return printed.group(1) if printed else types.get(_first_operand(m.group("args")), "")
+
+
+# A transpose of at least this many bytes leaves the caches of a CPU core
+# (its L2: 0.5-2 MiB on current x86 servers) at every read: XLA:CPU moves
+# it several times slower per byte than an elementwise op. Below it, a
+# transpose costs what its bytes accessed say.
+LARGE_TRANSPOSE_BYTES = 4 << 20
+_LAYOUT = re.compile(r"^\s*(\w+)\[([\d,]*)\]\{([\d,]*)")
+_PERMUTATION = re.compile(r"\bdimensions=\{([\d,]*)\}")
+
+
+def _physical_order(shape: str, permutation: list[int] | None = None) -> list[int] | None:
+  """The dimensions of ``shape`` (an array with a layout) longer than one,
+  minor to major, as the operand's dimensions they come from
+  (``permutation``: a transpose's); None for a shape without a layout."""
+  m = _LAYOUT.match(shape)
+  if m is None or not m.group(3):
+    return None
+  dims = [int(x) for x in m.group(2).split(",") if x]
+  order = [int(x) for x in m.group(3).split(",") if x]
+  return [permutation[d] if permutation else d for d in order if dims[d] > 1]
+
+
+def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES) -> float:
+  """The bytes per call of the physical transposes of ``minimum`` bytes or
+  more: a ``copy`` or ``transpose`` (at top level or inside a fusion)
+  whose result orders the dimensions longer than one otherwise than its
+  operand does in memory, its result's bytes as often as it runs. A
+  transpose XLA makes a bitcast (a layout change alone) moves nothing and
+  is not counted, nor a copy that only moves dimensions of one."""
+  counts = runs(hlo_text)
+  total = 0.0
+  for name, lines in computations(hlo_text).items():
+    if not name:
+      continue
+    shapes: dict[str, str] = {}
+    for line in lines:
+      m = DEFINITION.match(line)
+      if m is None:
+        continue
+      shapes[m.group("name")] = m.group("shape")
+      kind = m.group("kind")
+      if kind not in ("copy", "transpose"):
+        continue
+      operand = shapes.get(_first_operand(m.group("args")), "")
+      permutation = None
+      if kind == "transpose":
+        p = _PERMUTATION.search(line)
+        permutation = [int(x) for x in p.group(1).split(",") if x] if p else None
+        if permutation is None:
+          continue
+      result, source = _physical_order(m.group("shape"), permutation), _physical_order(operand)
+      size = result_bytes(kind, m.group("shape"))
+      if result is None or source is None or result == source or size < minimum:
+        continue
+      total += counts.get(name, 1) * size
+  return total

@@ -88,6 +88,25 @@ class Calibration:
     with open(path, "w") as f:
       json.dump(self.to_json(), f, indent=1)
 
+  def refit(self, *, transposes: bool = True) -> DeviceModel:
+    """The model fitted again to the timed :attr:`steps`;
+    ``transposes=False`` leaves out the surcharge for large transposes,
+    to see what it buys (``benchmarks/calibrate.py`` reports both).
+
+    Raises:
+      ValueError: no steps were timed (``steps=False``, an accelerator).
+    """
+    if not self.steps:
+      raise ValueError("Calibration.refit(): no train steps were timed (calibrate(steps=False),"
+                       " or an accelerator's calibration). Hint: calibrate() on a CPU, or"
+                       " steps=True.")
+    steps = (self.steps if transposes else
+             tuple(dataclasses.replace(s, transposed_bytes=0.0) for s in self.steps))
+    model = _refitted(self.model, steps)
+    if self.across:  # (the network's rate was measured: kept)
+      model = dataclasses.replace(model, network_bytes_per_s=self.model.network_bytes_per_s)
+    return model
+
 
 def load(path: str | os.PathLike) -> Calibration:
   """A :class:`Calibration` saved by :meth:`Calibration.save`.
@@ -413,13 +432,19 @@ def _fitted_to_steps(devices: Sequence[Any], model: DeviceModel, say: Callable[[
   """``model`` with its rates fitted to the family of train steps timed on
   ``devices`` (its error the fit's), and those steps."""
   timed = tuple(time_steps(devices, model, say=say))
-  (flops, accessed, link), error = fitted(
+  fitted_model = _refitted(model, timed)
+  say(f"fitted to {len(timed)} steps: rms relative error {fitted_model.error:.0%}")
+  return fitted_model, timed
+
+
+def _refitted(model: DeviceModel, timed: Sequence[StepTime]) -> DeviceModel:
+  """``model`` with its rates fitted to ``timed`` (its error the fit's)."""
+  (flops, accessed, link, transpose), error = fitted(
       timed, model.latency_s, (model.flops_per_s, model.memory_bytes_per_s,
                                model.link_bytes_per_s))
-  say(f"fitted to {len(timed)} steps: rms relative error {error:.0%}")
   return dataclasses.replace(model, flops_per_s=flops, memory_bytes_per_s=accessed,
                              link_bytes_per_s=link, network_bytes_per_s=link / 2,
-                             error=error), timed
+                             transpose_bytes_per_s=transpose, error=error)
 
 
 def _named(device: Any) -> str | None:

@@ -9,11 +9,19 @@ fusions read more than they compute, its collectives are copies between
 threads. So a small family of train steps (MLPs in the layouts users write:
 replicated, data parallel, tensor parallel, FSDP; a wide one whose weights
 dominate, a narrow one whose activations do; a step of elementwise ops
-alone) is compiled over the devices, each scored by the cost model (its
-flops, bytes accessed, weighted collective bytes, collectives: what the
-search reads off a candidate) and timed, its parameters fed back; and F,
-M, L are fitted to those times by non-negative least squares on the
-relative error, the latency held at the collectives' measured one.
+alone; one of large transposes) is compiled over the devices, each scored
+by the cost model (its flops, bytes accessed, weighted collective bytes,
+collectives, large transposes' bytes: what the search reads off a
+candidate) and timed, its parameters fed back; and F, M, L and the
+transposes' surcharge T are fitted to those times by non-negative least
+squares on the relative error, the latency held at the collectives'
+measured one.
+
+XLA:CPU moves a large transpose (a copy reordering an array of 16 MB per
+device in memory) 6.5x slower than an elementwise op of the same bytes on
+8 simulated devices; without T the fitted rates took that time for
+collectives' (the data-parallel steps transpose their replicated
+gradients in the update).
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ class StepTime:
 
   Attributes:
     name: the step and its layout (``"mlp 256x1024, batch 2048: data parallel"``).
-    flops, bytes_accessed, collective_bytes, collectives: the cost model's
-      terms of its compiled program (per device).
+    flops, bytes_accessed, collective_bytes, collectives, transposed_bytes:
+      the cost model's terms of its compiled program (per device).
     seconds: its measured time per step (median).
   """
   name: str
@@ -50,6 +58,7 @@ class StepTime:
   collective_bytes: float
   collectives: int
   seconds: float
+  transposed_bytes: float = 0.0
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -71,14 +80,16 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def terms(rows: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
   """Per row (anything with the :class:`StepTime` fields): ``(flops, bytes
-  accessed, collective bytes)``, and its collectives."""
-  return (np.array([[r.flops, r.bytes_accessed, r.collective_bytes] for r in rows], float),
+  accessed, collective bytes, transposed bytes)``, and its collectives."""
+  return (np.array([[r.flops, r.bytes_accessed, r.collective_bytes,
+                     getattr(r, "transposed_bytes", 0.0)] for r in rows], float),
           np.array([r.collectives for r in rows], float))
 
 
 def fit(rows: Sequence[Any], latency: float) -> np.ndarray:
-  """Seconds per flop, per byte accessed and per collective byte that
-  best give the rows' times (relative error), ``latency`` a collective."""
+  """Seconds per flop, per byte accessed, per collective byte and per
+  large transpose's byte that best give the rows' times (relative
+  error), ``latency`` a collective."""
   t = np.array([r.seconds for r in rows], float)
   x, count = terms(rows)
   return nnls(x / t[:, None], (t - latency * count) / t)
@@ -88,8 +99,8 @@ def rms_error(rows: Sequence[Any], model: DeviceModel) -> float:
   """The rms relative error of ``model``'s sum over the rows' times."""
   x, count = terms(rows)
   t = np.array([r.seconds for r in rows], float)
-  predicted = np.array([model.compute_seconds(f, b) + model.comm_seconds(c, k)
-                        for (f, b, c), k in zip(x, count)])
+  predicted = np.array([model.compute_seconds(f, b, 0.0, tr) + model.comm_seconds(c, k)
+                        for (f, b, c, tr), k in zip(x, count)])
   return float(np.sqrt(np.mean((predicted / t - 1) ** 2)))
 
 
@@ -97,6 +108,9 @@ def rms_error(rows: Sequence[Any], model: DeviceModel) -> float:
 MLPS = (("mlp 256x1024, batch 2048", 256, 1024, 2048),
         ("mlp 1024x4096, batch 128", 1024, 4096, 128))
 ELEMENTWISE = ("normalize 2048x2048, 4 times", 2048, 2048)
+# (name, global shape): a stack of matrices transposed twice a step, two of
+# 16 MB a device on 8 (a data-parallel update's transposed gradients)
+TRANSPOSE = ("transpose 16x2048x2048, twice", (16, 2048, 2048))
 LR = 0.01
 
 
@@ -112,6 +126,13 @@ def _elementwise_step(params: dict, x: jax.Array) -> dict:
   for _ in range(4):  # a layer norm's worth of reductions and elementwise ops
     h = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(jnp.var(h, -1, keepdims=True) + 1e-5)
     h = jnp.tanh(h * 0.9 + x)
+  return {"h": h}
+
+
+def _transpose_step(params: dict, x: jax.Array) -> dict:
+  h = params["h"]
+  for _ in range(2):
+    h = jnp.tanh(jnp.swapaxes(h, 1, 2) * 0.9 + x)
   return {"h": h}
 
 
@@ -145,6 +166,11 @@ def programs(devices: Sequence[Any]) -> list[tuple[str, Callable, tuple]]:
                  donate_argnums=0)
   h = rng.normal(size=(rows, cols)).astype(np.float32)
   out.append((f"{name}: data parallel", step, ({"h": d}, {"h": h}, d, h)))
+  name, shape = TRANSPOSE
+  step = jax.jit(_transpose_step, in_shardings=({"h": d}, d), out_shardings={"h": d},
+                 donate_argnums=0)
+  h = rng.normal(size=shape).astype(np.float32)
+  out.append((f"{name}: data parallel", step, ({"h": d}, {"h": h}, d, h)))
   return out
 
 
@@ -174,17 +200,20 @@ def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
       samples.append((time.perf_counter() - start) / steps)
     seconds = statistics.median(samples)
     out.append(StepTime(name, cost.flops, cost.bytes_accessed, cost.collective_bytes,
-                        cost.collectives, seconds))
+                        cost.collectives, seconds, cost.transposed_bytes))
     say(f"step {name}: {seconds * 1e3:.2f} ms")
   return out
 
 
-def fitted(rows: Sequence[StepTime], latency: float,
-           fallback: tuple[float, float, float]) -> tuple[tuple[float, float, float], float]:
-  """``(flop/s, bytes/s accessed, collective bytes/s)`` fitted to the
-  timed steps (a rate the fit leaves unused, ``fallback``'s: a term no
-  step's time shows), and the fit's rms relative error."""
+def fitted(rows: Sequence[StepTime], latency: float, fallback: tuple[float, float, float]
+           ) -> tuple[tuple[float, float, float, float | None], float]:
+  """``(flop/s, bytes/s accessed, collective bytes/s, large transposes'
+  surcharge in bytes/s)`` fitted to the timed steps (a rate the fit
+  leaves unused, ``fallback``'s: a term no step's time shows; the
+  surcharge None), and the fit's rms relative error."""
   per = fit(rows, latency)
-  flops, accessed, link = (1 / p if p > 0 else f for p, f in zip(per, fallback))
-  model = DeviceModel("fit", flops, accessed, link, link / 2, latency, overlap=False)
-  return (flops, accessed, link), rms_error(rows, model)
+  flops, accessed, link = (1 / p if p > 0 else f for p, f in zip(per[:3], fallback))
+  transpose = 1 / per[3] if per[3] > 0 else None
+  model = DeviceModel("fit", flops, accessed, link, link / 2, latency, overlap=False,
+                      transpose_bytes_per_s=transpose)
+  return (flops, accessed, link, transpose), rms_error(rows, model)

@@ -237,14 +237,17 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
              network: float, count: int, matmul_flops: float, **more: Any) -> Cost:
   """``got`` with these totals (and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
-  Its float32 matmuls keep their share of the matmuls."""
+  Its float32 matmuls keep their share of the matmuls, its large
+  transposes theirs of the bytes accessed."""
   f32 = got.f32_matmul_flops * (matmul_flops / got.matmul_flops) if got.matmul_flops else 0.0
-  seconds = device.compute_seconds(flops, accessed, f32) + device.comm_seconds(
+  transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
+                if got.bytes_accessed else 0.0)
+  seconds = device.compute_seconds(flops, accessed, f32, transposed) + device.comm_seconds(
       moved - network, count, network)
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
                              matmul_flops=matmul_flops, collective_bytes=moved,
                              network_bytes=network, seconds=seconds, xla_seconds=None,
-                             f32_matmul_flops=f32, **more)
+                             f32_matmul_flops=f32, transposed_bytes=transposed, **more)
 
 
 def whole_program(platform: str) -> str:

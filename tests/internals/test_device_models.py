@@ -1,10 +1,14 @@
 """Which device model prices which jax device, and the memory it gives the search."""
 
+import dataclasses
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from partitioner import DEVICE_MODELS, DeviceModel
+from partitioner._report import hlo
 from partitioner._report.device_models import default_model
 from partitioner._search.flow import default_budget
 
@@ -85,3 +89,36 @@ def test_float32_matmuls_take_the_gpu_s_tf32_rate():
   assert h100.compute_seconds(1e12, 0.0) == pytest.approx(1e12 / 650e12)
   cpu = DEVICE_MODELS["cpu"]  # (no rate of its own: the one rate)
   assert cpu.compute_seconds(1e9, 0.0, f32_matmul_flops=1e9) == cpu.compute_seconds(1e9, 0.0)
+
+
+def test_large_transposes_cost_their_surcharge_only_where_the_model_has_one():
+  cpu = DEVICE_MODELS["cpu"]
+  assert cpu.transpose_bytes_per_s is None  # (a named model: no surcharge)
+  assert cpu.compute_seconds(1e9, 1e8, 0.0, 5e7) == cpu.compute_seconds(1e9, 1e8)
+  fitted = dataclasses.replace(cpu, transpose_bytes_per_s=2e8)
+  assert fitted.compute_seconds(1e9, 1e8, 0.0, 5e7) == pytest.approx(
+      cpu.compute_seconds(1e9, 1e8) + 5e7 / 2e8)
+
+
+def _compiled_text(fun, *shapes):
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+  return jax.jit(fun).lower(*args).compile().as_text()
+
+
+def test_transposed_bytes_count_the_copies_that_reorder_memory():
+  """A transposed update of a 16 MB weight moves 16 MB through a
+  transpose; the same update untransposed, a transpose of a vector (a
+  dimension of one moved) and one below the threshold move none."""
+  big = (1024, 4096)
+  assert hlo.transposed_bytes(_compiled_text(lambda w, g: w - 0.01 * g.T, big, big[::-1])) \
+      == 1024 * 4096 * 4
+  assert hlo.transposed_bytes(_compiled_text(lambda w, g: w - 0.01 * g, big, big)) == 0
+  assert hlo.transposed_bytes(_compiled_text(lambda w, g: w - g.T, (4096, 1), (1, 4096))) == 0
+  small = (256, 512)
+  text = _compiled_text(lambda w, g: w - 0.01 * g.T, small, small[::-1])
+  assert hlo.transposed_bytes(text) == 0 and hlo.transposed_bytes(text, minimum=0) == 256 * 512 * 4
+  # Inside a loop, as often as it runs (XLA adds a layout change either side).
+  def looped(n):
+    return hlo.transposed_bytes(_compiled_text(
+        lambda w: jax.lax.fori_loop(0, n, lambda i, w: jnp.tanh(w.T), w), (2048, 2048)))
+  assert looped(6) - looped(3) == 3 * 2048 * 2048 * 4
