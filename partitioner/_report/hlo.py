@@ -14,6 +14,7 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Iterator
 
 # Frames in these packages are not "the user's line" of an op.
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
@@ -347,13 +348,8 @@ def _elements(dims: str) -> int:
 def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
   """``(line, flops)`` of each line of one computation that does any (as
   :func:`flops` counts them)."""
-  shapes = {}
   found = []
-  for line in lines:
-    m = DEFINITION.match(line)
-    if m is None:
-      continue
-    shapes[m.group("name")] = m.group("shape")
+  for line, m, shapes in _defined(lines):
     kind = m.group("kind")
     if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
       arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
@@ -364,6 +360,18 @@ def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, 
     if f is not None:
       found.append((line, f))
   return found
+
+
+def _defined(lines: list[str]) -> Iterator[tuple[str, re.Match, dict[str, str]]]:
+  """Each definition among one computation's lines: ``(line, match,
+  shapes)``, ``shapes`` the shape of every value defined so far, its own
+  included."""
+  shapes: dict[str, str] = {}
+  for line in lines:
+    m = DEFINITION.match(line)
+    if m is not None:
+      shapes[m.group("name")] = m.group("shape")
+      yield line, m, shapes
 
 
 def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
@@ -591,22 +599,15 @@ def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES) -> flo
   for name, lines in computations(hlo_text).items():
     if not name:
       continue
-    shapes: dict[str, str] = {}
-    for line in lines:
-      m = DEFINITION.match(line)
-      if m is None:
-        continue
-      shapes[m.group("name")] = m.group("shape")
+    for line, m, shapes in _defined(lines):
       kind = m.group("kind")
       if kind not in ("copy", "transpose"):
         continue
       operand = shapes.get(_first_operand(m.group("args")), "")
-      permutation = None
-      if kind == "transpose":
-        p = _PERMUTATION.search(line)
-        permutation = [int(x) for x in p.group(1).split(",") if x] if p else None
-        if permutation is None:
-          continue
+      p = _PERMUTATION.search(line) if kind == "transpose" else None
+      if kind == "transpose" and p is None:
+        continue
+      permutation = [int(x) for x in p.group(1).split(",") if x] if p else None
       result, source = _physical_order(m.group("shape"), permutation), _physical_order(operand)
       size = result_bytes(kind, m.group("shape"))
       if result is None or source is None or result == source or size < minimum:
