@@ -1012,9 +1012,13 @@ def check_benchmark(machine: Machine, section: str) -> Outcome:
 def run_checks(recorder: Recorder, machine: Machine, skip: Iterable[str] = (),
                report_path: str = "accelerator-check.md") -> None:
   """Every check, in order, each in its own child process or processes;
-  ``skip``: "tests" and/or "benchmarks" leave those out."""
+  ``skip``: "tests", "benchmarks" and/or "calibration" leave those out
+  (a left-out calibration is reported as skipped)."""
   run_device_checks(recorder, machine)
-  recorder.check(CALIBRATION, check_calibration, machine, report_path)
+  if "calibration" in skip:
+    recorder.add(Result(CALIBRATION, SKIP, 0.0, "left out (--skip calibration)"))
+  else:
+    recorder.check(CALIBRATION, check_calibration, machine, report_path)
   recorder.check(CACHE, check_cache, machine)
   recorder.check(TWO_PROCESSES, check_two_processes, machine)
   if machine.accelerator:
@@ -1097,9 +1101,11 @@ def parser() -> argparse.ArgumentParser:
                  help="where to write the markdown report (default: %(default)s)")
   p.add_argument("--no-install", action="store_true",
                  help="never install jax's CUDA or TPU plugin, even where one is missing")
-  p.add_argument("--skip", action="append", default=[], choices=("tests", "benchmarks"),
-                 help="on an accelerator, leave out the test suite or the benchmark"
-                      " sections (repeat for both)")
+  p.add_argument("--skip", action="append", default=[],
+                 choices=("tests", "benchmarks", "calibration"),
+                 help="leave out the calibration (partitioner.calibrate, about a minute"
+                      " on CPU devices) or, on an accelerator, the test suite or the"
+                      " benchmark sections (repeat for several)")
   return p
 
 

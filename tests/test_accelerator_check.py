@@ -223,12 +223,29 @@ def test_children_get_the_accelerator_or_eight_cpu_devices(monkeypatch):
   assert "JAX_PLATFORMS" not in gpu and gpu["SHARDED_JIT_CACHE_DIR"] == "/c"
 
 
+def test_skip_calibration_reports_it_skipped_and_runs_the_rest(monkeypatch):
+  ran = []
+  monkeypatch.setattr(ac, "run_device_checks", lambda recorder, machine: ran.append("devices"))
+  for name in ("check_calibration", "check_cache", "check_two_processes"):
+    monkeypatch.setattr(ac, name, lambda *a, name=name: ran.append(name) or "ok")
+  recorder = ac.Recorder()
+  ac.run_checks(recorder, ac.Machine(platform="cpu", kinds=["cpu"]), ["calibration"])
+  assert ran == ["devices", "check_cache", "check_two_processes"]
+  assert [(r.name, r.status) for r in recorder.results] == [
+      (ac.CALIBRATION, ac.SKIP), (ac.CACHE, ac.PASS), (ac.TWO_PROCESSES, ac.PASS)]
+  assert recorder.results[0].detail == "left out (--skip calibration)"
+  ran.clear()
+  ac.run_checks(ac.Recorder(), ac.Machine(platform="cpu", kinds=["cpu"]))
+  assert "check_calibration" in ran
+
+
 # ---- bad input, and the whole command ----
 
 @pytest.mark.parametrize("argv,message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--report"], "argument --report: expected one argument"),
     (["--report", "/no/such/dir/r.md"], "--report /no/such/dir/r.md: its directory does not exist"),
+    (["--skip", "everything"], "argument --skip: invalid choice: 'everything'"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
   with pytest.raises(SystemExit) as stop:
