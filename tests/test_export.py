@@ -6,6 +6,7 @@ jax.jit then compiles to the same collectives and the same values as
 sharded_jit.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -89,3 +90,33 @@ def test_to_named_with_ndim_for_open_specs():
   assert to_named(None, mesh, ndim=1).spec == NP(None)
   x = jnp.zeros((4, 8))
   assert jax.device_put(x, to_named(P(2, 4), mesh)).sharding.spec == NP("data", "model")
+
+
+@pytest.mark.eight_devices
+def test_choose_puts_another_candidate_in_the_winners_place():
+  """``found.choose(k)``: a losing family's layout, run by sharded_jit and
+  exported for jax.jit as the winner's is; the answer itself unchanged."""
+  params, x = mlp(512, 2048, 8)
+  found = partitioner.search(mlp_step, params, x, max_compiles=4, measure=0)
+  k, other = next((k, c) for k, c in enumerate(found.candidates)
+                  if not c.error and c.family != found.best.family)
+  chosen = found.choose(k)
+  assert chosen.best is other and found.choose(other).best is other
+  assert found.best is found.candidates[0] and chosen.candidates == found.candidates
+  assert chosen.in_parts != found.in_parts
+  step = chosen.sharded_jit()
+  (p, loss), (q, ref) = step(params, x), jax.jit(mlp_step)(params, x)
+  np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(p[name]), np.asarray(q[name]), rtol=1e-5, atol=1e-7)
+  mesh, ins, outs = chosen.named_shardings()
+  assert dict(mesh.shape) == {n: s for n, s in zip(("data", "fsdp", "model"), other.grid)
+                              if s > 1}
+  theirs = jax.jit(mlp_step, in_shardings=ins, out_shardings=outs)
+  assert _collectives(theirs.lower(params, x).compile()) == _collectives(
+      step.lower(params, x).compile())
+  assert chosen.best.layout in chosen.report()
+  with pytest.raises(ValueError, match=r"choose\(99\): there are \d+ candidates"):
+    found.choose(99)
+  with pytest.raises(ValueError, match=r"not one of this answer's candidates"):
+    found.choose(dataclasses.replace(other))

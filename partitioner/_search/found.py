@@ -3,6 +3,7 @@ scored, and a one-screen report; their JSON form for the caches."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -153,7 +154,7 @@ class FoundLayout:
     out_parts: the outputs' spec tree.
     candidates: every layout it compiled and scored, best first (then
       those over the budget, then those that failed).
-    best: ``candidates[0]``.
+    best: ``candidates[0]`` (in a :meth:`choose` result, the one chosen).
     estimated: how many layouts the cheap model ranked.
     compiled: how many it compiled and scored (candidates that compiled to
       one program are one of ``candidates``).
@@ -191,22 +192,60 @@ class FoundLayout:
     self.device_ids = tuple(data.get("devices", ()))
     self.microbatches = self.best.microbatches if data.get("accumulate") else None
     self.devices: tuple = ()  # (the search's devices, when it has them)
+    self._parts: dict[int, Callable[[], tuple[tuple, Any]]] = {}  # (per candidate: its specs)
 
   @classmethod
   def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
                 in_tree: Any, out_tree: Any, nargs: int, who: str) -> FoundLayout:
     data = json.loads(blob)
     rows = data["candidates"]
-    winner = rows[0]
-    dyn = jax.tree_util.tree_unflatten(in_tree, [decode_spec(t) for t in winner["in"]])
-    it = iter(dyn)
-    in_parts = tuple(None if i in static else next(it) for i in range(nargs))
-    out_parts = jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in winner["out"]])
     fields = {f.name for f in dataclasses.fields(CandidateResult)}
     candidates = tuple(CandidateResult(**cast(dict[str, Any], {
         k: (tuple(v) if k == "grid" else v) for k, v in r.items() if k in fields}))
                        for r in rows)
-    return cls(fun, static, data, in_parts, out_parts, candidates)
+    def parts(row: dict) -> tuple[tuple, Any]:
+      it = iter(jax.tree_util.tree_unflatten(in_tree, [decode_spec(t) for t in row["in"]]))
+      return (tuple(None if i in static else next(it) for i in range(nargs)),
+              jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in row["out"]]))
+    found = cls(fun, static, data, *parts(rows[0]), candidates)
+    found._parts = {id(c): (lambda row=row: parts(row)) for c, row in zip(candidates, rows)}
+    return found
+
+  def choose(self, candidate: CandidateResult | int) -> FoundLayout:
+    """This answer with ``candidate`` (one of :attr:`candidates`, or its
+    index there) in the winner's place: its specs, grid, devices and
+    microbatch count for :meth:`sharded_jit`, :meth:`function`,
+    :meth:`mesh`, :meth:`named_shardings` and :meth:`report` (which
+    then sets it against the others). To run or compile another family's
+    layout, e.g. the runner-up or the best that fits a budget the search
+    was not given::
+
+      runner_up = found.choose(1)
+      compiled = runner_up.sharded_jit().lower(*args).compile()
+
+    Raises:
+      ValueError: ``candidate`` is not one of these candidates, or it
+        failed to compile (its ``error``).
+    """
+    if isinstance(candidate, int) and not isinstance(candidate, bool):
+      if not -len(self.candidates) <= candidate < len(self.candidates):
+        raise ValueError(f"FoundLayout.choose({candidate}): there are"
+                         f" {len(self.candidates)} candidates (indices 0 to"
+                         f" {len(self.candidates) - 1}).")
+      candidate = self.candidates[candidate]
+    chosen = next((c for c in self.candidates if c is candidate), None)
+    if chosen is None or id(chosen) not in self._parts:
+      raise ValueError(f"FoundLayout.choose({candidate!r}): not one of this answer's"
+                       " candidates. Hint: pass one of found.candidates, or its index.")
+    if chosen.error:
+      raise ValueError(f"FoundLayout.choose(): {chosen.layout!r} failed to compile:"
+                       f" {chosen.error}")
+    found = copy.copy(self)
+    found.in_parts, found.out_parts = self._parts[id(chosen)]()
+    found.best = chosen
+    if self.microbatches is not None:
+      found.microbatches = chosen.microbatches
+    return found
 
   def function(self) -> Callable[..., Any]:
     """The searched function, its ``partitioner.accumulate(microbatches=None)``
