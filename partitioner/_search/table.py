@@ -97,7 +97,11 @@ def families_that_lost(found: Any) -> str:
              " at least" if by.startswith("at least") else "")
       parts.append(f"{x.family}: over the budget{how} ({x.peak_memory / found.budget:.2f}x)")
     else:
-      parts.append(f"{x.family}: {x.seconds / max(best.seconds, 1e-12):.2f}x slower")
+      # (a TPU topology's, where both were compiled whole: a proxy's is
+      # not scaled, XLA's estimate has parts that do not repeat)
+      xla = (f" (XLA's own estimate: {x.xla_seconds / best.xla_seconds:.2f}x)"
+             if x.xla_seconds and best.xla_seconds else "")
+      parts.append(f"{x.family}: {x.seconds / max(best.seconds, 1e-12):.2f}x slower{xla}")
   return ("Each other family's best: " + "; ".join(parts) + ".") if parts else ""
 
 
