@@ -116,6 +116,10 @@ def test_choose_puts_another_candidate_in_the_winners_place():
   assert _collectives(theirs.lower(params, x).compile()) == _collectives(
       step.lower(params, x).compile())
   assert chosen.best.layout in chosen.report()
+  assert found.choose(other.family).best is other  # (its family's best: the first of it)
+  with pytest.raises(ValueError, match=r"choose\('pipeline 8'\): no candidate of that family"
+                                       r" compiled; the families are \['"):
+    found.choose("pipeline 8")
   with pytest.raises(ValueError, match=r"choose\(99\): there are \d+ candidates"):
     found.choose(99)
   with pytest.raises(ValueError, match=r"not one of this answer's candidates"):

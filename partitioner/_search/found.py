@@ -211,9 +211,10 @@ class FoundLayout:
     found._parts = {id(c): (lambda row=row: parts(row)) for c, row in zip(candidates, rows)}
     return found
 
-  def choose(self, candidate: CandidateResult | int) -> FoundLayout:
-    """This answer with ``candidate`` (one of :attr:`candidates`, or its
-    index there) in the winner's place: its specs, grid, devices and
+  def choose(self, candidate: CandidateResult | int | str) -> FoundLayout:
+    """This answer with ``candidate`` (one of :attr:`candidates`, its
+    index there, or a family's name for that family's best, e.g.
+    ``"FSDP 8"``) in the winner's place: its specs, grid, devices and
     microbatch count for :meth:`sharded_jit`, :meth:`function`,
     :meth:`mesh`, :meth:`named_shardings` and :meth:`report` (which
     then sets it against the others). To run or compile another family's
@@ -224,9 +225,18 @@ class FoundLayout:
       compiled = runner_up.sharded_jit().lower(*args).compile()
 
     Raises:
-      ValueError: ``candidate`` is not one of these candidates, or it
-        failed to compile (its ``error``).
+      ValueError: ``candidate`` is not one of these candidates (or no
+        candidate of that family compiled), or it failed to compile (its
+        ``error``).
     """
+    if isinstance(candidate, str):
+      family = candidate
+      of_family = [c for c in self.candidates if c.family == family and not c.error]
+      if not of_family:
+        families = sorted({c.family for c in self.candidates if not c.error})
+        raise ValueError(f"FoundLayout.choose({family!r}): no candidate of that family"
+                         f" compiled; the families are {families}.")
+      candidate = of_family[0]
     if isinstance(candidate, int) and not isinstance(candidate, bool):
       if not -len(self.candidates) <= candidate < len(self.candidates):
         raise ValueError(f"FoundLayout.choose({candidate}): there are"
