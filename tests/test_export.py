@@ -115,7 +115,13 @@ def test_choose_puts_another_candidate_in_the_winners_place():
   theirs = jax.jit(mlp_step, in_shardings=ins, out_shardings=outs)
   assert _collectives(theirs.lower(params, x).compile()) == _collectives(
       step.lower(params, x).compile())
-  assert chosen.best.layout in chosen.report()
+  report = chosen.report()
+  assert f"Chosen (found.choose): {other.family}, {other.layout}" in report
+  assert "  (chosen)" in report and "Winner:" not in report
+  # The search's winner is among the others it is set against, faster.
+  lost = report.split("Each other family's best: ")[1]
+  assert f"{found.best.family}: faster, " in lost
+  assert f"The fastest other layout, {found.best.family} (" in report
   assert found.choose(other.family).best is other  # (its family's best: the first of it)
   with pytest.raises(ValueError, match=r"choose\('pipeline 8'\): no candidate of that family"
                                        r" compiled; the families are \['"):

@@ -45,7 +45,8 @@ def table(found: Any, rows: int) -> str:
       lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<31}"
                    f" {x.layout}: {x.error[:80]}")
       continue
-    mark = "" if x.fits else "  (over budget)"
+    mark = ("" if x.fits else "  (over budget)") + (
+        "  (chosen)" if k and x is found.best else "")
     timed = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
                  f"  {size(x.collective_bytes):>11}"
@@ -83,11 +84,17 @@ def where_memory_goes(best: Any) -> str:
           f" gradients) + working {size(m['working'])} ({m['at']}).")
 
 
+def _others(found: Any) -> list:
+  """The candidates but the best (the first, or the one ``choose`` put in
+  its place)."""
+  return [x for x in found.candidates if x is not found.best]
+
+
 def families_that_lost(found: Any) -> str:
   """Why the best layout of each other family lost: over the budget (by
   how much), or slower (by how much)."""
   best, seen, parts = found.best, {found.best.family}, []
-  for x in found.candidates[1:]:
+  for x in _others(found):
     if x.error or x.family in seen:
       continue
     seen.add(x.family)
@@ -101,7 +108,9 @@ def families_that_lost(found: Any) -> str:
       # not scaled, XLA's estimate has parts that do not repeat)
       xla = (f" (XLA's own estimate: {x.xla_seconds / best.xla_seconds:.2f}x)"
              if x.xla_seconds and best.xla_seconds else "")
-      parts.append(f"{x.family}: {x.seconds / max(best.seconds, 1e-12):.2f}x slower{xla}")
+      ratio = x.seconds / max(best.seconds, 1e-12)
+      how = f"{ratio:.2f}x slower" if ratio >= 1 else f"faster, {ratio:.2f}x the time"
+      parts.append(f"{x.family}: {how}{xla}")
   return ("Each other family's best: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -109,15 +118,16 @@ def why(found: Any) -> str:
   """One paragraph: the winner against the best of every other family."""
   best = found.best
   others = {}
-  for x in found.candidates[1:]:
+  for x in _others(found):
     if not x.error and x.fits and x.family != best.family:
       others.setdefault(x.family, x)
-  text = (f"Winner: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
+  who = "Winner" if best is found.candidates[0] else "Chosen (found.choose)"
+  text = (f"{who}: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
           f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
           f" per device, peak {size(best.peak_memory)}.")
   if best.xla_seconds:  # (a TPU topology's: its compiler's own estimate)
     text += f" XLA's own estimate: {_time(best.xla_seconds)} a call."
-  timed = [x for x in found.candidates[1:] if x.measured_seconds]
+  timed = [x for x in _others(found) if x.measured_seconds]
   if best.measured_seconds and timed:  # a close call, decided on the devices
     rival = min(timed, key=lambda x: x.measured_seconds)
     return text + (f" A close call, timed on the devices: {_time(best.measured_seconds)} a"
@@ -128,6 +138,9 @@ def why(found: Any) -> str:
   if not others:
     return text
   runner = min(others.values(), key=lambda x: x.seconds)
+  if runner.seconds < best.seconds:  # (a layout found.choose put in the winner's place)
+    return text + (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
+                   f" takes {runner.seconds / best.seconds:.2f}x its time.")
   parts = []
   if best.collective_bytes < runner.collective_bytes:
     parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
