@@ -45,9 +45,10 @@ def tokens(seed=0):
   return np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
 
 
-def search_and_train(step, state, batches, rtol, atol, moved=None):
+def search_and_train(step, state, batches, rtol, atol, moved=None, runner_up=False):
   """Searches ``step(*state, *batch)`` from abstract arguments, runs the
-  found layout from ``state`` on each batch in ``batches``, feeding each
+  found layout (``runner_up``: the best of another family, through
+  ``found.choose``) from ``state`` on each batch in ``batches``, feeding each
   step the state the last one returned, and checks every output against
   ``jax.jit(step)``: to ``rtol`` and ``atol``, or, with ``moved`` (for
   bfloat16), each state leaf to that fraction of how far ``jax.jit`` moved
@@ -57,6 +58,9 @@ def search_and_train(step, state, batches, rtol, atol, moved=None):
                                     (*state, *batches[0]))
   found = partitioner.search(step, *abstract, progress=False, max_compiles=2, measure=0)
   assert found.best.error == "", found.report()
+  if runner_up:
+    found = found.choose(next(c for c in found.candidates
+                              if not c.error and c.family != found.best.family))
   ours, theirs = found.sharded_jit(), jax.jit(step)
   start = [_comparable(x) for x in jax.tree_util.tree_leaves(state)]
   mine, ref = tuple(state), tuple(state)
@@ -250,8 +254,10 @@ def test_equinox_transformer_partitioned_into_arrays_and_the_rest():
   logits = lambda p, ids: jax.vmap(eqx.combine(p, static))(ids)
   optimizer = optax.adamw(LR)
   step = train_step(next_token_loss(logits), optimizer)
-  search_and_train(step, (params, optimizer.init(params)), [(tokens(0),), (tokens(1),)],
-                   rtol=1e-4, atol=1e-5)
+  state, batches = (params, optimizer.init(params)), [(tokens(0),), (tokens(1),)]
+  search_and_train(step, state, batches, rtol=1e-4, atol=1e-5)
+  # Another family's layout, as found.choose gives it, trains alike.
+  search_and_train(step, state, batches, rtol=1e-4, atol=1e-5, runner_up=True)
 
 
 def test_a_module_with_functions_in_its_tree_is_refused_with_its_path():
