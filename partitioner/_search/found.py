@@ -192,7 +192,7 @@ class FoundLayout:
     self.device_ids = tuple(data.get("devices", ()))
     self.microbatches = self.best.microbatches if data.get("accumulate") else None
     self.devices: tuple = ()  # (the search's devices, when it has them)
-    self._parts: dict[int, Callable[[], tuple[tuple, Any]]] = {}  # (per candidate: its specs)
+    self._parts: tuple[Callable[[], tuple[tuple, Any]], ...] = ()  # (each candidate's specs)
 
   @classmethod
   def from_json(cls, blob: bytes, fun: Callable[..., Any], static: Sequence[int],
@@ -208,7 +208,7 @@ class FoundLayout:
       return (tuple(None if i in static else next(it) for i in range(nargs)),
               jax.tree_util.tree_unflatten(out_tree, [decode_spec(t) for t in row["out"]]))
     found = cls(fun, static, data, *parts(rows[0]), candidates)
-    found._parts = {id(c): (lambda row=row: parts(row)) for c, row in zip(candidates, rows)}
+    found._parts = tuple((lambda row=row: parts(row)) for row in rows)
     return found
 
   def choose(self, candidate: CandidateResult | int | str) -> FoundLayout:
@@ -243,15 +243,16 @@ class FoundLayout:
                          f" {len(self.candidates)} candidates (indices 0 to"
                          f" {len(self.candidates) - 1}).")
       candidate = self.candidates[candidate]
-    chosen = next((c for c in self.candidates if c is candidate), None)
-    if chosen is None or id(chosen) not in self._parts:
+    index = next((k for k, c in enumerate(self.candidates) if c is candidate), None)
+    if index is None or not self._parts:
       raise ValueError(f"FoundLayout.choose({candidate!r}): not one of this answer's"
                        " candidates. Hint: pass one of found.candidates, or its index.")
+    chosen = self.candidates[index]
     if chosen.error:
       raise ValueError(f"FoundLayout.choose(): {chosen.layout!r} failed to compile:"
                        f" {chosen.error}")
     found = copy.copy(self)
-    found.in_parts, found.out_parts = self._parts[id(chosen)]()
+    found.in_parts, found.out_parts = self._parts[index]()
     found.best = chosen
     if self.microbatches is not None:
       found.microbatches = chosen.microbatches
