@@ -66,23 +66,53 @@ def test_on_a_cpu_its_rates_are_fitted_to_whole_train_steps(measured):
 
 
 def test_the_step_fit_recovers_known_rates():
-  flops, accessed, link, transpose, latency = 4e10, 8e9, 5e8, 2e8, 150e-6
+  flops, accessed, link, transpose, f32, latency = 4e10, 8e9, 5e8, 2e8, 1.5e10, 150e-6
   rng = np.random.default_rng(0)
   rows = []
-  for k in range(9):
+  for k in range(11):
     f, b, c, n = rng.uniform(1e7, 5e9), rng.uniform(1e6, 3e8), rng.uniform(0, 6e7), k % 4
     t = b * rng.uniform(0, 0.5) if k % 3 == 0 else 0.0  # (some steps transpose)
-    rows.append(steps_lib.StepTime(f"step {k}", f, b, c, n, f / flops + b / accessed + c / link
-                                   + t / transpose + n * latency, t))
-  got, error = steps_lib.fitted(rows, latency, (1.0, 1.0, 1.0))
-  assert got == pytest.approx((flops, accessed, link, transpose), rel=1e-6) and error < 1e-9
-  # A term no step's time shows keeps the fallback rate; no transposes, no surcharge.
+    m = f * rng.uniform(0.2, 0.9) if k % 2 else 0.0  # (some steps' matmuls are in float32)
+    rows.append(steps_lib.StepTime(
+        f"step {k}", f, b, c, n, (f - m) / flops + m / f32 + b / accessed + c / link
+        + t / transpose + n * latency, t, m))
+  got, error = steps_lib.fitted(rows, latency, (1.0, 1.0, 1.0, None))
+  assert got == pytest.approx((flops, accessed, link, transpose, f32), rel=1e-6) and error < 1e-9
+  # A term no step's time shows keeps the fallback rate; no transposes, no
+  # surcharge; no float32 matmuls, the fallback's float32 rate.
   no_comm = [dataclasses.replace(r, collective_bytes=0.0, collectives=0, transposed_bytes=0.0,
+                                 f32_matmul_flops=0.0,
                                  seconds=r.flops / flops + r.bytes_accessed / accessed)
              for r in rows]
-  assert steps_lib.fitted(no_comm, latency, (1.0, 1.0, 7.0))[0][2:] == (7.0, None)
+  assert steps_lib.fitted(no_comm, latency, (1.0, 1.0, 7.0, 3.0))[0][2:] == (7.0, None, 3.0)
+  # Float32 matmuls whose time shows no rate of their own: the flop rate's.
+  same = [dataclasses.replace(r, f32_matmul_flops=r.flops * (k % 3) / 3)
+          for k, r in enumerate(no_comm)]
+  got = steps_lib.fitted(same, latency, (1.0, 1.0, 7.0, 3.0))[0][4]
+  assert got is None or got == pytest.approx(flops, rel=1e-6)
   assert steps_lib.nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])) \
       == pytest.approx([2.0, 0.0])  # a negative one is held at zero
+
+
+def test_a_gpus_family_of_steps_is_sized_for_a_gpu():
+  """The steps timed on a GPU each take milliseconds there under the named
+  H100 (the CPU's family would take 0.1-0.3 ms, bound by kernel
+  launches): compiled here for one device, shapes only, flops and bytes
+  as XLA counts them."""
+  h100 = partitioner.DEVICE_MODELS["h100"]
+  found = steps_lib.programs(jax.devices()[:1], platform="gpu")
+  names = [name for name, _, _ in found]
+  assert any("bfloat16" in n for n in names) and any("float32" in n for n in names)
+  assert any(n.startswith("normalize") for n in names) and any(
+      n.startswith("transpose") for n in names)
+  for name, step, make in found:
+    seconds = partitioner.cost(step.lower(*jax.eval_shape(make)).compile(), h100).seconds
+    assert 1e-3 < seconds < 30e-3, (name, seconds)
+  cpu = [name for name, _, _ in steps_lib.programs(jax.devices()[:1], platform="cpu")]
+  assert len(cpu) == 4 and cpu[0] == "mlp 256x1024, batch 2048: replicated"
+  # Over several GPUs each device's share stays: the batch grows with them.
+  n = min(len(jax.devices()), 8)
+  assert f"batch {4096 * n}" in steps_lib.programs(jax.devices()[:n], platform="gpu")[0][0]
 
 
 def test_steps_false_keeps_the_lone_rates():
@@ -131,8 +161,8 @@ class _Fake:
     (dict(devices=[_Fake(), _Fake("tpu", "TPU v5")]), "devices of 2 kinds"),
     (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: leave devices out"),
     (dict(kinds=("all-reduce", "broadcast")), r"unknown \['broadcast'\].*Hint: any of"),
-    (dict(devices=[_Fake("gpu", "NVIDIA H100")], steps=True),
-     r"steps=True\) on gpu devices.*Hint: leave steps out"),
+    (dict(devices=[_Fake("tpu", "TPU v5")], steps=True),
+     r"steps=True\) on tpu devices.*roofline.*Hint: leave steps out"),
 ])
 def test_bad_input(kw, message):
   with pytest.raises(ValueError, match=message):

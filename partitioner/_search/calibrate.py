@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 from partitioner import _distributed
 from partitioner._report.cost import collective_weight
 from partitioner._report.device_models import MODELS, DeviceModel, default_model, load_model
-from partitioner._search.calibrate_steps import StepTime, fitted, time_steps
+from partitioner._search.calibrate_steps import StepTime, family, fitted, time_steps
 
 __all__ = ["Calibration", "calibrate", "load"]
 
@@ -59,9 +59,9 @@ class Calibration:
     devices: the device kind and how many were measured.
     named: the key of ``partitioner.DEVICE_MODELS`` that describes these
       devices from published figures (``"h100"``), or None.
-    steps: on a CPU, the train steps whose times the model's rates are
-      fitted to (``StepTime``: the cost model's terms and the seconds);
-      else empty.
+    steps: on a CPU or a GPU, the train steps whose times the model's
+      rates are fitted to (``StepTime``: the cost model's terms and the
+      seconds); else empty.
     across: in a job of several processes, ``{kind: [(bytes per device,
       group size, seconds)]}`` of each collective over every process's
       devices (what ``network_bytes_per_s`` is fitted to); else empty.
@@ -94,11 +94,11 @@ class Calibration:
     to see what it buys (``benchmarks/calibrate.py`` reports both).
 
     Raises:
-      ValueError: no steps were timed (``steps=False``, an accelerator).
+      ValueError: no steps were timed (``steps=False``, a TPU).
     """
     if not self.steps:
       raise ValueError("Calibration.refit(): no train steps were timed (calibrate(steps=False),"
-                       " or an accelerator's calibration). Hint: calibrate() on a CPU, or"
+                       " or a TPU's calibration). Hint: calibrate() on a CPU or a GPU, or"
                        " steps=True.")
     steps = (self.steps if transposes else
              tuple(dataclasses.replace(s, transposed_bytes=0.0) for s in self.steps))
@@ -286,12 +286,14 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
               steps: bool | None = None) -> Calibration:
   """Measures a :class:`DeviceModel` on ``devices`` (default: this
   process's, ``jax.local_devices()``): matmul rates, memory bandwidth and
-  each collective's time by size among them. On a CPU it then times a
-  small family of train steps (MLPs in the usual layouts, an elementwise
-  step) and fits the model's rates to those whole steps (a lone matmul or
-  copy runs far faster than a step's ops do there); the fit's rms
-  relative error is the model's ``error``. About a minute (8 simulated
-  CPU devices on 2 cores: 50-80 s with the steps; one H200: 20 s).
+  each collective's time by size among them. On a CPU (on a GPU with
+  ``steps=True``) it then times a small family of train steps sized for
+  the platform (MLPs in the usual layouts, in bfloat16 and float32 on a
+  GPU; a step of elementwise ops; one of large transposes) and fits the
+  model's rates to those whole steps (on a CPU a lone matmul or copy runs
+  far faster than a step's ops do); the fit's rms relative error is the
+  model's ``error``. About a minute (8 simulated CPU devices on 2 cores:
+  50-80 s; one H200: 20 s, one H100 with the steps: 90 s).
   ``path``: also written there, as JSON, for ``search(device_model=path)``.
 
   In a job of several processes (``partitioner.initialize()``), every
@@ -311,13 +313,15 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     kinds: which collectives to measure (default: all five).
     progress: called with one line per figure measured (e.g. ``print``).
     steps: fit the rates to timed train steps; default (None): on a CPU.
-      Not on accelerators: the family's steps are sized for a CPU (on an
-      H100 they take 0.1-0.3 ms, bound by kernel launches).
+      On a GPU the lone matmuls' and copy's rates are kept by default: on
+      one H100 they estimated two decoders' steps (not in the family) at
+      1.04-1.13x their measured time, the rates fitted to the steps at
+      1.16-1.25x. Not on a TPU: its model is a roofline (compute and
+      memory overlap), not the sum the steps are fitted to.
 
   Raises:
     ValueError: no devices, devices of more than one kind or of another
-      process, an unknown collective kind, or ``steps=True`` on an
-      accelerator.
+      process, an unknown collective kind, or ``steps=True`` on a TPU.
   """
   everywhere = devices is None and _distributed.world().multi
   devices = _checked(devices, kinds, steps)
@@ -419,11 +423,8 @@ def _checked(devices: Sequence[Any] | None, kinds: Sequence[str], steps: bool | 
   unknown = [k for k in kinds if k not in KINDS]
   if unknown:
     raise ValueError(f"calibrate(kinds={list(kinds)}): unknown {unknown}. Hint: any of {KINDS}.")
-  if steps and devices[0].platform != "cpu":
-    raise ValueError(f"calibrate(steps=True) on {devices[0].platform} devices: its family of"
-                     " steps is sized for a CPU; on an accelerator they take a fraction of a"
-                     " millisecond, bound by kernel launches (0.1-0.3 ms on an H100), which"
-                     " the model's rates do not describe. Hint: leave steps out there.")
+  if steps:
+    family(devices[0].platform)  # (a platform with no family: the clear error)
   return devices
 
 
@@ -439,12 +440,15 @@ def _fitted_to_steps(devices: Sequence[Any], model: DeviceModel, say: Callable[[
 
 def _refitted(model: DeviceModel, timed: Sequence[StepTime]) -> DeviceModel:
   """``model`` with its rates fitted to ``timed`` (its error the fit's)."""
-  (flops, accessed, link, transpose), error = fitted(
+  (flops, accessed, link, transpose, f32), error = fitted(
       timed, model.latency_s, (model.flops_per_s, model.memory_bytes_per_s,
-                               model.link_bytes_per_s))
+                               model.link_bytes_per_s, model.f32_flops_per_s))
+  # (a CPU's "network" is its own links, halved; a GPU's hosts' network is
+  # no step's: the named model's, or the one measured across processes)
+  network = link / 2 if model.platform == "cpu" else model.network_bytes_per_s
   return dataclasses.replace(model, flops_per_s=flops, memory_bytes_per_s=accessed,
-                             link_bytes_per_s=link, network_bytes_per_s=link / 2,
-                             transpose_bytes_per_s=transpose, error=error)
+                             link_bytes_per_s=link, network_bytes_per_s=network,
+                             transpose_bytes_per_s=transpose, f32_flops_per_s=f32, error=error)
 
 
 def _named(device: Any) -> str | None:

@@ -1,5 +1,5 @@
-"""Whole training steps timed and fitted: the rates a CPU's device model
-needs (:func:`partitioner.calibrate`, on a CPU).
+"""Whole training steps timed and fitted: the rates a CPU's or a GPU's
+device model needs (:func:`partitioner.calibrate`).
 
 A CPU runs one op after another, so a step's time is close to the sum
 ``flops / F + bytes accessed / M + collective bytes / L + collectives x
@@ -22,6 +22,13 @@ device in memory) 6.5x slower than an elementwise op of the same bytes on
 8 simulated devices; without T the fitted rates took that time for
 collectives' (the data-parallel steps transpose their replicated
 gradients in the update).
+
+A GPU runs its kernels one after another too, each bound by its flops or
+its bytes, so the same sum describes a step there, with float32 matmuls at
+their own rate (TF32 at jax's default precision): its family is sized for
+a GPU (steps of 2-20 ms on an H100, where the CPU's take 0.1-0.3 ms, bound
+by kernel launches), in bfloat16 and float32, and the fit adds the float32
+matmuls' rate F32.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ class StepTime:
 
   Attributes:
     name: the step and its layout (``"mlp 256x1024, batch 2048: data parallel"``).
-    flops, bytes_accessed, collective_bytes, collectives, transposed_bytes:
-      the cost model's terms of its compiled program (per device).
+    flops, bytes_accessed, collective_bytes, collectives, transposed_bytes,
+    f32_matmul_flops: the cost model's terms of its compiled program (per
+      device; float32 matmuls' flops counted apart on a GPU alone).
     seconds: its measured time per step (median).
   """
   name: str
@@ -59,6 +67,7 @@ class StepTime:
   collectives: int
   seconds: float
   transposed_bytes: float = 0.0
+  f32_matmul_flops: float = 0.0
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -80,16 +89,18 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def terms(rows: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
   """Per row (anything with the :class:`StepTime` fields): ``(flops, bytes
-  accessed, collective bytes, transposed bytes)``, and its collectives."""
+  accessed, collective bytes, transposed bytes, float32 matmul flops)``,
+  and its collectives."""
   return (np.array([[r.flops, r.bytes_accessed, r.collective_bytes,
-                     getattr(r, "transposed_bytes", 0.0)] for r in rows], float),
+                     getattr(r, "transposed_bytes", 0.0), getattr(r, "f32_matmul_flops", 0.0)]
+                    for r in rows], float),
           np.array([r.collectives for r in rows], float))
 
 
 def fit(rows: Sequence[Any], latency: float) -> np.ndarray:
-  """Seconds per flop, per byte accessed, per collective byte and per
-  large transpose's byte that best give the rows' times (relative
-  error), ``latency`` a collective."""
+  """Seconds per flop, per byte accessed, per collective byte, per large
+  transpose's byte and per float32 matmul flop beyond a flop's that best
+  give the rows' times (relative error), ``latency`` a collective."""
   t = np.array([r.seconds for r in rows], float)
   x, count = terms(rows)
   return nnls(x / t[:, None], (t - latency * count) / t)
@@ -99,18 +110,41 @@ def rms_error(rows: Sequence[Any], model: DeviceModel) -> float:
   """The rms relative error of ``model``'s sum over the rows' times."""
   x, count = terms(rows)
   t = np.array([r.seconds for r in rows], float)
-  predicted = np.array([model.compute_seconds(f, b, 0.0, tr) + model.comm_seconds(c, k)
-                        for (f, b, c, tr), k in zip(x, count)])
+  predicted = np.array([model.compute_seconds(f, b, f32, tr) + model.comm_seconds(c, k)
+                        for (f, b, c, tr, f32), k in zip(x, count)])
   return float(np.sqrt(np.mean((predicted / t - 1) ** 2)))
 
 
-# The family: (name, width, hidden, batch) of a 2-layer MLP train step.
-MLPS = (("mlp 256x1024, batch 2048", 256, 1024, 2048),
-        ("mlp 1024x4096, batch 128", 1024, 4096, 128))
-ELEMENTWISE = ("normalize 2048x2048, 4 times", 2048, 2048)
-# (name, global shape): a stack of matrices transposed twice a step, two of
-# 16 MB a device on 8 (a data-parallel update's transposed gradients)
-TRANSPOSE = ("transpose 16x2048x2048, twice", (16, 2048, 2048))
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """The steps timed on one platform.
+
+  Attributes:
+    mlps: ``(width, hidden, batch, dtype)`` of 2-layer MLP train steps,
+      each in every layout of :func:`_layouts` over several devices.
+    elementwise: ``(rows, cols)`` of a step of normalizations (data parallel).
+    transpose: the shape of a stack of matrices transposed twice a step
+      (data parallel).
+    per_device: the batch, the rows and the stack grow with the devices
+      (each device's share stays the same), else they are global.
+  """
+  mlps: tuple[tuple[int, int, int, str], ...]
+  elementwise: tuple[int, int]
+  transpose: tuple[int, int, int]
+  per_device: bool
+
+
+FAMILIES = {
+    # Sized for 8 simulated devices on a 2-core host: the transposes are a
+    # data-parallel update's transposed gradients, 16 MB a device.
+    "cpu": Family(mlps=((256, 1024, 2048, "float32"), (1024, 4096, 128, "float32")),
+                  elementwise=(2048, 2048), transpose=(16, 2048, 2048), per_device=False),
+    # Sized for a GPU: 2-20 ms a step on an H100 (a 1 GB array normalized,
+    # MLPs whose matmuls or whose activations dominate, both dtypes).
+    "gpu": Family(mlps=((4096, 16384, 4096, "bfloat16"), (4096, 16384, 4096, "float32"),
+                        (1024, 4096, 32768, "bfloat16"), (1024, 4096, 32768, "float32")),
+                  elementwise=(16384, 16384), transpose=(16, 4096, 4096), per_device=True),
+}
 LR = 0.01
 
 
@@ -145,33 +179,75 @@ def _layouts() -> dict[str, tuple[dict, Any]]:
           "FSDP": ({"w1": d, "w2": d}, d)}
 
 
-def programs(devices: Sequence[Any]) -> list[tuple[str, Callable, tuple]]:
-  """The family's steps over ``devices``: ``(name, jitted step, arguments)``,
-  the parameters first (donated, fed back)."""
+def family(platform: str) -> Family:
+  """The family of steps timed on ``platform``'s devices.
+
+  Raises:
+    ValueError: a platform with none (a TPU: its model is a roofline,
+      compute and memory overlapping, not the sum the fit is for).
+  """
+  if platform not in FAMILIES:
+    raise ValueError(f"calibrate(steps=True) on {platform} devices: the family of train steps"
+                     f" is sized and fitted for {' and '.join(sorted(FAMILIES))} devices, whose"
+                     " step time is the sum of their kernels'; a TPU overlaps compute and"
+                     " memory (its model is a roofline), not measured here. Hint: leave steps"
+                     " out there.")
+  return FAMILIES[platform]
+
+
+def _normal(shape: tuple[int, ...], dtype: str, scale: float, sharding: Any, seed: int
+            ) -> jax.Array:
+  """Random normal values made on the devices (a GPU's arrays are GBs)."""
+  make = jax.jit(lambda: (jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+                          * scale).astype(dtype), out_shardings=sharding)
+  return make()
+
+
+def programs(devices: Sequence[Any], platform: str | None = None
+             ) -> list[tuple[str, Callable, Callable[[], tuple]]]:
+  """The family's steps over ``devices``: ``(name, jitted step, make)``,
+  ``make()`` giving its arguments on the devices, the parameters first
+  (donated, fed back); ``platform``'s family (default: the devices')."""
+  steps = family(platform or devices[0].platform)
+  n = len(devices)
+  grow = n if steps.per_device else 1
   mesh = Mesh(np.array(devices), ("d",))
-  rng = np.random.default_rng(0)
+  layouts = _layouts() if n > 1 else {"replicated": _layouts()["replicated"]}
   out = []
-  for name, width, hidden, batch in MLPS:
-    params = {"w1": rng.normal(0, width ** -0.5, (width, hidden)).astype(np.float32),
-              "w2": rng.normal(0, hidden ** -0.5, (hidden, width)).astype(np.float32)}
-    x = rng.normal(size=(batch, width)).astype(np.float32)
-    for layout, (pspecs, xspec) in _layouts().items():
-      shard = {k: NamedSharding(mesh, s) for k, s in pspecs.items()}
+  for k, (width, hidden, batch, dtype) in enumerate(steps.mlps):
+    name = f"mlp {width}x{hidden}, batch {batch * grow}" + (
+        f", {dtype}" if steps is not FAMILIES["cpu"] else "")
+    for layout, (pspecs, xspec) in layouts.items():
+      shard = {w: NamedSharding(mesh, spec) for w, spec in pspecs.items()}
       xs = NamedSharding(mesh, xspec)
       step = jax.jit(_mlp_step, in_shardings=(shard, xs), out_shardings=shard, donate_argnums=0)
-      out.append((f"{name}: {layout}", step, (shard, params, xs, x)))
-  name, rows, cols = ELEMENTWISE
+
+      def make(width=width, hidden=hidden, batch=batch * grow, dtype=dtype, shard=shard, xs=xs,
+               seed=3 * k):
+        return ({"w1": _normal((width, hidden), dtype, width ** -0.5, shard["w1"], seed),
+                 "w2": _normal((hidden, width), dtype, hidden ** -0.5, shard["w2"], seed + 1)},
+                _normal((batch, width), dtype, 1.0, xs, seed + 2))
+      out.append((f"{name}: {layout}", step, make))
   d = NamedSharding(mesh, PartitionSpec("d"))
+  rows, cols = steps.elementwise
+  rows *= grow
   step = jax.jit(_elementwise_step, in_shardings=({"h": d}, d), out_shardings={"h": d},
                  donate_argnums=0)
-  h = rng.normal(size=(rows, cols)).astype(np.float32)
-  out.append((f"{name}: data parallel", step, ({"h": d}, {"h": h}, d, h)))
-  name, shape = TRANSPOSE
+  out.append((f"normalize {rows}x{cols}, 4 times: data parallel", step,
+              lambda: _same((rows, cols), d)))
+  stack, side, _ = steps.transpose
+  stack *= grow
   step = jax.jit(_transpose_step, in_shardings=({"h": d}, d), out_shardings={"h": d},
                  donate_argnums=0)
-  h = rng.standard_normal(shape, dtype=np.float32)  # (256 MB: drawn in float32, fast)
-  out.append((f"{name}: data parallel", step, ({"h": d}, {"h": h}, d, h)))
+  out.append((f"transpose {stack}x{side}x{side}, twice: data parallel", step,
+              lambda: _same((stack, side, side), d)))
   return out
+
+
+def _same(shape: tuple[int, ...], sharding: Any) -> tuple[dict, jax.Array]:
+  """The state and the input of a step over one array: the same values."""
+  h = _normal(shape, "float32", 1.0, sharding, 7)
+  return {"h": h}, jnp.copy(h)
 
 
 def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
@@ -181,10 +257,10 @@ def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
   on ``devices``: about ``target`` seconds a round, the median of
   ``rounds`` rounds (the parameters kept on the devices, fed back)."""
   processes = [d.process_index for d in devices]
+  each = devices[0].platform == "cpu"  # (XLA:CPU stalls on many queued steps: each waited for)
   out = []
-  for name, step, (pshard, params, xshard, x) in programs(devices):
-    params = jax.device_put(params, pshard)
-    x = jax.device_put(x, xshard)
+  for name, step, make in programs(devices):
+    params, x = make()
     compiled = step.lower(params, x).compile()
     cost = score(compiled.as_text(), dict(compiled.cost_analysis() or {}),
                  compiled.memory_analysis(), processes, model)
@@ -195,25 +271,37 @@ def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
     samples = []
     for _ in range(rounds):
       start = time.perf_counter()
-      for _ in range(steps):  # (each waited for: XLA:CPU stalls on many queued steps)
-        params = jax.block_until_ready(step(params, x))
+      for _ in range(steps):
+        params = step(params, x)
+        if each:
+          params = jax.block_until_ready(params)
+      params = jax.block_until_ready(params)
       samples.append((time.perf_counter() - start) / steps)
     seconds = statistics.median(samples)
     out.append(StepTime(name, cost.flops, cost.bytes_accessed, cost.collective_bytes,
-                        cost.collectives, seconds, cost.transposed_bytes))
+                        cost.collectives, seconds, cost.transposed_bytes, cost.f32_matmul_flops))
     say(f"step {name}: {seconds * 1e3:.2f} ms")
+    del params, x
   return out
 
 
-def fitted(rows: Sequence[StepTime], latency: float, fallback: tuple[float, float, float]
-           ) -> tuple[tuple[float, float, float, float | None], float]:
+def fitted(rows: Sequence[StepTime], latency: float,
+           fallback: tuple[float, float, float, float | None]
+           ) -> tuple[tuple[float, float, float, float | None, float | None], float]:
   """``(flop/s, bytes/s accessed, collective bytes/s, large transposes'
-  surcharge in bytes/s)`` fitted to the timed steps (a rate the fit
-  leaves unused, ``fallback``'s: a term no step's time shows; the
-  surcharge None), and the fit's rms relative error."""
+  surcharge in bytes/s, float32 matmul flop/s)`` fitted to the timed steps
+  (a rate the fit leaves unused, ``fallback``'s ``(flop/s, bytes/s,
+  collective bytes/s, float32 flop/s)``: a term no step's time shows;
+  the surcharge None; float32 matmuls at ``flop/s`` where steps have them
+  and their time shows no rate of their own), and the fit's rms relative
+  error."""
   per = fit(rows, latency)
-  flops, accessed, link = (1 / p if p > 0 else f for p, f in zip(per[:3], fallback))
+  flops, accessed, link = (1 / p if p > 0 else f for p, f in zip(per[:3], fallback[:3]))
   transpose = 1 / per[3] if per[3] > 0 else None
+  if not any(getattr(r, "f32_matmul_flops", 0.0) for r in rows):
+    f32 = fallback[3]
+  else:
+    f32 = 1 / (1 / flops + per[4]) if per[4] > 0 else None
   model = DeviceModel("fit", flops, accessed, link, link / 2, latency, overlap=False,
-                      transpose_bytes_per_s=transpose)
-  return (flops, accessed, link, transpose), rms_error(rows, model)
+                      transpose_bytes_per_s=transpose, f32_flops_per_s=f32)
+  return (flops, accessed, link, transpose, f32), rms_error(rows, model)
