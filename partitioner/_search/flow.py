@@ -399,6 +399,7 @@ class _Space:
   proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
   microbatches: int = 1
   staged: list = dataclasses.field(default_factory=list)  # rows every search compiles
+  bubbles: dict = dataclasses.field(default_factory=dict)  # stage count -> its loop's bubble
   parts: dict = dataclasses.field(default_factory=dict)  # count -> its _Space
   base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
   chosen: list = dataclasses.field(default_factory=list)
@@ -488,7 +489,9 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
   rows += staged  # every stage count is compiled: the cheap model sees one stage
   keys += [None] * len(staged)
   return _Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
-                staged=list(range(len(rows) - len(staged), len(rows))))
+                staged=list(range(len(rows) - len(staged), len(rows))),
+                bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
+                         for c, _, _ in staged})
 
 
 def _shortlist(rows: list, request: _Request, refine: int, counted: bool,
@@ -619,7 +622,8 @@ class _Compiler:
         got = accumulated(got, est, est0, self.request.device)
         digest = f"{digest}/{c.microbatches}"
       if part.liveness is not None:
-        account = part.liveness.account(c, dims)
+        account = (part.liveness.account(c, dims) if c.stages == 1 else
+                   part.liveness.staged(c, dims, part.bubbles[c.stages]))
         got = dataclasses.replace(got, peak_memory=int(account.peak))
         memory = account.as_dict()
     except Exception as e:  # a candidate XLA or our checks refuse: not a layout

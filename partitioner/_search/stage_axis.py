@@ -72,11 +72,17 @@ def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], program: OpT
       if i in stacked and d:
         d[0] = (0,)
       dims.append(tuple(d))
-    bubble = max((p.repeats * p.microbatches + s - 1) / (p.repeats * p.microbatches)
-                 for p in calls)
+    bubble = bubble_of(calls, s)
     out.append((c, dims, _spread(program.estimate(dataclasses.replace(c, stages=1), flat,
                                                   device), s, bubble, device)))
   return out
+
+
+def bubble_of(calls: Sequence[Any], s: int) -> float:
+  """How much longer the pipelines' loops run over ``s`` stages than their
+  microbatches alone (the fill and drain): (R M + s - 1) / (R M), the
+  largest of the ``calls``' (R their repeats, M their microbatches)."""
+  return max((p.repeats * p.microbatches + s - 1) / (p.repeats * p.microbatches) for p in calls)
 
 
 def _tensor_roles(rows: Sequence[tuple], m: int, exclude: set) -> tuple[int, ...]:
