@@ -110,3 +110,32 @@ def test_planned_for_an_accelerator_every_stage_count_is_counted():
   replicated = next(c.peak_memory for c in found.candidates  # (the batch split, weights whole)
                     if c.layout == "data 8: x dim 0" and not c.error)
   assert all(c.peak_memory < 0.5 * replicated for c in staged.values()), found.report()
+
+
+@pytest.mark.eight_devices
+def test_a_microbatch_count_with_free_stages_runs():
+  """partitioner.accumulate around a pipeline whose stages the search
+  chooses: each microbatch count is traced anew and has stage counts of
+  its own among the candidates; one of 2 microbatches and 4 stages, run
+  through found.choose(), equals the plain loop under jax.jit."""
+  params, x = data(32, 64)
+
+  def accumulated(params, x):
+    loss = lambda p, xb: jnp.mean(pipeline(layer, p, xb, microbatches=MICRO // 2) ** 2)
+    value, grads = partitioner.accumulate(jax.value_and_grad(loss), params, x)
+    return value, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads)
+
+  found = search(accumulated, params, x, measure=0, progress=False)
+  staged = {(c.microbatches, c.stages): c for c in found.candidates
+            if c.stages > 1 and not c.error}
+  assert {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)} <= set(staged), found.report()
+  chosen = found.choose(staged[2, 4])
+  assert chosen.microbatches == 2 and chosen.in_parts[0]["w1"][0] == 4
+  value, new = chosen.sharded_jit()(params, x)
+  want, want_new = jax.jit(train_step(plain))(params, x)
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(new["w1"]), np.asarray(want_new["w1"]), atol=1e-5)
+  # Planned for an accelerator (memory counted), each count's stage counts too.
+  counted = search(accumulated, params, x, measure=0, progress=False, device_model="h100")
+  assert {(c.microbatches, c.stages) for c in counted.candidates
+          if c.stages > 1 and not c.error} >= {(2, 2), (2, 4), (2, 8)}, counted.report()

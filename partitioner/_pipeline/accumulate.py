@@ -112,7 +112,9 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, batch: Any, *,
   micro = partitioner_microbatches(
       jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), leaves), m)
   one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
-  shapes = jax.eval_shape(lambda p, b: _checked(grad_fn(p, b), site), params, one)
+  # (params closed over, not passed: a partitioner.pipeline inside reads its
+  # stages from the function's inputs, which a new argument would hide)
+  shapes = jax.eval_shape(lambda b: _checked(grad_fn(params, b), site), one)
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
 
   def add(total, mb):

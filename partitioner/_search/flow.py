@@ -178,7 +178,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
                for i, a in enumerate(example_args))
   closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
-  counts = _counts(accumulations, pipelines)
+  counts = _counts(accumulations)
   # (a free accumulate call traces as the plain step at one microbatch: the
   # counts tried tell the two apart)
   key = _key(request, closed, [repr(example_args[i]) for i in static], counts)
@@ -317,14 +317,11 @@ def _any_fits(space: _Space, budget: float | None) -> bool:
   return budget is None or any(est.memory <= budget for _, _, est in space.rows)
 
 
-def _counts(calls: Sequence[Any], pipelines: Sequence[Any]) -> list[int]:
+def _counts(calls: Sequence[Any]) -> list[int]:
   """The counts of ``MICROBATCH_COUNTS`` that divide every free accumulate
-  call's batch (none without such calls; [1] with free pipeline stages:
-  the stage search reads one trace)."""
+  call's batch (none without such calls)."""
   if not calls:
     return []
-  if pipelines:
-    return [1]
   return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
 
 
@@ -353,8 +350,9 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
     if fitted is not None and m > 2 * fitted:
       break  # (up to the count after the first that fits: more only cost time)
     counted = dataclasses.replace(f, fun=_accumulate.with_count(f.fun, m))
-    closed_m, _, _, calls = _trace(f.fun, f.args, example_args, f.static, request.who, m)
-    part = _space(counted, closed_m, request, pipelines, m, calls)
+    closed_m, _, pipelines_m, calls = _trace(f.fun, f.args, example_args, f.static,
+                                             request.who, m)
+    part = _space(counted, closed_m, request, pipelines_m, m, calls)
     space.add(part)
     fitted = fitted or (m if _any_fits(part, request.budget) else None)
   space.choose(request)
@@ -394,7 +392,7 @@ class _Space:
   out_state: list
   target: _target.Target | None
   rows: list
-  keys: list  # each row's specs (the staged rows' None)
+  keys: list  # each row's specs (a staged row's: its stage count and tensor roles)
   liveness: Liveness | None = None
   proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
   microbatches: int = 1
@@ -412,12 +410,14 @@ class _Space:
   def add(self, other: _Space) -> None:
     """Another count's rows; where memory is counted, only the layouts the
     whole batch has too (they compile as it)."""
-    where = {k: i for i, k in enumerate(self.keys) if k is not None}
-    for row, key in zip(other.rows, other.keys):
+    where = {k: i for i, k in enumerate(self.keys)}
+    for j, (row, key) in enumerate(zip(other.rows, other.keys)):
       if self.liveness is not None:
         if key not in where:
           continue
         self.base_of[len(self.rows)] = where[key]
+      if j in other.staged:
+        self.staged.append(len(self.rows))
       self.rows.append(row)
       self.keys.append(key)
     self.parts[other.microbatches] = other
@@ -485,9 +485,10 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
   rows = [(c, list(dims), _estimate(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   keys: list = list(by_layout)
-  staged = _stage_axis.candidates(pipelines, n, rows, program, shapes, device)
+  staged = [(dataclasses.replace(c, microbatches=microbatches), dims, est) for c, dims, est in
+            _stage_axis.candidates(pipelines, n, rows, program, shapes, device)]
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  keys += [None] * len(staged)
+  keys += [("stages", c.stages, c.model) for c, _, _ in staged]
   return _Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
                 staged=list(range(len(rows) - len(staged), len(rows))),
                 bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
