@@ -26,7 +26,7 @@ gradients in the update).
 A GPU runs its kernels one after another too, each bound by its flops or
 its bytes, so the same sum describes a step there, with float32 matmuls at
 their own rate (TF32 at jax's default precision): its family is sized for
-a GPU (steps of 2-20 ms on an H100, where the CPU's take 0.1-0.3 ms, bound
+a GPU (steps of 2-10 ms on an H100, where the CPU's take 0.1-0.3 ms, bound
 by kernel launches), in bfloat16 and float32, and the fit adds the float32
 matmuls' rate F32.
 """
@@ -139,7 +139,7 @@ FAMILIES = {
     # data-parallel update's transposed gradients, 16 MB a device.
     "cpu": Family(mlps=((256, 1024, 2048, "float32"), (1024, 4096, 128, "float32")),
                   elementwise=(2048, 2048), transpose=(16, 2048, 2048), per_device=False),
-    # Sized for a GPU: 2-20 ms a step on an H100 (a 1 GB array normalized,
+    # Sized for a GPU: 2-10 ms a step on an H100 (a 1 GB array normalized,
     # MLPs whose matmuls or whose activations dominate, both dtypes).
     "gpu": Family(mlps=((4096, 16384, 4096, "bfloat16"), (4096, 16384, 4096, "float32"),
                         (1024, 4096, 32768, "bfloat16"), (1024, 4096, 32768, "float32")),
@@ -216,7 +216,7 @@ def programs(devices: Sequence[Any], platform: str | None = None
   out = []
   for k, (width, hidden, batch, dtype) in enumerate(steps.mlps):
     name = f"mlp {width}x{hidden}, batch {batch * grow}" + (
-        f", {dtype}" if steps is not FAMILIES["cpu"] else "")
+        f", {dtype}" if len({m[3] for m in steps.mlps}) > 1 else "")
     for layout, (pspecs, xspec) in layouts.items():
       shard = {w: NamedSharding(mesh, spec) for w, spec in pspecs.items()}
       xs = NamedSharding(mesh, xspec)
