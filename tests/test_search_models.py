@@ -2,7 +2,8 @@
 decoders (Gemma: bfloat16 compute, one key/value head; GPT-Neo: global and
 local attention layers in turn), a flax linen module with batch statistics
 and dropout keyed by an argument, a flax nnx module split into its state,
-and an equinox transformer partitioned into arrays and the rest.
+and an equinox transformer partitioned into arrays and the rest; flax linen
+blocks stacked through a pipeline inside gradient accumulation.
 
 Each test searches a train step (AdamW, or SGD in bfloat16) on the 8
 simulated devices, runs the found layout for two steps and checks it
@@ -266,3 +267,53 @@ def test_a_module_with_functions_in_its_tree_is_refused_with_its_path():
   step = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
   with pytest.raises(ValueError, match=r"does not trace(.|\n)*\.activation"):
     partitioner.search(step, model, np.ones((BATCH, 16), np.float32), progress=False)
+
+
+@pytest.mark.eight_devices
+def test_linen_blocks_through_a_pipeline_inside_accumulate():
+  """A flax linen block (LayerNorm, two Dense, bfloat16 compute), its
+  parameters stacked by vmap of init, run through partitioner.pipeline
+  inside partitioner.accumulate, the stage and microbatch counts left to
+  the search: each count has its stage counts, counted for an H100 too;
+  4 stages over 2 microbatches (found.choose) matches jax.jit's plain loop."""
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+      n = nn.LayerNorm(dtype=jnp.bfloat16)(h)
+      up = nn.gelu(nn.Dense(256, dtype=jnp.bfloat16)(n))
+      return h + nn.Dense(64, dtype=jnp.bfloat16)(up).astype(h.dtype)
+
+  block, layers = Block(), 8
+  params = jax.vmap(lambda k: block.init(k, jnp.ones((1, 64)))["params"])(
+      jax.random.split(jax.random.key(0), layers))
+  x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  layer = lambda p, h: block.apply({"params": p}, h)
+
+  def step(params, x):
+    loss = lambda p, xb: jnp.mean(partitioner.pipeline(layer, p, xb, microbatches=4) ** 2)
+    value, grads = partitioner.accumulate(jax.value_and_grad(loss), params, x)
+    return value, jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+  def plain(params, x):
+    def loss(p):
+      h = x
+      for i in range(layers):
+        h = layer(jax.tree.map(lambda w, i=i: w[i], p), h)
+      return jnp.mean(h ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+  found = partitioner.search(step, params, x, measure=0, progress=False)
+  staged = {(c.microbatches, c.stages): c for c in found.candidates
+            if c.stages > 1 and not c.error}
+  assert {(m, s) for m in (1, 2) for s in (2, 4, 8)} <= set(staged), found.report()
+  value, new = found.choose(staged[2, 4]).sharded_jit()(params, x)
+  want, want_new = jax.jit(plain)(params, x)
+  np.testing.assert_allclose(float(value), float(want), rtol=2e-3)  # (bfloat16 compute)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_new)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-3)
+  counted = partitioner.search(step, params, x, measure=0, progress=False, device_model="h100")
+  assert {(c.microbatches, c.stages) for c in counted.candidates
+          if c.stages > 1 and not c.error} >= {(2, 2), (2, 4), (2, 8)}, counted.report()
