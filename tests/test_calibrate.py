@@ -19,7 +19,7 @@ from tests.test_search import mlp_step
 def measured(tmp_path_factory):
   path = tmp_path_factory.mktemp("calibration") / "cpu.json"
   lines = []
-  found = partitioner.calibrate(path=path, repeats=3, kinds=("all-reduce", "all-gather"),
+  found = partitioner.calibrate(path=path, repeats=1, kinds=("all-reduce", "all-gather"),
                                 progress=lines.append)
   return found, path, lines
 

@@ -1,5 +1,6 @@
 """The examples run end to end at a tiny size: loss goes down and matches the unsharded run."""
 
+import functools
 import os
 import random
 import re
@@ -148,14 +149,26 @@ def _whole_and_killed(tmp_path, layout, crash, *flags):
   under --max-restarts 2 (and ``flags``), checkpointing every 5 steps."""
   pytest.importorskip("mpi4py")
   pytest.importorskip("orbax.checkpoint")
-  args = ["examples/multiprocess_train.py", "--steps", "30", "--hidden", "128",
-          "--layout", layout]
-  launch = ["-m", "partitioner.launch", "-n", "2", "--devices-per-process", "4"]
-  whole = run(*launch, *args)
-  killed = run(*launch, "--max-restarts", "2", *flags, *args, "--checkpoint_dir",
+  args = _train_args(layout)
+  whole = _uninterrupted(layout)
+  killed = run(*_LAUNCH, "--max-restarts", "2", *flags, *args, "--checkpoint_dir",
                str(tmp_path / "ck"), "--checkpoint_every", "5", "--crash_at_step", str(crash))
   assert whole.returncode == 0 and killed.returncode == 0, killed.stdout + killed.stderr
   return whole, killed
+
+
+_LAUNCH = ["-m", "partitioner.launch", "-n", "2", "--devices-per-process", "4"]
+
+
+def _train_args(layout):
+  return ["examples/multiprocess_train.py", "--steps", "30", "--hidden", "128", "--layout", layout]
+
+
+@functools.cache
+def _uninterrupted(layout):
+  """The example's uninterrupted run of a layout (the same for both tests
+  that kill a rank: run once)."""
+  return run(*_LAUNCH, *_train_args(layout))
 
 
 @pytest.mark.parametrize("script", ["examples/flax_optax.py",

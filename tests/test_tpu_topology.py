@@ -121,6 +121,29 @@ def test_compiled_for_a_topology_reports_xla_tpu_memory_and_cannot_run():
 
 
 @needs_libtpu
+def test_collectives_among_slices_cost_the_network():
+  """Data parallel over 4 slices of v5e 2x2: XLA:TPU reduces the gradient
+  within each slice, then all-reduces each chip's quarter of it (1 MiB)
+  among the slices as a megascale transfer (no all-reduce op): counted
+  over the data-centre network, 2 (4 - 1) / 4 of it, which is what puts a
+  layout's bytes among slices in its time."""
+  chips = partitioner.tpu_devices("v5e:2x2", num_slices=4)
+  step = sharded_jit(_mlp_step, in_parts=({"w1": None, "w2": None}, P(16, 1)),
+                     out_parts={"w1": None, "w2": None}, devices=chips)
+  params = {"w1": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  cost = step.lower(params, jax.ShapeDtypeStruct((256, 1024), jnp.float32)).compile().cost(
+      "tpu-v5e")
+  assert cost.network_bytes == pytest.approx(2 * 1.5 * 2**20)  # (w1's and w2's)
+  assert cost.collective_bytes > cost.network_bytes  # (and within the slices)
+  one = sharded_jit(_mlp_step, in_parts=({"w1": None, "w2": None}, P(4, 1)),
+                    out_parts={"w1": None, "w2": None},
+                    devices=partitioner.tpu_devices("v5e:2x2")).lower(
+      params, jax.ShapeDtypeStruct((64, 1024), jnp.float32)).compile().cost("tpu-v5e")
+  assert one.network_bytes == 0 and cost.seconds > one.seconds
+
+
+@needs_libtpu
 def test_devices_of_another_platform_lower_for_it():
   # A Cholesky lowers to a LAPACK call for CPUs, which XLA:TPU cannot
   # compile; lowered for the TPU devices given, it compiles.

@@ -165,7 +165,11 @@ def groups(line: str, n: int) -> list[list[int]]:
 
 def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, float]:
   """One collective's ``(runs, bytes sent, of those across processes)``
-  per call; nothing for a collective over one device."""
+  per call; nothing for a collective over one device. One among TPU
+  slices (``op.slices``) crosses the data-centre network whole."""
+  if op.slices:
+    sent = op.runs * op.bytes * _WEIGHT[op.opcode](op.slices)
+    return op.runs, sent, sent
   n = len(processes)
   found = groups(op.line, n)
   size = max((len(g) for g in found), default=1)

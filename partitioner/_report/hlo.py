@@ -34,6 +34,18 @@ _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
+# XLA:TPU's collectives across the slices of a multi-slice program: a send
+# to the host's megascale runtime over the data-centre network, its kind
+# and its slices in attributes (``_xla_megascale_target="{1,2}x{0:255}"``:
+# slices 1 and 2, chips 0 to 255 of each); the send's operand is what each
+# chip contributes (a shard, for an all-gather).
+_MEGASCALE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+send\(.*"
+                        r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]*)\}')
+# kind -> (our opcode, its result over its operand for g slices).
+_MEGASCALE_KINDS = {"ALL_REDUCE": ("all-reduce", lambda g: 1), "ALL_TO_ALL": ("all-to-all", lambda g: 1),
+                    "ALL_GATHER": ("all-gather", lambda g: g),
+                    "REDUCE_SCATTER": ("reduce-scatter", lambda g: 1 / g)}
 _ANY = re.compile(r"^\s*(?P<root>ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
                   r"(?P<kind>[a-z][\w\-]*)\(")
 CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
@@ -51,7 +63,10 @@ class Instruction:
   :func:`result_bytes`), ``op_name``,
   the user's line behind it (``source``, ``via``: see ``source()``), its
   text (``line``: replica groups and the rest) and how many times it runs
-  per call (``runs``: inside a while loop, the loop's trip count)."""
+  per call (``runs``: inside a while loop, the loop's trip count);
+  ``slices``: for a collective among TPU slices over the data-centre
+  network (a multi-slice program's megascale transfer), how many slices
+  its group spans, else 0."""
   opcode: str
   shape: str
   bytes: int
@@ -61,6 +76,7 @@ class Instruction:
   root: bool
   line: str
   runs: int = 1
+  slices: int = 0
 
 
 def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
@@ -78,6 +94,9 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
       skip = every and c.group("name") in called
       times = counts.get(c.group("name"), 1)
       continue
+    if not every and (across := _megascale(line, frames, times)):
+      found.append(across)
+      continue
     m = None if skip else pattern.match(line)
     if m is None:
       continue
@@ -92,6 +111,25 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
         op_name=op_name.group(1) if op_name else "", source=where, via=via,
         root=bool(every and m.group("root")), line=line, runs=times))
   return found
+
+
+def _megascale(line: str, frames: dict, times: int) -> Instruction | None:
+  """A collective among TPU slices (see ``_MEGASCALE``), as the collective
+  it is: its result's bytes per chip and the slices it spans; an unknown
+  kind as a permute of what it sends."""
+  m = _MEGASCALE.match(line)
+  if m is None:
+    return None
+  slices = _MEGASCALE_SLICES.search(line)
+  g = max(len([x for x in slices.group(1).split(",") if x]) if slices else 2, 2)
+  opcode, result = _MEGASCALE_KINDS.get(m.group("kind"), ("collective-permute", lambda g: 1))
+  operand = tuple_elements(m.group("shape"))[0]
+  size = round(sum(array_bytes(t, d) for t, d in ARRAY.findall(operand)) * result(g))
+  op_name = re.search(r'op_name="([^"]*)"', line)
+  where, via = source(line, frames)
+  return Instruction(opcode=opcode, shape=operand, bytes=size,
+                     op_name=op_name.group(1) if op_name else "", source=where, via=via,
+                     root=False, line=line, runs=times, slices=g)
 
 
 def result_bytes(kind: str, shape: str, start: bool = False) -> int:

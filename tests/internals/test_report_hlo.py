@@ -85,6 +85,64 @@ def test_explain_and_cost_follow_the_combined_bytes():
   assert parts[None].collective_bytes == pytest.approx(expected)
 
 
+# ---- collectives among TPU slices: megascale sends over the network ----
+
+# As XLA:TPU prints a multi-slice program (libtpu, 4 slices of v5e 2x2):
+# within a slice the usual collectives; among slices a send to the host's
+# megascale runtime, its kind and slices in attributes. Here an all-reduce
+# of a 1 MiB shard, an all-gather of a 256 KiB one, in a loop run 3 times.
+_SLICES = """\
+HloModule m, num_partitions=16
+
+%body (p: (s32[], f32[64,1024])) -> (s32[], f32[64,1024]) {
+  %p = (s32[], f32[64,1024]{1,0}) parameter(0)
+  %w = f32[64,1024]{1,0} get-tuple-element(%p), index=1
+  %t = token[] after-all()
+  %ag = (f32[64,1024]{1,0:T(8,128)}, u32[], token[]) send(%w, %t), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-gather.2_0",_xla_megascale_target="{1,2,3,4}x{0:3}",_xla_megascale_transfer_type="ALL_GATHER"}
+  %agd = token[] send-done(%ag), channel_id=3, is_host_transfer=true
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %r = (s32[], f32[64,1024]{1,0}) tuple(%i, %w)
+}
+
+%cond (p: (s32[], f32[64,1024])) -> pred[] {
+  %p = (s32[], f32[64,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (g: f32[256,8,128], w: f32[64,1024]) -> f32[64,1024] {
+  %g = f32[256,8,128]{2,1,0} parameter(0)
+  %w = f32[64,1024]{1,0} parameter(1)
+  %t = token[] after-all()
+  %ar = (f32[256,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%g, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.1_0",_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2,3,4}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}, metadata={op_name="grads"}
+  %ard = token[] send-done(%ar), channel_id=2, is_host_transfer=true
+  %z = s32[] constant(0)
+  %init = (s32[], f32[64,1024]{1,0}) tuple(%z, %w)
+  %loop = (s32[], f32[64,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[64,1024]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_collectives_among_tpu_slices_cross_the_network():
+  found = _collect.collectives(_SLICES)
+  assert sorted((c.kind, c.bytes, c.runs) for c in found) == [
+      ("all-gather", 4 * 256 * _KIB, 3), ("all-reduce", 1024 * _KIB, 1)]
+  memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
+                          "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
+  device = _device_models.MODELS["tpu-v5e"]
+  score = _cost.score(_SLICES, {}, memory, [0] * 16, device)
+  # Among 4 slices: an all-reduce sends 2 (g-1)/g of its result, an
+  # all-gather (g-1)/g of its result (g times the shard); all of it over
+  # the network, though the 16 chips are one process here.
+  expected = (1.5 * 1024 + 3 * 0.75 * 4 * 256) * _KIB
+  assert score.collectives == 4
+  assert score.network_bytes == score.collective_bytes == pytest.approx(expected)
+  assert score.seconds == pytest.approx(expected / device.network_bytes_per_s
+                                        + 4 * device.latency_s)
+
+
 # ---- cuBLAS gemms: matmuls, as often as their loop runs ----
 
 # As XLA's GPU compiler prints a dot it rewrote into a cuBLAS call: a tuple

@@ -150,10 +150,11 @@ def test_a_rank_that_dies_ends_the_job_in_bounded_time(code):
 
 def test_without_launcher_cleanup_the_heartbeat_ends_the_survivors():
   """Launchers that do not kill the job when a rank dies: jax's heartbeat
-  timeout (config.heartbeat_timeout_secs, 10 s) must end it (a hang raises
-  subprocess.TimeoutExpired after TIMEOUT seconds)."""
+  timeout (config.heartbeat_timeout_secs, 3 s here, 10 by default) must end
+  it (a hang raises subprocess.TimeoutExpired after TIMEOUT seconds)."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
-  env.update(DIE_CODE="3", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env.update(DIE_CODE="3", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS="3")
   mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
   if not os.path.exists(mpiexec):
     pytest.skip("needs the mpich wheel's mpiexec (-disable-auto-cleanup is MPICH's)")
