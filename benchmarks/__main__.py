@@ -27,6 +27,7 @@ from benchmarks import (
   search_models,
   startup,
   tpu_models,
+  tpu_published,
 )
 from benchmarks._common import ON_ACCELERATOR
 
@@ -35,7 +36,8 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
             "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
-            "tpu_models": tpu_models.run, "calibrate": calibrate.run}
+            "tpu_models": tpu_models.run, "tpu_published": tpu_published.run,
+            "calibrate": calibrate.run}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,15 +20,16 @@ class Shape:
   vocab: int
   batch: int
   seq: int
+  head: int | None = None  # each head's width, where not width / heads (MaxText's: 128)
 
   @property
   def head_dim(self) -> int:
-    return self.width // self.heads
+    return self.head or self.width // self.heads
 
   def params(self) -> int:
     """The parameter count."""
     d, h = self.width, self.head_dim
-    attention = d * d * 2 + d * self.kv_heads * h * 2
+    attention = d * self.heads * h * 2 + d * self.kv_heads * h * 2
     return self.layers * (attention + 3 * d * self.mlp + 2 * d) + 2 * self.vocab * d + d
 
 
@@ -55,10 +56,11 @@ def first_principles_bytes(shape: Shape, devices: int) -> float:
           + tokens * shape.vocab * 14) / devices
 
 
-def abstract(shape: Shape, accumulate: bool = False):
+def abstract(shape: Shape, accumulate: bool = False, activations=None):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
   Adam train step and its arguments' shapes (``accumulate``: its
-  gradients through ``partitioner.accumulate``, the count the search's)."""
+  gradients through ``partitioner.accumulate``, the count the search's;
+  ``activations``: see :func:`make_step`)."""
   import jax
   import jax.numpy as jnp
   s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
@@ -70,13 +72,16 @@ def abstract(shape: Shape, accumulate: bool = False):
             "final_norm": s(d), "unembed": s(d, shape.vocab)}
   opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
   tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
-  return make_step(shape, accumulate), (params, opt_state), tokens
+  return make_step(shape, accumulate, activations), (params, opt_state), tokens
 
 
-def make_step(shape: Shape, accumulate: bool = False):
+def make_step(shape: Shape, accumulate: bool = False, activations=None):
   """The train step: cross-entropy of the next token, Adam (lr 3e-4);
   with ``accumulate``, its gradients summed over microbatches
-  (``partitioner.accumulate``, the count left to the search)."""
+  (``partitioner.accumulate``, the count left to the search);
+  ``activations``: a sharding each layer's input is constrained to
+  (``jax.lax.with_sharding_constraint``, as MaxText constrains its
+  activations), or None."""
   import jax
   import jax.numpy as jnp
 
@@ -86,6 +91,8 @@ def make_step(shape: Shape, accumulate: bool = False):
     return (x32 * w).astype(jnp.bfloat16)
 
   def block(x, p):
+    if activations is not None:
+      x = jax.lax.with_sharding_constraint(x, activations)
     bf = lambda name: p[name].astype(jnp.bfloat16)
     b, t, _ = x.shape
     y = rms(x, p["attn_norm"])

@@ -56,14 +56,17 @@ bf16), not a measurement; the cpu's are measured:
 - ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
   1.2 TB/s, ICI ~270 GB/s per chip (6 links), 25 GB/s data-centre network;
 - ``tpu-v5e``: Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at
-  819 GB/s, ICI 200 GB/s per chip, 25 GB/s data-centre network;
+  819 GB/s, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
+  (the docs: 2 x 100 Gb/s NICs a host of 8 chips, 6.4 Tb/s a pod of 256);
 - ``tpu-v5p``: Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at
-  2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s), 25 GB/s data-centre network;
+  2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
+  GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
 - ``tpu-v6e``: Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16,
   32 GB HBM at 1.64 TB/s, ICI 448 GB/s per chip (3,584 Gb/s), 25 GB/s
   data-centre network.
 
-Accelerators' data-centre network figures are each chip's share, estimates.
+Accelerators' data-centre network figures are each chip's share: the
+v5e's and v5p's from Google's docs, the others estimates.
 Memory is the capacity per device; what a program may use of it,
 :meth:`DeviceModel.usable_memory`, leaves what the runtime keeps: jax on
 GPUs preallocates 75% of the memory by default
@@ -177,9 +180,9 @@ MODELS = types.MappingProxyType({
     "b200": _gpu("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
-    "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 25e9, 10e-6,
+    "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,
                            memory_bytes=16e9, platform="tpu"),
-    "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 25e9, 10e-6,
+    "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 6.25e9, 10e-6,
                            memory_bytes=95e9, platform="tpu"),
     "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 448e9, 25e9, 10e-6,
                            memory_bytes=32e9, platform="tpu"),
