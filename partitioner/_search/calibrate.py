@@ -150,13 +150,25 @@ def _iterations(seconds_each: float, target: float) -> int:
   return int(min(max(target / max(seconds_each, 1e-7), 2), 4096))
 
 
+def _rough(build: Callable[[int], Callable], args: Sequence[Any], k: int = 2) -> float:
+  """Seconds per iteration at most, to size the timed loop: a short loop's
+  whole time (its dispatch included) over its iterations. Not a difference
+  of two times: on busy cores one can come out near zero, which sized the
+  loop at its 4096-iteration cap (one figure of a calibration across 2
+  processes on 2 cores ran 50 s instead of a fraction of one)."""
+  program = jax.jit(build(k))
+  jax.block_until_ready(program(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(program(*args))
+  return (time.perf_counter() - start) / k
+
+
 def _timed(build: Callable[[int], Callable], args: Sequence[Any], target: float,
            repeats: int, agree: Callable[[int], int] = lambda k: k) -> float:
   """Seconds per iteration; ``agree`` turns this process's choice of loop
   length into the one every process runs (a collective across processes
   is one program everywhere)."""
-  rough = _per_iteration(build, args, 2, 1)
-  return _per_iteration(build, args, agree(_iterations(rough, target)), repeats)
+  return _per_iteration(build, args, agree(_iterations(_rough(build, args), target)), repeats)
 
 
 def _on_all(devices: Sequence[Any], step: Callable[[Any, Any], Any],
@@ -293,7 +305,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
   model's rates to those whole steps (on a CPU a lone matmul or copy runs
   far faster than a step's ops do); the fit's rms relative error is the
   model's ``error``. About a minute (8 simulated CPU devices on 2 cores:
-  50-80 s; one H200: 20 s, one H100 with the steps: 90 s).
+  about 35 s; one H200: 20 s, one H100 with the steps: 90 s).
   ``path``: also written there, as JSON, for ``search(device_model=path)``.
 
   In a job of several processes (``partitioner.initialize()``), every
