@@ -94,42 +94,43 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
       skip = every and c.group("name") in called
       times = counts.get(c.group("name"), 1)
       continue
-    if not every and (across := _megascale(line, frames, times)):
-      found.append(across)
-      continue
-    m = None if skip else pattern.match(line)
-    if m is None:
-      continue
-    kind = m.group("kind")
-    start = kind.endswith("-start") if every else bool(m.group("start"))
-    kind = kind[:-len("-start")] if every and start else kind
-    size = result_bytes(kind, m.group("shape"), start)
+    across = None if every else _megascale(line)
+    if across is not None:  # (a collective among TPU slices)
+      kind, shape, size, slices = across
+      root = False
+    else:
+      m = None if skip else pattern.match(line)
+      if m is None:
+        continue
+      kind, shape, slices = m.group("kind"), m.group("shape"), 0
+      start = kind.endswith("-start") if every else bool(m.group("start"))
+      kind = kind[:-len("-start")] if every and start else kind
+      size = result_bytes(kind, shape, start)
+      root = bool(every and m.group("root"))
     op_name = re.search(r'op_name="([^"]*)"', line)
     where, via = source(line, frames)
     found.append(Instruction(
-        opcode=kind, shape=m.group("shape"), bytes=size,
+        opcode=kind, shape=shape, bytes=size,
         op_name=op_name.group(1) if op_name else "", source=where, via=via,
-        root=bool(every and m.group("root")), line=line, runs=times))
+        root=root, line=line, runs=times, slices=slices))
   return found
 
 
-def _megascale(line: str, frames: dict, times: int) -> Instruction | None:
-  """A collective among TPU slices (see ``_MEGASCALE``), as the collective
-  it is: its result's bytes per chip and the slices it spans; an unknown
-  kind as a permute of what it sends."""
+def _megascale(line: str) -> tuple[str, str, int, int] | None:
+  """A collective among TPU slices (see ``_MEGASCALE``) as the collective
+  it is: ``(kind, operand shape, result bytes per chip, slices)``; an
+  unknown kind as a permute of what it sends."""
+  if "_xla_megascale_transfer_type" not in line:  # (cheap: most lines)
+    return None
   m = _MEGASCALE.match(line)
   if m is None:
     return None
   slices = _MEGASCALE_SLICES.search(line)
   g = max(len([x for x in slices.group(1).split(",") if x]) if slices else 2, 2)
-  opcode, result = _MEGASCALE_KINDS.get(m.group("kind"), ("collective-permute", lambda g: 1))
+  kind, result = _MEGASCALE_KINDS.get(m.group("kind"), ("collective-permute", lambda g: 1))
   operand = tuple_elements(m.group("shape"))[0]
   size = round(sum(array_bytes(t, d) for t, d in ARRAY.findall(operand)) * result(g))
-  op_name = re.search(r'op_name="([^"]*)"', line)
-  where, via = source(line, frames)
-  return Instruction(opcode=opcode, shape=operand, bytes=size,
-                     op_name=op_name.group(1) if op_name else "", source=where, via=via,
-                     root=False, line=line, runs=times, slices=g)
+  return kind, operand, size, g
 
 
 def result_bytes(kind: str, shape: str, start: bool = False) -> int:
