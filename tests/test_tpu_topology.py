@@ -143,6 +143,50 @@ def test_collectives_among_slices_cost_the_network():
   assert one.network_bytes == 0 and cost.seconds > one.seconds
 
 
+# The XLA:TPU flags of MaxText's recipes that make collectives asynchronous
+# (its configs/tpu/v5e/*.sh), as per-compile options.
+_MAXTEXT_ASYNC = {"xla_tpu_enable_async_collective_fusion": True,
+                  "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+                  "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+                  "xla_tpu_overlap_compute_collective_tc": True,
+                  "xla_enable_async_all_gather": True}
+
+
+@needs_libtpu
+def test_async_collective_fusion_counts_each_collective_once_and_hides_some():
+  """FSDP over 8 v5p chips, a 4-layer bf16 MLP. With MaxText's flags
+  XLA:TPU carries each layer's weight gather over several fusions (a
+  start, steps fused with the layer before's matmuls, a done), each
+  holding a copy of the gather: the same collectives and bytes as the
+  plain program, some of their time behind the matmuls; without the
+  flags every collective stops the compute."""
+  mesh = jax.sharding.Mesh(np.array(partitioner.tpu_devices("v5p:2x2x2")), ("d",))
+  split = NamedSharding(mesh, NP("d", None))
+
+  def step(ws, x):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = jnp.tanh(h @ w.astype(jnp.bfloat16))
+      return jnp.mean(h.astype(jnp.float32) ** 2)
+    return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+
+  ws = [jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=split)] * 4
+  x = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16, sharding=split)
+  lowered = jax.jit(step, out_shardings=[split] * 4, donate_argnums=0).lower(ws, x)
+  plain = partitioner.cost(lowered.compile(), "tpu-v5p")
+  fused = lowered.compile(compiler_options=_MAXTEXT_ASYNC)
+  assert 'chain_id="' in fused.as_text()  # (the flags took)
+  got = partitioner.cost(fused, "tpu-v5p")
+  assert (got.collectives, got.collective_bytes) == (plain.collectives, plain.collective_bytes)
+  assert plain.hidden_seconds == 0
+  model = partitioner.DEVICE_MODELS["tpu-v5p"]
+  comm = model.comm_seconds(got.collective_bytes, got.collectives)
+  assert 0 < got.hidden_seconds < comm
+  assert got.seconds == pytest.approx(
+      model.compute_seconds(got.flops, got.bytes_accessed) + comm - got.hidden_seconds)
+
+
 @needs_libtpu
 def test_devices_of_another_platform_lower_for_it():
   # A Cholesky lowers to a LAPACK call for CPUs, which XLA:TPU cannot

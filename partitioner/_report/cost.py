@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from partitioner._report import hlo as _hlo
+from partitioner._report import schedule as _schedule
 from partitioner._report.device_models import DeviceModel
 from sharding._checks import positive_count
 
@@ -65,6 +66,11 @@ class Cost:
       at least ``LARGE_TRANSPOSE_BYTES``), as often as they run: part of
       ``bytes_accessed`` that a device model may charge more for
       (:attr:`DeviceModel.transpose_bytes_per_s`).
+    hidden_seconds: the communication time the compiled schedule runs
+      behind compute (collectives XLA made asynchronous, with compute
+      scheduled between their start and done), already taken off
+      ``seconds``; 0 where every collective stops the compute (XLA:CPU,
+      and XLA:TPU without its async collective fusion flags).
   """
   flops: float
   bytes_accessed: float
@@ -77,6 +83,7 @@ class Cost:
   xla_seconds: float | None = None
   f32_matmul_flops: float = 0.0
   transposed_bytes: float = 0.0
+  hidden_seconds: float = 0.0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -346,10 +353,12 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
   HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
   each device of the assignment."""
-  count, weighted, network = 0, 0.0, 0.0
+  count, weighted, network, once = 0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
     k, sent, across = _collective(op, processes)
     count, weighted, network = count + k, weighted + sent, network + across
+    if k:  # (one run's time, for the schedule's replay)
+      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k)
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -359,8 +368,11 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   matmuls = _hlo.matmul_flops_by_type(hlo_text)
   f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
   transposed = _hlo.transposed_bytes(hlo_text)
-  seconds = (device.compute_seconds(flops, accessed, f32, transposed)
-             + device.comm_seconds(weighted - network, count, network))
+  compute = device.compute_seconds(flops, accessed, f32, transposed)
+  comm = device.comm_seconds(weighted - network, count, network)
+  hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
+                                        device), compute, comm)
   own = cost.get("optimal_seconds")
-  return Cost(flops, accessed, count, weighted, network, int(peak), seconds,
-              sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed)
+  return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
+              sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
+              hidden)

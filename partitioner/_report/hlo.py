@@ -46,6 +46,13 @@ _MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]*)\}')
 _MEGASCALE_KINDS = {"ALL_REDUCE": ("all-reduce", lambda g: 1), "ALL_TO_ALL": ("all-to-all", lambda g: 1),
                     "ALL_GATHER": ("all-gather", lambda g: g),
                     "REDUCE_SCATTER": ("reduce-scatter", lambda g: 1 / g)}
+# XLA:TPU's async collective fusions (``--xla_tpu_enable_async_collective_fusion``,
+# which MaxText's recipes set): one collective carried out over several
+# fusions of the schedule (a start, steps fused with compute, a done), each
+# fusion's body holding a copy of it with the same channel and
+# ``chain_id``. It runs once.
+_CHAIN = re.compile(r'chain_id="(\d+)"')
+_CHANNEL = re.compile(r"channel_id=(\d+)")
 _ANY = re.compile(r"^\s*(?P<root>ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
                   r"(?P<kind>[a-z][\w\-]*)\(")
 CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
@@ -88,7 +95,7 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
   called = set() if not every else {m for line in lines for m in CALLED.findall(line)}
   pattern = _ANY if every else _COLLECTIVE
   counts = runs(hlo_text)
-  found, skip, times = [], False, 1
+  found, skip, times, chains = [], False, 1, set()
   for line in lines:
     if c := _COMPUTATION.match(line):
       skip = every and c.group("name") in called
@@ -102,6 +109,10 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
       m = None if skip else pattern.match(line)
       if m is None:
         continue
+      if not every and (key := chain(line)) is not None:
+        if key in chains:
+          continue  # (another fusion's copy of one async collective)
+        chains.add(key)
       kind, shape, slices = m.group("kind"), m.group("shape"), 0
       start = kind.endswith("-start") if every else bool(m.group("start"))
       kind = kind[:-len("-start")] if every and start else kind
@@ -114,6 +125,15 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
         op_name=op_name.group(1) if op_name else "", source=where, via=via,
         root=root, line=line, runs=times, slices=slices))
   return found
+
+
+def chain(line: str) -> tuple[str, str] | None:
+  """``(chain, channel)`` of a collective line that is one fusion's copy of
+  an XLA:TPU async collective (see ``_CHAIN``), else None."""
+  if "chain_id=" not in line:
+    return None
+  c, ch = _CHAIN.search(line), _CHANNEL.search(line)
+  return (c.group(1), ch.group(1) if ch else "") if c else None
 
 
 def _megascale(line: str) -> tuple[str, str, int, int] | None:

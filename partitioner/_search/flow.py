@@ -52,6 +52,7 @@ from partitioner._pipeline import accumulate as _accumulate
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
+from partitioner._report import schedule as _schedule
 from partitioner._report.device_models import DeviceModel, default_model, resolve
 from partitioner._search import found as _found
 from partitioner._search import inputs as _inputs
@@ -87,10 +88,11 @@ _answers = call_caches.new()
 def _rules_digest() -> str:
   """A digest of the sources of the search's rules (candidates, shortlist,
   scoring): this folder's modules and the report modules whose answers it
-  keeps (the compiled cost, the device models, the HLO reading)."""
+  keeps (the compiled cost, the device models, the HLO reading, the
+  schedule's overlap)."""
   root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
   files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
-  files += [pathlib.Path(m.__file__ or "") for m in (_cost, _device_models, _hlo)]
+  files += [pathlib.Path(m.__file__ or "") for m in (_cost, _device_models, _hlo, _schedule)]
   digest = hashlib.sha256()
   for path in files:
     digest.update(f"{path.relative_to(root)}\n".encode())

@@ -85,6 +85,9 @@ class CandidateResult:
       the whole batch at once).
     xla_seconds: XLA's own estimate of a call where its compiler gives
       one (XLA:TPU, for a TPU topology's devices), else None.
+    hidden_seconds: the part of its communication time the compiled
+      schedule runs behind compute (already off ``seconds``; see
+      :attr:`partitioner.Cost.hidden_seconds`).
     memory: where ``peak_memory`` goes (``arguments``, ``kept``,
       ``working``, bytes per device) when it is counted from the jaxpr for
       an accelerator planned on simulated CPU devices; for a proxied plan
@@ -110,6 +113,7 @@ class CandidateResult:
   microbatches: int = 1
   xla_seconds: float | None = None
   memory: dict | None = None
+  hidden_seconds: float = 0.0
 
 
 def to_json(  # noqa: PLR0913 (the parts of the answer)
@@ -136,6 +140,7 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
         "microbatches": x.candidate.microbatches,
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
+        "hidden_seconds": s.hidden_seconds if s else 0.0,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,

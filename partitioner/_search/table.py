@@ -125,6 +125,9 @@ def why(found: Any) -> str:
   text = (f"{who}: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
           f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
           f" per device, peak {size(best.peak_memory)}.")
+  if best.hidden_seconds:  # (collectives the compiled schedule overlaps)
+    text += (f" {_time(best.hidden_seconds)} of its communication runs behind compute"
+             " in the compiled schedule (not counted).")
   if best.xla_seconds:  # (a TPU topology's: its compiler's own estimate)
     text += f" XLA's own estimate: {_time(best.xla_seconds)} a call."
   timed = [x for x in _others(found) if x.measured_seconds]

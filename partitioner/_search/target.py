@@ -238,16 +238,21 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   """``got`` with these totals (and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
   Its float32 matmuls keep their share of the matmuls, its large
-  transposes theirs of the bytes accessed."""
+  transposes theirs of the bytes accessed, its hidden communication its
+  share of the communication time."""
   f32 = got.f32_matmul_flops * (matmul_flops / got.matmul_flops) if got.matmul_flops else 0.0
   transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
                 if got.bytes_accessed else 0.0)
-  seconds = device.compute_seconds(flops, accessed, f32, transposed) + device.comm_seconds(
-      moved - network, count, network)
+  compute = device.compute_seconds(flops, accessed, f32, transposed)
+  comm = device.comm_seconds(moved - network, count, network)
+  before = device.comm_seconds(got.collective_bytes - got.network_bytes, got.collectives,
+                               got.network_bytes)
+  hidden = min(got.hidden_seconds / before * comm, compute) if before > 0 else 0.0
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
                              matmul_flops=matmul_flops, collective_bytes=moved,
-                             network_bytes=network, seconds=seconds, xla_seconds=None,
-                             f32_matmul_flops=f32, transposed_bytes=transposed, **more)
+                             network_bytes=network, seconds=compute + comm - hidden,
+                             xla_seconds=None, f32_matmul_flops=f32,
+                             transposed_bytes=transposed, hidden_seconds=hidden, **more)
 
 
 def whole_program(platform: str) -> str:

@@ -1,0 +1,232 @@
+"""What part of a program's communication its compiled schedule hides
+behind its compute.
+
+XLA runs a collective asynchronously where its scheduler split it into a
+start and a done (XLA:GPU's ``all-gather-start`` ... ``all-gather-done``
+and ``async-start`` wrappers; XLA:TPU's async collective fusions, a start,
+steps fused with compute and a done, under the flags MaxText's recipes
+set; a multi-slice program's ``send`` to the data-centre network and the
+``recv-done`` of its result): the compute scheduled between the two runs while the
+bytes move. A collective with no such split stops the compute.
+
+:func:`hidden_seconds` replays the schedule as two streams, one computing
+and one link: every top-level instruction in program order (a while
+loop's body for each iteration), an async collective queued on the link
+when it starts and waited for at its done, a synchronous one waiting for
+both. What the replay saves over running everything one after another
+is the communication hidden. Each instruction's compute time is its
+share (flops and bytes, by the device's rates) of the whole program's
+compute time, so the replay changes only how much of the communication
+counts, not the totals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from partitioner._report import hlo as _hlo
+from partitioner._report.device_models import DeviceModel
+
+# Text a program with an async collective holds; without any, nothing is
+# hidden and the schedule is not read.
+_ASYNC = ("all-reduce-start", "all-gather-start", "collective-permute-start",
+          "async-start", 'chain_id="', "_xla_megascale_transfer_type")
+_STARTS = frozenset(k + "-start" for k in _hlo.COLLECTIVE_KINDS)
+_DONES = frozenset({"all-reduce-done", "all-gather-done", "collective-permute-done",
+                    "async-done"})
+# A multi-slice program's collective among slices: a ``send`` of each
+# chip's part and a ``recv`` of the result, paired by their rendezvous;
+# the compute waits at the ``recv-done``.
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def has_async(hlo_text: str) -> bool:
+  """Whether the program holds a collective XLA runs asynchronously."""
+  return any(marker in hlo_text for marker in _ASYNC)
+
+
+def hidden_seconds(hlo_text: str, comm_of: Callable[[str], float], compute_seconds: float,
+                   device: DeviceModel) -> float:
+  """The seconds of communication per call that the schedule overlaps
+  with compute.
+
+  Args:
+    hlo_text: the compiled (scheduled) program.
+    comm_of: one run's seconds of a collective, given its line (the first
+      copy of an XLA:TPU async collective fusion's; see
+      :func:`partitioner._report.hlo.chain`); 0 for any other line.
+    compute_seconds: the whole program's compute time per call, shared
+      among its instructions by their flops and bytes.
+    device: whose flop and memory rates weigh each instruction.
+  """
+  if not has_async(hlo_text) or compute_seconds <= 0:
+    return 0.0
+  replay = _Replay(_hlo.computations(hlo_text), comm_of, device)
+  entry = replay.comps.get("", [])
+  raw = replay.raw_total(entry)
+  if raw <= 0:
+    return 0.0
+  replay.scale = compute_seconds / raw
+  took, serial = replay.run(entry)
+  return max(0.0, serial - took)
+
+
+@dataclasses.dataclass
+class _Replay:
+  """The two-stream replay of one program (see the module's docstring)."""
+  comps: dict[str, list[str]]
+  comm_of: Callable[[str], float]
+  device: DeviceModel
+  scale: float = 1.0
+
+  def __post_init__(self) -> None:
+    self.sizes: dict[str, int] = {}
+    self.flops_of: dict[str, float] = {}
+    self.comm_in: dict[str, tuple[float, tuple[str, str] | None]] = {}
+    self.received: dict[str, str] = {}  # a megascale recv -> its rendezvous
+    self.chains: dict[tuple[str, str], float] = {}
+    for name, lines in self.comps.items():
+      for line in lines if name else ():
+        m = _hlo.DEFINITION.match(line)
+        if m is not None:
+          self.sizes[m.group("name")] = sum(
+              _hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(m.group("shape")))
+        key = _hlo.chain(line)
+        if key is not None:
+          self.chains[key] = max(self.chains.get(key, 0.0), self.comm_of(line))
+
+  def _flops(self, name: str) -> float:
+    """The flops of a called computation (fusion body), nested ones included."""
+    if name not in self.flops_of:
+      lines = self.comps.get(name, [])
+      self.flops_of[name] = _hlo.flops(lines) + sum(
+          self._flops(c) for line in lines for c in _hlo.CALLED.findall(line))
+    return self.flops_of[name]
+
+  def _called_comm(self, name: str) -> tuple[float, tuple[str, str] | None]:
+    """The seconds of the collectives a called computation holds, and the
+    async collective fusion's chain it carries, if any."""
+    if name not in self.comm_in:
+      comm, chain = 0.0, None
+      for line in self.comps.get(name, []):
+        key = _hlo.chain(line)
+        if key is not None:
+          chain = key
+          continue
+        comm += self.comm_of(line)
+        for callee in _hlo.CALLED.findall(line):
+          more, inner = self._called_comm(callee)
+          comm, chain = comm + more, chain or inner
+      self.comm_in[name] = (comm, chain)
+    return self.comm_in[name]
+
+  def _raw(self, m: re.Match, line: str, own: dict[str, float]) -> float:
+    """One instruction's compute seconds by the device's rates, unscaled
+    (``own``: the flops of its computation's lines)."""
+    kind = m.group("kind")
+    if kind in _hlo.NOT_COMPUTED or kind in ("while", "send", "send-done", "recv", "recv-done"):
+      return 0.0
+    flops = own.get(line, 0.0) + sum(self._flops(c) for c in _hlo.CALLED.findall(line))
+    moved = self.sizes.get(m.group("name"), 0) + sum(
+        self.sizes.get(v, 0) for v in _OPERAND.findall(m.group("args")))
+    return self.device.compute_seconds(flops, 0.0 if kind.endswith("-done") else moved)
+
+  def _loop(self, line: str) -> tuple[list[str], int] | None:
+    if " while(" not in line:
+      return None
+    body, trip = _WHILE_BODY.search(line), _TRIP.search(line)
+    return (self.comps.get(body.group(1), []) if body else []), int(trip.group(1)) if trip else 1
+
+  def raw_total(self, lines: list[str]) -> float:
+    """A computation's unscaled compute seconds, loop bodies each iteration."""
+    total, own = 0.0, dict(_hlo.line_flops(lines))
+    for line in lines:
+      m = _hlo.DEFINITION.match(line)
+      if m is None:
+        continue
+      loop = self._loop(line)
+      total += self.raw_total(loop[0]) * loop[1] if loop else self._raw(m, line, own)
+    return total
+
+  def run(self, lines: list[str]) -> tuple[float, float]:
+    """``(replayed seconds, seconds one after another)`` of one computation."""
+    members, own = self._chain_members(lines), dict(_hlo.line_flops(lines))
+    now = free = serial = 0.0
+    pending: dict[object, float] = {}
+    for i, line in enumerate(lines):
+      m = _hlo.DEFINITION.match(line)
+      if m is None:
+        continue
+      loop = self._loop(line)
+      if loop is not None:
+        took, alone = self.run(loop[0])
+        now = free = max(now, free) + took * loop[1]
+        serial += alone * loop[1]
+        continue
+      work = self._raw(m, line, own) * self.scale
+      role, key, comm = self._role(m, line, i, members)
+      if role == "update":  # (an async-update: its start's collective goes on under its name)
+        if key in pending:
+          pending[m.group("name")] = pending.pop(key)
+        role = ""
+      serial += work + (comm if role in ("sync", "start") else 0.0)
+      if role == "sync":
+        now = free = max(now, free) + comm + work
+      elif role == "start":
+        pending[key] = free = max(now, free) + comm
+        now += work
+      elif role == "done":
+        now = max(now, pending.pop(key, now)) + work
+      else:
+        now += work
+    return max([now, free, *pending.values()]), serial
+
+  def _chain_members(self, lines: list[str]) -> dict[tuple[str, str], list[int]]:
+    """Each async collective fusion's chain -> its fusions' line indices."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for i, line in enumerate(lines):
+      if " fusion(" in line:
+        for callee in _hlo.CALLED.findall(line):
+          chain = self._called_comm(callee)[1]
+          if chain is not None:
+            found.setdefault(chain, []).append(i)
+    return found
+
+  def _role(self, m: re.Match, line: str, i: int,
+            members: dict[tuple[str, str], list[int]]) -> tuple[str, object, float]:
+    """How one instruction uses the link: ``(role, key, seconds)``, role
+    "sync", "start", "done" or "" (compute only)."""
+    kind, name = m.group("kind"), m.group("name")
+    operands = _OPERAND.findall(m.group("args"))
+    if kind in _DONES or kind == "async-update":
+      return ("done" if kind != "async-update" else "update"), operands[0] if operands else None, 0.0
+    if kind in _STARTS:
+      return "start", name, self.comm_of(line)
+    if kind in ("send", "recv", "recv-done"):
+      meeting = _RENDEZVOUS.search(line)
+      if kind == "recv" and meeting:
+        self.received[name] = meeting.group(1)
+      if kind == "send" and meeting and "_xla_megascale" in line:
+        return "start", meeting.group(1), self.comm_of(line)
+      if kind == "recv-done" and operands and operands[0] in self.received:
+        return "done", self.received[operands[0]], 0.0
+      return "", None, 0.0
+    comm, chain = 0.0, None
+    for callee in _hlo.CALLED.findall(line):
+      more, inner = self._called_comm(callee)
+      comm, chain = comm + more, chain or inner
+    if kind == "async-start":
+      return "start", name, comm
+    if chain is not None:
+      at = members.get(chain, [i])
+      if len(at) == 1:
+        return "sync", None, self.chains.get(chain, 0.0) + comm
+      role = "start" if i == at[0] else "done" if i == at[-1] else ""
+      return role, chain, self.chains.get(chain, 0.0) + comm if role == "start" else 0.0
+    comm += self.comm_of(line)
+    return ("sync" if comm else ""), None, comm

@@ -1,0 +1,238 @@
+"""White-box: the communication a compiled schedule hides behind compute
+(partitioner/_report/schedule.py), read off synthetic HLO in the forms
+XLA:GPU and XLA:TPU print: async collective starts and dones, XLA:TPU's
+async collective fusions, multi-slice sends, a loop; and XLA:TPU's
+fusion copies of one async collective counted once."""
+
+import pytest
+
+from partitioner._report import cost as _cost
+from partitioner._report import hlo as _hlo
+from partitioner._report.device_models import DeviceModel
+
+_MEMORY = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
+                         "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
+_GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}"
+_DOT = "lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+_MATMUL = 2 * 64 ** 3  # the flops of one [64,64] x [64,64] dot
+_GATHERED = 64 * 64 * 4 * 7 / 8  # what an all-gather to f32[64,64] sends over 8 devices
+
+
+def _device(flops_per_s: float) -> DeviceModel:
+  """Memory traffic free, links at 1 GB/s with no latency: a collective's
+  time is its bytes, an instruction's its flops."""
+  return DeviceModel("test", flops_per_s, 1e30, 1e9, 1e9, 0.0)
+
+
+def _score(text: str, device: DeviceModel, matmuls: int) -> _cost.Cost:
+  return _cost.score(text, {"flops": matmuls * _MATMUL}, _MEMORY, [0] * 8, device)
+
+
+def _program(body: str) -> str:
+  return ("HloModule m, is_scheduled=true, num_partitions=8\n\n"
+          "ENTRY %main (x: f32[64,64], w: f32[8,64]) -> f32[64,64] {\n"
+          "  %x = f32[64,64]{1,0} parameter(0)\n"
+          "  %w = f32[8,64]{1,0} parameter(1)\n" + body + "}\n")
+
+
+# XLA:GPU's form: the first dot runs while the weight is gathered.
+_STARTED = _program(f"""\
+  %ags = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %agd = f32[64,64]{{1,0}} all-gather-done(%ags)
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %agd), {_DOT}
+""")
+
+# The same, synchronous: nothing between start and done.
+_SYNC = _program(f"""\
+  %ag = f32[64,64]{{1,0}} all-gather(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %ag), {_DOT}
+""")
+
+
+@pytest.mark.parametrize("rate", [1e9, 1e11])
+def test_compute_between_start_and_done_hides_the_collective(rate):
+  device = _device(rate)
+  comm, between = _GATHERED / 1e9, _MATMUL / rate
+  got = _score(_STARTED, device, matmuls=2)
+  # rate 1e9: the dot between (524 us) outlasts the gather (14 us): all
+  # hidden; rate 1e11: 5.2 us of it hide.
+  assert got.hidden_seconds == pytest.approx(min(comm, between), rel=1e-3)
+  assert got.seconds == pytest.approx(2 * between + comm - got.hidden_seconds, rel=1e-3)
+
+
+def test_a_synchronous_collective_hides_nothing():
+  device = _device(1e11)
+  got = _score(_SYNC, device, matmuls=2)
+  assert got.hidden_seconds == 0
+  assert got.seconds == pytest.approx(2 * _MATMUL / 1e11 + _GATHERED / 1e9, rel=1e-3)
+
+
+def test_a_done_right_after_its_start_hides_nothing():
+  text = _program(f"""\
+  %ags = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %agd = f32[64,64]{{1,0}} all-gather-done(%ags)
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %agd), {_DOT}
+""")
+  assert _score(text, _device(1e11), matmuls=2).hidden_seconds == 0
+
+
+def test_two_collectives_share_the_link():
+  # Two gathers start together before one dot: the second waits for the
+  # first on the link, so the dot hides at most its own time.
+  text = _program(f"""\
+  %a1 = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %a2 = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=2, {_GROUP}, dimensions={{0}}
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %g1 = f32[64,64]{{1,0}} all-gather-done(%a1)
+  %g2 = f32[64,64]{{1,0}} all-gather-done(%a2)
+  %s = f32[64,64]{{1,0}} add(%g1, %g2)
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %s), {_DOT}
+""")
+  rate = 4 * _MATMUL / (_GATHERED / 1e9)  # the dot takes a quarter of one gather
+  got = _score(text, _device(rate), matmuls=2)
+  assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
+
+
+# XLA:TPU's async collective fusion (the flags MaxText sets): a start
+# fusion, a step fused with a dot of the layer before, a done; each body
+# holds a copy of the one all-gather (channel 8, chain 0).
+def _copy(name: str, param: str) -> str:
+  return (f"  %{name} = f32[64,64]{{1,0}} all-gather(%{param}), channel_id=8, {_GROUP}, "
+          f'dimensions={{0}}, frontend_attributes={{chain_id="0"}}\n')
+
+
+_CHAIN = f"""\
+HloModule m, is_scheduled=true, num_partitions=8
+
+%start_body (p0: f32[8,64]) -> (f32[8,64], f32[64,64]) {{
+  %p0 = f32[8,64]{{1,0}} parameter(0)
+{_copy("ag.1", "p0")}  ROOT %t = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) tuple(%p0, %ag.1)
+}}
+
+%step_body (q0: f32[8,64], q1: f32[64,64]) -> (f32[64,64], f32[64,64]) {{
+  %q0 = f32[8,64]{{1,0}} parameter(0)
+  %q1 = f32[64,64]{{1,0}} parameter(1)
+  %c = f32[64,64]{{1,0}} convolution(%q1, %q1), dim_labels=bf_io->bf
+{_copy("ag.2", "q0")}  ROOT %t = (f32[64,64]{{1,0}}, f32[64,64]{{1,0}}) tuple(%c, %ag.2)
+}}
+
+%done_body (r0: f32[8,64]) -> f32[64,64] {{
+  %r0 = f32[8,64]{{1,0}} parameter(0)
+{_copy("ag.3", "r0")}  ROOT %cc = f32[64,64]{{1,0}} custom-call(%r0, %ag.3), custom_call_target="AsyncCollectiveDone"
+}}
+
+ENTRY %main (x: f32[64,64], w: f32[8,64]) -> f32[64,64] {{
+  %x = f32[64,64]{{1,0}} parameter(0)
+  %w = f32[8,64]{{1,0}} parameter(1)
+  %s = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) fusion(%w), kind=kCustom, calls=%start_body
+  %g = f32[64,64]{{1,0}} get-tuple-element(%s), index=1
+  %step = (f32[64,64]{{1,0}}, f32[64,64]{{1,0}}) fusion(%w, %x), kind=kOutput, calls=%step_body
+  %y = f32[64,64]{{1,0}} get-tuple-element(%step), index=0
+  %done = f32[64,64]{{1,0}} fusion(%w), kind=kCustom, calls=%done_body
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%y, %done), {_DOT}
+}}
+"""
+
+
+def test_xla_tpus_async_collective_fusion_is_one_collective():
+  found = _hlo.instructions(_CHAIN)
+  assert [(op.opcode, op.bytes) for op in found] == [("all-gather", 64 * 64 * 4)]
+
+
+def test_xla_tpus_async_collective_fusion_hides_behind_its_steps():
+  rate = 1e11
+  got = _score(_CHAIN, _device(rate), matmuls=2)
+  assert got.collectives == 1
+  assert got.collective_bytes == pytest.approx(_GATHERED)
+  # The step's convolution (a dot) runs while the gather goes on.
+  assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
+
+
+# A reduce-scatter in XLA's async wrapper, and a loop of 3 whose body
+# starts its all-reduce before a dot and waits after it.
+_LOOPED = f"""\
+HloModule m, is_scheduled=true, num_partitions=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}}
+
+%scatter (u: f32[64,64]) -> f32[8,64] {{
+  %u = f32[64,64]{{1,0}} parameter(0)
+  ROOT %rs = f32[8,64]{{1,0}} reduce-scatter(%u), channel_id=3, {_GROUP}, dimensions={{0}}, to_apply=%sum
+}}
+
+%body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {{
+  %p = (s32[], f32[64,64]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[64,64]{{1,0}} get-tuple-element(%p), index=1
+  %ars = f32[64,64]{{1,0}} all-reduce-start(%v), channel_id=2, {_GROUP}, to_apply=%sum
+  %d = f32[64,64]{{1,0}} dot(%v, %v), {_DOT}
+  %ard = f32[64,64]{{1,0}} all-reduce-done(%ars)
+  %e = f32[64,64]{{1,0}} add(%d, %ard)
+  ROOT %r = (s32[], f32[64,64]{{1,0}}) tuple(%i, %e)
+}}
+
+%cond (p: (s32[], f32[64,64])) -> pred[] {{
+  %p = (s32[], f32[64,64]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+
+ENTRY %main (x: f32[64,64]) -> f32[8,64] {{
+  %x = f32[64,64]{{1,0}} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[64,64]{{1,0}}) tuple(%z, %x)
+  %loop = (s32[], f32[64,64]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  %out = f32[64,64]{{1,0}} get-tuple-element(%loop), index=1
+  %rss = ((f32[64,64]{{1,0}}), f32[8,64]{{1,0}}) async-start(%out), calls=%scatter
+  %last = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %rsd = f32[8,64]{{1,0}} async-done(%rss)
+  ROOT %y = f32[8,64]{{1,0}} add(%rsd, %rsd)
+}}
+"""
+
+
+def test_a_loops_overlap_counts_every_iteration_and_async_wrappers_count():
+  rate = 1e12
+  # XLA counts the body's dot once; the score adds the loop's other two.
+  got = _score(_LOOPED, _device(rate), matmuls=2)
+  assert got.collectives == 4
+  reduced = 2 * 7 / 8 * 64 * 64 * 4 / 1e9  # one all-reduce
+  scattered = 7 * 8 * 64 * 4 / 1e9
+  assert got.collective_bytes / 1e9 == pytest.approx(3 * reduced + scattered)
+  dot = _MATMUL / rate  # 0.52 us, under each collective's time
+  assert got.hidden_seconds == pytest.approx(4 * dot, rel=0.02)
+
+
+# A multi-slice program: the gradient's send to the other slices starts
+# before the last dot; the compute waits for the result at the recv-done.
+_SLICES = f"""\
+HloModule m, is_scheduled=true, num_partitions=8
+
+ENTRY %main (g: f32[64,64], x: f32[64,64]) -> f32[64,64] {{
+  %g = f32[64,64]{{1,0}} parameter(0)
+  %x = f32[64,64]{{1,0}} parameter(1)
+  %t = token[] after-all()
+  %snd = (f32[64,64]{{1,0}}, u32[], token[]) send(%g, %t), channel_id=2, is_host_transfer=true, frontend_attributes={{_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.1_0",_xla_megascale_target="{{1,2}}x{{0:7}}",_xla_megascale_transfer_type="ALL_REDUCE"}}
+  %rcv = (f32[64,64]{{1,0}}, u32[], token[]) recv(%t), channel_id=1, is_host_transfer=true, frontend_attributes={{_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.1_0"}}
+  %sd = token[] send-done(%snd), channel_id=2, is_host_transfer=true
+  %d = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %rd = (f32[64,64]{{1,0}}, token[]) recv-done(%rcv), channel_id=1, is_host_transfer=true
+  %r = f32[64,64]{{1,0}} get-tuple-element(%rd), index=0
+  ROOT %y = f32[64,64]{{1,0}} dot(%d, %r), {_DOT}
+}}
+"""
+
+
+def test_collectives_among_slices_hide_until_their_result_is_needed():
+  rate = 1e11
+  got = _score(_SLICES, _device(rate), matmuls=2)
+  assert got.network_bytes == got.collective_bytes == pytest.approx(64 * 64 * 4)
+  assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
