@@ -6,7 +6,8 @@ larger of the two, a roofline; on a CPU, which runs one op after another,
 and on a GPU, which runs one kernel after another, their sum) plus its communication time (each collective's bytes, weighted
 by its algorithm and group size, over the bandwidth of the links it
 crosses: inside a host, or across hosts, i.e. processes) plus a latency
-per collective.
+per collective, less the communication the compiled schedule runs behind
+compute (collectives XLA made asynchronous: ``Cost.hidden_seconds``).
 
 Float32 matmuls on a GPU run as TF32 at jax's default precision: the
 GPU models hold that rate too (the datasheets' TF32 dense figure, half
@@ -62,8 +63,9 @@ bf16), not a measurement; the cpu's are measured:
   2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
   GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
 - ``tpu-v6e``: Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16,
-  32 GB HBM at 1.64 TB/s, ICI 448 GB/s per chip (3,584 Gb/s), 25 GB/s
-  data-centre network.
+  32 GB HBM at 1.64 TB/s, ICI 400 GB/s per chip (the docs' table: 800
+  GB/s bidirectional, as v5e's 400 and v5p's 1200 are, whose models hold
+  half), 25 GB/s data-centre network (an estimate: the page gives none).
 
 Accelerators' data-centre network figures are each chip's share: the
 v5e's and v5p's from Google's docs, the others estimates.
@@ -184,7 +186,7 @@ MODELS = types.MappingProxyType({
                            memory_bytes=16e9, platform="tpu"),
     "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 6.25e9, 10e-6,
                            memory_bytes=95e9, platform="tpu"),
-    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 448e9, 25e9, 10e-6,
+    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 400e9, 25e9, 10e-6,
                            memory_bytes=32e9, platform="tpu"),
 })
 
