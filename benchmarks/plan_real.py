@@ -13,6 +13,9 @@ Reported: the search's time (cold), the winner, and its peak per device
 (counted for the accelerator: ``partitioner/_search/memory.py``) against
 the budget and, for the 8B, against a first-principles count by hand
 (``_llama.first_principles_bytes``: 24.5 GB per device under FSDP 8).
+``titan``: the account of FSDP 8 for the shapes of a published recipe,
+torchtitan's Llama 3.1 8B on 8 H100s with 32768 tokens a GPU and full
+activation checkpointing, against the peak it reports (``TORCHTITAN``).
 
 With --full and libtpu installed, the account is also checked against
 XLA:TPU's own memory analysis of the same layouts of a small decoder of
@@ -42,6 +45,7 @@ def run(args) -> list[dict]:
   rows = child_rows("benchmarks.plan_real", "8b", timeout=TIMEOUT)
   rows += child_rows("benchmarks.plan_real", "3b", timeout=TIMEOUT)
   rows += child_rows("benchmarks.plan_real", "8b64", timeout=TIMEOUT)
+  rows += child_rows("benchmarks.plan_real", "titan", timeout=TIMEOUT)
   if getattr(args, "full", False):
     rows += child_rows("benchmarks.plan_real", "70b", timeout=TIMEOUT)
     if importlib.util.find_spec("libtpu") is not None:
@@ -248,6 +252,37 @@ def _plan(which: str) -> list[dict]:
   return rows
 
 
+# torchtitan's published peak (benchmarks/llama3_h100_202412_torchtitan.md in
+# github.com/pytorch/torchtitan, Table 2): Llama 3.1 8B, FSDP 8 on 8 H100s of
+# 96 GB, local batch 1 of 32768 tokens, full activation checkpointing,
+# torch.compile and Float8; "Memory" is PyTorch's peak reserved memory
+# (torchtitan's metrics log max_reserved), in GiB.
+TORCHTITAN = {"tokens": 32768, "gib": 83.9}
+
+
+def _torchtitan() -> list[dict]:
+  """The FSDP 8 account for torchtitan's recipe's shapes, against its
+  published peak."""
+  import dataclasses
+  setup_jax(8)
+  import partitioner
+  from benchmarks import _llama
+  shape = dataclasses.replace(_llama.LLAMA3_8B, batch=8, seq=TORCHTITAN["tokens"])
+  step, state, tokens = _llama.abstract(shape)
+  found = partitioner.search(step, *state, tokens, num_devices=8, device_model="h100",
+                             memory_budget_bytes=int(96e9), progress=False)
+  fsdp = found.choose("FSDP 8").best
+  parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in (fsdp.memory or {}).items()
+                    if k != "at")
+  return [{"case": "Llama 3.1 8B, FSDP 8 on 8 x H100, 1 x 32768 tokens a GPU, full"
+                   " activation checkpointing: counted peak vs torchtitan's published",
+           "unit": "GiB", "ours": fsdp.peak_memory / 2**30, "jax": TORCHTITAN["gib"],
+           "against": "torchtitan's Table 2 (PyTorch's peak reserved, Float8, torch.compile)",
+           "target": "-",
+           "detail": f"the account of the same shapes in jax ({parts}; at"
+                     f" {(fsdp.memory or {}).get('at', '?')})"}]
+
+
 def _smallest_whole(shape) -> float:
   """The smallest peak per device of the step without accumulation (the
   whole batch at once), from the search's error: no layout fits."""
@@ -269,5 +304,5 @@ def _smallest_whole(shape) -> float:
 
 if __name__ == "__main__":
   which = sys.argv[1]
-  print(json.dumps(_against_tpu() if which == "tpu" else
-                   _plan_tpu(which) if which in TPU_PLANS else _plan(which)))
+  print(json.dumps(_against_tpu() if which == "tpu" else _torchtitan() if which == "titan"
+                   else _plan_tpu(which) if which in TPU_PLANS else _plan(which)))
