@@ -69,8 +69,9 @@ class Cost:
     hidden_seconds: the communication time the compiled schedule runs
       behind compute (collectives XLA made asynchronous, with compute
       scheduled between their start and done), already taken off
-      ``seconds``; 0 where every collective stops the compute (XLA:CPU,
-      and XLA:TPU without its async collective fusion flags).
+      ``seconds``; 0 where every collective stops the compute (XLA:CPU;
+      XLA:TPU where its async collective fusion is off, as on v5p by
+      default).
   """
   flops: float
   bytes_accessed: float

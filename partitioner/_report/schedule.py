@@ -6,8 +6,8 @@ start and a done (XLA:GPU's ``all-gather-start`` ... ``all-gather-done``
 and ``async-start`` wrappers; XLA:TPU's async collective fusions, a start,
 steps fused with compute and a done, under the flags MaxText's recipes
 set; a multi-slice program's ``send`` to the data-centre network and the
-``recv-done`` of its result): the compute scheduled between the two runs while the
-bytes move. A collective with no such split stops the compute.
+``recv-done`` of its result): the compute scheduled between the two runs
+while the bytes move. A collective with no such split stops the compute.
 
 :func:`hidden_seconds` replays the schedule as two streams, one computing
 and one link: every top-level instruction in program order (a while
