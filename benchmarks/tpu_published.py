@@ -158,7 +158,7 @@ def estimated_seconds(one, two, layers: int, slices: int) -> tuple[float, float,
   link = at("collective_bytes") - at("network_bytes")
   compute = model.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
                                   at("transposed_bytes"))
-  comm = model.comm_seconds(link + network, at("collectives"), network)
+  comm = model.comm_seconds(link, at("collectives"), network)  # (link: within slices)
   compiled = model.comm_seconds(link, at("collectives"), at("network_bytes"))
   return compute, comm, min(at("hidden_seconds") * comm / compiled, compute, comm)
 
