@@ -205,7 +205,6 @@ class Part:
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_OPERAND = re.compile(r"%([\w.\-]+)")
 # Ops that move no data themselves (a loop's or call's body counts its own).
 _NO_ACCESS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                         "while", "conditional", "call", "after-all", "partition-id",
@@ -263,7 +262,7 @@ def _values(comps: dict[str, list[str]], scope: re.Pattern) -> _Values:
       # proxy's outputs copy its last repetition's values, once.)
       where = _scope_of(line, scope)
       if m.group("kind") == "fusion" and not _OP_NAME.search(line):
-        where = next((values.scope(v) for v in _OPERAND.findall(m.group("args"))
+        where = next((values.scope(v) for v in _hlo.OPERAND.findall(m.group("args"))
                       if values.scope(v)), None)
       values.made[m.group("name")] = (size, where)
       values.caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
@@ -295,7 +294,7 @@ def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
     if name in values.caller or kind in _NO_ACCESS or kind.endswith("-done"):
       continue
     size = values.size(m.group("name")) + sum(values.size(v)
-                                              for v in _OPERAND.findall(m.group("args")))
+                                              for v in _hlo.OPERAND.findall(m.group("args")))
     for p in {None, where}:
       parts.setdefault(p, Part()).accessed += counts.get(name, 1) * size
 
@@ -321,7 +320,7 @@ def _shares(line: str, values: _Values, scope: re.Pattern) -> list[tuple[float, 
   so each operand's maker says, by its share of the bytes."""
   m = _hlo.DEFINITION.match(line)
   own = values.scope(m.group("name")) if m else _scope_of(line, scope)
-  operands = [values.made.get(v, (0, None)) for v in _OPERAND.findall(m.group("args") if m else "")]
+  operands = [values.made.get(v, (0, None)) for v in _hlo.OPERAND.findall(m.group("args") if m else "")]
   total = sum(size for size, _ in operands)
   if total and len(operands) > 1:
     return [(size / total, where) for size, where in operands]

@@ -297,6 +297,7 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:
 DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
                          r"(?P<kind>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
+OPERAND = re.compile(r"%([\w.\-]+)")  # a value an instruction reads
 # Ops XLA's cost analysis counts one flop per result element (transcendentals
 # included, as it counts them apart).
 _ELEMENTWISE = frozenset({
@@ -336,13 +337,12 @@ def runs(hlo_text: str) -> dict[str, int]:
     if not name:
       continue
     for line in lines:
-      w = _WHILE.search(line)
-      if w:
-        trip = _TRIP.search(line)
-        callers[w.group("body")].append((name, int(trip.group(1)) if trip else 1))
+      if (found := loop(line)) is not None:
+        body, trip = found
+        callers[body].append((name, trip or 1))
         cond = _CONDITION.search(line)
         if cond:
-          callers[cond.group(1)].append((name, int(trip.group(1)) + 1 if trip else 1))
+          callers[cond.group(1)].append((name, trip + 1 if trip else 1))
         continue
       for group in _CALLS.findall(line):
         for callee in re.split(r",\s*", group):
@@ -361,6 +361,16 @@ def runs(hlo_text: str) -> dict[str, int]:
     return done[name]
 
   return {name: count(name) for name in comps if name}
+
+
+def loop(line: str) -> tuple[str, int | None] | None:
+  """A while instruction's ``(body, trip count)``, the count None where
+  XLA knows none; None for any other line."""
+  w = _WHILE.search(line)
+  if w is None:
+    return None
+  trip = _TRIP.search(line)
+  return w.group("body"), int(trip.group(1)) if trip else None
 
 
 def flops(lines: list[str], matmuls_only: bool = False) -> float:

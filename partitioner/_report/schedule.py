@@ -40,9 +40,6 @@ _DONES = frozenset({"all-reduce-done", "all-gather-done", "collective-permute-do
 # chip's part and a ``recv`` of the result, paired by their rendezvous;
 # the compute waits at the ``recv-done``.
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 def has_async(hlo_text: str) -> bool:
@@ -133,14 +130,13 @@ class _Replay:
       return 0.0
     flops = own.get(line, 0.0) + sum(self._flops(c) for c in _hlo.CALLED.findall(line))
     moved = self.sizes.get(m.group("name"), 0) + sum(
-        self.sizes.get(v, 0) for v in _OPERAND.findall(m.group("args")))
+        self.sizes.get(v, 0) for v in _hlo.OPERAND.findall(m.group("args")))
     return self.device.compute_seconds(flops, 0.0 if kind.endswith("-done") else moved)
 
   def _loop(self, line: str) -> tuple[list[str], int] | None:
-    if " while(" not in line:
-      return None
-    body, trip = _WHILE_BODY.search(line), _TRIP.search(line)
-    return (self.comps.get(body.group(1), []) if body else []), int(trip.group(1)) if trip else 1
+    """A while loop's body lines and trip count (1 where unknown)."""
+    found = _hlo.loop(line) if " while(" in line else None
+    return None if found is None else (self.comps.get(found[0], []), found[1] or 1)
 
   def raw_total(self, lines: list[str]) -> float:
     """A computation's unscaled compute seconds, loop bodies each iteration."""
@@ -202,7 +198,7 @@ class _Replay:
     """How one instruction uses the link: ``(role, key, seconds)``, role
     "sync", "start", "done" or "" (compute only)."""
     kind, name = m.group("kind"), m.group("name")
-    operands = _OPERAND.findall(m.group("args"))
+    operands = _hlo.OPERAND.findall(m.group("args"))
     if kind in _DONES or kind == "async-update":
       return ("done" if kind != "async-update" else "update"), operands[0] if operands else None, 0.0
     if kind in _STARTS:
