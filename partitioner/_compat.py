@@ -245,7 +245,11 @@ def topology_devices(topology: str, num_slices: int) -> tuple[Device, ...]:
     # No TPU here to guard: let several processes load libtpu (two plans at
     # once, a test and its subprocess) instead of failing on its lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  desc = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices)
+  # A v4 chip's two TensorCores run as one device (megacore), as jax sees a
+  # real v4 and as the v5p topology gives by default; libtpu's compile-only
+  # v4 topology otherwise lists each core (twice the devices, half a chip each).
+  extra = {"chip_config_name": "megacore"} if topology.lower().startswith("v4:") else {}
+  desc = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices, **extra)
   return tuple(desc.devices)
 
 

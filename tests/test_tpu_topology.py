@@ -63,6 +63,16 @@ def test_a_topology_gives_one_device_per_chip_and_slices():
 
 
 @needs_libtpu
+def test_a_v4_chip_is_one_device_as_jax_sees_a_real_v4():
+  # (libtpu's compile-only v4 lists each of a chip's two cores unless asked
+  # for megacore; the tpu-v4 model's rates are a chip's)
+  devices = partitioner.tpu_devices("v4:2x2x1", num_slices=2)
+  assert len(devices) == 8
+  assert [d.slice_index for d in devices] == [0] * 4 + [1] * 4
+  assert {d.device_kind for d in devices} == {"TPU v4"}
+
+
+@needs_libtpu
 def test_an_unknown_topology_is_named():
   with pytest.raises(ValueError, match=r"does not know the topology 'v9z:2x2'.*Hint"):
     partitioner.tpu_devices("v9z:2x2")

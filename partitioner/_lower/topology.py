@@ -31,7 +31,8 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[_compat.Device, ...
       (multi-slice); their devices' ``slice_index`` tells them apart.
 
   Returns:
-    One device per TPU core jax programs address (one per chip from v4 on),
+    One device per TPU core jax programs address (one per chip from v4 on:
+    a v4 or v5p chip's two cores as one, megacore, as jax sees a real slice),
     for ``devices=`` of ``sharded_jit`` and ``partitioner.search``: programs
     compile for them and report XLA:TPU's analyses, and cannot run.
 
