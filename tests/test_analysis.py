@@ -94,6 +94,24 @@ def test_cost_for_hosts_charges_what_crosses_them():
 
 
 @pytest.mark.eight_devices
+def test_fsdp_within_hosts_sends_nothing_across_them():
+  # A (data, fsdp, tensor) mesh of 2 x 4 x 1: XLA writes the gathers'
+  # groups over its own order of the axes (device_ids=...); each gathers
+  # within a host of 4, and only the data axis crosses hosts.
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+  on = lambda *spec: NamedSharding(mesh, P(*spec))
+  step = jax.jit(lambda w, x: jax.lax.with_sharding_constraint(x @ w, on(("data", "fsdp"))),
+                 in_shardings=(on("fsdp", "tensor"), on(("data", "fsdp"))))
+  compiled = step.lower(jax.ShapeDtypeStruct((512, 512), jnp.float32),
+                        jax.ShapeDtypeStruct((64, 512), jnp.float32)).compile()
+  assert "device_ids=" in compiled.as_text()
+  cost = partitioner.cost(compiled, "h100", hosts=2)
+  assert cost.collective_bytes > 0 and cost.network_bytes == 0
+
+
+@pytest.mark.eight_devices
 def test_a_cpu_compile_counts_no_float32_matmuls_for_a_gpu():
   # XLA:CPU computes bfloat16 dots in float32 (a plan for GPUs made from
   # CPU devices would charge a bfloat16 model's matmuls at the TF32 rate).

@@ -31,7 +31,11 @@ from sharding._checks import positive_count
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# (device_ids: the assignment's positions of the mesh's, row-major, where
+# they are not in order: an iota, "[2,8]T(1,0)", or a list)
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                   r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?\s*\{([^}]*)\}")
+_IOTA_IDS = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -161,14 +165,30 @@ def groups(line: str, n: int) -> list[list[int]]:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
-    spanned = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
+    spanned = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3)) if a in names]
     others = [i for i in range(len(names)) if i not in spanned]
-    ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(others + spanned)
+    ids = _mesh_ids(m.group(2), math.prod(sizes)).reshape(sizes).transpose(others + spanned)
     return ids.reshape(-1, math.prod(sizes[i] for i in spanned) or 1).tolist()
   m = _EXPLICIT.search(line)
   if m and m.group(1):
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
   return [list(range(n))]
+
+
+def _mesh_ids(text: str | None, n: int) -> np.ndarray:
+  """The assignment's position of each of a mesh's ``n`` places (row-major)
+  from a ``device_ids=(...)``: none (in order), an iota (``[2,8]T(1,0)``:
+  ``arange(16)`` shaped 2 x 8, transposed) or a list."""
+  if not text:
+    return np.arange(n)
+  m = _IOTA_IDS.fullmatch(text)
+  if m:
+    dims = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+      ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    return ids.reshape(-1)
+  return np.array([int(x) for x in text.split(",") if x])
 
 
 def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, float]:

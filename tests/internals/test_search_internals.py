@@ -55,6 +55,14 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
     ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
     ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    # (XLA's mesh axes in another order than the devices': FSDP 4 within
+    # each of 2 hosts, gathered within a host, as a 2 x 4 mesh compiles)
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0))"
+     " {'axis_0'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=(0,2,4,6,1,3,5,7) {'axis_1'}",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
     ("source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
     ("replica_groups={}", [list(range(8))]),
 ])
