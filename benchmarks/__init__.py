@@ -4,12 +4,12 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|tpu_published|calibrate]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|published|calibrate]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
 fewer rounds: ``benchmarks._scale.DEFAULT``), in about 10-13 minutes and 4 GB on 2
-cores; ``--full`` is the whole run (``FULL``: about 28-32 minutes, 21 GB at its
+cores; ``--full`` is the whole run (``FULL``: about 40-44 minutes, 21 GB at its
 peak). The sections below say what ``--full`` measures.
 
 Sections (one module each):
@@ -68,9 +68,11 @@ Sections (one module each):
             against docs/search.md's first-principles account; with --full,
             Llama 3 70B's for 8 hosts x 8 H100s (``... 70b``).
 
-  tpu_published  (--full, libtpu) the tpu-v5e model's estimates against
-            MaxText's published TFLOP/s per v5e chip, 24 configurations
-            (four decoders on 1 to 32 slices), each compiled by XLA:TPU.
+  published  the named device models' estimates against MaxText's
+            published TFLOP/s per chip: by default its A3 table (Llama 2
+            7B on 1 to 16 hosts of 8 H100s, compiled for simulated
+            devices); with --full and libtpu also its v5e, v5p and v4
+            tables (51 configurations, each compiled by XLA:TPU).
   calibrate  how well ``partitioner.calibrate()``'s model (on a CPU, its
             rates fitted to its own small family of train steps) predicts
             the measured times of the search section's 34 programs, which

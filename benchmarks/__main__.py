@@ -21,13 +21,13 @@ from benchmarks import (
   pipeline,
   pipeline_data,
   plan_real,
+  published,
   report,
   scaling,
   search,
   search_models,
   startup,
   tpu_models,
-  tpu_published,
 )
 from benchmarks._common import ON_ACCELERATOR
 
@@ -36,7 +36,7 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
             "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
-            "tpu_models": tpu_models.run, "tpu_published": tpu_published.run,
+            "tpu_models": tpu_models.run, "published": published.run,
             "calibrate": calibrate.run}
 
 
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
                               description=benchmarks.__doc__.splitlines()[0])
   p.add_argument("--full", action="store_true",
                  help="the whole run: every model at every size, more rounds"
-                      " (about 28-32 minutes and 21 GB; the default about 10-13 minutes, 4 GB)")
+                      " (about 40-44 minutes and 21 GB; the default about 10-13 minutes, 4 GB)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--accelerator", action="store_true",
                  help="run on the devices jax finds (a GPU or TPU; --devices their count)"

@@ -45,6 +45,14 @@ LLAMA3_70B = Shape(layers=80, width=8192, mlp=28672, heads=64, kv_heads=8, vocab
                    batch=64, seq=4096)
 
 
+# What a layer saves for its backward, by MaxText's remat_policy: "minimal"
+# saves its weight matmuls' results (query/key/value/out projections, the
+# MLP's three), "minimal_with_context" also the attention's, "full"
+# nothing but its input.
+_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_SAVED = {"full": (), "minimal": _MATMULS, "minimal_with_context": (*_MATMULS, "context")}
+
+
 def first_principles_bytes(shape: Shape, devices: int) -> float:
   """Bytes per device of the step under FSDP over ``devices``, counted by
   hand as a conservative sum (everything at once): float32 weights,
@@ -56,11 +64,11 @@ def first_principles_bytes(shape: Shape, devices: int) -> float:
           + tokens * shape.vocab * 14) / devices
 
 
-def abstract(shape: Shape, accumulate: bool = False, activations=None):
+def abstract(shape: Shape, accumulate: bool = False, activations=None, remat: str = "full"):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
   Adam train step and its arguments' shapes (``accumulate``: its
   gradients through ``partitioner.accumulate``, the count the search's;
-  ``activations``: see :func:`make_step`)."""
+  ``activations``, ``remat``: see :func:`make_step`)."""
   import jax
   import jax.numpy as jnp
   s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
@@ -72,18 +80,26 @@ def abstract(shape: Shape, accumulate: bool = False, activations=None):
             "final_norm": s(d), "unembed": s(d, shape.vocab)}
   opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
   tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
-  return make_step(shape, accumulate, activations), (params, opt_state), tokens
+  return make_step(shape, accumulate, activations, remat), (params, opt_state), tokens
 
 
-def make_step(shape: Shape, accumulate: bool = False, activations=None):
+def make_step(shape: Shape, accumulate: bool = False, activations=None, remat: str = "full"):
   """The train step: cross-entropy of the next token, Adam (lr 3e-4);
   with ``accumulate``, its gradients summed over microbatches
   (``partitioner.accumulate``, the count left to the search);
   ``activations``: a sharding each layer's input is constrained to
   (``jax.lax.with_sharding_constraint``, as MaxText constrains its
-  activations), or None."""
+  activations), or None; ``remat``: what a layer's backward recomputes,
+  as MaxText's ``remat_policy`` names it: ``"full"`` (all but its input),
+  ``"minimal"`` (all but its weight matmuls' results: the norms, the
+  attention and the activation function) or ``"minimal_with_context"``
+  (the attention's result saved too)."""
   import jax
   import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
+
+  if remat not in _SAVED:
+    raise ValueError(f"make_step(remat={remat!r}): one of {sorted(_SAVED)}")
 
   def rms(x, w):
     x32 = x.astype(jnp.float32)
@@ -96,15 +112,17 @@ def make_step(shape: Shape, accumulate: bool = False, activations=None):
     bf = lambda name: p[name].astype(jnp.bfloat16)
     b, t, _ = x.shape
     y = rms(x, p["attn_norm"])
-    q = (y @ bf("wq")).reshape(b, t, shape.heads, shape.head_dim)
-    k = (y @ bf("wk")).reshape(b, t, shape.kv_heads, shape.head_dim)
-    v = (y @ bf("wv")).reshape(b, t, shape.kv_heads, shape.head_dim)
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + a.reshape(b, t, -1) @ bf("wo")
+    mm = lambda a, name: checkpoint_name(a @ bf(name), name)
+    q = mm(y, "wq").reshape(b, t, shape.heads, shape.head_dim)
+    k = mm(y, "wk").reshape(b, t, shape.kv_heads, shape.head_dim)
+    v = mm(y, "wv").reshape(b, t, shape.kv_heads, shape.head_dim)
+    a = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "context")
+    x = x + mm(a.reshape(b, t, -1), "wo")
     y = rms(x, p["mlp_norm"])
-    return x + (jax.nn.silu(y @ bf("w_gate")) * (y @ bf("w_up"))) @ bf("w_down")
+    return x + mm(jax.nn.silu(mm(y, "w_gate")) * mm(y, "w_up"), "w_down")
 
-  layer = jax.checkpoint(block)
+  layer = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(
+      *_SAVED[remat]))
 
   def loss(params, tokens):
     x = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]

@@ -3,7 +3,7 @@
 Every section runs in both; the default measures fewer and smaller models
 and times fewer rounds, so that ``scripts/bench`` fits in about 10-13 minutes
 and 4 GB on a 2-core host (its bound: 15 minutes, 8 GB), while ``scripts/bench --full`` is the whole run
-(about 28-32 minutes and 21 GB at its peak: the 24-layer decoder's field).
+(about 40-44 minutes and 21 GB at its peak: the 24-layer decoder's field).
 A flag given on the command line overrides its scale's value.
 """
 

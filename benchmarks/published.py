@@ -1,0 +1,360 @@
+"""Published section: the named device models' estimates ranked against
+the training throughput their makers' public recipes measured.
+
+MaxText (github.com/AI-Hypercomputer/maxtext) publishes TFLOP/s per chip
+for families of training configurations on one accelerator each, with
+the scripts that ran them:
+
+- v5e (``src/maxtext/configs/tpu/v5e/README.md``, ``16b.sh`` ...):
+  decoders of 16B to 128B on 1 to 32 slices of v5e-256, 24 rates;
+- v5p (``tpu/v5p/README.md``, ``32b.sh`` ... ``1024b.sh``): 32B to 1024B
+  on 1 or 2 slices of v5p-128 to v5p-4096, 16 rates;
+- v4 (``tpu/v4/README.md``, ``22b.sh``, ``52b.sh``): 22B on 1 to 8 slices
+  of v4-128, 52B on 1 or 2 of v4-384, 6 rates;
+- A3, 8 H100s a host (``gpu/a3/llama_2_7b/README.md``, ``1vm.sh`` ...):
+  Llama 2 7B on 1 to 16 hosts, 5 rates.
+
+Each decoder is MaxText's ``llama2`` block (``global_parameter_scale``'s
+shapes, or the script's own), vocabulary 32000, float32 weights and Adam,
+bfloat16 compute, the script's sequences a chip and ``remat_policy``
+(``benchmarks._llama``: "full", "minimal", "minimal_with_context"), laid
+out as the script lays it: FSDP over a slice or host (times its tensor
+axis), data parallel across slices or hosts, the layer inputs
+constrained to the batch split as MaxText constrains its activations.
+
+Here the step runs under ``jax.jit`` with those shardings, compiled at 1
+and 2 layers for 2 slices (or hosts) of each pod: by XLA:TPU for a
+libtpu topology under the XLA flags of the family's scripts (per-compile
+options), by XLA:CPU for 16 simulated devices for the H100s (the
+search's way to plan GPUs without one, ``hosts=2``). A layer's cost is
+the difference, the whole depth is scaled from it (as the search's
+proxies do), and the bytes that cross slices are scaled from 2 slices to
+k by the ring all-reduce's 2 (k - 1) / k. ``partitioner.cost`` under the
+family's named model gives the estimate, the communication the compiled
+schedule runs behind compute taken off (``Cost.hidden_seconds``; none on
+a program compiled for CPU). MaxText's own flop count
+(``calculate_tflops_training_per_device``: 6 x the weights' matmuls plus
+causal attention, per chip) over the estimated time is the estimated
+TFLOP/s per chip, set against the published one; per family the section
+reports how the two rank its configurations (Spearman's rho) and the
+slowest-to-fastest ratio of each, also with nothing hidden and with
+everything hidden, the two bounds of overlap.
+
+Not the same programs as MaxText's: its attention is a flash kernel
+(Pallas on TPU, cuDNN on GPU; here XLA's, whose score matrices add
+memory traffic), and some of its scripts offload activations to host
+memory or tile the vocabulary (here neither). Needs libtpu (``pip install
+-e .[tpu]``) for the TPU families: about 20 minutes here (28 compiles of
+64 to 4096 chips), so only with ``--full``; the H100 family (about 10 s)
+runs by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from typing import Any
+
+from benchmarks._common import child_rows, setup_jax
+
+SLICES = 2  # each pod's program is compiled for 2 of them
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One decoder of a published table: its shape (``batch``: sequences a
+  chip), tensor axis, MaxText's ``remat_policy``, and the published TFLOP/s
+  per chip of each run, as ``(pod, slices, TFLOP/s)``."""
+  name: str
+  shape: Any
+  tensor: int
+  remat: str
+  runs: tuple[tuple[str, int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A generation's published table: the device model it tests, the pods'
+  topologies (libtpu's names), the XLA flags of its scripts
+  (``LIBTPU_INIT_ARGS``, per compile) and its decoders."""
+  model: str
+  source: str
+  pods: dict[str, str]
+  flags: dict[str, bool]
+  configs: tuple[Config, ...]
+
+
+def flags_of(libtpu_init_args: str) -> dict[str, bool]:
+  """``{"xla_...": True}`` from a script's ``LIBTPU_INIT_ARGS`` (a later
+  flag overrides an earlier one, as libtpu reads them)."""
+  out = {}
+  for arg in libtpu_init_args.split():
+    name, _, value = arg.lstrip("-").partition("=")
+    out[name] = value == "true"
+  return out
+
+
+def shape_of(scale: int, per_chip: int):
+  """MaxText's decoder at ``global_parameter_scale`` (its
+  ``get_individual_scales``: heads and MLP, then width, then layers double
+  in turn from 2048 wide, 16 heads, MLP 7168, 16 layers)."""
+  from benchmarks import _llama
+  base, rem = divmod(scale.bit_length() - 1, 3)
+  heads = base + (rem > 0)
+  return _llama.Shape(layers=16 << base, width=2048 << (base + (rem > 1)),
+                      mlp=7168 << heads, heads=16 << heads, kv_heads=16 << heads,
+                      vocab=VOCAB, batch=per_chip, seq=SEQ, head=HEAD)
+
+
+def _families() -> dict[str, Family]:
+  """The three tables, from MaxText's ``src/maxtext/configs/tpu/<gen>/``
+  (README.md: the rates; ``16b.sh`` ...: each run's settings)."""
+  from benchmarks import _llama
+  v5e = tuple(Config(f"{scale}B", shape_of(scale, per_chip), tensor, "full",
+                     tuple(("v5e-256", k, r) for k, r in zip((1, 2, 4, 8, 16, 32), rates,
+                                                            strict=True)))
+              for scale, per_chip, tensor, rates in (
+                  (16, 6, 1, (120, 117, 117, 115, 111, 108)),
+                  (32, 4, 1, (132, 128, 126, 125, 123, 119)),
+                  (64, 2, 1, (118, 112, 110, 108, 105, 99)),
+                  (128, 1, 16, (110, 110, 108, 104, 100, 91))))
+  v5p = tuple(Config(f"{scale}B", shape_of(scale, per_chip), tensor, remat, runs)
+              for scale, per_chip, tensor, remat, runs in (
+                  (32, 6, 4, "minimal", (("v5p-128", 1, 328), ("v5p-128", 2, 319))),
+                  (64, 3, 4, "minimal", (("v5p-128", 1, 323), ("v5p-128", 2, 309))),
+                  (128, 1, 8, "minimal", (("v5p-256", 1, 315), ("v5p-256", 2, 305),
+                                          ("v5p-512", 1, 316), ("v5p-512", 2, 274))),
+                  (256, 1, 8, "minimal", (("v5p-1024", 1, 308), ("v5p-1024", 2, 289))),
+                  (512, 2, 8, "full", (("v5p-1024", 1, 294), ("v5p-1024", 2, 282))),
+                  (1024, 2, 16, "full", (("v5p-2048", 1, 254), ("v5p-2048", 2, 237),
+                                         ("v5p-4096", 1, 297), ("v5p-4096", 2, 279)))))
+  # v4's two decoders are set by hand in their scripts (22b.sh, 52b.sh).
+  v4 = (Config("22B", _llama.Shape(layers=48, width=6144, mlp=24576, heads=24, kv_heads=24,
+                                   vocab=VOCAB, batch=13, seq=SEQ, head=HEAD), 1, "full",
+               tuple(("v4-128", k, r) for k, r in ((1, 156), (2, 152), (4, 149), (8, 146)))),
+        Config("52B", _llama.Shape(layers=32, width=12288, mlp=49152, heads=32, kv_heads=32,
+                                   vocab=VOCAB, batch=7, seq=SEQ, head=HEAD), 1, "full",
+               (("v4-384", 1, 154), ("v4-384", 2, 162))))
+  # A3's (8 H100s a host; llama_2_7b/1vm.sh ... 16vm.sh: FSDP over a host's
+  # 8, data parallel across hosts; MaxText's llama2_7b.yml for GPUs).
+  a3 = (Config("7B", _llama.Shape(layers=32, width=4096, mlp=11008, heads=32, kv_heads=32,
+                                  vocab=VOCAB, batch=4, seq=4096, head=HEAD), 1,
+               "minimal_with_context",
+               tuple(("A3", k, r) for k, r in ((1, 492), (2, 422), (4, 407), (8, 409),
+                                               (16, 375)))),)
+  return {
+      "v5e": Family("tpu-v5e", "published (MaxText's v5e table)", {"v5e-256": "v5e:16x16"},
+                    flags_of(V5E_FLAGS), v5e),
+      # (a v5p pod is named by its cores, two a chip: v5p-128 is 64 chips)
+      "v5p": Family("tpu-v5p", "published (MaxText's v5p table)",
+                    {"v5p-128": "v5p:4x4x4", "v5p-256": "v5p:4x4x8", "v5p-512": "v5p:4x8x8",
+                     "v5p-1024": "v5p:8x8x8", "v5p-2048": "v5p:8x8x16",
+                     "v5p-4096": "v5p:8x16x16"}, flags_of(V5P_FLAGS), v5p),
+      "v4": Family("tpu-v4", "published (MaxText's v4 table)",
+                   {"v4-128": "v4:4x4x4", "v4-384": "v4:4x4x12"}, flags_of(V4_FLAGS), v4),
+      # (GPU programs compiled by XLA:CPU for simulated devices, a host's 8
+      # each: the search's way to plan GPUs without one)
+      "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3),
+  }
+
+
+SEQ, VOCAB, HEAD = 2048, 32000, 128
+# The scripts' LIBTPU_INIT_ARGS (v5e: 16b.sh ... 128b.sh; v5p: 64b.sh ...
+# 1024b.sh, 32b.sh adding SparseCore offloads; v4: 22b.sh, 52b.sh).
+V5E_FLAGS = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true"
+             " --xla_tpu_data_parallel_opt_different_sized_ops=true"
+             " --xla_tpu_enable_async_collective_fusion=true"
+             " --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+             " --xla_tpu_enable_async_collective_fusion_multiple_steps=true"
+             " --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+V5P_FLAGS = ("--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+             " --xla_tpu_megacore_fusion_allow_ags=false"
+             " --xla_enable_async_collective_permute=true"
+             " --xla_tpu_enable_ag_backward_pipelining=true"
+             " --xla_tpu_enable_data_parallel_all_reduce_opt=true"
+             " --xla_tpu_data_parallel_opt_different_sized_ops=true"
+             " --xla_tpu_enable_async_collective_fusion=true"
+             " --xla_tpu_enable_async_collective_fusion_multiple_steps=true"
+             " --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+V4_FLAGS = "--xla_enable_async_all_gather=true"
+
+def maxtext_flops(shape) -> float:
+  """MaxText's training flops per chip (``calculate_tflops_training_per_
+  device``, llama2 block): 3 x the forward's weight matmuls and causal
+  attention, for ``shape.batch`` sequences a chip."""
+  tokens, d, h = shape.batch * shape.seq, shape.width, shape.heads * shape.head_dim
+  ffn = 2 * tokens * shape.mlp * d * 3
+  qkv = 2 * tokens * d * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+  projection = 2 * tokens * d * h
+  attention = 4 * tokens * shape.seq * h / 2
+  embedding = 2 * tokens * d * shape.vocab
+  return 3 * ((ffn + qkv + projection + attention) * shape.layers + embedding)
+
+
+def run(args) -> list[dict]:
+  families = _families()
+  names = [n for n, f in families.items() if not f.model.startswith("tpu-")]
+  if not getattr(args, "full", False):
+    print("(published: the TPU families, 28 compiles of 64 to 4096 TPU chips, about 20"
+          " minutes: with --full)")
+  elif importlib.util.find_spec("libtpu") is None:
+    print("(libtpu is not installed: no comparison with published TPU rates;"
+          " pip install -e .[tpu])")
+  else:
+    names = list(families)
+  rows = []
+  for name in names:
+    got = [r for c in families[name].configs
+           for r in child_rows("benchmarks.published", name, c.name, timeout=3600)]
+    rows += got + ranking(got, name, families[name].source)
+  for r in rows:
+    r["ratio"] = r["ours"] / r["jax"]
+  return rows
+
+
+def compiled_cost(family: Family, config: Config, pod: str, layers: int):
+  """XLA:TPU's program of the step at ``layers`` layers, MaxText's layout,
+  on 2 slices of ``pod``, under the family's flags: ``partitioner.cost``
+  under the family's device model."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import partitioner
+  from benchmarks import _llama
+  topology = family.pods[pod]
+  if topology.startswith("cpu:"):  # (simulated devices, SLICES hosts of them)
+    chips, hosts = jax.devices()[:SLICES * int(topology[4:])], SLICES
+  else:
+    chips = sorted(partitioner.tpu_devices(topology, num_slices=SLICES),
+                   key=lambda c: (getattr(c, "slice_index", 0), c.id))
+    hosts = None
+  tensor = config.tensor
+  mesh = Mesh(np.array(chips).reshape(SLICES, len(chips) // SLICES // tensor, tensor),
+              ("data", "fsdp", "tensor"))
+  shape = dataclasses.replace(config.shape, layers=layers,
+                              batch=config.shape.batch * len(chips))
+  step, (params, opt), tokens = _llama.abstract(
+      shape, activations=NamedSharding(mesh, P(("data", "fsdp"), None, None)),
+      remat=config.remat)
+  named = lambda *spec: NamedSharding(mesh, P(*spec))
+  # MaxText's logical rules: embed -> fsdp; heads, mlp, vocab -> tensor.
+  rules = {"embed": named("tensor", "fsdp"), "unembed": named("fsdp", "tensor"),
+           "wq": named("fsdp", "tensor"), "wk": named("fsdp", "tensor"),
+           "wv": named("fsdp", "tensor"), "wo": named("tensor", "fsdp"),
+           "w_gate": named("fsdp", "tensor"), "w_up": named("fsdp", "tensor"),
+           "w_down": named("tensor", "fsdp")}
+  weights = jax.tree_util.tree_map_with_path(
+      lambda path, _: rules.get(getattr(path[-1], "key", ""), named()), params)
+  state = {"mu": weights, "nu": weights, "count": named()}
+  compiled = jax.jit(step, in_shardings=(weights, state, named(("data", "fsdp"), None)),
+                     out_shardings=(weights, state, named()),
+                     donate_argnums=(0, 1)).lower(params, opt, tokens).compile(
+                         compiler_options=family.flags)
+  return partitioner.cost(compiled, family.model, hosts=hosts)
+
+
+def estimated_seconds(model: str, one, two, layers: int,
+                      slices: int) -> tuple[float, float, float]:
+  """The whole depth on ``slices`` slices from the 1- and 2-layer costs
+  on 2, as (compute, communication, of it hidden) seconds under the device
+  model ``model``: each layer's increment repeated, the bytes across
+  slices scaled by the ring all-reduce's 2 (k - 1) / k (1 at the compiled
+  2), the hidden time as a share of the communication's (no more than the
+  compute)."""
+  import partitioner
+  device = partitioner.DEVICE_MODELS[model]
+  at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
+  network = at("network_bytes") * (2 * (slices - 1) / slices)
+  link = at("collective_bytes") - at("network_bytes")
+  compute = device.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
+                                   at("transposed_bytes"))
+  comm = device.comm_seconds(link, at("collectives"), network)  # (link: within slices)
+  compiled = device.comm_seconds(link, at("collectives"), at("network_bytes"))
+  return compute, comm, min(at("hidden_seconds") * comm / compiled, compute, comm)
+
+
+def config_rows(family_name: str, config_name: str) -> list[dict]:
+  """One decoder's runs: estimated against published TFLOP/s per chip."""
+  family = _families()[family_name]
+  config = next(c for c in family.configs if c.name == config_name)
+  simulated = [t for t in family.pods.values() if t.startswith("cpu:")]
+  setup_jax(SLICES * _chips(simulated[0]) if simulated else 8)
+  shape, flops = config.shape, maxtext_flops(config.shape)
+  rows = []
+  for pod in dict.fromkeys(p for p, _, _ in config.runs):  # (in order, once each)
+    one, two = (compiled_cost(family, config, pod, n) for n in (1, 2))
+    chips = _chips(family.pods[pod])
+    layout = (f"FSDP {chips}" if config.tensor == 1
+              else f"FSDP {chips // config.tensor} x tensor {config.tensor}")
+    for _, slices, published in (r for r in config.runs if r[0] == pod):
+      compute, comm, hidden = estimated_seconds(family.model, one, two, shape.layers, slices)
+      seconds = compute + comm - hidden
+      rows.append({
+          "case": f"{config.name} on {slices} x {pod}: TFLOP/s per chip, estimated vs published",
+          "unit": "TFLOP/s", "ours": flops / seconds / 1e12, "jax": float(published),
+          "serial": flops / (compute + comm) / 1e12,
+          "hidden": flops / max(compute, comm) / 1e12,
+          "against": family.source, "target": "-",
+          "detail": (f"{shape.params() / 1e9:.1f}B parameters ({shape.layers} layers, width"
+                     f" {shape.width}, {shape.heads} heads, MLP {shape.mlp}),"
+                     f" {shape.batch} x {shape.seq} tokens a chip, {layout}, remat"
+                     f" {config.remat}; estimated {seconds:.2f} s a step ({compute:.2f} s"
+                     f" compute, {comm:.2f} s collectives, {hidden:.2f} s of them behind"
+                     f" compute), MaxText's flops {flops / 1e12:.0f} T a chip;"
+                     f" {'XLA:TPU' if family.model.startswith('tpu-') else 'XLA:CPU'}'s peak"
+                     f" at 1 / 2 layers {one.peak_memory / 1e9:.1f} /"
+                     f" {two.peak_memory / 1e9:.1f} GB a chip")})
+  return rows
+
+
+def _chips(topology: str) -> int:
+  """Chips (devices) in one slice or host of ``topology``: ``"v4:4x4x12"``
+  192, ``"cpu:8"`` 8."""
+  return math.prod(int(n) for n in topology.split(":")[1].split("x"))
+
+
+def _ranks(values):
+  """Each value's rank from 0, ties given their mean rank (Spearman's)."""
+  import numpy as np
+  ranks = np.empty(len(values))
+  ranks[np.argsort(values, kind="stable")] = np.arange(len(values))
+  for v in np.unique(values):
+    ranks[values == v] = ranks[values == v].mean()
+  return ranks
+
+
+def ranking(rows: list[dict], family: str, source: str) -> list[dict]:
+  """How the estimates order a family's configurations against how the
+  published rates do: Spearman's rank correlation and each side's slowest
+  over fastest (``ours``: with what the compiled schedule hides); then
+  the same with nothing hidden (``serial``) and with every collective
+  hidden behind the compute (``hidden``): the two bounds of overlap."""
+  import numpy as np
+  if len(rows) < 2:
+    return []
+  theirs = np.array([r["jax"] for r in rows])
+  out = []
+  for key, how in (("ours", "estimated"),
+                   ("serial", "estimated with every collective after the compute"),
+                   ("hidden", "estimated with every collective hidden behind the compute")):
+    ours = np.array([r[key] for r in rows])
+    alike = bool(np.all(ours == ours[0]))  # (no order to rank: rho 0)
+    rho = 0.0 if alike else float(np.corrcoef(_ranks(ours), _ranks(theirs))[0, 1])
+    ratios = ours / theirs
+    out.append({"case": f"{family}: the {len(rows)} configurations ranked, {how}: Spearman's"
+                        " rho with the published", "unit": "rho", "ours": rho, "jax": 1.0,
+                "against": source, "target": "-",
+                "detail": ("every configuration estimated alike; " if alike else "")
+                          + f"{how} / published per configuration {ratios.min():.2f}-"
+                          f"{ratios.max():.2f}; slowest over fastest {ours.min() / ours.max():.2f}"
+                          f" ({how}), {theirs.min() / theirs.max():.2f} (published)"})
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(config_rows(sys.argv[1], sys.argv[2])))
