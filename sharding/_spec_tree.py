@@ -90,7 +90,9 @@ def broadcast_prefix(leaves: list, prefix_def: Any, tree: Any, what: str,
   prefix tree of structure ``prefix_def``) repeated over its subtree.
 
   A plain dict in the prefix also describes any mapping node with the same
-  keys (a flax ``nnx.State``, a ``FrozenDict``).
+  keys (a flax ``nnx.State``, a ``FrozenDict``), and a list or tuple any
+  list or tuple of its length (``out_parts=[P(2, 1), None]`` for a function
+  returning a list, as ``jax.jit``'s ``out_shardings``).
 
   Raises:
     ValueError: the prefix does not match ``tree``, naming ``what``, the
@@ -145,6 +147,9 @@ def _match(prefix: Any, prefix_def: Any, leaves: list, tree: Any, path: tuple,
         and {k.key for k in t_keys} == set(prefix)):
     by_key = dict(zip([k.key for k in p_keys], parts))
     pairs = [(by_key[k.key], k, c) for k, c in zip(t_keys, t_children)]
+  elif (type(prefix) in (list, tuple) and type(tree) in (list, tuple)
+        and len(prefix) == len(tree)):
+    pairs = list(zip(parts, t_keys, t_children))  # (a list's specs as a tuple, as jax.jit's)
   else:
     raise _mismatch(prefix, p_keys, tree, t_keys, t_def, path, error)
   out = []

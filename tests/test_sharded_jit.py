@@ -118,6 +118,15 @@ def test_pytree_arguments_and_outputs():
   assert out["y"].sharding.num_devices == 4
 
 
+def test_a_list_of_specs_describes_a_returned_list_as_jax_jit_takes_it():
+  g = sharded_jit(lambda ws: [w * 2 for w in ws], in_parts=([P(4, 1), P(1, 4)],),
+                  out_parts=[P(4, 1), P(1, 4)])
+  out = g([np.ones((8, 4), np.float32), np.ones((4, 8), np.float32)])
+  assert isinstance(out, list)
+  assert [o.addressable_shards[0].data.shape for o in out] == [(2, 4), (4, 2)]
+  np.testing.assert_array_equal(out[1], 2 * np.ones((4, 8)))
+
+
 def test_none_in_and_out_with_inner_constraint_runs_on_two_devices(mode):
   g = sharded_jit(lambda x: wsc(x * 2, P(1, 2)) + 1, None, None)
   y = g(np.ones((4, 4), np.float32))
