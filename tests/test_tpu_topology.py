@@ -198,6 +198,28 @@ def test_async_collective_fusion_counts_each_collective_once_and_hides_some():
 
 
 @needs_libtpu
+def test_sharded_jit_compiles_with_maxtexts_flags_through_xla_options():
+  # (what a job launched with LIBTPU_INIT_ARGS runs, planned per compile)
+  def step(ws, x):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = jnp.tanh(h @ w.astype(jnp.bfloat16))
+      return jnp.mean(h.astype(jnp.float32) ** 2)
+    return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+
+  f = sharded_jit(step, in_parts=([P(8, 1)] * 4, P(8, 1)), out_parts=[P(8, 1)] * 4,
+                  devices=partitioner.tpu_devices("v5p:2x2x2"))
+  args = ([jax.ShapeDtypeStruct((2048, 2048), jnp.float32)] * 4,
+          jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16))
+  assert partitioner.cost(f.lower(*args).compile(), "tpu-v5p").hidden_seconds == 0
+  with partitioner.config.override(xla_options=_MAXTEXT_ASYNC):
+    fused = f.lower(*args).compile()
+  assert 'chain_id="' in fused.as_text()
+  assert partitioner.cost(fused, "tpu-v5p").hidden_seconds > 0
+
+
+@needs_libtpu
 def test_devices_of_another_platform_lower_for_it():
   # A Cholesky lowers to a LAPACK call for CPUs, which XLA:TPU cannot
   # compile; lowered for the TPU devices given, it compiles.
