@@ -163,7 +163,8 @@ def _families() -> dict[str, Family]:
 
 SEQ, VOCAB, HEAD = 2048, 32000, 128
 # The scripts' LIBTPU_INIT_ARGS (v5e: 16b.sh ... 128b.sh; v5p: 64b.sh ...
-# 1024b.sh, 32b.sh adding SparseCore offloads; v4: 22b.sh, 52b.sh).
+# 1024b.sh, used for the 32B too, whose 32b.sh adds SparseCore offloads and
+# leaves the all-gathers out of the fusions; v4: 22b.sh, 52b.sh).
 V5E_FLAGS = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true"
              " --xla_tpu_data_parallel_opt_different_sized_ops=true"
              " --xla_tpu_enable_async_collective_fusion=true"
