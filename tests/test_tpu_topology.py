@@ -162,6 +162,16 @@ _MAXTEXT_ASYNC = {"xla_tpu_enable_async_collective_fusion": True,
                   "xla_enable_async_all_gather": True}
 
 
+def _bf16_mlp_step(ws, x):
+  """SGD on an MLP of the weights ``ws`` (float32, used in bfloat16)."""
+  def loss(ws):
+    h = x
+    for w in ws:
+      h = jnp.tanh(h @ w.astype(jnp.bfloat16))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+  return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+
+
 @needs_libtpu
 def test_async_collective_fusion_counts_each_collective_once_and_hides_some():
   """FSDP over 8 v5p chips, a 4-layer bf16 MLP. With MaxText's flags
@@ -173,17 +183,9 @@ def test_async_collective_fusion_counts_each_collective_once_and_hides_some():
   mesh = jax.sharding.Mesh(np.array(partitioner.tpu_devices("v5p:2x2x2")), ("d",))
   split = NamedSharding(mesh, NP("d", None))
 
-  def step(ws, x):
-    def loss(ws):
-      h = x
-      for w in ws:
-        h = jnp.tanh(h @ w.astype(jnp.bfloat16))
-      return jnp.mean(h.astype(jnp.float32) ** 2)
-    return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
-
   ws = [jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=split)] * 4
   x = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16, sharding=split)
-  lowered = jax.jit(step, out_shardings=[split] * 4, donate_argnums=0).lower(ws, x)
+  lowered = jax.jit(_bf16_mlp_step, out_shardings=[split] * 4, donate_argnums=0).lower(ws, x)
   plain = partitioner.cost(lowered.compile(), "tpu-v5p")
   fused = lowered.compile(compiler_options=_MAXTEXT_ASYNC)
   assert 'chain_id="' in fused.as_text()  # (the flags took)
@@ -200,15 +202,7 @@ def test_async_collective_fusion_counts_each_collective_once_and_hides_some():
 @needs_libtpu
 def test_sharded_jit_compiles_with_maxtexts_flags_through_xla_options():
   # (what a job launched with LIBTPU_INIT_ARGS runs, planned per compile)
-  def step(ws, x):
-    def loss(ws):
-      h = x
-      for w in ws:
-        h = jnp.tanh(h @ w.astype(jnp.bfloat16))
-      return jnp.mean(h.astype(jnp.float32) ** 2)
-    return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
-
-  f = sharded_jit(step, in_parts=([P(8, 1)] * 4, P(8, 1)), out_parts=[P(8, 1)] * 4,
+  f = sharded_jit(_bf16_mlp_step, in_parts=([P(8, 1)] * 4, P(8, 1)), out_parts=[P(8, 1)] * 4,
                   devices=partitioner.tpu_devices("v5p:2x2x2"))
   args = ([jax.ShapeDtypeStruct((2048, 2048), jnp.float32)] * 4,
           jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16))
