@@ -109,8 +109,8 @@ class DeviceModel:
     usable_fraction: of ``memory_bytes``, what programs may use.
     platform: "gpu", "tpu" or "cpu" (jax's name), or "" where unknown:
       what its compiler does that the account of memory must follow
-      (``jax.nn.dot_product_attention`` in bfloat16 runs as cuDNN's fused
-      kernel on a GPU, as XLA's ops elsewhere).
+      (XLA:GPU fuses the softmax of ``jax.nn.dot_product_attention``
+      between its matmuls, whose results it holds).
     f32_flops_per_s: the rate of float32 matmuls where it is not
       ``flops_per_s``'s (a GPU runs them as TF32 at jax's default
       precision, about half its bfloat16 rate), else None.

@@ -112,7 +112,8 @@ def search(  # noqa: PLR0913 (the search's keywords)
     memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
     device_model: DeviceModel | str | os.PathLike | None = None, measure: int | None = None,
     max_compiles: int = 10, progress: bool | None = None,
-    hosts: int | None = None, devices: Sequence[Any] | None = None) -> _found.FoundLayout:
+    hosts: int | None = None, devices: Sequence[Any] | None = None,
+    attention: str | None = None) -> _found.FoundLayout:
   """Finds the count specs of ``fun``'s arguments and outputs.
 
   Args:
@@ -156,6 +157,14 @@ def search(  # noqa: PLR0913 (the search's keywords)
       machine: the candidates are compiled by XLA:TPU (not run, nothing
       timed), and scored with its memory analysis; each candidate reports
       XLA's own time estimate next to ours (``xla_seconds``).
+    attention: ``"fused"`` when the model will run
+      ``jax.nn.dot_product_attention`` on the accelerator as one fused
+      kernel (cuDNN's: ``implementation="cudnn"`` on a GPU; a flash
+      kernel), which holds no sequence x sequence scores; the memory
+      count then holds none. By default (None) jax's attention counts as
+      jax runs it, XLA's ops (its scores held). Only where the memory is
+      counted from the jaxpr: an accelerator's device model planned from
+      simulated CPU devices.
 
   Returns:
     A :class:`FoundLayout`: ``.in_parts``, ``.out_parts`` for ``sharded_jit``;
@@ -164,8 +173,10 @@ def search(  # noqa: PLR0913 (the search's keywords)
   Raises:
     TypeError: ``fun`` is not callable.
     ValueError: ``fun`` does not trace with the example arguments,
-      ``num_devices`` is not available, ``measure`` across processes, or
-      no layout fits the budget (naming the smallest peak found).
+      ``num_devices`` is not available, ``measure`` across processes,
+      ``attention`` is not "fused" or is given where XLA's memory analysis
+      decides, or no layout fits the budget (naming the smallest peak
+      found).
   """
   if not callable(fun):
     raise TypeError(f"search expects a callable, got {fun!r}")
@@ -176,7 +187,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   request = dataclasses.replace(
       request, budget=_budget(who, memory_budget_bytes, request),
       measure=_measure_count(who, measure, world.size), max_compiles=max_compiles,
-      progress=progress)
+      progress=progress, attention=_attention(who, attention, request))
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
                for i, a in enumerate(example_args))
   closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
@@ -213,6 +224,8 @@ class _Request:
     measure: how many candidates to time (None: the close calls).
     max_compiles: how many candidates to compile.
     progress: show a progress line (None: on a terminal).
+    attention: how the memory count takes jax's attention (see
+      :class:`partitioner._search.memory.Liveness`).
   """
   who: str
   devices: tuple
@@ -222,6 +235,7 @@ class _Request:
   measure: int | None = None
   max_compiles: int = 10
   progress: bool | None = None
+  attention: str | None = None
 
   @property
   def place(self) -> _target.Place:
@@ -244,6 +258,23 @@ def _request(who: str, world: Any, num_devices: Any, device_model: Any,
   # (hosts=None: where they are; the devices are each host's in turn)
   count = len(set(_cost.device_hosts(devices, hosts, who, world.process_hosts)))
   return _Request(who, devices, count, device)
+
+
+def _attention(who: str, attention: Any, request: _Request) -> str | None:
+  """``attention``: None or "fused", and "fused" only where the memory is
+  counted from the jaxpr; the account's mode for jax's attention."""
+  if attention is None:
+    return "gpu" if request.device.platform == "gpu" else None
+  if attention != "fused":
+    raise ValueError(f"{who}: attention must be \"fused\" or None, got {attention!r}")
+  if not accounted(request):
+    raise ValueError(
+        f"{who}: attention=\"fused\" sets how the memory count takes jax's attention,"
+        f" and this search takes XLA's memory analysis of each compiled candidate instead"
+        f" (devices {request.devices[0].platform}, device model {request.device.name!r});"
+        " hint: the program compiled on the devices runs the attention it calls; the count"
+        " is used when planning an accelerator's device model from simulated CPU devices")
+  return "fused"
 
 
 def _budget(who: str, budget: Any, request: _Request) -> float | None:
@@ -334,7 +365,7 @@ def _key(request: _Request, closed: Any, static_reprs: list[str],
   toolkit and of the rules."""
   devices = request.devices
   settings = (len(devices), request.hosts, request.device, request.budget, request.measure,
-              request.max_compiles, config.partitioner,
+              request.max_compiles, request.attention, config.partitioner,
               tuple(d.device_kind for d in devices[:1]), __version__, RULES_DIGEST)
   return hashlib.sha256(  # (a program's key hashes other text: no clash)
       ("partitioner.search " + str(closed) + repr(settings)
@@ -479,8 +510,7 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
       f, closed, axes, r, state, request.place, proxy=not pipelines and microbatches == 1,
       out_state=out_state)
   proxied_gpu = proxied_gpu and target is not None and target.proxy is not None
-  counts = (Liveness(program, state, fused_attention=request.device.platform == "gpu",
-                     returns=out_state)
+  counts = (Liveness(program, state, attention=request.attention, returns=out_state)
             if accounted(request) or proxied_gpu else None)
   liveness = counts if accounted(request) else None
   proxy_counts = None if accounted(request) else counts

@@ -1,10 +1,10 @@
 """An accelerator's memory per device, counted from the jaxpr: the peak a
 layout needs on a GPU (or TPU) when its compiler cannot run here.
 
-XLA:CPU's buffer assignment is no GPU's: it keeps a decoder's attention
-scores (sequence x sequence, per head) that a GPU's fused attention kernel
-never holds, and plans the peak of a deep model far above what the same
-layout needs on an accelerator (an 8B decoder's FSDP over 8: 305 GB by
+XLA:CPU's buffer assignment is no GPU's: it keeps every step of a
+decoder's attention (sequence x sequence, per head) where XLA:GPU fuses
+the softmax between the two matmuls, and plans the peak of a deep model
+far above what the same layout needs on an accelerator (an 8B decoder's FSDP over 8: 305 GB by
 XLA:CPU, about 25 GB on an H100). The account walks the program in order,
 as an accelerator runs it, and counts per device what is live at each op:
 
@@ -21,12 +21,18 @@ as an accelerator runs it, and counts per device what is live at each op:
   loop's, its carries, as kept: a gradient summed over microbatches is
   laid out as its weight) and the peak inside its sub-program (a
   ``jax.checkpoint``'s recomputation, a scan's body, once);
-- inside ``jax.nn.dot_product_attention`` in bfloat16 or float16 on a
-  GPU, nothing is held but what leaves it: jax runs it there as cuDNN's
-  fused kernel. Elsewhere (float32 on a GPU, a TPU) jax runs it as XLA
-  ops, and XLA holds its scores (sequence x sequence, per head) as it
-  holds any other op's: the same peak as attention written by hand (one
-  H200, XLA:GPU: equal peaks, 1.68 GB, for float32).
+- inside ``jax.nn.dot_product_attention`` on a GPU, the matmuls' operands
+  and results (the scores, the probabilities, their gradients) are held
+  and the mask and softmax between them are not: jax runs its default
+  (``implementation=None``) as XLA's ops everywhere, and XLA:GPU fuses
+  the elementwise steps and reductions between the matmuls. On one H200,
+  a 2.0B decoder at 4096 tokens (bfloat16) peaked at 36.4 GB by XLA:GPU's
+  memory analysis; this count gives 35.9 GB (holding nothing inside:
+  32.3; holding every step: 44.4). On a TPU jax's attention is counted as
+  any ops (XLA:TPU on 8 v5p chips, float32: 143 MB by hand and by jax's).
+  Planned with ``search(..., attention="fused")`` (the model runs a fused
+  kernel on the device: cuDNN's, ``implementation="cudnn"``, or a flash
+  kernel), nothing is held inside it but what leaves it.
 
 It is an estimate: XLA fuses elementwise chains (the account holds one op's
 operands and results at a time), reuses buffers and may rematerialize
@@ -40,7 +46,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -48,8 +53,8 @@ from partitioner._search.axes import _sub_jaxprs
 from partitioner._search.candidates import Candidate
 from partitioner._search.estimate import OpTable, _Value, _Walk
 
-# Frames of jax's own attention: one cuDNN kernel on a GPU in half precision.
-_FUSED_ATTENTION = frozenset({"_dot_product_attention_xla", "_dot_product_attention_core"})
+# Frames of jax's own attention (XLA's ops: its default implementation).
+_ATTENTION = frozenset({"_dot_product_attention_xla", "_dot_product_attention_core"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,21 +134,24 @@ class Liveness:
     table: the cheap model's table (each variable's roles).
     state: per flat input, whether it is state (donated, freed after its
       last use).
-    fused_attention: the target runs ``jax.nn.dot_product_attention`` in
-      half precision as one kernel (a GPU: cuDNN).
+    attention: how the target runs ``jax.nn.dot_product_attention``:
+      "fused", as one kernel that holds nothing but its result (cuDNN's,
+      a flash kernel); "gpu", as XLA:GPU runs jax's default (XLA's ops):
+      the matmuls' operands and results held, the mask and softmax
+      between them fused; None, as any other ops.
     returns: per output, the state input it is the new value of (or
       None): it is split as that input is (ZeRO-1's new moments, not as
       the weights alike).
   """
 
-  def __init__(self, table: OpTable, state: Sequence[bool], fused_attention: bool = False,
+  def __init__(self, table: OpTable, state: Sequence[bool], attention: str | None = None,
                returns: Sequence[int | None] = ()):
     self.table = table
     jaxpr = table.axes.jaxpr.jaxpr
     self.state = tuple(state)
     self.returned = {v: k for v, k in zip(jaxpr.outvars, returns)
                      if k is not None and not isinstance(v, jex_core.Literal)}
-    self.fused = fused_attention and _half_precision_attention(jaxpr)
+    self.attention = attention
     self.inputs = [table.value((), v) for v in jaxpr.invars]
     ids = {v: k for k, v in enumerate(jaxpr.invars)}
     self.top = self._block(jaxpr, (), ids, {})
@@ -168,7 +176,7 @@ class Liveness:
     for v in jaxpr.outvars:
       if not isinstance(v, jex_core.Literal):
         last[v] = len(jaxpr.eqns)
-    inside = [self.fused and _in_attention(eqn) for eqn in jaxpr.eqns]
+    inside = [self._fused(eqn) for eqn in jaxpr.eqns]
     outside_use = _used_outside(jaxpr, inside)
     unfused = _materialized(jaxpr) - _constant_like(jaxpr, hints.get(_CHEAP, ()))
     if ctx:  # a sub-program's results are its caller's (counted there)
@@ -205,6 +213,13 @@ class Liveness:
                  tuple(b.key for b in sub)) for outs, out_ids, frees, sub in
                 ((st.outs, st.out_ids, st.frees, st.subs) for st in steps))
     return _Block(steps, hash(key) if ctx else None)
+
+  def _fused(self, eqn: Any) -> bool:
+    """Whether ``eqn`` runs inside a kernel of jax's attention, its
+    results never written unless used after it."""
+    if self.attention is None or not _in_attention(eqn):
+      return False
+    return self.attention == "fused" or eqn.primitive.name != "dot_general"
 
   def _value(self, ctx: tuple, v: Any, hints: dict) -> _Value:
     val = self.table.value(ctx, v)
@@ -429,19 +444,7 @@ def _describe(eqn: Any) -> str:
 
 def _in_attention(eqn: Any) -> bool:
   tb = eqn.source_info.traceback
-  return tb is not None and any(f.function_name in _FUSED_ATTENTION for f in tb.frames)
-
-
-def _half_precision_attention(jaxpr: Any) -> bool:
-  """Whether jax's attention here takes bfloat16 or float16 operands (what
-  cuDNN's fused kernel needs; jax's own choice of it on a GPU)."""
-  for eqn in jaxpr.eqns:
-    if _in_attention(eqn) and eqn.primitive.name == "dot_general":
-      dtype = np.dtype(eqn.invars[0].aval.dtype)
-      return dtype.itemsize == 2 and (dtype.kind == "f" or dtype == jnp.bfloat16)
-    if any(_half_precision_attention(sub) for sub in _sub_jaxprs(eqn)):
-      return True
-  return False
+  return tb is not None and any(f.function_name in _ATTENTION for f in tb.frames)
 
 
 def _used_outside(jaxpr: Any, inside: list[bool]) -> set:
