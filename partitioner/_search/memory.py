@@ -4,9 +4,10 @@ layout needs on a GPU (or TPU) when its compiler cannot run here.
 XLA:CPU's buffer assignment is no GPU's: it keeps every step of a
 decoder's attention (sequence x sequence, per head) where XLA:GPU fuses
 the softmax between the two matmuls, and plans the peak of a deep model
-far above what the same layout needs on an accelerator (an 8B decoder's FSDP over 8: 305 GB by
-XLA:CPU, about 25 GB on an H100). The account walks the program in order,
-as an accelerator runs it, and counts per device what is live at each op:
+far above what the same layout needs on an accelerator (an 8B decoder's
+FSDP over 8: 305 GB by XLA:CPU, about 25 GB on an H100). The account
+walks the program in order, as an accelerator runs it, and counts per
+device what is live at each op:
 
 - the arguments (weights, optimizer state, the batch), split as their specs
   say; a state argument (which a training loop donates) is freed after its
