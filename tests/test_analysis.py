@@ -1,5 +1,7 @@
 """explain() and cost() read jax.jit's compiled programs as they read ours."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,37 @@ def test_fsdp_within_hosts_sends_nothing_across_them():
   assert "device_ids=" in compiled.as_text()
   cost = partitioner.cost(compiled, "h100", hosts=2)
   assert cost.collective_bytes > 0 and cost.network_bytes == 0
+
+
+@pytest.mark.eight_devices
+def test_a_gpu_plan_from_cpu_devices_runs_collectives_behind_compute():
+  # FSDP over 8: each layer's gather can start at once (its weight is an
+  # argument) and run behind the layers before it, as XLA:GPU schedules
+  # async collectives; XLA:CPU's program holds them synchronous.
+  from jax.sharding import Mesh
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+
+  def step(ws, x):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = jnp.tanh(h @ w)
+      return jnp.mean(h ** 2)
+    return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+
+  split = [NamedSharding(mesh, JP("fsdp", None))] * 4
+  compiled = jax.jit(step, in_shardings=(split, NamedSharding(mesh, JP("fsdp"))),
+                     out_shardings=split).lower(
+      [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 4,
+      jax.ShapeDtypeStruct((512, 1024), jnp.float32)).compile()
+  assert "all-gather-start" not in compiled.as_text()
+  gpu = partitioner.cost(compiled, "h100")
+  serial = dataclasses.replace(partitioner.DEVICE_MODELS["h100"], platform="")
+  alone = partitioner.cost(compiled, serial)
+  assert gpu.collectives == alone.collectives > 4
+  assert gpu.hidden_seconds > 0
+  assert gpu.seconds == pytest.approx(alone.seconds - gpu.hidden_seconds, rel=1e-6)
+  assert alone.hidden_seconds == partitioner.cost(compiled, "cpu").hidden_seconds == 0
 
 
 @pytest.mark.eight_devices

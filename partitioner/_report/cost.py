@@ -73,9 +73,12 @@ class Cost:
     hidden_seconds: the communication time the compiled schedule runs
       behind compute (collectives XLA made asynchronous, with compute
       scheduled between their start and done), already taken off
-      ``seconds``; 0 where every collective stops the compute (XLA:CPU;
-      XLA:TPU where its async collective fusion is off, as on v5p by
-      default).
+      ``seconds``; 0 where every collective stops the compute (XLA:CPU
+      under a CPU's model; XLA:TPU where its async collective fusion is
+      off, as on v5p by default). XLA:CPU's program under a GPU's model
+      (a plan for GPUs from simulated devices) runs its collectives as
+      XLA:GPU schedules them: each started once its operands are made,
+      waited for at its result's first user.
   """
   flops: float
   bytes_accessed: float

@@ -3,11 +3,14 @@
 A candidate's estimated time per call is its compute time (per-device flops
 over the peak rate and bytes accessed over memory bandwidth: on a TPU the
 larger of the two, a roofline; on a CPU, which runs one op after another,
-and on a GPU, which runs one kernel after another, their sum) plus its communication time (each collective's bytes, weighted
-by its algorithm and group size, over the bandwidth of the links it
-crosses: inside a host, or across hosts, i.e. processes) plus a latency
-per collective, less the communication the compiled schedule runs behind
-compute (collectives XLA made asynchronous: ``Cost.hidden_seconds``).
+and on a GPU, which runs one kernel after another, their sum) plus its
+communication time (each collective's bytes, weighted by its algorithm
+and group size, over the bandwidth of the links it crosses: inside a
+host, or across hosts, i.e. processes) plus a latency per collective,
+less the communication the compiled schedule runs behind compute
+(collectives XLA made asynchronous, and under a GPU's model every
+collective of a program compiled for simulated CPU devices, as XLA:GPU
+schedules them: ``Cost.hidden_seconds``).
 
 Float32 matmuls on a GPU run as TF32 at jax's default precision: the
 GPU models hold that rate too (the datasheets' TF32 dense figure, half

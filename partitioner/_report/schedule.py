@@ -18,6 +18,18 @@ is the communication hidden. Each instruction's compute time is its
 share (flops and bytes, by the device's rates) of the whole program's
 compute time, so the replay changes only how much of the communication
 counts, not the totals.
+
+A program compiled by XLA:CPU (simulated devices) for a GPU's device model
+holds only synchronous collectives, where XLA:GPU would run them
+asynchronously: its scheduler's post-processing (``gpu_hlo_schedule.cc``,
+``PostprocessorToScheduleAsEarlyOrLateAsPossible``, XLA's default when
+its latency-hiding scheduler is off) moves each async collective's start
+right after its operands are made and its done right before its first
+user. The replay does the same for such a program: each collective
+queued on the link once its operands are made, waited for where its
+result is first used (through ``get-tuple-element``s): a gradient's
+all-reduce goes on behind the backward pass of the layers before it, a
+weight's all-gather behind whatever runs before its first matmul.
 """
 
 from __future__ import annotations
@@ -61,9 +73,10 @@ def hidden_seconds(hlo_text: str, comm_of: Callable[[str], float], compute_secon
       among its instructions by their flops and bytes.
     device: whose flop and memory rates weigh each instruction.
   """
-  if not has_async(hlo_text) or compute_seconds <= 0:
+  early = device.platform == "gpu" and not has_async(hlo_text)
+  if not (early or has_async(hlo_text)) or compute_seconds <= 0:
     return 0.0
-  replay = _Replay(_hlo.computations(hlo_text), comm_of, device)
+  replay = _Replay(_hlo.computations(hlo_text), comm_of, device, early=early)
   entry = replay.comps.get("", [])
   raw = replay.raw_total(entry)
   if raw <= 0:
@@ -79,6 +92,7 @@ class _Replay:
   comps: dict[str, list[str]]
   comm_of: Callable[[str], float]
   device: DeviceModel
+  early: bool = False  # synchronous collectives run as XLA:GPU's async ones
   scale: float = 1.0
 
   def __post_init__(self) -> None:
@@ -154,18 +168,28 @@ class _Replay:
     members, own = self._chain_members(lines), dict(_hlo.line_flops(lines))
     now = free = serial = 0.0
     pending: dict[object, float] = {}
+    starts, waits, early = self._early_plan(lines, members) if self.early else ({}, {}, {})
+    for k in starts.get(-1, ()):  # (on arguments: queued at once)
+      pending[k] = free = free + early[k]
     for i, line in enumerate(lines):
       m = _hlo.DEFINITION.match(line)
       if m is None:
         continue
+      for k in waits.get(i, ()):
+        now = max(now, pending.pop(k, now))
       loop = self._loop(line)
       if loop is not None:
         took, alone = self.run(loop[0])
         now = free = max(now, free) + took * loop[1]
         serial += alone * loop[1]
+        for k in starts.get(i, ()):
+          pending[k] = free = free + early[k]
         continue
       work = self._raw(m, line, own) * self.scale
       role, key, comm = self._role(m, line, i, members)
+      if i in early:  # (queued where its operands were made)
+        role, comm = "", 0.0
+        serial += early[i]
       if role == "update":  # (an async-update: its start's collective goes on under its name)
         if key in pending:
           pending[m.group("name")] = pending.pop(key)
@@ -180,7 +204,44 @@ class _Replay:
         now = max(now, pending.pop(key, now)) + work
       else:
         now += work
+      for k in starts.get(i, ()):
+        pending[k] = free = max(now, free) + early[k]
     return max([now, free, *pending.values()]), serial
+
+  def _early_plan(self, lines: list[str], members: dict) -> tuple[dict, dict, dict]:
+    """For a computation's synchronous collectives (lines ``k``): after
+    which line each is queued (-1: at once, on arguments), before which
+    it is waited for, and its seconds: ``({line: [k...]}, {line: [k...]},
+    {k: seconds})``."""
+    made: dict[str, int] = {}
+    first_use: dict[str, int] = {}
+    forwarded: dict[str, str] = {}  # a get-tuple-element -> the collective it reads
+    collectives: dict[str, int] = {}
+    starts: dict[int, list[int]] = {}
+    seconds: dict[int, float] = {}
+    for i, line in enumerate(lines):
+      m = _hlo.DEFINITION.match(line)
+      if m is None:
+        continue
+      operands = _hlo.OPERAND.findall(m.group("args"))
+      if m.group("kind") == "get-tuple-element" and operands and (
+          operands[0] in collectives or operands[0] in forwarded):
+        forwarded[m.group("name")] = forwarded.get(operands[0]) or operands[0]
+      else:
+        for v in operands:
+          source = forwarded.get(v, v)
+          if source in collectives:
+            first_use.setdefault(source, i)
+      role, _, comm = self._role(m, line, i, members)
+      if role == "sync" and m.group("kind") in _hlo.COLLECTIVE_KINDS and comm > 0:
+        collectives[m.group("name")] = i
+        seconds[i] = comm
+        starts.setdefault(max((made.get(v, -1) for v in operands), default=-1), []).append(i)
+      made[m.group("name")] = i
+    waits: dict[int, list[int]] = {}
+    for name, k in collectives.items():
+      waits.setdefault(first_use.get(name, len(lines)), []).append(k)
+    return starts, waits, seconds
 
   def _chain_members(self, lines: list[str]) -> dict[tuple[str, str], list[int]]:
     """Each async collective fusion's chain -> its fusions' line indices."""

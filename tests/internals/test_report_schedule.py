@@ -236,3 +236,46 @@ def test_collectives_among_slices_hide_until_their_result_is_needed():
   got = _score(_SLICES, _device(rate), matmuls=2)
   assert got.network_bytes == got.collective_bytes == pytest.approx(64 * 64 * 4)
   assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
+
+
+def _gpu(flops_per_s: float) -> DeviceModel:
+  """``_device`` for a GPU: XLA:GPU runs its collectives asynchronously."""
+  return DeviceModel("test gpu", flops_per_s, 1e30, 1e9, 1e9, 0.0, platform="gpu")
+
+
+@pytest.mark.parametrize("rate", [1e9, 1e11])
+def test_for_a_gpu_a_synchronous_collective_starts_once_its_operands_are_made(rate):
+  """XLA:CPU's program planned for a GPU: the gather of a parameter runs
+  behind the dot before its first user, as XLA:GPU's scheduler moves an
+  async start after its operands and its done before its first user."""
+  got = _score(_SYNC, _gpu(rate), matmuls=2)
+  assert got.hidden_seconds == pytest.approx(min(_GATHERED / 1e9, _MATMUL / rate), rel=1e-3)
+  assert _score(_SYNC, _device(rate), matmuls=2).hidden_seconds == 0  # (no GPU: as it runs)
+
+
+# A gradient's all-reduce: made by the first dot, read (through its tuple)
+# by the last; the second dot, independent of it, runs between.
+_REDUCED = _program(f"""\
+  %d0 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %ar = (f32[64,64]{{1,0}}) all-reduce(%d0), channel_id=1, {_GROUP}, to_apply=%add
+  %g = f32[64,64]{{1,0}} get-tuple-element(%ar), index=0
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %g), {_DOT}
+""")
+
+# The same all-reduce, its operand made last: nothing left to run behind it.
+_REDUCED_LAST = _program(f"""\
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %d0 = f32[64,64]{{1,0}} dot(%x, %d1), {_DOT}
+  %ar = (f32[64,64]{{1,0}}) all-reduce(%d0), channel_id=1, {_GROUP}, to_apply=%add
+  %g = f32[64,64]{{1,0}} get-tuple-element(%ar), index=0
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %g), {_DOT}
+""")
+
+
+def test_for_a_gpu_an_all_reduce_waits_at_its_first_user_through_its_tuple():
+  rate = 4 * _MATMUL / (64 * 64 * 4 * 2 * 7 / 8 / 1e9)  # a dot: a quarter of the all-reduce
+  got = _score(_REDUCED, _gpu(rate), matmuls=3)
+  assert got.collectives == 1
+  assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
+  assert _score(_REDUCED_LAST, _gpu(rate), matmuls=3).hidden_seconds == 0
