@@ -31,8 +31,13 @@ the difference, the whole depth is scaled from it (as the search's
 proxies do), and the bytes that cross slices are scaled from 2 slices to
 k by the ring all-reduce's 2 (k - 1) / k. ``partitioner.cost`` under the
 family's named model gives the estimate, the communication the compiled
-schedule runs behind compute taken off (``Cost.hidden_seconds``; none on
-a program compiled for CPU). MaxText's own flop count
+schedule runs behind compute taken off (``Cost.hidden_seconds``; for the
+H100s, as XLA:GPU schedules XLA:CPU's collectives). The A3 family's
+hosts are A3 High VMs (MaxText's GPU guide runs on A3 High), whose
+network Google's docs give as 1,000 Gbps a VM in all (GPUDirect-TCPX,
+cloud.google.com/compute/docs/gpus/gpu-network-bandwidth): 15.6 GB/s a
+GPU at most, where the ``h100`` model holds 50 GB/s (400 Gb/s
+InfiniBand a GPU, a DGX H100's); the family takes A3 High's. MaxText's own flop count
 (``calculate_tflops_training_per_device``: 6 x the weights' matmuls plus
 causal attention, per chip) over the estimated time is the estimated
 TFLOP/s per chip, set against the published one; per family the section
@@ -61,6 +66,9 @@ from typing import Any
 from benchmarks._common import child_rows, setup_jax
 
 SLICES = 2  # each pod's program is compiled for 2 of them
+# A3 High's network (Google Cloud's GPU network docs: 1,000 Gbps a VM of 8
+# H100s, GPUDirect-TCPX), per GPU: an upper bound, the VM's whole.
+A3_HIGH_NETWORK = 1000e9 / 8 / 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,18 @@ class Family:
   pods: dict[str, str]
   flags: dict[str, bool]
   configs: tuple[Config, ...]
+  network: float | None = None  # the hosts' network per chip, where not the model's
+
+  def device(self):
+    """The named model, with the family's network where it has its own."""
+    import dataclasses
+
+    import partitioner
+    named = partitioner.DEVICE_MODELS[self.model]
+    if self.network is None:
+      return named
+    return dataclasses.replace(named, name=f"{named.name}, {self.network / 1e9:.3g} GB/s"
+                               " across hosts", network_bytes_per_s=self.network)
 
 
 def flags_of(libtpu_init_args: str) -> dict[str, bool]:
@@ -157,7 +177,8 @@ def _families() -> dict[str, Family]:
                    {"v4-128": "v4:4x4x4", "v4-384": "v4:4x4x12"}, flags_of(V4_FLAGS), v4),
       # (GPU programs compiled by XLA:CPU for simulated devices, a host's 8
       # each: the search's way to plan GPUs without one)
-      "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3),
+      "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3,
+                     network=A3_HIGH_NETWORK),
   }
 
 
@@ -256,19 +277,17 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
                      out_shardings=(weights, state, named()),
                      donate_argnums=(0, 1)).lower(params, opt, tokens).compile(
                          compiler_options=family.flags)
-  return partitioner.cost(compiled, family.model, hosts=hosts)
+  return partitioner.cost(compiled, family.device(), hosts=hosts)
 
 
-def estimated_seconds(model: str, one, two, layers: int,
+def estimated_seconds(device, one, two, layers: int,
                       slices: int) -> tuple[float, float, float]:
   """The whole depth on ``slices`` slices from the 1- and 2-layer costs
-  on 2, as (compute, communication, of it hidden) seconds under the device
-  model ``model``: each layer's increment repeated, the bytes across
+  on 2, as (compute, communication, of it hidden) seconds under the
+  ``device`` model: each layer's increment repeated, the bytes across
   slices scaled by the ring all-reduce's 2 (k - 1) / k (1 at the compiled
   2), the hidden time as a share of the communication's (no more than the
   compute)."""
-  import partitioner
-  device = partitioner.DEVICE_MODELS[model]
   at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
   network = at("network_bytes") * (2 * (slices - 1) / slices)
   link = at("collective_bytes") - at("network_bytes")
@@ -293,7 +312,7 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
     layout = (f"FSDP {chips}" if config.tensor == 1
               else f"FSDP {chips // config.tensor} x tensor {config.tensor}")
     for _, slices, published in (r for r in config.runs if r[0] == pod):
-      compute, comm, hidden = estimated_seconds(family.model, one, two, shape.layers, slices)
+      compute, comm, hidden = estimated_seconds(family.device(), one, two, shape.layers, slices)
       seconds = compute + comm - hidden
       rows.append({
           "case": f"{config.name} on {slices} x {pod}: TFLOP/s per chip, estimated vs published",
