@@ -68,10 +68,11 @@ bf16), not a measurement; the cpu's are measured:
 - ``tpu-v6e``: Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16,
   32 GB HBM at 1.64 TB/s, ICI 400 GB/s per chip (the docs' table: 800
   GB/s bidirectional, as v5e's 400 and v5p's 1200 are, whose models hold
-  half), 25 GB/s data-centre network (an estimate: the page gives none).
+  half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
+  NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
 Accelerators' data-centre network figures are each chip's share: the
-v5e's and v5p's from Google's docs, the others estimates.
+v5e's, v5p's and v6e's from Google's docs, the v4's an estimate.
 Memory is the capacity per device; what a program may use of it,
 :meth:`DeviceModel.usable_memory`, leaves what the runtime keeps: jax on
 GPUs preallocates 75% of the memory by default
@@ -189,7 +190,7 @@ MODELS = types.MappingProxyType({
                            memory_bytes=16e9, platform="tpu"),
     "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 6.25e9, 10e-6,
                            memory_bytes=95e9, platform="tpu"),
-    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 400e9, 25e9, 10e-6,
+    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 400e9, 12.5e9, 10e-6,
                            memory_bytes=32e9, platform="tpu"),
 })
 
