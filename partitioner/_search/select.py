@@ -99,6 +99,10 @@ def variants(rows: list, results: list, k: int) -> list:
 # On a plan for hosts, layouts whose flops are within this factor of the
 # least do no duplicated work.
 LEAN_FLOPS = 1.1
+# ... and layouts whose bytes across hosts are within this factor (or
+# QUIET_BYTES) of the fewest send as few: the faster estimate leads.
+QUIET_WITHIN = 1.01
+QUIET_BYTES = 64 * 2**10
 
 
 def plan_order(fits: list, error: float) -> list:
@@ -106,13 +110,18 @@ def plan_order(fits: list, error: float) -> list:
   among those the estimates cannot tell apart (within the device model's
   ``error`` of the best), the one that sends the fewest bytes across hosts
   without duplicating work (flops within ``LEAN_FLOPS`` of the least of
-  them) leads; the network is where a cluster's estimates err most."""
+  them) leads, the fastest of those that send about as few
+  (``QUIET_WITHIN``); the network is where a cluster's estimates err
+  most."""
   if len(fits) < 2:
     return fits
   band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + error)]
   least = min(x.score.flops for x in band)
   lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
-  lead = min(lean, key=lambda x: (x.score.network_bytes, x.score.seconds, x.index))
+  fewest = min(x.score.network_bytes for x in lean)
+  quiet = [x for x in lean if x.score.network_bytes <= max(QUIET_WITHIN * fewest,
+                                                           fewest + QUIET_BYTES)]
+  lead = min(quiet, key=lambda x: (x.score.seconds, x.index))
   return [lead] + [x for x in fits if x is not lead]
 
 
