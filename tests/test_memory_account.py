@@ -105,7 +105,8 @@ def _attention_peaks(dtype, device_model, **kw):
   peaks = {}
   for jaxs in (True, False):
     found = partitioner.search(_attention_step(jaxs), w, x, device_model=device_model,
-                               progress=False, max_compiles=3, measure=0, **kw)
+                               progress=False, max_compiles=3, measure=0,
+                               **(kw if jaxs else {}))  # (hand-written: no jax attention)
     peaks[jaxs] = found.best.peak_memory
   return peaks
 
@@ -153,12 +154,15 @@ def test_on_a_gpu_the_softmax_between_the_matmuls_is_fused():
 @pytest.mark.parametrize("kw,match", [
     (dict(attention="cudnn", device_model="h100"), r"attention must be \"fused\" or None, got 'cudnn'"),
     (dict(attention="fused"), r"attention=\"fused\" .* XLA's memory analysis .*devices cpu"),
+    (dict(attention="fused", device_model="h100", by_hand=True),
+     r"attention=\"fused\" .* the function calls none; hint: an attention of its own"),
 ])
 def test_attention_that_cannot_be_honoured_is_refused(kw, match):
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
   x = jax.ShapeDtypeStruct((8, 64, 64), jnp.float32)
+  step = _attention_step(not kw.pop("by_hand", False))
   with pytest.raises(ValueError, match=match):
-    partitioner.search(_attention_step(True), w, x, progress=False, measure=0, **kw)
+    partitioner.search(step, w, x, progress=False, measure=0, **kw)
 
 
 @pytest.mark.eight_devices

@@ -71,7 +71,7 @@ from partitioner._search.candidates import (
     spec_of,
 )
 from partitioner._search.estimate import OpTable
-from partitioner._search.memory import Liveness
+from partitioner._search.memory import Liveness, calls_attention
 from partitioner._search.progress import Progress
 from partitioner._search.target import Target
 from partitioner._search.weights import feeds_matmul
@@ -174,8 +174,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
     TypeError: ``fun`` is not callable.
     ValueError: ``fun`` does not trace with the example arguments,
       ``num_devices`` is not available, ``measure`` across processes,
-      ``attention`` is not "fused" or is given where XLA's memory analysis
-      decides, or no layout fits the budget (naming the smallest peak
+      ``attention`` is not "fused", is given where XLA's memory analysis
+      decides or for a function that calls no
+      ``jax.nn.dot_product_attention``, or no layout fits the budget (naming the smallest peak
       found).
   """
   if not callable(fun):
@@ -191,6 +192,12 @@ def search(  # noqa: PLR0913 (the search's keywords)
   args = tuple(a if i in static else jax.tree_util.tree_map(_inputs.abstract, a)
                for i, a in enumerate(example_args))
   closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
+  if request.attention == "fused" and not calls_attention(closed.jaxpr):
+    raise ValueError(
+        f"{who}: attention=\"fused\" sets how the memory count takes"
+        " jax.nn.dot_product_attention, and the function calls none; hint: an attention"
+        " of its own (by hand, or a library's: flax's with dropout or a module to sow"
+        " into) is counted as the ops it runs, as XLA holds them")
   counts = _counts(accumulations)
   # (a free accumulate call traces as the plain step at one microbatch: the
   # counts tried tell the two apart)

@@ -448,6 +448,13 @@ def _in_attention(eqn: Any) -> bool:
   return tb is not None and any(f.function_name in _ATTENTION for f in tb.frames)
 
 
+def calls_attention(jaxpr: Any) -> bool:
+  """Whether the program calls ``jax.nn.dot_product_attention`` (XLA's
+  implementation, jax's default), in a sub-program too."""
+  return any(_in_attention(eqn) or any(calls_attention(sub) for sub in _sub_jaxprs(eqn))
+             for eqn in jaxpr.eqns)
+
+
 def _used_outside(jaxpr: Any, inside: list[bool]) -> set:
   """The variables an equation outside attention (or the block's result) uses."""
   used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
