@@ -87,6 +87,40 @@ def hidden_seconds(hlo_text: str, comm_of: Callable[[str], float], compute_secon
 
 
 @dataclasses.dataclass
+class _Clock:
+  """One computation's replay: when the compute stream is free (``now``),
+  when the link is (``free``), each queued collective's end (``pending``),
+  and everything one after another (``serial``)."""
+  now: float = 0.0
+  free: float = 0.0
+  serial: float = 0.0
+  pending: dict = dataclasses.field(default_factory=dict)
+
+  def step(self, role: str, key: object, comm: float, work: float, name: str) -> None:
+    """One instruction: ``work`` seconds of compute, and ``comm`` of a
+    collective it runs (``role`` "sync"), starts or waits for."""
+    if role == "update":  # (an async-update: its start's collective goes on under its name)
+      if key in self.pending:
+        self.pending[name] = self.pending.pop(key)
+      role = ""
+    self.serial += work + (comm if role in ("sync", "start") else 0.0)
+    if role == "sync":
+      self.now = self.free = max(self.now, self.free) + comm + work
+    elif role == "start":
+      self.pending[key] = self.free = max(self.now, self.free) + comm
+      self.now += work
+    elif role == "done":
+      self.now = max(self.now, self.pending.pop(key, self.now)) + work
+    else:
+      self.now += work
+
+  def queue(self, keys, seconds: dict) -> None:
+    """Collectives put on the link now (XLA:GPU's early starts)."""
+    for k in keys:
+      self.pending[k] = self.free = max(self.now, self.free) + seconds[k]
+
+
+@dataclasses.dataclass
 class _Replay:
   """The two-stream replay of one program (see the module's docstring)."""
   comps: dict[str, list[str]]
@@ -166,47 +200,28 @@ class _Replay:
   def run(self, lines: list[str]) -> tuple[float, float]:
     """``(replayed seconds, seconds one after another)`` of one computation."""
     members, own = self._chain_members(lines), dict(_hlo.line_flops(lines))
-    now = free = serial = 0.0
-    pending: dict[object, float] = {}
+    clock = _Clock()
     starts, waits, early = self._early_plan(lines, members) if self.early else ({}, {}, {})
-    for k in starts.get(-1, ()):  # (on arguments: queued at once)
-      pending[k] = free = free + early[k]
+    clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)
     for i, line in enumerate(lines):
       m = _hlo.DEFINITION.match(line)
       if m is None:
         continue
       for k in waits.get(i, ()):
-        now = max(now, pending.pop(k, now))
+        clock.now = max(clock.now, clock.pending.pop(k, clock.now))
       loop = self._loop(line)
       if loop is not None:
         took, alone = self.run(loop[0])
-        now = free = max(now, free) + took * loop[1]
-        serial += alone * loop[1]
-        for k in starts.get(i, ()):
-          pending[k] = free = free + early[k]
-        continue
-      work = self._raw(m, line, own) * self.scale
-      role, key, comm = self._role(m, line, i, members)
-      if i in early:  # (queued where its operands were made)
-        role, comm = "", 0.0
-        serial += early[i]
-      if role == "update":  # (an async-update: its start's collective goes on under its name)
-        if key in pending:
-          pending[m.group("name")] = pending.pop(key)
-        role = ""
-      serial += work + (comm if role in ("sync", "start") else 0.0)
-      if role == "sync":
-        now = free = max(now, free) + comm + work
-      elif role == "start":
-        pending[key] = free = max(now, free) + comm
-        now += work
-      elif role == "done":
-        now = max(now, pending.pop(key, now)) + work
+        clock.now = clock.free = max(clock.now, clock.free) + took * loop[1]
+        clock.serial += alone * loop[1]
       else:
-        now += work
-      for k in starts.get(i, ()):
-        pending[k] = free = max(now, free) + early[k]
-    return max([now, free, *pending.values()]), serial
+        role, key, comm = self._role(m, line, i, members)
+        if i in early:  # (queued where its operands were made)
+          role, comm = "", 0.0
+          clock.serial += early[i]
+        clock.step(role, key, comm, self._raw(m, line, own) * self.scale, m.group("name"))
+      clock.queue(starts.get(i, ()), early)
+    return max([clock.now, clock.free, *clock.pending.values()]), clock.serial
 
   def _early_plan(self, lines: list[str], members: dict) -> tuple[dict, dict, dict]:
     """For a computation's synchronous collectives (lines ``k``): after
