@@ -201,7 +201,7 @@ class _Replay:
     """``(replayed seconds, seconds one after another)`` of one computation."""
     members, own = self._chain_members(lines), dict(_hlo.line_flops(lines))
     clock = _Clock()
-    starts, waits, early = self._early_plan(lines, members) if self.early else ({}, {}, {})
+    starts, waits, early = self._early_plan(lines) if self.early else ({}, {}, {})
     clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)
     for i, line in enumerate(lines):
       m = _hlo.DEFINITION.match(line)
@@ -223,7 +223,7 @@ class _Replay:
       clock.queue(starts.get(i, ()), early)
     return max([clock.now, clock.free, *clock.pending.values()]), clock.serial
 
-  def _early_plan(self, lines: list[str], members: dict) -> tuple[dict, dict, dict]:
+  def _early_plan(self, lines: list[str]) -> tuple[dict, dict, dict]:
     """For a computation's synchronous collectives (lines ``k``): after
     which line each is queued (-1: at once, on arguments), before which
     it is waited for, and its seconds: ``({line: [k...]}, {line: [k...]},
@@ -247,8 +247,8 @@ class _Replay:
           source = forwarded.get(v, v)
           if source in collectives:
             first_use.setdefault(source, i)
-      role, _, comm = self._role(m, line, i, members)
-      if role == "sync" and m.group("kind") in _hlo.COLLECTIVE_KINDS and comm > 0:
+      comm = self.comm_of(line) if m.group("kind") in _hlo.COLLECTIVE_KINDS else 0.0
+      if comm > 0:  # (no async markers in the program: every collective is synchronous)
         collectives[m.group("name")] = i
         seconds[i] = comm
         starts.setdefault(max((made.get(v, -1) for v in operands), default=-1), []).append(i)
