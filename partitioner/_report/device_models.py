@@ -16,9 +16,10 @@ Float32 matmuls on a GPU run as TF32 at jax's default precision: the
 GPU models hold that rate too (the datasheets' TF32 dense figure, half
 the bf16 one; the H100's and H200's measured). The H100's and H200's
 compute and memory rates are measured (by
-``partitioner.calibrate`` on one of each: ``docs/measured``); every other
-figure of the accelerators is a datasheet peak for one device (dense,
-bf16), not a measurement; the cpu's are measured:
+``partitioner.calibrate`` on one of each: ``docs/measured``), and so is
+the v4's data-centre network (PaLM's); every other figure of the
+accelerators is a datasheet peak for one device (dense, bf16), not a
+measurement; the cpu's are measured:
 
 - ``cpu``: one of 8 simulated devices sharing a 2-core host, measured by
   ``partitioner.calibrate()`` on it (three runs: 38-45 GFLOP/s, 7.9-9.1
@@ -58,7 +59,12 @@ bf16), not a measurement; the cpu's are measured:
 - ``b200``: NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU,
   180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
 - ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
-  1.2 TB/s, ICI ~270 GB/s per chip (6 links), 25 GB/s data-centre network;
+  1.2 TB/s, ICI ~270 GB/s per chip (the docs' all-reduce bandwidth of 1.1
+  PB/s a pod of 4096 chips); data-centre network 1.65 GB/s per chip, a
+  measurement: PaLM's cross-pod gradient exchange on two pods of v4 (6144
+  chips on 1536 hosts, 4 a host) reached an aggregate burst of 81 Tb/s
+  (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways",
+  section 4): 52.7 Gb/s a host;
 - ``tpu-v5e``: Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at
   819 GB/s, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
   (the docs: 2 x 100 Gb/s NICs a host of 8 chips, 6.4 Tb/s a pod of 256);
@@ -72,7 +78,8 @@ bf16), not a measurement; the cpu's are measured:
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
 Accelerators' data-centre network figures are each chip's share: the
-v5e's, v5p's and v6e's from Google's docs, the v4's an estimate.
+v5e's, v5p's and v6e's from Google's docs (what the NICs carry at most),
+the v4's what PaLM's training reached.
 Memory is the capacity per device; what a program may use of it,
 :meth:`DeviceModel.usable_memory`, leaves what the runtime keeps: jax on
 GPUs preallocates 75% of the memory by default
@@ -184,7 +191,7 @@ MODELS = types.MappingProxyType({
     "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12),
     "gh200": _gpu("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
     "b200": _gpu("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
-    "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 25e9, 10e-6,
+    "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,
                            memory_bytes=16e9, platform="tpu"),
