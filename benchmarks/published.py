@@ -46,9 +46,12 @@ slowest-to-fastest ratio of each, also with nothing hidden and with
 everything hidden, the two bounds of overlap.
 
 Not the same programs as MaxText's: its attention is a flash kernel
-(Pallas on TPU, cuDNN on GPU; here XLA's, whose score matrices add
-memory traffic), and some of its scripts offload activations to host
-memory or tile the vocabulary (here neither). Needs libtpu (``pip install
+(Pallas on TPU, cuDNN on GPU: ``attention: cudnn_flash_te`` in its
+llama2_7b.yml for GPUs). On the TPUs here it is XLA's, whose score
+matrices add memory traffic; the H100s' program is scored with
+``attention="fused"``, as cuDNN's kernel runs it: the bytes XLA:CPU's
+score matrices move are left out. Some of its scripts offload
+activations to host memory or tile the vocabulary (here neither). Needs libtpu (``pip install
 -e .[tpu]``) for the TPU families: about 20 minutes here (28 compiles of
 64 to 4096 chips), so only with ``--full``; the H100 family (about 10 s)
 runs by default.
@@ -94,6 +97,7 @@ class Family:
   flags: dict[str, bool]
   configs: tuple[Config, ...]
   network: float | None = None  # the hosts' network per chip, where not the model's
+  attention: str | None = None  # partitioner.cost's: "fused" where it runs a fused kernel
 
   def device(self):
     """The named model, with the family's network where it has its own."""
@@ -178,7 +182,7 @@ def _families() -> dict[str, Family]:
       # (GPU programs compiled by XLA:CPU for simulated devices, a host's 8
       # each: the search's way to plan GPUs without one)
       "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3,
-                     network=A3_HIGH_NETWORK),
+                     network=A3_HIGH_NETWORK, attention="fused"),
   }
 
 
@@ -277,7 +281,7 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
                      out_shardings=(weights, state, named()),
                      donate_argnums=(0, 1)).lower(params, opt, tokens).compile(
                          compiler_options=family.flags)
-  return partitioner.cost(compiled, family.device(), hosts=hosts)
+  return partitioner.cost(compiled, family.device(), hosts=hosts, attention=family.attention)
 
 
 def estimated_seconds(device, one, two, layers: int,

@@ -32,7 +32,7 @@ from partitioner._lower.plan import Placement
 from partitioner._lower.trace import TracedProgram
 from partitioner._report import collect as _collect
 from partitioner._report.collect import Description
-from partitioner._report.cost import Cost, device_hosts, score
+from partitioner._report.cost import Cost, device_hosts, fused_attention, score
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
 from sharding._partition_spec import PartitionSpec
@@ -213,18 +213,22 @@ class CompiledProgram(abc.ABC):
     return self.loaded.get_compiled_memory_stats()
 
   def cost(self, device_model: DeviceModel | str | None = None,
-           hosts: int | None = None) -> Cost:
+           hosts: int | None = None, attention: str | None = None) -> Cost:
     """What one call costs per device, as :func:`partitioner.search` scores
     layouts: flops, collectives and their bytes weighted by algorithm and
     group size, peak memory, and the estimated time under ``device_model``
     (a ``partitioner.DeviceModel``, a name of ``partitioner.DEVICE_MODELS``
     such as ``"h100"``, or None for these devices'); a ``partitioner.Cost``.
     ``hosts=H`` scores it as if its devices were H hosts of consecutive
-    devices (default: where they are: a GPU's host, a TPU's slice)."""
+    devices (default: where they are: a GPU's host, a TPU's slice).
+    ``attention="fused"``: the accelerator runs jax's attention as one
+    fused kernel (see :func:`partitioner.cost`)."""
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
     where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
-    return score(self.as_text(), self.cost_analysis(), self.memory_analysis(), where, model)
+    text = self.as_text()
+    fused = fused_attention("cost", attention, text, devices[0].platform, model)
+    return score(text, self.cost_analysis(), self.memory_analysis(), where, model, fused)
 
   def explain(self) -> Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.

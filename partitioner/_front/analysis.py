@@ -108,7 +108,7 @@ def explain(fun: Any, *args) -> Explanation:
 
 
 def cost(program: Any, device_model: DeviceModel | str | None = None,
-         hosts: int | None = None) -> Cost:
+         hosts: int | None = None, attention: str | None = None) -> Cost:
   """What one call of a compiled program costs per device, scored as
   :func:`partitioner.search` scores its candidates.
 
@@ -122,6 +122,13 @@ def cost(program: Any, device_model: DeviceModel | str | None = None,
       devices (what crosses them costs the model's network bandwidth), to
       weigh a layout for a cluster on simulated devices; default: the
       processes that hold them.
+    attention: ``"fused"`` when the accelerator will run
+      ``jax.nn.dot_product_attention`` as one fused kernel (cuDNN's,
+      ``implementation="cudnn"``; a flash kernel) and the program was
+      compiled for simulated CPU devices, which run XLA's ops: the bytes
+      its score matrices move there (sequence x sequence per head, the
+      logits, the softmax, their gradients) are left out of
+      ``bytes_accessed`` and the time. None: the program's own ops.
 
   Returns:
     A :class:`~partitioner.Cost`: flops, bytes accessed, collectives and
@@ -130,8 +137,10 @@ def cost(program: Any, device_model: DeviceModel | str | None = None,
 
   Raises:
     TypeError: ``program`` is not a compiled program.
-    ValueError: an unknown device model name, or ``hosts`` that do not
-      divide the devices.
+    ValueError: an unknown device model name, ``hosts`` that do not
+      divide the devices, or ``attention`` other than None or "fused",
+      or "fused" for a program compiled for its accelerator, scored under
+      a CPU's model, or calling no jax attention.
 
   Example:
     >>> import jax, numpy as np
@@ -143,4 +152,4 @@ def cost(program: Any, device_model: DeviceModel | str | None = None,
     >>> partitioner.cost(theirs, "h100").collectives
     1
   """
-  return _analysed(program, "partitioner.cost").cost(device_model, hosts)
+  return _analysed(program, "partitioner.cost").cost(device_model, hosts, attention)

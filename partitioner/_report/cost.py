@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report import schedule as _schedule
 from partitioner._report.device_models import DeviceModel
@@ -46,7 +47,9 @@ class Cost:
   Attributes:
     flops: per-device flops (XLA's cost analysis, a loop body's matmuls
       counted for every iteration).
-    bytes_accessed: per-device memory traffic (XLA's cost analysis).
+    bytes_accessed: per-device memory traffic (XLA's cost analysis; with
+      ``attention="fused"``, less what jax attention's score matrices
+      move, which a fused kernel keeps on chip).
     collectives: the number of collectives one call runs (an op inside a
       loop body once per iteration).
     collective_bytes: their bytes per device, weighted by algorithm and
@@ -234,17 +237,20 @@ _NO_ACCESS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "
                         "replica-id", "opt-barrier"})
 
 
-def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[str | None, Part]:
+def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
+           fused_attention: bool = False) -> dict[str | None, Part]:
   """The program's costs by the named scope its ops were traced under
   (``scope``'s first group, searched in each op's ``op_name``); the key
   None holds the whole program's. XLA keeps each op's name through its
   passes (a fusion takes its root's); a collective is split over its
   operands (XLA combines the gradients' all-reduces of many layers into
-  one), each operand's share going to the scope of the op that made it."""
+  one), each operand's share going to the scope of the op that made it.
+  ``fused_attention``: the bytes accessed leave out jax attention's score
+  matrices (see :func:`score`)."""
   parts: dict[str | None, Part] = {None: Part()}
   counts = _hlo.runs(hlo_text)
   comps = _hlo.computations(hlo_text)
-  values = _values(comps, scope)
+  values = _values(comps, scope, _attention.score_shape(hlo_text) if fused_attention else None)
   _add_flops(parts, comps, counts, values, scope)
   _add_accessed(parts, counts, values)
   _add_collectives(parts, hlo_text, processes, values, scope)
@@ -255,10 +261,12 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern) -> dict[s
 class _Values:
   """What :func:`scoped` reads of each value of the program once: the
   bytes and scope of the op that made it, the scope of the op that calls
-  each computation, and every definition ``(computation, match, scope)``."""
+  each computation, every definition ``(computation, match, scope)``, and
+  the values that are score matrices of a fused attention (no traffic)."""
   made: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
   caller: dict[str, str | None] = dataclasses.field(default_factory=dict)
   defined: list[tuple[str, re.Match, str | None]] = dataclasses.field(default_factory=list)
+  scores: set[str] = dataclasses.field(default_factory=set)
 
   def scope(self, value: str) -> str | None:
     """The scope of the op that made ``value`` (None: unknown)."""
@@ -269,8 +277,11 @@ class _Values:
     return self.made.get(value, (0, None))[0]
 
 
-def _values(comps: dict[str, list[str]], scope: re.Pattern) -> _Values:
-  """Every value's bytes and scope, in program order."""
+def _values(comps: dict[str, list[str]], scope: re.Pattern,
+            score: tuple[int, int] | None = None) -> _Values:
+  """Every value's bytes and scope, in program order; with ``score`` (a
+  fused attention's score matrices, :func:`partitioner._report.attention.
+  score_shape`), the values shaped as them."""
   values = _Values()
   for name, lines in comps.items():
     if not name:
@@ -288,6 +299,8 @@ def _values(comps: dict[str, list[str]], scope: re.Pattern) -> _Values:
         where = next((values.scope(v) for v in _hlo.OPERAND.findall(m.group("args"))
                       if values.scope(v)), None)
       values.made[m.group("name")] = (size, where)
+      if score is not None and _attention.is_score(m.group("shape"), score):
+        values.scores.add(m.group("name"))
       values.caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
       values.defined.append((name, m, where))
   return values
@@ -316,8 +329,8 @@ def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
     kind = m.group("kind")
     if name in values.caller or kind in _NO_ACCESS or kind.endswith("-done"):
       continue
-    size = values.size(m.group("name")) + sum(values.size(v)
-                                              for v in _hlo.OPERAND.findall(m.group("args")))
+    size = sum(values.size(v) for v in [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))]
+               if v not in values.scores)
     for p in {None, where}:
       parts.setdefault(p, Part()).accessed += counts.get(name, 1) * size
 
@@ -365,6 +378,36 @@ _WEIGHT = {
 }
 
 
+def fused_attention(who: str, attention: object, hlo_text: str, platform: str,
+                    device: DeviceModel) -> bool:
+  """Whether to score ``jax.nn.dot_product_attention`` as one fused kernel
+  (``attention="fused"``): only for a program compiled for simulated CPU
+  devices, under an accelerator's model, that calls it.
+
+  Raises:
+    ValueError: ``attention`` is not "fused" or None; "fused" for a
+      program compiled for its devices (it runs the attention its HLO
+      holds), under a CPU's model, or calling no jax attention.
+  """
+  if attention is None:
+    return False
+  if attention != "fused":
+    raise ValueError(f"{who}: attention must be \"fused\" or None, got {attention!r}")
+  if platform != "cpu" or device.platform in ("", "cpu"):
+    raise ValueError(
+        f"{who}: attention=\"fused\" scores jax.nn.dot_product_attention as one fused"
+        f" kernel on an accelerator, and this program was compiled for {platform} devices,"
+        f" scored as {device.name!r}; hint: a program compiled for its devices runs the"
+        " attention its HLO holds; the setting is for a plan for an accelerator's device"
+        " model made from simulated CPU devices")
+  if _attention.score_shape(hlo_text) is None:
+    raise ValueError(
+        f"{who}: attention=\"fused\" scores jax.nn.dot_product_attention as one fused"
+        " kernel, and this program calls none; hint: an attention of its own is scored as"
+        " the ops it runs")
+  return True
+
+
 def collective_weight(opcode: str, group: int) -> float:
   """The bytes a ring algorithm sends per byte of ``opcode``'s result per
   device, for a group of ``group`` devices."""
@@ -372,10 +415,12 @@ def collective_weight(opcode: str, group: int) -> float:
 
 
 def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
-          device: DeviceModel) -> Cost:
+          device: DeviceModel, fused_attention: bool = False) -> Cost:
   """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
   HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
-  each device of the assignment."""
+  each device of the assignment; ``fused_attention``: the device runs
+  ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
+  score matrices move in this program are not accessed there."""
   count, weighted, network, once = 0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
     k, sent, across = _collective(op, processes)
@@ -391,6 +436,9 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   matmuls = _hlo.matmul_flops_by_type(hlo_text)
   f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
   transposed = _hlo.transposed_bytes(hlo_text)
+  if fused_attention:
+    scores, transposed_scores = _attention.score_traffic(hlo_text)
+    accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
   comm = device.comm_seconds(weighted - network, count, network)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,

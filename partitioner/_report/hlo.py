@@ -14,7 +14,7 @@ import importlib.util
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # Frames in these packages are not "the user's line" of an op.
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax")
@@ -656,13 +656,15 @@ def _physical_order(shape: str, permutation: list[int] | None = None) -> list[in
   return [permutation[d] if permutation else d for d in order if dims[d] > 1]
 
 
-def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES) -> float:
+def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES,
+                     keep: Callable[[str], bool] | None = None) -> float:
   """The bytes per call of the physical transposes of ``minimum`` bytes or
   more: a ``copy`` or ``transpose`` (at top level or inside a fusion)
   whose result orders the dimensions longer than one otherwise than its
   operand does in memory, its result's bytes as often as it runs. A
   transpose XLA makes a bitcast (a layout change alone) moves nothing and
-  is not counted, nor a copy that only moves dimensions of one."""
+  is not counted, nor a copy that only moves dimensions of one; nor, with
+  ``keep``, one whose result's shape it refuses."""
   counts = runs(hlo_text)
   total = 0.0
   for name, lines in computations(hlo_text).items():
@@ -680,6 +682,8 @@ def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES) -> flo
       result, source = _physical_order(m.group("shape"), permutation), _physical_order(operand)
       size = result_bytes(kind, m.group("shape"))
       if result is None or source is None or result == source or size < minimum:
+        continue
+      if keep is not None and not keep(m.group("shape")):
         continue
       total += counts.get(name, 1) * size
   return total

@@ -49,6 +49,7 @@ from partitioner._lower.args import argnums
 from partitioner._lower.devices import check_devices_argument, choose_devices
 from partitioner._lower.trace import reusing_traces
 from partitioner._pipeline import accumulate as _accumulate
+from partitioner._report import attention as _score_traffic
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
@@ -89,10 +90,11 @@ def _rules_digest() -> str:
   """A digest of the sources of the search's rules (candidates, shortlist,
   scoring): this folder's modules and the report modules whose answers it
   keeps (the compiled cost, the device models, the HLO reading, the
-  schedule's overlap)."""
+  schedule's overlap, a fused attention's traffic)."""
   root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
   files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
-  files += [pathlib.Path(m.__file__ or "") for m in (_cost, _device_models, _hlo, _schedule)]
+  files += [pathlib.Path(m.__file__ or "")
+            for m in (_score_traffic, _cost, _device_models, _hlo, _schedule)]
   digest = hashlib.sha256()
   for path in files:
     digest.update(f"{path.relative_to(root)}\n".encode())
@@ -160,11 +162,13 @@ def search(  # noqa: PLR0913 (the search's keywords)
     attention: ``"fused"`` when the model will run
       ``jax.nn.dot_product_attention`` on the accelerator as one fused
       kernel (cuDNN's: ``implementation="cudnn"`` on a GPU; a flash
-      kernel), which holds no sequence x sequence scores; the memory
-      count then holds none. By default (None) jax's attention counts as
-      jax runs it, XLA's ops (its scores held). Only where the memory is
-      counted from the jaxpr: an accelerator's device model planned from
-      simulated CPU devices.
+      kernel), which holds no sequence x sequence scores and moves none
+      through memory: the memory count then holds none, and each
+      candidate's bytes accessed leave out what its compiled program's
+      score matrices move (:func:`partitioner.cost`'s ``attention``). By
+      default (None) jax's attention counts as jax runs it, XLA's ops.
+      Only where the memory is counted from the jaxpr: an accelerator's
+      device model planned from simulated CPU devices.
 
   Returns:
     A :class:`FoundLayout`: ``.in_parts``, ``.out_parts`` for ``sharded_jit``;
@@ -194,7 +198,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   closed, out_shape, pipelines, accumulations = _trace(fun, args, example_args, static, who)
   if request.attention == "fused" and not calls_attention(closed.jaxpr):
     raise ValueError(
-        f"{who}: attention=\"fused\" sets how the memory count takes"
+        f"{who}: attention=\"fused\" sets how the memory count and the time take"
         " jax.nn.dot_product_attention, and the function calls none; hint: an attention"
         " of its own (by hand, or a library's: flax's with dropout or a module to sow"
         " into) is counted as the ops it runs, as XLA holds them")
@@ -232,7 +236,8 @@ class _Request:
     max_compiles: how many candidates to compile.
     progress: show a progress line (None: on a terminal).
     attention: how the memory count takes jax's attention (see
-      :class:`partitioner._search.memory.Liveness`).
+      :class:`partitioner._search.memory.Liveness`); "fused" also leaves
+      its score matrices' traffic out of the time (:class:`Place`).
   """
   who: str
   devices: tuple
@@ -247,7 +252,7 @@ class _Request:
   @property
   def place(self) -> _target.Place:
     """Where the candidates run and what that costs."""
-    return _target.Place(self.devices, self.hosts, self.device)
+    return _target.Place(self.devices, self.hosts, self.device, self.attention == "fused")
 
 
 def _request(who: str, world: Any, num_devices: Any, device_model: Any,
@@ -276,11 +281,12 @@ def _attention(who: str, attention: Any, request: _Request) -> str | None:
     raise ValueError(f"{who}: attention must be \"fused\" or None, got {attention!r}")
   if not accounted(request):
     raise ValueError(
-        f"{who}: attention=\"fused\" sets how the memory count takes jax's attention,"
-        f" and this search takes XLA's memory analysis of each compiled candidate instead"
-        f" (devices {request.devices[0].platform}, device model {request.device.name!r});"
-        " hint: the program compiled on the devices runs the attention it calls; the count"
-        " is used when planning an accelerator's device model from simulated CPU devices")
+        f"{who}: attention=\"fused\" sets how the memory count and the time take jax's"
+        " attention, and this search takes each compiled candidate as it is (XLA's memory"
+        f" analysis; devices {request.devices[0].platform}, device model"
+        f" {request.device.name!r}); hint: the program compiled on the devices runs the"
+        " attention it calls; the setting is for planning an accelerator's device model"
+        " from simulated CPU devices")
   return "fused"
 
 

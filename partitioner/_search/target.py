@@ -47,10 +47,13 @@ class Place:
     devices: the devices, in the program's order.
     hosts: they are that many hosts of consecutive devices.
     device: the device model that prices them.
+    fused_attention: the device runs ``jax.nn.dot_product_attention`` as
+      one fused kernel: its score matrices move no bytes there.
   """
   devices: Sequence[Any]
   hosts: int
   device: DeviceModel
+  fused_attention: bool = False
 
 
 class Target:
@@ -114,11 +117,12 @@ class Target:
     ``counted``: the whole program's peak counted from the jaxpr, which a
     proxy's peak takes instead of its scaled one (never below the proxy's
     own: the whole holds more)."""
-    got, digest, text = scored(program, loaded, self.hosts, self.device)
+    fused = self.place.fused_attention
+    got, digest, text = scored(program, loaded, self.hosts, self.device, fused)
     if self.part is None or self.proxy is None:
       return got, 0.0, digest, got.peak_memory
     part = self.part.estimate(c, dims, self.device, self.hosts)
-    parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE)
+    parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused)
     if len(parts) > 1:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
@@ -154,7 +158,7 @@ class Target:
     bytes per device, ``by``: whose figures)."""
     program = lower(self.whole, in_specs, out_specs, self.devices, self.donate)
     loaded = compile_program(program)
-    cost = scored(program, loaded, self.hosts, self.device)[0]
+    cost = scored(program, loaded, self.hosts, self.device, self.place.fused_attention)[0]
     m = loaded.get_compiled_memory_stats()
     return cost, {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
                   "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
@@ -266,7 +270,8 @@ def compiled_score(f: Function, in_specs: list, out_specs: list,
   cached) and scores the program on ``place``: its cost, a digest of its
   text, the text."""
   program = lower(f, in_specs, out_specs, place.devices)
-  return scored(program, compile_program(program), place.hosts, place.device)
+  return scored(program, compile_program(program), place.hosts, place.device,
+                place.fused_attention)
 
 
 def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any],
@@ -291,12 +296,14 @@ def compile_program(program: Any) -> Any:
                                  program.host_callbacks)
 
 
-def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel) -> tuple[Cost, str, str]:
+def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
+           fused_attention: bool = False) -> tuple[Cost, str, str]:
   """The compiled program's cost, its devices ``hosts`` hosts of
-  consecutive ones; a digest of its text; the text."""
+  consecutive ones (``fused_attention``: see :class:`Place`); a digest of
+  its text; the text."""
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
-               hosts_of(len(program.devices), hosts), device)
+               hosts_of(len(program.devices), hosts), device, fused_attention)
   return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), text
 
 

@@ -1,0 +1,98 @@
+"""The memory traffic of ``jax.nn.dot_product_attention``'s score matrices
+in a compiled program, for a device that runs the attention as one fused
+kernel instead (cuDNN's, a flash kernel: ``attention="fused"``).
+
+jax's default attention is XLA's ops (``_dot_product_attention_core``):
+the logits einsum writes a sequence x sequence matrix per head, the mask
+and softmax read and write it, the probabilities' einsum reads it, and
+the backward pass does as much again. A fused kernel keeps them on chip
+and moves only the queries, keys, values and output (and their
+gradients). XLA keeps each op's name through its passes, and the names
+of jax's attention matmuls carry their einsums' subscripts
+(``vmap(BTNH,BSNH->BNTS)/dot_general``), by which the score matrices'
+shape on each device is found.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from partitioner._report import hlo as _hlo
+
+# The einsums of jax's attention as XLA runs it (jax/_src/nn/functions.py,
+# _dot_product_attention_core): the logits, and the probabilities times
+# the values; the ops of each (forward and backward) carry them in their names.
+EINSUMS = ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# Ops that move no data of their own (a loop's body counts its own).
+_MOVE_NOTHING = _hlo.NOT_COMPUTED | {"while", "conditional", "call"}
+
+
+def score_shape(hlo_text: str) -> tuple[int, int] | None:
+  """The score matrices of the program's jax attention per device, as
+  ``(elements, keys)``: the largest result of the ops of its matmuls (the
+  logits, or the gradient of the probabilities; XLA may fuse a convert or
+  a transpose with them) and that result's last dimension, the keys'
+  sequence length; None where the program calls none. (With attentions
+  of several sizes, the largest's.)"""
+  best: tuple[int, int] | None = None
+  for line in hlo_text.splitlines():
+    name = _OP_NAME.search(line)
+    if name is None or not any(e in name.group(1) for e in EINSUMS):
+      continue
+    m = _hlo.DEFINITION.match(line)  # (a dot, or the fusion XLA made around one)
+    if m is None:
+      continue
+    found = _hlo.ARRAY.findall(m.group("shape"))
+    if len(found) != 1:
+      continue
+    dims = [int(d) for d in found[0][1].split(",") if d]
+    if dims and (best is None or math.prod(dims) > best[0]):
+      best = (math.prod(dims), dims[-1])
+  return best
+
+
+def is_score(shape: str, score: tuple[int, int]) -> bool:
+  """Whether ``shape`` is one array shaped as a score matrix: as many
+  elements, the keys' length among its dimensions (XLA:CPU merges or
+  splits the others: ``[B, K, G x T, S]``, ``[B, K, G, T, S]``)."""
+  found = _hlo.ARRAY.findall(shape)
+  if len(found) != 1:
+    return False
+  dims = [int(d) for d in found[0][1].split(",") if d]
+  return len(dims) >= 2 and math.prod(dims) == score[0] and score[1] in dims
+
+
+def score_traffic(hlo_text: str) -> tuple[float, float]:
+  """``(bytes accessed, bytes of large transposes)`` per call that the
+  program's jax attention moves in its score matrices: each top-level
+  op's result and operands shaped as them (not inside fusions, as XLA's
+  cost analysis counts), as often as it runs; and the large transposes
+  (:func:`partitioner._report.hlo.transposed_bytes`) that make them.
+  (0, 0) where it calls no jax attention."""
+  score = score_shape(hlo_text)
+  if score is None:
+    return 0.0, 0.0
+  comps = _hlo.computations(hlo_text)
+  counts = _hlo.runs(hlo_text)
+  fused = {callee for lines in comps.values() for line in lines
+           if (m := _hlo.DEFINITION.match(line)) and m.group("kind") == "fusion"
+           for callee in _hlo.CALLED.findall(line)}
+  total = 0.0
+  for name, lines in comps.items():
+    if not name or name in fused:
+      continue
+    shapes: dict[str, str] = {}
+    for line in lines:
+      m = _hlo.DEFINITION.match(line)
+      if m is None:
+        continue
+      shapes[m.group("name")] = m.group("shape")
+      if m.group("kind") in _MOVE_NOTHING or m.group("kind").endswith("-done"):
+        continue
+      moved = [m.group("shape")] + [shapes.get(v, "") for v in _hlo.OPERAND.findall(m.group("args"))]
+      total += counts.get(name, 1) * sum(
+          _hlo.result_bytes("", s) for s in moved if is_score(s, score))
+  transposed = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, score))
+  return total, _hlo.transposed_bytes(hlo_text) - transposed

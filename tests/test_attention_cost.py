@@ -1,0 +1,135 @@
+"""The time of jax's attention for a device that runs it as one fused kernel
+(``attention="fused"``: cuDNN's, a flash kernel).
+
+A program compiled for simulated CPU devices runs XLA's attention, whose
+score matrices (sequence x sequence per head) go through memory many
+times a layer; a fused kernel keeps them on chip. ``partitioner.cost``
+and the search leave that traffic out when told the device fuses it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import partitioner
+from benchmarks import _llama
+from partitioner._report import attention as _attention
+
+B, T, N, H = 8, 512, 4, 32
+
+
+def _attend(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _by_hand(q, k, v):
+  s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(q.shape[-1])
+  return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+def _compiled(attend, dtype=jnp.float32):
+  """A train step's gradient through ``attend``, data parallel over 8
+  devices, compiled by jax.jit."""
+  def loss(w, x):
+    q = (x @ w).reshape(B, T, N, H)
+    return jnp.mean(attend(q, q, q).astype(jnp.float32) ** 2)
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  w = jax.ShapeDtypeStruct((N * H, N * H), dtype)
+  x = jax.ShapeDtypeStruct((B, T, N * H), dtype)
+  return jax.jit(jax.grad(loss), in_shardings=(NamedSharding(mesh, P()),
+                                               NamedSharding(mesh, P("data")))).lower(
+                                                   w, x).compile()
+
+
+@pytest.mark.eight_devices
+def test_a_fused_attention_moves_no_score_matrices():
+  compiled = _compiled(_attend)
+  xla_ops, fused = (partitioner.cost(compiled, "h100", attention=a) for a in (None, "fused"))
+  scores = (B // 8) * N * T * T * 4  # one float32 score matrix per device
+  # (written by the logits, read by the softmax; again and more in the backward)
+  assert xla_ops.bytes_accessed - fused.bytes_accessed >= 4 * scores
+  assert fused.bytes_accessed > 0
+  assert fused.seconds < xla_ops.seconds
+  assert (fused.flops, fused.collectives) == (xla_ops.flops, xla_ops.collectives)
+
+
+@pytest.mark.eight_devices
+def test_the_score_matrices_are_found_under_grouped_heads_and_remat():
+  """XLA:CPU merges and splits the score matrices' dimensions; their size
+  per device and the keys' length are what is looked for."""
+  shape = _llama.Shape(layers=2, width=256, mlp=512, heads=4, kv_heads=2, vocab=512,
+                       batch=8, seq=512)
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  step, (params, opt), tokens = _llama.abstract(
+      shape, activations=NamedSharding(mesh, P("data")))
+  replicated = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), params)
+  compiled = jax.jit(step, in_shardings=(
+      replicated, {"mu": replicated, "nu": replicated, "count": NamedSharding(mesh, P())},
+      NamedSharding(mesh, P("data")))).lower(params, opt, tokens).compile()
+  text = compiled.as_text()
+  per_device = (shape.batch // 8) * shape.heads * shape.seq * shape.seq
+  assert _attention.score_shape(text) == (per_device, shape.seq)
+  moved, transposed = _attention.score_traffic(text)
+  assert moved >= 2 * shape.layers * per_device * 4
+  assert 0 <= transposed <= moved
+
+
+def _scanned(layers):
+  """A gradient through ``layers`` attention layers under lax.scan and
+  jax.checkpoint (bfloat16, grouped heads), on one device."""
+  def layer(h, w):
+    q = (h @ w).reshape(2, 256, 4, 32)
+    k = q[:, :, :2]
+    return h + jax.nn.dot_product_attention(q, k, k, is_causal=True).reshape(h.shape), None
+  def loss(ws, h):
+    h, _ = jax.lax.scan(jax.checkpoint(layer), h, ws)
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+  ws = jax.ShapeDtypeStruct((layers, 128, 128), jnp.bfloat16)
+  h = jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16)
+  return jax.jit(jax.grad(loss)).lower(ws, h).compile().as_text()
+
+
+def test_inside_a_scan_the_score_matrices_move_every_iteration():
+  two, four = _scanned(2), _scanned(4)
+  assert _attention.score_shape(two) == (2 * 4 * 256 * 256, 256)
+  assert _attention.score_traffic(four)[0] == pytest.approx(
+      2 * _attention.score_traffic(two)[0], rel=0.05)
+
+
+def test_a_program_without_jax_attention_has_no_score_matrices():
+  assert _attention.score_shape(_compiled(_by_hand).as_text()) is None
+
+
+@pytest.mark.parametrize("attend,kw,match", [
+    (_attend, dict(device_model="h100", attention="cudnn"),
+     r"attention must be \"fused\" or None, got 'cudnn'"),
+    (_attend, dict(device_model="cpu", attention="fused"),
+     r"compiled for cpu devices, scored as 'cpu .*hint: a program compiled for its devices"),
+    (_by_hand, dict(device_model="h100", attention="fused"),
+     r"this program calls none; hint: an attention of its own is scored as the ops it runs"),
+])
+def test_a_fused_attention_that_cannot_be_honoured_is_refused(attend, kw, match):
+  with pytest.raises(ValueError, match=match):
+    partitioner.cost(_compiled(attend), **kw)
+
+
+@pytest.mark.eight_devices
+def test_the_search_scores_a_fused_attention_as_partitioner_cost_does():
+  """The search's estimate (a proxy of repeated layers, scaled) agrees with
+  the whole program's cost in the layout it found, with and without."""
+  shape = _llama.Shape(layers=4, width=256, mlp=512, heads=4, kv_heads=2, vocab=512,
+                       batch=8, seq=1024)
+  step, state, tokens = _llama.abstract(shape)
+  seconds = {}
+  for attention in (None, "fused"):
+    found = partitioner.search(step, *state, tokens, device_model="h100", progress=False,
+                               measure=0, max_compiles=3, memory_budget_bytes=1e12,
+                               attention=attention)
+    whole = partitioner.sharded_jit(step, found.in_parts, found.out_parts).lower(
+        *state, tokens).compile().cost("h100", attention=attention)
+    assert found.best.seconds == pytest.approx(whole.seconds, rel=0.1)
+    seconds[attention] = whole.seconds
+  assert seconds["fused"] < 0.8 * seconds[None]
