@@ -77,6 +77,14 @@ measurement; the cpu's are measured:
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
+The accelerators' latency per collective (8 us on the H100 and later
+GPUs, 10 us on the A100 and the TPUs) is an estimate, not a measurement:
+NCCL's own tuning model (nccl's ``src/graph/tuning.cc``: a ring's base
+latency of 6.6 us plus 0.6 us a step over NVLink, LL protocol) puts a
+small all-reduce over 8 GPUs at about 15 us. It weighs programs of many
+small collectives; ``partitioner.calibrate()`` measures it on the
+devices at hand.
+
 Accelerators' data-centre network figures are each chip's share: the
 v5e's, v5p's and v6e's from Google's docs (what the NICs carry at most),
 the v4's what PaLM's training reached.
