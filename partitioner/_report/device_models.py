@@ -27,9 +27,12 @@ measurement; the cpu's are measured:
   a collective; the medians here): rates fitted to its small family of
   whole train steps, not a lone matmul's or copy's. Over the search
   section's 34 programs, which that fit never saw, its estimates are
-  within 30-37% (rms) of the measured times (``scripts/bench --full --only
-  calibrate``, three runs, and three calibrations against one measurement); the constants fitted before by hand on those programs
-  themselves had drifted to 86%. Simulated devices' collectives are
+  within 30-44% (rms) of the measured times over the runs of
+  ``scripts/bench --full --only calibrate`` (38-39% in the three of
+  2026-11-27, this host's times having moved; a fresh
+  ``partitioner.calibrate()``, which also fits large transposes'
+  surcharge, 20-23%); the constants fitted before by hand on those
+  programs themselves had drifted to 86%. Simulated devices' collectives are
   memory copies between threads, which is why they cost so much more
   than a CPU's arithmetic. It holds no surcharge for large transposes
   (``transpose_bytes_per_s``), which ``partitioner.calibrate()`` fits on
