@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import partitioner
 from benchmarks import _llama
 from partitioner._report import attention as _attention
+from partitioner._report import cost as _cost
 
 B, T, N, H = 8, 512, 4, 32
 
@@ -72,7 +73,7 @@ def test_the_score_matrices_are_found_under_grouped_heads_and_remat():
   text = compiled.as_text()
   per_device = (shape.batch // 8) * shape.heads * shape.seq * shape.seq
   assert _attention.score_shape(text) == (per_device, shape.seq)
-  moved, transposed = _attention.score_traffic(text)
+  moved, transposed = _cost.score_traffic(text)
   assert moved >= 2 * shape.layers * per_device * 4
   assert 0 <= transposed <= moved
 
@@ -95,8 +96,8 @@ def _scanned(layers):
 def test_inside_a_scan_the_score_matrices_move_every_iteration():
   two, four = _scanned(2), _scanned(4)
   assert _attention.score_shape(two) == (2 * 4 * 256 * 256, 256)
-  assert _attention.score_traffic(four)[0] == pytest.approx(
-      2 * _attention.score_traffic(two)[0], rel=0.05)
+  assert _cost.score_traffic(four)[0] == pytest.approx(
+      2 * _cost.score_traffic(two)[0], rel=0.05)
 
 
 def test_a_program_without_jax_attention_has_no_score_matrices():

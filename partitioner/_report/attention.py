@@ -25,8 +25,6 @@ from partitioner._report import hlo as _hlo
 # the values; the ops of each (forward and backward) carry them in their names.
 EINSUMS = ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-# Ops that move no data of their own (a loop's body counts its own).
-_MOVE_NOTHING = _hlo.NOT_COMPUTED | {"while", "conditional", "call"}
 
 
 def score_shape(hlo_text: str) -> tuple[int, int] | None:
@@ -64,35 +62,9 @@ def is_score(shape: str, score: tuple[int, int]) -> bool:
   return len(dims) >= 2 and math.prod(dims) == score[0] and score[1] in dims
 
 
-def score_traffic(hlo_text: str) -> tuple[float, float]:
-  """``(bytes accessed, bytes of large transposes)`` per call that the
-  program's jax attention moves in its score matrices: each top-level
-  op's result and operands shaped as them (not inside fusions, as XLA's
-  cost analysis counts), as often as it runs; and the large transposes
-  (:func:`partitioner._report.hlo.transposed_bytes`) that make them.
-  (0, 0) where it calls no jax attention."""
-  score = score_shape(hlo_text)
-  if score is None:
-    return 0.0, 0.0
-  comps = _hlo.computations(hlo_text)
-  counts = _hlo.runs(hlo_text)
-  fused = {callee for lines in comps.values() for line in lines
-           if (m := _hlo.DEFINITION.match(line)) and m.group("kind") == "fusion"
-           for callee in _hlo.CALLED.findall(line)}
-  total = 0.0
-  for name, lines in comps.items():
-    if not name or name in fused:
-      continue
-    shapes: dict[str, str] = {}
-    for line in lines:
-      m = _hlo.DEFINITION.match(line)
-      if m is None:
-        continue
-      shapes[m.group("name")] = m.group("shape")
-      if m.group("kind") in _MOVE_NOTHING or m.group("kind").endswith("-done"):
-        continue
-      moved = [m.group("shape")] + [shapes.get(v, "") for v in _hlo.OPERAND.findall(m.group("args"))]
-      total += counts.get(name, 1) * sum(
-          _hlo.result_bytes("", s) for s in moved if is_score(s, score))
-  transposed = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, score))
-  return total, _hlo.transposed_bytes(hlo_text) - transposed
+def transposed_score_bytes(hlo_text: str, score: tuple[int, int]) -> float:
+  """The bytes of the program's large transposes
+  (:func:`partitioner._report.hlo.transposed_bytes`) that make score
+  matrices (``score``: :func:`score_shape`'s)."""
+  others = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, score))
+  return _hlo.transposed_bytes(hlo_text) - others

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -231,6 +231,7 @@ class Part:
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_NO_SCOPE = re.compile(r"(?!)")  # (matches nothing: every op unscoped)
 # Ops that move no data themselves (a loop's or call's body counts its own).
 _NO_ACCESS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                         "while", "conditional", "call", "after-all", "partition-id",
@@ -321,18 +322,41 @@ def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
         part.matmul_flops += counts.get(name, 1) * f if _hlo.is_matmul(line) else 0.0
 
 
-def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
-                  values: _Values) -> None:
-  """Each top-level op's operand and result bytes, as XLA's cost analysis
-  counts them (not inside fusions, not ops that move no data)."""
+def _moved(counts: dict[str, int], values: _Values) -> Iterator[tuple[str | None, float, float]]:
+  """Each top-level op's ``(scope, bytes, of them a fused attention's score
+  matrices)`` per call: its operands and result, as XLA's cost analysis
+  counts them (not inside fusions, not ops that move no data), as often
+  as it runs."""
   for name, m, where in values.defined:
     kind = m.group("kind")
     if name in values.caller or kind in _NO_ACCESS or kind.endswith("-done"):
       continue
-    size = sum(values.size(v) for v in [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))]
-               if v not in values.scores)
+    read = [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))]
+    k = counts.get(name, 1)
+    yield (where, k * sum(values.size(v) for v in read),
+           k * sum(values.size(v) for v in read if v in values.scores))
+
+
+def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
+                  values: _Values) -> None:
+  """Each top-level op's bytes (:func:`_moved`) to its scope and the whole
+  program's, less a fused attention's score matrices."""
+  for where, size, scores in _moved(counts, values):
     for p in {None, where}:
-      parts.setdefault(p, Part()).accessed += counts.get(name, 1) * size
+      parts.setdefault(p, Part()).accessed += size - scores
+
+
+def score_traffic(hlo_text: str) -> tuple[float, float]:
+  """``(bytes accessed, bytes of large transposes)`` per call that the
+  program's ``jax.nn.dot_product_attention`` moves in its score matrices
+  (:mod:`partitioner._report.attention`), counted as :func:`scoped` counts
+  every op's bytes; (0, 0) where it calls none."""
+  score = _attention.score_shape(hlo_text)
+  if score is None:
+    return 0.0, 0.0
+  values = _values(_hlo.computations(hlo_text), _NO_SCOPE, score)
+  moved = sum(scores for _, _, scores in _moved(_hlo.runs(hlo_text), values))
+  return moved, _attention.transposed_score_bytes(hlo_text, score)
 
 
 def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
@@ -437,7 +461,7 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
   transposed = _hlo.transposed_bytes(hlo_text)
   if fused_attention:
-    scores, transposed_scores = _attention.score_traffic(hlo_text)
+    scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
   comm = device.comm_seconds(weighted - network, count, network)

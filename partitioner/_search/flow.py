@@ -49,7 +49,7 @@ from partitioner._lower.args import argnums
 from partitioner._lower.devices import check_devices_argument, choose_devices
 from partitioner._lower.trace import reusing_traces
 from partitioner._pipeline import accumulate as _accumulate
-from partitioner._report import attention as _score_traffic
+from partitioner._report import attention as _attention_rule
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
@@ -94,7 +94,7 @@ def _rules_digest() -> str:
   root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
   files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
   files += [pathlib.Path(m.__file__ or "")
-            for m in (_score_traffic, _cost, _device_models, _hlo, _schedule)]
+            for m in (_attention_rule, _cost, _device_models, _hlo, _schedule)]
   digest = hashlib.sha256()
   for path in files:
     digest.update(f"{path.relative_to(root)}\n".encode())
