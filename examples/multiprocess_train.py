@@ -197,8 +197,6 @@ def main(argv):
     print(f"layout: {layout}", flush=True)
   losses, start, ckpt = [], 0, None
   if _CKPT.value:
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)  # (orbax's INFO lines, each save)
     ckpt = partitioner.Checkpointer(_CKPT.value, every=_CKPT_EVERY.value)
     restored, start, extra = ckpt.restore(partitioner.to_global(params, saved_parts))
     if start:

@@ -6,17 +6,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("orbax.checkpoint")
-
-import partitioner  # noqa: E402
-from sharding import PartitionSpec as P  # noqa: E402
-from sharding import tiling  # noqa: E402
+import partitioner
+from partitioner._distributed import checkpoint_files
+from partitioner._distributed.steps import steps
+from sharding import PartitionSpec as P
+from sharding import tiling
 
 
 def _state(value=1.0, devices=None):
@@ -43,18 +44,23 @@ def test_it_saves_every_k_steps_and_restores_the_latest_into_another_layout(tmp_
   assert sorted(os.listdir(tmp_path)) == ["2", "4"]  # (keep=2; the lock released)
 
 
-@pytest.mark.parametrize("finish_within,listed", [(1, "2"), (2, "2.orbax-checkpoint-tmp")])
+@pytest.mark.parametrize("finish_within", [1, 2])
 def test_the_step_after_a_save_waits_for_it_so_a_crash_loses_at_most_every_steps(
-    tmp_path, finish_within, listed):
-  """The save of step 2 (64 MB: longer to write than the calls take) is
-  complete when the call of step 2 + finish_within returns; before then it
-  is still orbax's temporary directory (with finish_within=2 at step 3)."""
-  state = {"w": jnp.ones((4096, 4096))}
+    tmp_path, monkeypatch, finish_within):
+  """The save of step 2 (its write held back 0.3 s) is complete when the
+  call of step 2 + finish_within returns, not before."""
+  write = checkpoint_files.write
+  monkeypatch.setattr(checkpoint_files, "write",
+                      lambda *a, **k: time.sleep(0.3) or write(*a, **k))
+  state = {"w": jnp.ones((256, 256))}
   extras = []
   with partitioner.Checkpointer(tmp_path, every=2, finish_within=finish_within) as ckpt:
     assert ckpt.save(2, state, lambda: extras.append(2) or {"position": 2})
     assert not ckpt.save(3, state, lambda: extras.append(3) or {})
-    assert [n for n in os.listdir(tmp_path) if n[0].isdigit()] == [listed]
+    after_3 = checkpoint_files.complete_steps(str(tmp_path))
+    assert ckpt.save(4, state)
+    after_4 = checkpoint_files.complete_steps(str(tmp_path))
+  assert (after_3, after_4) == (([2], [2]) if finish_within == 1 else ([], [2]))
   assert extras == [2]  # (a function for extra is called only to save)
 
 
@@ -62,38 +68,67 @@ def _bytes_under(path):
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def test_arrays_are_written_uncompressed_unless_asked(tmp_path):
-  """compress=False (the default) writes the 4 MB of ones whole; compress=True
-  zstd-compresses them (orbax's default); both restore the same state."""
-  state = {"w": jnp.ones((1024, 1024))}
-  sizes = {}
-  for compress in (False, True):
-    with partitioner.Checkpointer(tmp_path / str(compress), every=1,
-                                  compress=compress) as ckpt:
-      ckpt.save(1, state)
-    sizes[compress] = _bytes_under(tmp_path / str(compress) / "1")
-    with partitioner.Checkpointer(tmp_path / str(compress), every=1) as ckpt:
-      restored, step, _ = ckpt.restore(state)
-    assert step == 1
-    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((1024, 1024)))
-  assert sizes[False] > 4 << 20 > 100 * sizes[True], sizes
+@pytest.mark.eight_devices
+def test_each_element_is_written_once_as_it_is_in_memory(tmp_path):
+  """A replicated array's first replica only; a split one's every shard
+  once: the data file holds the arrays' bytes, uncompressed."""
+  rows = tiling(P(4, 1), jax.devices()[:4], 2).named_sharding()
+  everywhere = jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec())
+  state = {"w": jax.device_put(jnp.ones((1024, 256)), rows),
+           "b": jax.device_put(jnp.ones(256), everywhere)}
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, state)
+  assert sorted(os.listdir(tmp_path / "1")) == ["data-0", "index.json"]
+  assert os.path.getsize(tmp_path / "1" / "data-0") == (1024 * 256 + 256) * 4
+  index = json.loads((tmp_path / "1" / "index.json").read_text())
+  assert [len(leaf["pieces"]) for leaf in index["leaves"]] == [1, 4]  # (b, w)
 
 
-def test_checkpoints_of_the_earlier_standard_handler_restore(tmp_path):
-  """Checkpoints written through orbax's StandardCheckpointHandler (this
-  class's before compress=) restore: the same files on disk."""
-  import orbax.checkpoint as ocp
+def test_a_removed_checkpoints_data_file_is_written_over_by_the_next_save(tmp_path):
+  """keep=1: the save of step 3 writes over step 1's file (removed when
+  step 2 was complete), whose pages are in memory already; each restores
+  its own values, and closing removes the file kept aside."""
+  with partitioner.Checkpointer(tmp_path, every=1, keep=1) as ckpt:
+    ckpt.save(1, {"w": jnp.full(1000, 1.0)})
+    ckpt.wait()
+    first = os.stat(tmp_path / "1" / "data-0").st_ino
+    ckpt.save(2, {"w": jnp.full(1000, 2.0)})
+    ckpt.wait()
+    assert os.stat(tmp_path / ".data-to-reuse-0").st_ino == first
+    ckpt.save(3, {"w": jnp.full(10, 3.0)})  # (smaller: the file is cut to it)
+    ckpt.wait()
+    assert os.stat(tmp_path / "3" / "data-0").st_ino == first
+    assert os.path.getsize(tmp_path / "3" / "data-0") == 40
+  assert sorted(os.listdir(tmp_path)) == ["3"]
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, _ = ckpt.restore({"w": jnp.zeros(10)})
+  assert step == 3
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.full(10, 3.0))
+
+
+@pytest.mark.parametrize("handler", ["StandardCheckpointHandler", "PyTreeCheckpointHandler"])
+def test_checkpoints_orbax_wrote_restore(tmp_path, handler):
+  """Checkpoints of this class's earlier versions, written through orbax's
+  StandardCheckpointHandler or PyTreeCheckpointHandler, restore (through
+  orbax); the next save is in this version's format, and restores."""
+  ocp = pytest.importorskip("orbax.checkpoint")
   state = {"w": jnp.arange(12.0).reshape(3, 4), "opt": (jnp.ones(3), jnp.zeros(()))}
   manager = ocp.CheckpointManager(tmp_path, item_handlers={
-      "state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
-  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+      "state": getattr(ocp, handler)(), "extra": ocp.JsonCheckpointHandler()})
+  save = ocp.args.StandardSave if handler.startswith("Standard") else ocp.args.PyTreeSave
+  manager.save(3, args=ocp.args.Composite(state=save(state),
                                           extra=ocp.args.JsonSave({"position": 3})))
   manager.wait_until_finished()
   manager.close()
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     got, step, extra = ckpt.restore(jax.tree_util.tree_map(jnp.zeros_like, state))
-  assert (step, extra) == (3, {"position": 3})
-  jax.tree_util.tree_map(np.testing.assert_array_equal, got, state)
+    assert (step, extra) == (3, {"position": 3})
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, state)
+    ckpt.save(4, jax.tree_util.tree_map(lambda x: x + 1, got), {"position": 4})
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, extra = ckpt.restore(state)
+  assert (step, extra) == (4, {"position": 4})
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(12.0).reshape(3, 4) + 1)
 
 
 def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
@@ -110,13 +145,43 @@ def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
 
 
 def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
+  """A crash during the save of step 2 leaves its temporary directory
+  (every part written but rank 0's rename; or orbax's, by earlier
+  versions): step 1 is restored, and the next job removes the leftover."""
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})
-  # A crash during the save of step 2: orbax's temporary directory, never renamed.
-  os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "state")
+  (tmp_path / "2.partial").mkdir()
+  (tmp_path / "2.partial" / "data-0").write_bytes(np.full(4, 2.0, np.float32).tobytes())
+  (tmp_path / "2.partial" / "part-0.json").write_text(json.dumps({"pieces": []}))
+  os.makedirs(tmp_path / "3.orbax-checkpoint-tmp" / "state")
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    assert not (tmp_path / "2.partial").exists()
     state, step, _ = ckpt.restore({"b": jnp.zeros(4)})
   assert step == 1 and float(state["b"][0]) == 1.0
+
+
+def test_a_rank_that_leaves_while_a_save_waits_for_it_is_an_error(tmp_path, monkeypatch):
+  """Rank 0 waits for every rank's part before the rename; a rank that
+  left the job never writes it: the save fails (and is never restored)."""
+  monkeypatch.setattr(steps, "departed", {1: 7})
+  pieces = checkpoint_files.Pieces({"b": jnp.ones(4)}, 0)
+  with pytest.raises(RuntimeError, match="a rank left the job while this one waited for every"
+                     " rank's part of the checkpoint of step 5; that checkpoint stays"
+                     " incomplete"):
+    checkpoint_files.write(str(tmp_path), 5, pieces, {}, rank=0, processes=2)
+  assert checkpoint_files.complete_steps(str(tmp_path)) == []
+
+
+def test_numbers_restore_as_numbers_and_other_leaves_are_refused(tmp_path):
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, {"step": 7, "lr": 0.5, "w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"state\['f'\] is a function; a checkpoint holds"):
+      ckpt.save(2, {"f": lambda: 0})
+    with pytest.raises(TypeError, match=r"save\(step=3\): extra is not JSON-able.*Hint"):
+      ckpt.save(3, {"w": jnp.ones(2)}, {"loss": jnp.ones(2)})
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, _ = ckpt.restore({"step": 0, "lr": 0.0, "w": jnp.zeros(2)})
+  assert step == 1 and got["step"] == 7 and type(got["step"]) is int and got["lr"] == 0.5
 
 
 @pytest.mark.parametrize("other,match", [
@@ -159,8 +224,7 @@ def test_bad_arguments(tmp_path, kw):
 
 
 def test_another_dtype_is_cast_and_a_librarys_optimizer_state_restores(tmp_path):
-  """optax's namedtuple state (orbax keeps its fields as a dict's keys) and
-  a float32 checkpoint restored as bfloat16."""
+  """optax's namedtuple state and a float32 checkpoint restored as bfloat16."""
   optax = pytest.importorskip("optax")
   params = {"w": jnp.arange(8.0).reshape(2, 4)}
   state = {"params": params, "opt": optax.adam(1e-3).init(params)}
@@ -173,3 +237,20 @@ def test_another_dtype_is_cast_and_a_librarys_optimizer_state_restores(tmp_path)
   assert step == 1 and got["params"]["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(got["params"]["w"], np.float32), np.arange(8.0).reshape(2, 4))
   assert int(got["opt"][0].count) == 0 and type(got["opt"][0]).__name__ == "ScaleByAdamState"
+
+
+def test_a_directory_only_rank_0_sees_is_a_clear_error(tmp_path, monkeypatch):
+  """A rank that does not find rank 0's mark in the directory (a host's own
+  disk, not a shared one) fails its save, instead of rank 0 waiting for its
+  part forever."""
+  from partitioner._distributed import checkpoint
+  monkeypatch.setattr(checkpoint, "SHARED_WAIT_SECS", 0.1)
+  ckpt = partitioner.Checkpointer(tmp_path, every=1)
+  os.remove(tmp_path / "sharded_jit.lock")
+  ckpt._rank = 1  # (as rank 1 of a job whose rank 0 wrote its mark elsewhere)
+  ckpt.save(1, {"b": jnp.ones(4)})
+  with pytest.raises(RuntimeError, match=r"rank 1 does not see rank 0's sharded_jit.lock in"
+                     r" .*every process must see the checkpoint directory.*Hint: give a"
+                     r" directory on a file system every host mounts"):
+    ckpt.close()
+  assert checkpoint_files.complete_steps(str(tmp_path)) == []

@@ -1,35 +1,35 @@
 """Saving a training loop's state every K steps and resuming from the last
-complete checkpoint: :class:`Checkpointer`, over orbax's CheckpointManager.
+complete checkpoint: :class:`Checkpointer`.
 
-orbax writes each checkpoint into a temporary directory and renames it
-when every process has finished writing, so a checkpoint cut off by a
-crash is never listed, never restored. Saves are asynchronous: the step
-that saves returns once the arrays are copied off the devices.
+Each process writes the pieces of the state it holds, in the background,
+into a temporary directory that rank 0 renames into place once every
+process is done (``checkpoint_files``), so a checkpoint cut off by a
+crash is never listed, never restored. The step that saves returns once
+the arrays are copied off the devices. Checkpoints that orbax wrote (this
+class before it had its own writer) restore through orbax.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import numpy as np
+
+from partitioner._distributed import checkpoint_files as files
 
 __all__ = ["Checkpointer"]
 
 _LOCK = "sharded_jit.lock"  # who writes this directory: {"host", "pid"}
-
-
-def _orbax() -> Any:
-  try:
-    import orbax.checkpoint as ocp
-  except ImportError:
-    raise ImportError("partitioner.Checkpointer needs orbax-checkpoint. Hint: pip install"
-                      " 'sharded-jit[examples]' (or orbax-checkpoint).") from None
-  return ocp
+SHARED_WAIT_SECS = 30.0  # how long a rank looks for rank 0's lock before its first save
 
 
 class Checkpointer:
@@ -52,10 +52,14 @@ class Checkpointer:
   ``2 every`` steps lost).
 
   ``state`` is any pytree of ``jax.Array``s (global ones across
-  processes: ``partitioner.to_global``) or numpy arrays. A restored state
-  takes the layout of the ``state`` given to :meth:`restore` (each
-  array's sharding, or a ``jax.ShapeDtypeStruct``'s), so a job restarted
-  on other devices restores into its new layout (orbax reshards).
+  processes: ``partitioner.to_global``), numpy arrays and numbers. A
+  restored state takes the layout of the ``state`` given to
+  :meth:`restore` (each array's sharding, or a ``jax.ShapeDtypeStruct``'s),
+  so a job restarted on other devices, or fewer processes, restores into
+  its new layout: each device reads the part of the saved pieces its shard
+  overlaps. Every process must see ``directory`` (a shared file system
+  across hosts). Arrays are written as they are in memory, uncompressed
+  (weights compress little: normally distributed float32 by 7.5%).
 
   Args:
     directory: where the checkpoints go (one subdirectory per step).
@@ -65,11 +69,6 @@ class Checkpointer:
       :meth:`save` call of step ``s + finish_within`` waits until the save
       of step ``s`` is complete. Raise it when writing a checkpoint takes
       longer than a step and a crash may lose more steps.
-    compress: zstd-compress the arrays (orbax's default). Off by default:
-      weights compress little (normally distributed float32 by 7.5%,
-      bfloat16 by 22%) and compressing doubled a save's time (32 MB:
-      60-130 ms with it, 40-70 ms without, on a 2-core CPU), which the
-      step after a save waits for; turn it on where disk space counts.
 
   Raises:
     ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int.
@@ -77,30 +76,27 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, every: int, keep: int = 3,
-               finish_within: int = 1, compress: bool = False):
+               finish_within: int = 1):
     for name, value in (("every", every), ("keep", keep), ("finish_within", finish_within)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Checkpointer({name}={value!r}): must be a positive int. Hint:"
                          " every=100 saves at steps 100, 200, ...; keep=3 keeps the last 3;"
                          " finish_within=1 lets a save run one step in the background.")
-    ocp = _orbax()
     self.directory = os.path.abspath(os.fspath(directory))
-    self.every = every
-    self.finish_within = finish_within
-    self._writing: int | None = None  # the step of the save under way
-    if jax.process_index() == 0:
+    self.every, self.keep, self.finish_within = every, keep, finish_within
+    self._rank, self._processes = jax.process_index(), jax.process_count()
+    self._writing: collections.deque[tuple[int, Future]] = collections.deque()
+    self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded_jit-checkpoint")
+    self._spare: dict[tuple, list[np.ndarray]] = {}
+    self._shared = False  # (whether this rank has seen rank 0's mark in the directory)
+    if self._rank == 0:
       _claim(self.directory)
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
-                                             enable_async_checkpointing=True),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=bool(compress)),
-                       "extra": ocp.JsonCheckpointHandler()})
-    self._ocp = ocp
+      files.remove_partial(self.directory)
 
   def latest_step(self) -> int | None:
     """The step of the latest complete checkpoint, or None."""
-    return self._manager.latest_step()
+    done = files.complete_steps(self.directory)
+    return done[-1] if done else None
 
   def save(self, step: int, state: Any,
            extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None) -> bool:
@@ -109,21 +105,42 @@ class Checkpointer:
     saved. The write goes on in the background; at other steps the call
     waits for a save started ``finish_within`` or more steps before.
     ``extra`` may be a function returning the dict, called only to save
-    (a dict of floats read off the devices would wait for each step)."""
-    if self._writing is not None and step - self._writing >= self.finish_within:
-      self._manager.wait_until_finished()
-      self._writing = None
+    (a dict of floats read off the devices would wait for each step).
+
+    Raises:
+      TypeError: a leaf of ``state`` is not an array or a number, or
+        ``extra`` is not JSON-able.
+      OSError (or what the write raised): a save that failed, raised by
+        the call that waits for it.
+    """
+    while self._writing and step - self._writing[0][0] >= self.finish_within:
+      self._finish_one()
     if step % self.every:
       return False
-    if callable(extra):
-      extra = extra()
-    ocp = self._ocp
-    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                              extra=ocp.args.JsonSave(dict(extra or {})))
-    saved = bool(self._manager.save(step, args=args))
-    if saved:
-      self._writing = step
-    return saved
+    extra = dict((extra() if callable(extra) else extra) or {})
+    try:
+      json.dumps(extra)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"Checkpointer.save(step={step}): extra is not JSON-able ({e}). Hint:"
+                      " give numbers, strings, lists and dicts (float(x) of a jax scalar).")\
+          from None
+    pieces = files.Pieces(state, self._rank, self._spare)  # (off the devices: may be donated)
+    self._spare = {}
+    self._writing.append((step, self._writer.submit(self._write, step, pieces, extra)))
+    return True
+
+  def _write(self, step: int, pieces: files.Pieces, extra: dict) -> files.Pieces:
+    if self._rank and not self._shared:
+      _check_shared(self.directory, self._rank)
+      self._shared = True
+    files.write(self.directory, step, pieces, extra, self._rank, self._processes)
+    if self._rank == 0:
+      files.remove_older(self.directory, self.keep)
+    return pieces
+
+  def _finish_one(self) -> None:
+    """Waits for the oldest save under way; its host buffers serve the next."""
+    self._spare = self._writing.popleft()[1].result().spare()
 
   def restore(self, state: Any) -> tuple[Any, int, dict]:
     """``(state, step, extra)`` of the latest complete checkpoint, restored
@@ -137,32 +154,57 @@ class Checkpointer:
     step = self.latest_step()
     if step is None:
       return state, 0, {}
-    ocp = self._ocp
-    target = jax.tree_util.tree_map(_abstract, state)
-    _check_same(self.directory, step, self._manager.item_metadata(step), target)
-    got = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-        extra=ocp.args.JsonRestore()))
-    return got["state"], step, dict(got["extra"] or {})
+    if files.is_orbax(self.directory, step):
+      return _restore_orbax(self.directory, step, state)
+    index = files.read_index(self.directory, step)
+    saved = {leaf["path"]: leaf for leaf in index["leaves"]}
+    _check_same(self.directory, step,
+                {p: (leaf["shape"], leaf["dtype"]) for p, leaf in saved.items()}, state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [_restored(files.Reader(self.directory, step, saved[files.leaf_path(keys)]), x)
+              for keys, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, leaves), step, dict(index["extra"])
 
   def wait(self) -> None:
-    """Waits for the saves under way."""
-    self._manager.wait_until_finished()
-    self._writing = None
+    """Waits for the saves under way (raises what a failed one raised)."""
+    while self._writing:
+      self._finish_one()
 
   def close(self) -> None:
     """Waits for the saves under way and lets another job write here."""
-    self.wait()
-    self._manager.close()
-    if jax.process_index() == 0:
-      _release(self.directory)
+    try:
+      self.wait()
+    finally:
+      self._writer.shutdown()
+      if self._rank == 0:  # (every rank's parts are written once rank 0's saves are done)
+        files.remove_recycled(self.directory)
+        _release(self.directory)
 
   def __enter__(self) -> Checkpointer:
     return self
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def _restored(reader: files.Reader, x: Any) -> Any:
+  """The leaf ``reader`` holds, as ``x`` asks: a jax array in its sharding
+  (a ``ShapeDtypeStruct``'s, or this process's first device), a numpy
+  array, a number."""
+  if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+    abstract = _abstract(x)
+    cache: dict[tuple, np.ndarray] = {}  # (replicated shards read once)
+
+    def piece(index: Any) -> np.ndarray:
+      where = files.box(index, reader.shape)
+      if where not in cache:
+        cache[where] = reader.read(where).astype(abstract.dtype, copy=False)
+      return cache[where]
+    return jax.make_array_from_callback(reader.shape, abstract.sharding, piece)
+  whole = reader.read(tuple((0, n) for n in reader.shape))
+  if isinstance(x, (int, float, bool, complex)):
+    return type(x)(whole.item())
+  return whole.astype(np.asarray(x).dtype, copy=False)
 
 
 def _abstract(x: Any) -> Any:
@@ -178,15 +220,11 @@ def _abstract(x: Any) -> Any:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _check_same(directory: str, step: int, metadata: Any, target: Any) -> None:
-  """Raises when the checkpoint's state is not ``target``'s: another
-  model's (its first different leaf named)."""
-  saved = metadata["state"] if metadata is not None and "state" in metadata else None
-  if saved is None:
-    return
-  want = {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(target)}
-  have = {_path(p): v for p, v in jax.tree_util.tree_leaves_with_path(saved)
-          if hasattr(v, "shape")}
+def _check_same(directory: str, step: int, have: dict[str, tuple], state: Any) -> None:
+  """Raises when the checkpoint's leaves (path -> (shape, dtype)) are not
+  ``state``'s: another model's (its first different leaf named)."""
+  want = {files.leaf_path(p): (tuple(np.shape(v)), getattr(v, "dtype", None) or np.asarray(v).dtype)
+          for p, v in jax.tree_util.tree_leaves_with_path(state)}
   hint = (" Hint: restore with the state this job saved, or give another directory;"
           " nothing was restored or overwritten.")
   missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
@@ -195,22 +233,39 @@ def _check_same(directory: str, step: int, metadata: Any, target: Any) -> None:
                      f" another model's state: {len(missing)} leaves of this state are not in"
                      f" it ({', '.join(missing[:3]) or 'none'}), {len(extra)} of its leaves are"
                      f" not in this state ({', '.join(extra[:3]) or 'none'}).{hint}")
-  for path, v in want.items():  # (another dtype is cast, as orbax does: float32 -> bfloat16)
-    got = have[path]
-    if tuple(got.shape) != tuple(v.shape):
+  for path, (shape, dtype) in want.items():  # (another dtype is cast: float32 -> bfloat16)
+    got_shape, got_dtype = have[path]
+    if tuple(got_shape) != shape:
       raise ValueError(f"Checkpointer: the checkpoint of step {step} in {directory} holds"
-                       f" another model's state: state{path} is {got.dtype}{list(got.shape)}"
-                       f" there, {v.dtype}{list(v.shape)} here.{hint}")
+                       f" another model's state: state{path} is {got_dtype}{list(got_shape)}"
+                       f" there, {dtype}{list(shape)} here.{hint}")
 
 
-def _path(keys: tuple) -> str:
-  """A leaf's path as ``['a'][0]['b']`` whatever its containers (orbax's
-  metadata holds an optax namedtuple's fields as a dict's keys)."""
-  parts = []
-  for k in keys:
-    name = next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
-    parts.append(f"[{name!r}]")
-  return "".join(parts)
+def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dict]:
+  """Restores a checkpoint orbax wrote (this class's earlier versions)."""
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError:
+    raise ImportError(f"Checkpointer: the checkpoint of step {step} in {directory} was written"
+                      " by orbax (an earlier version of partitioner.Checkpointer); reading it"
+                      " needs orbax-checkpoint. Hint: pip install orbax-checkpoint.") from None
+  manager = ocp.CheckpointManager(directory, item_handlers={
+      "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+  try:
+    target = jax.tree_util.tree_map(_abstract, state)
+    metadata = manager.item_metadata(step)
+    saved = metadata["state"] if metadata is not None and "state" in metadata else None
+    if saved is not None:
+      _check_same(directory, step, {files.leaf_path(p): (v.shape, v.dtype) for p, v in
+                                    jax.tree_util.tree_leaves_with_path(saved)
+                                    if hasattr(v, "shape")}, target)
+    got = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+        extra=ocp.args.JsonRestore()))
+  finally:
+    manager.close()
+  return got["state"], step, dict(got["extra"] or {})
 
 
 def _claim(directory: str) -> None:
@@ -227,6 +282,22 @@ def _claim(directory: str) -> None:
         f" end the other job (if it is gone, delete {path}).")
   with open(path, "w") as f:
     json.dump(_me(), f)
+
+
+def _check_shared(directory: str, rank: int) -> None:
+  """Raises when rank 0's mark is not in ``directory`` as this rank sees
+  it (after ``SHARED_WAIT_SECS``): on a file system of its own host, rank
+  0 would wait for this rank's part forever."""
+  mark = os.path.join(directory, _LOCK)
+  deadline = time.monotonic() + SHARED_WAIT_SECS
+  while not os.path.exists(mark):
+    if time.monotonic() > deadline:
+      raise RuntimeError(
+          f"Checkpointer: rank {rank} does not see rank 0's {_LOCK} in {directory}: every"
+          " process must see the checkpoint directory, where each writes its part and rank 0"
+          " renames the whole into place. Hint: give a directory on a file system every host"
+          " mounts (NFS, Lustre, GCS FUSE), not a host's own disk.")
+    time.sleep(0.05)
 
 
 def _me() -> dict:
