@@ -254,3 +254,38 @@ def test_a_directory_only_rank_0_sees_is_a_clear_error(tmp_path, monkeypatch):
                      r" directory on a file system every host mounts"):
     ckpt.close()
   assert checkpoint_files.complete_steps(str(tmp_path)) == []
+
+
+_KILLED_MID_WRITE = """
+import sys, time
+import jax.numpy as jnp
+import partitioner
+from partitioner._distributed import checkpoint_files
+ckpt = partitioner.Checkpointer(sys.argv[1], every=1)
+ckpt.save(1, {"w": jnp.full(1000, 1.0)})
+ckpt.wait()
+write_json = checkpoint_files._write_json
+def slow(path, value):  # (step 2's data written, its part not yet)
+  print("writing step 2", flush=True)
+  time.sleep(60)
+checkpoint_files._write_json = slow
+ckpt.save(2, {"w": jnp.full(1000, 2.0)})
+ckpt.wait()
+"""
+
+
+def test_a_process_killed_during_a_save_leaves_the_one_before(tmp_path):
+  """A process killed (SIGKILL) while it writes the save of step 2: the
+  restart restores step 1, and removes what step 2 left."""
+  with subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(tmp_path)],
+                        stdout=subprocess.PIPE, text=True) as proc:
+    try:
+      assert proc.stdout.readline().strip() == "writing step 2"
+      assert (tmp_path / "2.partial" / "data-0").exists()
+    finally:
+      proc.kill()
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:  # (the dead job's lock taken over)
+    state, step, _ = ckpt.restore({"w": jnp.zeros(1000)})
+    assert not (tmp_path / "2.partial").exists()
+  assert step == 1
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.full(1000, 1.0))
