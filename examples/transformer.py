@@ -44,8 +44,9 @@ rule list for the parameters and the optimizer state. It prints progress
 (a tqdm bar on a terminal, plain lines otherwise: step, loss, tokens/s),
 checks the first steps against an unsharded run, prints a sample of
 generated text and saves a loss curve PNG when matplotlib is installed.
-With ``--checkpoint_dir`` it saves the state with orbax every
-``--checkpoint_every`` steps and resumes from the latest checkpoint there.
+With ``--checkpoint_dir`` it saves the state every ``--checkpoint_every``
+steps and after the last (``partitioner.Checkpointer``) and resumes from
+the latest checkpoint there.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ _MICRO = flags.DEFINE_integer("microbatches", 4, "Pipeline microbatches (--layou
 _PARTITIONER = flags.DEFINE_enum("partitioner", None, ["shardy", "gspmd"], "XLA partitioner.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps (without a terminal).")
-_CKPT_DIR = flags.DEFINE_string("checkpoint_dir", "", "Save the state here with orbax and resume from it ('' for none).")
+_CKPT_DIR = flags.DEFINE_string("checkpoint_dir", "", "Save the state here (partitioner.Checkpointer) and resume from it ('' for none).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
 
 
@@ -359,10 +360,12 @@ def main(argv):
 
   seen = [batch() for _ in range(_STEPS.value)]  # the same batches when resuming
   params, opt = jax.tree_util.tree_map(np.asarray, (params0, opt0))
-  checkpoints = Checkpoints(_CKPT_DIR.value, _CKPT_EVERY.value) if _CKPT_DIR.value else None
+  checkpoints = (partitioner.Checkpointer(_CKPT_DIR.value, every=_CKPT_EVERY.value, keep=2)
+                 if _CKPT_DIR.value else None)
   first = 0
-  if checkpoints is not None:
-    first, params, opt = checkpoints.restore(params, opt)
+  if checkpoints is not None:  # (the steps done so far; the state back as host arrays)
+    state, first, _ = checkpoints.restore({"params": params, "opt": opt})
+    params, opt = state["params"], state["opt"]
     if first:
       print(f"resumed from {_CKPT_DIR.value} after step {first - 1}", flush=True)
   losses = []
@@ -371,8 +374,8 @@ def main(argv):
     params, opt, loss = step_fn(params, opt, split(seen[i]))
     losses.append(float(loss))
     progress.update(i, losses[-1])
-    if checkpoints is not None:
-      checkpoints.maybe_save(i, params, opt, last=i == len(seen) - 1)
+    if checkpoints is not None:  # (every --checkpoint_every steps, and the last)
+      checkpoints.save(i + 1, {"params": params, "opt": opt}, force=i == len(seen) - 1)
   progress.close()
   if checkpoints is not None:
     checkpoints.close()
@@ -447,43 +450,6 @@ class Progress:
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
-
-
-class Checkpoints:
-  """The training state (parameters, optimizer state) saved with orbax.
-
-  The arrays partitioner.pmap returns hold the same values on every
-  replica; orbax saves them once, and the state comes back as host arrays
-  that the next step lays out again.
-  """
-
-  def __init__(self, directory: str, every: int):
-    import orbax.checkpoint as ocp
-    self._ocp, self._every = ocp, every
-    self._manager = ocp.CheckpointManager(
-        os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=2))
-
-  def restore(self, params, opt):
-    """(the first step to run, params, opt): from the latest checkpoint, or
-    the given state when there is none."""
-    import jax
-    import numpy as np
-    latest = self._manager.latest_step()
-    if latest is None:
-      return 0, params, opt
-    target = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), x.dtype),
-                                    {"params": params, "opt": opt})
-    state = self._manager.restore(latest, args=self._ocp.args.StandardRestore(target))
-    return latest + 1, state["params"], state["opt"]
-
-  def maybe_save(self, i: int, params, opt, last: bool) -> None:
-    """Saves after step i every ``every`` steps and after the last one."""
-    if (i + 1) % self._every == 0 or last:
-      self._manager.save(i, args=self._ocp.args.StandardSave({"params": params, "opt": opt}))
-
-  def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
 
 
 def explain_line(step_fn, params, opt, seqs) -> str:

@@ -289,3 +289,13 @@ def test_a_process_killed_during_a_save_leaves_the_one_before(tmp_path):
     assert not (tmp_path / "2.partial").exists()
   assert step == 1
   np.testing.assert_array_equal(np.asarray(state["w"]), np.full(1000, 1.0))
+
+
+def test_force_saves_a_step_between_the_multiples_of_every(tmp_path):
+  """The last step of a run, saved whatever its number (the transformer
+  example's); the next multiple of ``every`` is saved as usual."""
+  with partitioner.Checkpointer(tmp_path, every=4) as ckpt:
+    assert not ckpt.save(3, {"w": jnp.ones(2)})
+    assert ckpt.save(3, {"w": jnp.full(2, 3.0)}, {"position": 3}, force=True)
+    assert ckpt.save(4, {"w": jnp.full(2, 4.0)})
+  assert checkpoint_files.complete_steps(str(tmp_path)) == [3, 4]

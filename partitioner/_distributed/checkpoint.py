@@ -99,13 +99,15 @@ class Checkpointer:
     return done[-1] if done else None
 
   def save(self, step: int, state: Any,
-           extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None) -> bool:
+           extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None, *,
+           force: bool = False) -> bool:
     """Saves ``state`` (and ``extra``, a JSON-able dict: the data position)
-    as ``step`` when ``step`` is a multiple of ``every``; returns whether it
-    saved. The write goes on in the background; at other steps the call
-    waits for a save started ``finish_within`` or more steps before.
-    ``extra`` may be a function returning the dict, called only to save
-    (a dict of floats read off the devices would wait for each step).
+    as ``step`` when ``step`` is a multiple of ``every``, or with ``force``
+    (the last step of a run); returns whether it saved. The write goes on
+    in the background; at other steps the call waits for a save started
+    ``finish_within`` or more steps before. ``extra`` may be a function
+    returning the dict, called only to save (a dict of floats read off the
+    devices would wait for each step).
 
     Raises:
       TypeError: a leaf of ``state`` is not an array or a number, or
@@ -115,7 +117,7 @@ class Checkpointer:
     """
     while self._writing and step - self._writing[0][0] >= self.finish_within:
       self._finish_one()
-    if step % self.every:
+    if step % self.every and not force:
       return False
     extra = dict((extra() if callable(extra) else extra) or {})
     try:
