@@ -38,7 +38,8 @@ INDEX = "index.json"
 PARTIAL = ".partial"
 REMOVED = ".removed"
 RECYCLE = ".data-to-reuse-"  # + rank
-POLL_SECS = 0.002
+POLL_SECS = (0.002, 0.1)  # first and longest wait between looks (a shared file system's
+                          # metadata server answers every rank's looks)
 
 
 def leaf_path(keys: tuple) -> str:
@@ -163,13 +164,15 @@ def _write_json(path: str, value: Any) -> None:
 
 
 def _wait_for(done: Any, what: str) -> None:
-  """Polls ``done()``; raises once a peer rank has left the job (it will
-  never write its part)."""
+  """Polls ``done()``, less often the longer it waits; raises once a peer
+  rank has left the job (it will never write its part)."""
+  wait, longest = POLL_SECS
   while not done():
     if steps.departed:
       raise RuntimeError(f"Checkpointer: a rank left the job while this one waited for {what};"
                          " that checkpoint stays incomplete and is never restored.")
-    time.sleep(POLL_SECS)
+    time.sleep(wait)
+    wait = min(2 * wait, longest)
 
 
 def complete_steps(directory: str) -> list[int]:
