@@ -85,8 +85,8 @@ GPUs, 10 us on the A100 and the TPUs) is an estimate, not a measurement:
 NCCL's own tuning model (nccl's ``src/graph/tuning.cc``: a ring's base
 latency of 6.6 us plus 0.6 us a step over NVLink, LL protocol) puts a
 small all-reduce over 8 GPUs at about 15 us; users' nccl-tests runs
-measured about 6 us over 2 H100s of a node (NVIDIA/nccl issue 1259) and
-46-48 us over 16 GPUs on 2 InfiniBand-connected nodes (issue 1244), which
+measured about 6 us over 2 H100s of a node (github.com/NVIDIA/nccl/issues/1259) and
+46-48 us over 16 GPUs on 2 InfiniBand-connected nodes (github.com/NVIDIA/nccl/issues/1244), which
 one latency for both leaves out (docs/search.md). It weighs programs of many
 small collectives; ``partitioner.calibrate()`` measures it on the
 devices at hand.
