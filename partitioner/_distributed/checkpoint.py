@@ -225,7 +225,8 @@ def _abstract(x: Any) -> Any:
 def _check_same(directory: str, step: int, have: dict[str, tuple], state: Any) -> None:
   """Raises when the checkpoint's leaves (path -> (shape, dtype)) are not
   ``state``'s: another model's (its first different leaf named)."""
-  want = {files.leaf_path(p): (tuple(np.shape(v)), getattr(v, "dtype", None) or np.asarray(v).dtype)
+  want = {files.leaf_path(p): (tuple(np.shape(v)),
+                               v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
           for p, v in jax.tree_util.tree_leaves_with_path(state)}
   hint = (" Hint: restore with the state this job saved, or give another directory;"
           " nothing was restored or overwritten.")
