@@ -47,6 +47,16 @@ def child_rows(module: str, *argv: str, timeout: float) -> list[dict]:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def network_seconds(cost, model: str = "h100") -> float:
+  """What crosses hosts costs (a ``Cost`` or a search's candidate) under
+  a named device model: the bytes at the network's rate, each collective
+  across at the network's latency."""
+  import partitioner
+  device = partitioner.DEVICE_MODELS[model]
+  return device.comm_seconds(0.0, cost.network_collectives, cost.network_bytes,
+                             cost.network_collectives)
+
+
 def kinds(ops) -> str:
   """``"2 all-gather, 1 all-reduce"``: collectives counted by kind."""
   counts: dict[str, int] = {}

@@ -297,8 +297,9 @@ def estimated_seconds(device, one, two, layers: int,
   link = at("collective_bytes") - at("network_bytes")
   compute = device.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
                                    at("transposed_bytes"))
-  comm = device.comm_seconds(link, at("collectives"), network)  # (link: within slices)
-  compiled = device.comm_seconds(link, at("collectives"), at("network_bytes"))
+  remote = at("network_collectives")  # (each at the network's latency)
+  comm = device.comm_seconds(link, at("collectives"), network, remote)  # (link: within slices)
+  compiled = device.comm_seconds(link, at("collectives"), at("network_bytes"), remote)
   return compute, comm, min(at("hidden_seconds") * comm / compiled, compute, comm)
 
 

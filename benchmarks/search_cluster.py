@@ -11,15 +11,18 @@ latency-bound, and the plan keeps the model axis to fewer weights.)
 
 Runs in a child process (``python -m benchmarks.search_cluster``): the
 parent's jax has 8 devices. Reported: the search's time (cold) and the
-found layout's bytes across hosts per step against Megatron 8 x 8's, both
-scored by ``partitioner.cost`` with ``hosts=8`` under the H100 model."""
+found layout's time on the network per step (its bytes across hosts at
+the network's rate, each collective across at its latency) against
+Megatron 8 x 8's, both scored by ``partitioner.cost`` with ``hosts=8``
+under the H100 model; within 1% counts as little (the search takes the
+faster of layouts within ``QUIET_WITHIN`` of the least there)."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from benchmarks._common import child_rows, setup_jax
+from benchmarks._common import child_rows, network_seconds, setup_jax
 
 LAYERS, DEVICES, HOSTS = 4, 64, 8
 SIZE = dict(vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_attention_heads=8,
@@ -60,10 +63,13 @@ def main() -> None:
   print(json.dumps([
       {"case": f"{name}: search time (cold)", "unit": "s", "ours": seconds, "jax": 300.0,
        "against": "5 minutes", "target": "<= 1.0", "detail": detail},
-      {"case": f"{name}: bytes across hosts vs Megatron {HOSTS} x {m}", "unit": "MiB",
-       "ours": best.network_bytes / 2**20, "jax": theirs.network_bytes / 2**20,
-       "against": f"Megatron {HOSTS} x {m}", "target": "<= 1.0",
-       "detail": f"estimated {best.seconds * 1e3:.3g} ms a step, Megatron {HOSTS} x {m}"
+      {"case": f"{name}: time on the network vs Megatron {HOSTS} x {m}", "unit": "ms",
+       "ours": network_seconds(best) * 1e3, "jax": network_seconds(theirs) * 1e3,
+       "against": f"Megatron {HOSTS} x {m}", "target": "<= 1.01",  # (the search's QUIET_WITHIN)
+       "detail": f"across hosts {best.network_bytes / 2**20:.4g} MiB in"
+                 f" {best.network_collectives} collective(s), Megatron {HOSTS} x {m}"
+                 f" {theirs.network_bytes / 2**20:.4g} MiB in {theirs.network_collectives};"
+                 f" estimated {best.seconds * 1e3:.3g} ms a step, Megatron {HOSTS} x {m}"
                  f" {theirs.seconds * 1e3:.3g} ms"}]))
 
 

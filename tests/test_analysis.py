@@ -90,6 +90,11 @@ def test_cost_for_hosts_charges_what_crosses_them():
   two = partitioner.cost(theirs, "h100", hosts=2)
   assert one.network_bytes == 0 and two.network_bytes == two.collective_bytes > 0
   assert two.seconds > one.seconds
+  # Each collective crossing hosts pays the network's latency (h100: 50 us
+  # from nccl-tests across nodes, 8 inside one).
+  assert one.network_collectives == 0 and two.network_collectives == two.collectives > 0
+  slower = dataclasses.replace(partitioner.DEVICE_MODELS["h100"], network_latency_s=1.0)
+  assert partitioner.cost(theirs, slower, hosts=2).seconds > two.seconds + 0.9 * two.collectives
   assert partitioner.cost(ours, "h100", hosts=2) == two
   with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 4"):
     partitioner.cost(ours, hosts=3)
@@ -111,6 +116,7 @@ def test_fsdp_within_hosts_sends_nothing_across_them():
   assert "device_ids=" in compiled.as_text()
   cost = partitioner.cost(compiled, "h100", hosts=2)
   assert cost.collective_bytes > 0 and cost.network_bytes == 0
+  assert cost.collectives > 0 and cost.network_collectives == 0
 
 
 @pytest.mark.eight_devices

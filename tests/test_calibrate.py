@@ -229,6 +229,14 @@ def test_the_named_h100_against_steps_measured_on_an_h100():
 
 def test_a_network_whose_times_show_no_size_is_never_free():
   flat = {"all-reduce": [(4096, 8, 8e-3), (1 << 20, 8, 7e-3)]}
-  assert cal._network(flat) == pytest.approx((1 << 20) * 2 * 7 / 8 / 7e-3)
+  got = cal._network(flat)
+  assert got["network_bytes_per_s"] == pytest.approx((1 << 20) * 2 * 7 / 8 / 7e-3)
+  assert got["network_latency_s"] == pytest.approx(7.5e-3)  # (all latency: the median)
+  # A fixed cost and a rate: both fitted.
   line = {"all-reduce": [(b, 8, 1e-3 + b * 1.75 / 1e9) for b in (4096, 1 << 20, 1 << 22)]}
-  assert cal._network(line) == pytest.approx(1e9, rel=1e-6)
+  got = cal._network(line)
+  assert got["network_bytes_per_s"] == pytest.approx(1e9, rel=1e-6)
+  assert got["network_latency_s"] == pytest.approx(1e-3, rel=1e-6)
+  # No fixed cost seen: the host's latency (None), not a free collective.
+  rate = {"all-reduce": [(4096, 8, 1e-9), (1 << 20, 8, (1 << 20) * 1.75 / 1e9)]}
+  assert cal._network(rate)["network_latency_s"] is None

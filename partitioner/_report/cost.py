@@ -82,6 +82,9 @@ class Cost:
       (a plan for GPUs from simulated devices) runs its collectives as
       XLA:GPU schedules them: each started once its operands are made,
       waited for at its result's first user.
+    network_collectives: of ``collectives``, those whose group crosses
+      processes (or TPU slices): each costs the device model's
+      ``network_latency_s``.
   """
   flops: float
   bytes_accessed: float
@@ -95,6 +98,7 @@ class Cost:
   f32_matmul_flops: float = 0.0
   transposed_bytes: float = 0.0
   hidden_seconds: float = 0.0
+  network_collectives: int = 0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -197,34 +201,38 @@ def _mesh_ids(text: str | None, n: int) -> np.ndarray:
   return np.array([int(x) for x in text.split(",") if x])
 
 
-def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, float]:
-  """One collective's ``(runs, bytes sent, of those across processes)``
-  per call; nothing for a collective over one device. One among TPU
-  slices (``op.slices``) crosses the data-centre network whole."""
+def _collective(op: _hlo.Instruction, processes: Sequence[int]
+                ) -> tuple[int, float, float, bool]:
+  """One collective's ``(runs, bytes sent, of those across processes,
+  whether it crosses processes)`` per call; nothing for a collective over
+  one device. One among TPU slices (``op.slices``) crosses the data-centre
+  network whole."""
   if op.slices:
     sent = op.runs * op.bytes * _WEIGHT[op.opcode](op.slices)
-    return op.runs, sent, sent
+    return op.runs, sent, sent, True
   n = len(processes)
   found = groups(op.line, n)
   size = max((len(g) for g in found), default=1)
   if size <= 1 and op.opcode != "collective-permute":
-    return 0, 0.0, 0.0  # a collective over one device moves nothing
+    return 0, 0.0, 0.0, False  # a collective over one device moves nothing
   sent = op.runs * op.bytes * _WEIGHT[op.opcode](
       max(size, 2) if op.opcode == "collective-permute" else size)
   across = any(len({processes[i] for i in g if i < n}) > 1 for g in found)
-  return op.runs, sent, sent if across else 0.0
+  return op.runs, sent, sent if across else 0.0, across
 
 
 @dataclasses.dataclass
 class Part:
   """What the ops of one named scope cost per call (see :func:`scoped`):
-  collectives, their weighted bytes and the part across processes, flops
+  collectives (and those across processes), their weighted bytes and the
+  part across processes, flops
   (each line's, as often as it runs; dots and elementwise ops) and bytes
   accessed (each top-level op's operands and result, as XLA's cost
   analysis counts them)."""
   collectives: float = 0.0
   collective_bytes: float = 0.0
   network_bytes: float = 0.0
+  network_collectives: float = 0.0
   flops: float = 0.0
   matmul_flops: float = 0.0
   accessed: float = 0.0
@@ -363,13 +371,14 @@ def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Se
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
   for op in _hlo.instructions(hlo_text):
-    k, sent, across = _collective(op, processes)
+    k, sent, across, crosses = _collective(op, processes)
     if not k:
       continue
     for share, where in _shares(op.line, values, scope):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.collectives += k * share
+        part.network_collectives += k * share if crosses else 0.0
         part.collective_bytes += sent * share
         part.network_bytes += across * share
 
@@ -445,12 +454,13 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   each device of the assignment; ``fused_attention``: the device runs
   ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
   score matrices move in this program are not accessed there."""
-  count, weighted, network, once = 0, 0.0, 0.0, {}
+  count, remote, weighted, network, once = 0, 0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
-    k, sent, across = _collective(op, processes)
+    k, sent, across, crosses = _collective(op, processes)
     count, weighted, network = count + k, weighted + sent, network + across
+    remote += k if crosses else 0
     if k:  # (one run's time, for the schedule's replay)
-      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k)
+      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(crosses))
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -464,10 +474,10 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
-  comm = device.comm_seconds(weighted - network, count, network)
+  comm = device.comm_seconds(weighted - network, count, network, remote)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden)
+              hidden, remote)

@@ -80,16 +80,24 @@ measurement; the cpu's are measured:
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
-The accelerators' latency per collective (8 us on the H100 and later
-GPUs, 10 us on the A100 and the TPUs) is an estimate, not a measurement:
-NCCL's own tuning model (nccl's ``src/graph/tuning.cc``: a ring's base
-latency of 6.6 us plus 0.6 us a step over NVLink, LL protocol) puts a
-small all-reduce over 8 GPUs at about 15 us; users' nccl-tests runs
-measured about 6 us over 2 H100s of a node (github.com/NVIDIA/nccl/issues/1259) and
-46-48 us over 16 GPUs on 2 InfiniBand-connected nodes (github.com/NVIDIA/nccl/issues/1244), which
-one latency for both leaves out (docs/search.md). It weighs programs of many
-small collectives; ``partitioner.calibrate()`` measures it on the
-devices at hand.
+The accelerators' latency per collective inside a host (8 us on the H100
+and later GPUs, 10 us on the A100 and the TPUs) is an estimate, not a
+measurement: NCCL's own tuning model (nccl's ``src/graph/tuning.cc``: a
+ring's base latency of 6.6 us plus 0.6 us a step over NVLink, LL
+protocol) puts a small all-reduce over 8 GPUs at about 15 us; users'
+nccl-tests runs measured about 6 us over 2 H100s of a node
+(github.com/NVIDIA/nccl/issues/1259) and 3.5 us over 4 H800s
+(github.com/NVIDIA/nccl/issues/1984). Across hosts a GPU's collective
+costs 50 us (``network_latency_s``), from users' nccl-tests runs of a
+small all-reduce over 16 GPUs on 2 nodes: 46-48 us on H20s over
+InfiniBand (github.com/NVIDIA/nccl/issues/1244), 68-71 us on two AWS
+p5.48xlarge (H100, EFA; github.com/aws/aws-k8s-tester/pull/585), 50-57
+us on two p6-b200 (github.com/dstackai/dstack/pull/3961); one report of
+p5s measured 13 us (github.com/aws/aws-k8s-tester/pull/503). The A100's
+is the same 50 us, an estimate (no measurement found). The TPUs' across
+slices is not known (none published): their 10 us, likely low. Latency
+weighs programs of many small collectives; ``partitioner.calibrate()``
+measures it on the devices at hand, across processes too.
 
 Accelerators' data-centre network figures are each chip's share: the
 v5e's, v5p's and v6e's from Google's docs (what the NICs carry at most),
@@ -146,6 +154,13 @@ class DeviceModel:
       transpose's result (:attr:`Cost.transposed_bytes`) adds ``1 /
       transpose_bytes_per_s`` seconds. None: no surcharge. Fitted by
       :func:`partitioner.calibrate` on a CPU.
+    network_latency_s: fixed cost of one collective that crosses hosts
+      (its group spans processes, or TPU slices), where it is not
+      ``latency_s``'s: a library's small-message all-reduce across
+      InfiniBand nodes takes several times its time inside one (nccl-tests:
+      6 us over 2 H100s of a node, 46-71 us over 16 on two nodes). None:
+      ``latency_s``. Measured by :func:`partitioner.calibrate` in a job of
+      several processes.
   """
   name: str
   flops_per_s: float
@@ -160,6 +175,7 @@ class DeviceModel:
   platform: str = ""
   f32_flops_per_s: float | None = None
   transpose_bytes_per_s: float | None = None
+  network_latency_s: float | None = None
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -179,22 +195,32 @@ class DeviceModel:
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
   def comm_seconds(self, weighted_bytes: float, collectives: float,
-                   network_bytes: float = 0.0) -> float:
+                   network_bytes: float = 0.0, network_collectives: float = 0.0) -> float:
+    """Seconds of ``collectives`` collectives (``network_collectives`` of
+    them across hosts) sending ``weighted_bytes`` on the host's links and
+    ``network_bytes`` on the network."""
+    across = self.latency_s if self.network_latency_s is None else self.network_latency_s
     return (weighted_bytes / self.link_bytes_per_s + network_bytes / self.network_bytes_per_s
-            + collectives * self.latency_s)
+            + (collectives - network_collectives) * self.latency_s
+            + network_collectives * across)
 
 
 _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
+
+
+# A small collective across InfiniBand / EFA hosts (nccl-tests, 16 GPUs on
+# 2 nodes: 46-71 us in three reports; see the module's docstring)
+_ACROSS_HOSTS_LATENCY = 50e-6
 
 
 def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
          capacity: float, f32_flops: float) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
   another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
-  memory."""
+  memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY``."""
   return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
                      memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
-                     f32_flops_per_s=f32_flops)
+                     f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY)
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({

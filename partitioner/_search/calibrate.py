@@ -64,7 +64,8 @@ class Calibration:
       seconds); else empty.
     across: in a job of several processes, ``{kind: [(bytes per device,
       group size, seconds)]}`` of each collective over every process's
-      devices (what ``network_bytes_per_s`` is fitted to); else empty.
+      devices (what ``network_bytes_per_s`` and ``network_latency_s`` are
+      fitted to); else empty.
   """
   model: DeviceModel
   matmul: dict[str, dict[int, float]]
@@ -311,8 +312,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
   In a job of several processes (``partitioner.initialize()``), every
   process calls it with ``devices`` left out: each measures its own
   devices, then all of them time each collective over every process's
-  devices, and the network between them (``network_bytes_per_s``) is
-  fitted to those (``Calibration.across``); every process returns process
+  devices, and the network between them (``network_bytes_per_s``,
+  ``network_latency_s``) is fitted to those (``Calibration.across``); every process returns process
   0's figures, and process 0 alone writes ``path``. Otherwise the network
   is not measured: its figure is the named model's (or half the links'
   where there is none, or where the steps fitted them).
@@ -361,7 +362,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     model, timed = _fitted_to_steps(devices, model, say)
   if across:
     model = dataclasses.replace(model, name=f"{model.name}, {_distributed.world().size} processes",
-                                network_bytes_per_s=_network(across))
+                                **_network(across))
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
                       _named(first), timed, across)
@@ -389,16 +390,18 @@ def _collective_rows(devices: Sequence[Any], kinds: Sequence[str], plan: _Plan, 
   return rows
 
 
-def _network(across: dict[str, list[tuple[int, int, float]]]) -> float:
-  """The bandwidth across processes fitted to ``across``; where its times
-  show no size dependence (a latency of milliseconds between processes
-  can hide it), the best rate any of them reached, latency included: a
-  network is never free."""
+def _network(across: dict[str, list[tuple[int, int, float]]]) -> dict[str, Any]:
+  """The bandwidth and latency across processes fitted to ``across``
+  (``DeviceModel`` fields). Where its times show no size dependence (a
+  latency of milliseconds between processes can hide it), the bandwidth
+  is the best rate any of them reached, latency included: a network is
+  never free. Where they show no fixed cost, the latency is left to the
+  host's (None)."""
   rows = [(k, *row) for k, found in across.items() for row in found]
-  bandwidth, _ = fit_links(rows)
+  bandwidth, latency = fit_links(rows)
   if bandwidth == float("inf"):
     bandwidth = max(b * collective_weight(k, g) / s for k, b, g, s in rows)
-  return bandwidth
+  return {"network_bytes_per_s": bandwidth, "network_latency_s": latency or None}
 
 
 def _shared(found: Calibration, path: str | os.PathLike | None, everywhere: bool
@@ -496,6 +499,7 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
     fields["link_bytes_per_s"], fields["latency_s"] = float("inf"), 0.0
   if named is not None:
     fields["network_bytes_per_s"] = named.network_bytes_per_s
+    fields["network_latency_s"] = named.network_latency_s
     fields["memory_bytes"], fields["usable_fraction"] = named.memory_bytes, named.usable_fraction
   else:
     fields["network_bytes_per_s"] = fields["link_bytes_per_s"] / 2

@@ -64,6 +64,7 @@ class Estimate:
   network_bytes: float = 0.0  # the part of collective_bytes that crosses hosts
   bytes_accessed: float = 0.0
   f32_matmul_flops: float = 0.0  # (of flops: a GPU runs them as TF32)
+  network_collectives: int = 0  # (of collectives: those that cross hosts)
 
 
 def crossing(grid: Sequence[int], hosts: int) -> tuple[bool, ...]:
@@ -176,6 +177,7 @@ class _Walk:
     self.sizes = c.grid
     self.batch_axes = tuple(a for a in BATCH_AXES if self.sizes[a] > 1)
     self.flops = self.comm = self.network = self.count = self.memory = self.accessed = 0.0
+    self.remote_count = 0.0
     self.f32 = 0.0
     self.gathered: set[int] = set()
     self._wanted: dict = {}
@@ -258,11 +260,13 @@ class _Walk:
     """One collective over grid axis ``axis``, ``times`` times."""
     self.comm += sent
     self.network += sent if self.remote[axis] else 0.0
+    self.remote_count += times if self.remote[axis] else 0
     self.count += times
 
   def result(self, device: DeviceModel) -> Estimate:
     """The totals, and their time under ``device``."""
     seconds = (device.compute_seconds(self.flops, self.accessed, self.f32)
-               + device.comm_seconds(self.comm - self.network, self.count, self.network))
+               + device.comm_seconds(self.comm - self.network, self.count, self.network,
+                                     self.remote_count))
     return Estimate(self.flops, self.comm, round(self.count), self.memory, seconds,
-                    self.network, self.accessed, self.f32)
+                    self.network, self.accessed, self.f32, round(self.remote_count))

@@ -590,7 +590,9 @@ def accumulated(got: Any, est: Any, whole: Any, device: DeviceModel) -> Any:
       got, device, more(got.flops, est.flops, whole.flops),
       more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed), moved,
       min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes)),
-      max(0, round(got.collectives + est.collectives - whole.collectives)),
+      (max(0, round(got.collectives + est.collectives - whole.collectives)),
+       max(0, round(got.network_collectives + est.network_collectives
+                    - whole.network_collectives))),
       more(got.matmul_flops, est.flops, whole.flops))
 
 
@@ -751,7 +753,7 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   who, budget = request.who, request.budget
   order = sorted(_compiled(compiler, who), key=lambda x: (x.score.seconds, x.index))
   if request.hosts > 1:
-    order = _select.plan_order(order, request.device.error)
+    order = _select.plan_order(order, request.device)
   bar = Progress(EXACT_COMPILES, f"{who}: compiling the winner whole", request.progress)
   left, winner, peaks = EXACT_COMPILES, None, []
   for x in order:
@@ -834,5 +836,5 @@ def _ranked(compiler: _Compiler, space: _Space, request: _Request) -> list[_foun
         x.measured = t
     return _measure.ranked(chosen) + [x for x in fits if x not in chosen]
   if request.hosts > 1:
-    return _select.plan_order(fits, device.error)
+    return _select.plan_order(fits, device)
   return fits

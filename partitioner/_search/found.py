@@ -71,6 +71,8 @@ class CandidateResult:
     collective_bytes: their bytes, weighted by algorithm and group size.
     network_bytes: the part that crosses hosts (processes, or the hosts
       of ``search(hosts=)``).
+    network_collectives: of ``collectives``, those whose group crosses
+      hosts (each at the device model's ``network_latency_s``).
     peak_memory: XLA's peak estimate per device.
     estimated_seconds: the cheap model's time, which shortlisted it.
     measured_seconds: its measured time per call (``measure=``), or None.
@@ -114,6 +116,7 @@ class CandidateResult:
   xla_seconds: float | None = None
   memory: dict | None = None
   hidden_seconds: float = 0.0
+  network_collectives: int = 0
 
 
 def to_json(  # noqa: PLR0913 (the parts of the answer)
@@ -141,6 +144,7 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
         "microbatches": x.candidate.microbatches,
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "hidden_seconds": s.hidden_seconds if s else 0.0,
+        "network_collectives": s.network_collectives if s else 0,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from partitioner._report.device_models import DeviceModel
 from partitioner._search.candidates import Candidate
 
 
@@ -99,28 +100,32 @@ def variants(rows: list, results: list, k: int) -> list:
 # On a plan for hosts, layouts whose flops are within this factor of the
 # least do no duplicated work.
 LEAN_FLOPS = 1.1
-# ... and layouts whose bytes across hosts are within this factor (or
-# QUIET_BYTES) of the fewest send as few: the faster estimate leads.
+# ... and layouts whose time on the network is within this factor (or
+# QUIET_BYTES's time there) of the least spend about as little: the
+# faster estimate leads.
 QUIET_WITHIN = 1.01
 QUIET_BYTES = 64 * 2**10
 
 
-def plan_order(fits: list, error: float) -> list:
+def plan_order(fits: list, device: DeviceModel) -> list:
   """The fitting results of an untimed plan for several hosts, best first:
   among those the estimates cannot tell apart (within the device model's
-  ``error`` of the best), the one that sends the fewest bytes across hosts
-  without duplicating work (flops within ``LEAN_FLOPS`` of the least of
-  them) leads, the fastest of those that send about as few
-  (``QUIET_WITHIN``); the network is where a cluster's estimates err
-  most."""
+  ``error`` of the best), the one that spends the least time on the
+  network (its bytes across hosts at the network's rate, its collectives
+  across hosts at the network's latency) without duplicating work (flops
+  within ``LEAN_FLOPS`` of the least of them) leads, the fastest of those
+  that spend about as little (``QUIET_WITHIN``); the network is where a
+  cluster's estimates err most."""
   if len(fits) < 2:
     return fits
-  band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + error)]
+  band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + device.error)]
   least = min(x.score.flops for x in band)
   lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
-  fewest = min(x.score.network_bytes for x in lean)
-  quiet = [x for x in lean if x.score.network_bytes <= max(QUIET_WITHIN * fewest,
-                                                           fewest + QUIET_BYTES)]
+  across = lambda x: device.comm_seconds(0.0, x.score.network_collectives,
+                                         x.score.network_bytes, x.score.network_collectives)
+  fewest = min(across(x) for x in lean)
+  slack = QUIET_BYTES / device.network_bytes_per_s
+  quiet = [x for x in lean if across(x) <= max(QUIET_WITHIN * fewest, fewest + slack)]
   lead = min(quiet, key=lambda x: (x.score.seconds, x.index))
   return [lead] + [x for x in fits if x is not lead]
 

@@ -207,7 +207,9 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   moved = got.collective_bytes * ratio(whole.collective_bytes, part.collective_bytes)
   network = min(moved, got.network_bytes * ratio(whole.network_bytes, part.network_bytes))
   count = round(got.collectives * ratio(whole.collectives, part.collectives))
-  return rescored(got, device, flops, accessed, moved, network, count,
+  remote = round(got.network_collectives
+                 * ratio(whole.network_collectives, part.network_collectives))
+  return rescored(got, device, flops, accessed, moved, network, (count, remote),
                   got.matmul_flops * ratio(whole.flops, part.flops),
                   peak_memory=int(got.peak_memory * ratio(whole.memory, part.memory)))
 
@@ -232,14 +234,17 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
   moved = got.collective_bytes + more("collective_bytes")
   network = got.network_bytes + more("network_bytes")
   count = max(0, round(got.collectives + more("collectives")))
+  remote = max(0, round(got.network_collectives + more("network_collectives")))
   peak = int(got.peak_memory * (whole.memory / part.memory if part.memory > 0 else 1.0))
-  return rescored(got, device, flops, accessed, moved, network, count,
+  return rescored(got, device, flops, accessed, moved, network, (count, remote),
                   got.matmul_flops + more("matmul_flops"), peak_memory=peak)
 
 
 def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, moved: float,
-             network: float, count: int, matmul_flops: float, **more: Any) -> Cost:
-  """``got`` with these totals (and ``more`` fields), its time recomputed
+             network: float, counts: tuple[int, int], matmul_flops: float,
+             **more: Any) -> Cost:
+  """``got`` with these totals (``counts``: the collectives, and of them
+  those across hosts; and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
   Its float32 matmuls keep their share of the matmuls, its large
   transposes theirs of the bytes accessed, its hidden communication its
@@ -248,11 +253,13 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
                 if got.bytes_accessed else 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
-  comm = device.comm_seconds(moved - network, count, network)
+  count, remote = counts[0], min(counts[1], counts[0])
+  comm = device.comm_seconds(moved - network, count, network, remote)
   before = device.comm_seconds(got.collective_bytes - got.network_bytes, got.collectives,
-                               got.network_bytes)
+                               got.network_bytes, got.network_collectives)
   hidden = min(got.hidden_seconds / before * comm, compute) if before > 0 else 0.0
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
+                             network_collectives=remote,
                              matmul_flops=matmul_flops, collective_bytes=moved,
                              network_bytes=network, seconds=compute + comm - hidden,
                              xla_seconds=None, f32_matmul_flops=f32,

@@ -45,6 +45,19 @@ def test_models_carry_their_memory():
   assert own.usable_memory() == 12e9
 
 
+def test_a_collective_across_hosts_costs_the_network_s_latency():
+  own = DeviceModel("mine", 1e12, 1e12, 1e11, 1e10, 1e-5, network_latency_s=1e-4)
+  # 3 collectives, 1 across hosts: 2 at the host's latency, 1 at the network's.
+  assert own.comm_seconds(0.0, 3, 0.0, 1) == pytest.approx(2e-5 + 1e-4)
+  assert own.comm_seconds(2e11, 3, 1e10, 1) == pytest.approx(2 + 1 + 2e-5 + 1e-4)
+  # None: the host's latency for every collective.
+  assert dataclasses.replace(own, network_latency_s=None).comm_seconds(0.0, 3, 0.0, 1) == (
+      pytest.approx(3e-5))
+  # GPUs' from nccl-tests across InfiniBand / EFA nodes; TPUs' not known.
+  assert DEVICE_MODELS["h100"].network_latency_s == 50e-6 > DEVICE_MODELS["h100"].latency_s
+  assert DEVICE_MODELS["tpu-v5p"].network_latency_s is None
+
+
 def _device(platform, stats):
   def memory_stats():
     if isinstance(stats, Exception):

@@ -1,6 +1,7 @@
 """White-box: the HLO reader on GPU/TPU text, synthetic: async collectives
 XLA combined into one start, and cuBLAS gemms counted as matmuls."""
 
+import dataclasses
 import re
 
 import pytest
@@ -141,6 +142,11 @@ def test_collectives_among_tpu_slices_cross_the_network():
   assert score.network_bytes == score.collective_bytes == pytest.approx(expected)
   assert score.seconds == pytest.approx(expected / device.network_bytes_per_s
                                         + 4 * device.latency_s)
+  # Each of the 4 crosses slices: a network latency, where the model has one.
+  assert score.network_collectives == 4
+  slow = dataclasses.replace(device, network_latency_s=1e-3)
+  assert _cost.score(_SLICES, {}, memory, [0] * 16, slow).seconds == pytest.approx(
+      expected / device.network_bytes_per_s + 4e-3)
 
 
 # ---- cuBLAS gemms: matmuls, as often as their loop runs ----

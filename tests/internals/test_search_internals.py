@@ -1,5 +1,6 @@
 """partitioner.search internals: logical axes, an interrupted search, replica groups."""
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -233,6 +234,22 @@ def test_grids_keep_the_model_axis_inside_a_host():
   assert crossing((1, 8, 1), 1) == (False, False, False)
 
 
+def test_the_cheap_estimate_counts_the_collectives_that_cross_hosts():
+  # (data 2 across 2 hosts, model 4 inside each): a gradient all-reduce
+  # over data crosses, a gather over model does not.
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import _Walk, crossing
+  walk = _Walk(Candidate((2, 1, 4), 0, False, ()), [], crossing((2, 1, 4), 2), {})
+  walk._send(1e6, 0, 3)
+  walk._send(2e6, 2, 5)
+  device = dataclasses.replace(partitioner.DEVICE_MODELS["h100"], network_latency_s=1.0)
+  est = walk.result(device)
+  assert (est.collectives, est.network_collectives) == (8, 3)
+  assert est.network_bytes == 1e6 and est.collective_bytes == 3e6
+  assert est.seconds == pytest.approx(1e6 / device.network_bytes_per_s + 3.0
+                                      + 2e6 / device.link_bytes_per_s + 5 * device.latency_s)
+
+
 def test_candidates_that_compile_to_one_program_are_one_row():
   """Two rule sets whose specs differ only where nothing reads them compile
   to the same program: the search keeps one row and counts the other."""
@@ -261,18 +278,27 @@ def test_the_candidates_estimated_are_capped():
   assert every == [c for c in uncapped if c in kept]
 
 
+_PLAN = partitioner.DeviceModel("plan", 1e12, 1e12, 1e11, 2**20, 0.0, error=0.3,
+                                network_latency_s=1.0)  # (1 s a MiB, or a collective, across)
+
+
 def test_an_untimed_plan_for_hosts_prefers_the_lean_quiet_layout_of_the_close_ones():
   from types import SimpleNamespace as NS
-  def row(i, seconds, flops, network):  # (network: MiB)
-    return NS(index=i, score=NS(seconds=seconds, flops=flops, network_bytes=network * 2**20))
+  def row(i, seconds, flops, network, across=0):  # (network: MiB)
+    return NS(index=i, score=NS(seconds=seconds, flops=flops, network_bytes=network * 2**20,
+                                network_collectives=across))
   best, close_noisy, close_quiet, copies, far = (
       row(0, 1.0, 100, 50), row(1, 1.1, 105, 40), row(2, 1.2, 108, 30),
       row(3, 1.05, 300, 1), row(4, 2.0, 100, 0))
   fits = [best, copies, close_noisy, close_quiet, far]
-  order = _select.plan_order(fits, error=0.3)
+  order = _select.plan_order(fits, _PLAN)
   assert order[0] is close_quiet  # within the error, no duplicated work, fewest across hosts
   assert order[1:] == [best, copies, close_noisy, far]
-  assert _select.plan_order([best], 0.3) == [best]
+  assert _select.plan_order([best], _PLAN) == [best]
+  # The network's time counts its collectives' latency too: 30 MiB in 20
+  # collectives across take 50 s there, 40 MiB in 1 take 41.
+  chatty = row(2, 1.2, 108, 30, across=20)
+  assert _select.plan_order([best, copies, close_noisy, chatty, far], _PLAN)[0] is close_noisy
 
 
 def test_of_layouts_that_send_about_as_few_bytes_across_hosts_the_faster_leads():
@@ -280,12 +306,14 @@ def test_of_layouts_that_send_about_as_few_bytes_across_hosts_the_faster_leads()
   # on a few bytes fewer across hosts than data 2 x FSDP 4, 1.19x faster)
   from types import SimpleNamespace as NS
   def row(i, seconds, network):
-    return NS(index=i, score=NS(seconds=seconds, flops=131, network_bytes=network))
+    return NS(index=i, score=NS(seconds=seconds, flops=131, network_bytes=network,
+                                network_collectives=0))
   fast, slow, noisy = row(0, 2.36, 3.01 * 2**20), row(1, 2.8, 3.0 * 2**20), row(2, 2.4, 21 * 2**20)
-  assert _select.plan_order([fast, noisy, slow], error=0.3)[0] is fast
-  assert _select.plan_order([fast, noisy, slow], error=0.1)[0] is fast  # (slow: not close)
+  assert _select.plan_order([fast, noisy, slow], _PLAN)[0] is fast
+  tight = dataclasses.replace(_PLAN, error=0.1)
+  assert _select.plan_order([fast, noisy, slow], tight)[0] is fast  # (slow: not close)
   quieter = row(3, 2.5, 1.0 * 2**20)
-  assert _select.plan_order([fast, noisy, quieter, slow], error=0.3)[0] is quieter
+  assert _select.plan_order([fast, noisy, quieter, slow], _PLAN)[0] is quieter
 
 
 def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():

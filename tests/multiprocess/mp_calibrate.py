@@ -17,7 +17,8 @@ found = partitioner.calibrate(repeats=1, kinds=("all-reduce",), steps=False,
                               path=path)
 model = found.model
 print(f"rank {world.rank}: " + json.dumps({
-    "name": model.name, "network": model.network_bytes_per_s, "link": model.link_bytes_per_s,
+    "name": model.name, "network": model.network_bytes_per_s,
+    "network_latency": model.network_latency_s, "link": model.link_bytes_per_s,
     "across": {k: [list(r) for r in rows] for k, rows in found.across.items()},
     "local": {k: [list(r) for r in rows] for k, rows in found.collectives.items()}}),
     flush=True)

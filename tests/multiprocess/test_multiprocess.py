@@ -286,3 +286,6 @@ def test_calibrate_measures_the_network_across_processes(tmp_path):
   assert 0 < got["network"] < float("inf") and got["network"] != got["link"] / 2
   data = json.loads(path.read_text())
   assert data["model"]["network_bytes_per_s"] == got["network"] and data["across"]
+  # The latency across processes is fitted too (None where none was seen).
+  assert data["model"]["network_latency_s"] == got["network_latency"]
+  assert got["network_latency"] is None or got["network_latency"] > 0
