@@ -52,9 +52,8 @@ def network_seconds(cost, model: str = "h100") -> float:
   a named device model: the bytes at the network's rate, each collective
   across at the network's latency."""
   import partitioner
-  device = partitioner.DEVICE_MODELS[model]
-  return device.comm_seconds(0.0, cost.network_collectives, cost.network_bytes,
-                             cost.network_collectives)
+  return partitioner.DEVICE_MODELS[model].network_seconds(cost.network_bytes,
+                                                          cost.network_collectives)
 
 
 def kinds(ops) -> str:

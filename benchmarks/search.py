@@ -30,8 +30,9 @@ median of the per-round ratio against the finalist it fares worst
 against), its time on the network when planned for 2 hosts x 4 (H100
 model: the bytes across hosts at the network's rate, each collective
 across at its latency) against the hand-written layout that spends the
-least there (of those within 1.1x the least flops), whether it fits a budget 5% above the
-smallest hand-written peak, and the search time (cold). The rows of bytes
+least there (of those within 1.1x the least flops), whether it fits a
+budget 5% above the smallest hand-written peak, and the search time
+(cold). The rows of bytes
 and estimated time have no target where the search picked its layout by
 measuring it faster than the estimate's favourite. On the small
 transformer, also the

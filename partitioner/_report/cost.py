@@ -225,10 +225,9 @@ def _collective(op: _hlo.Instruction, processes: Sequence[int]
 class Part:
   """What the ops of one named scope cost per call (see :func:`scoped`):
   collectives (and those across processes), their weighted bytes and the
-  part across processes, flops
-  (each line's, as often as it runs; dots and elementwise ops) and bytes
-  accessed (each top-level op's operands and result, as XLA's cost
-  analysis counts them)."""
+  part across processes, flops (each line's, as often as it runs; dots
+  and elementwise ops) and bytes accessed (each top-level op's operands
+  and result, as XLA's cost analysis counts them)."""
   collectives: float = 0.0
   collective_bytes: float = 0.0
   network_bytes: float = 0.0

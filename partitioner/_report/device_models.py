@@ -204,6 +204,11 @@ class DeviceModel:
             + (collectives - network_collectives) * self.latency_s
             + network_collectives * across)
 
+  def network_seconds(self, network_bytes: float, network_collectives: float) -> float:
+    """Seconds on the network between hosts: ``network_bytes`` at its
+    rate, each of ``network_collectives`` at its latency."""
+    return self.comm_seconds(0.0, network_collectives, network_bytes, network_collectives)
+
 
 _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 

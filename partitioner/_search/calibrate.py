@@ -313,8 +313,9 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
   process calls it with ``devices`` left out: each measures its own
   devices, then all of them time each collective over every process's
   devices, and the network between them (``network_bytes_per_s``,
-  ``network_latency_s``) is fitted to those (``Calibration.across``); every process returns process
-  0's figures, and process 0 alone writes ``path``. Otherwise the network
+  ``network_latency_s``) is fitted to those (``Calibration.across``);
+  every process returns process 0's figures, and process 0 alone writes
+  ``path``. Otherwise the network
   is not measured: its figure is the named model's (or half the links'
   where there is none, or where the steps fitted them).
 
@@ -395,8 +396,9 @@ def _network(across: dict[str, list[tuple[int, int, float]]]) -> dict[str, Any]:
   (``DeviceModel`` fields). Where its times show no size dependence (a
   latency of milliseconds between processes can hide it), the bandwidth
   is the best rate any of them reached, latency included: a network is
-  never free. Where they show no fixed cost, the latency is left to the
-  host's (None)."""
+  never free (at the sizes measured, then, a collective is charged up to
+  twice its time: pessimistic), and the latency their median. Where they
+  show no fixed cost, the latency is left to the host's (None)."""
   rows = [(k, *row) for k, found in across.items() for row in found]
   bandwidth, latency = fit_links(rows)
   if bandwidth == float("inf"):

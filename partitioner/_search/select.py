@@ -121,8 +121,8 @@ def plan_order(fits: list, device: DeviceModel) -> list:
   band = [x for x in fits if x.score.seconds <= fits[0].score.seconds * (1 + device.error)]
   least = min(x.score.flops for x in band)
   lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
-  across = lambda x: device.comm_seconds(0.0, x.score.network_collectives,
-                                         x.score.network_bytes, x.score.network_collectives)
+  across = lambda x: device.network_seconds(x.score.network_bytes,
+                                            x.score.network_collectives)
   fewest = min(across(x) for x in lean)
   slack = QUIET_BYTES / device.network_bytes_per_s
   quiet = [x for x in lean if across(x) <= max(QUIET_WITHIN * fewest, fewest + slack)]

@@ -50,6 +50,7 @@ def test_a_collective_across_hosts_costs_the_network_s_latency():
   # 3 collectives, 1 across hosts: 2 at the host's latency, 1 at the network's.
   assert own.comm_seconds(0.0, 3, 0.0, 1) == pytest.approx(2e-5 + 1e-4)
   assert own.comm_seconds(2e11, 3, 1e10, 1) == pytest.approx(2 + 1 + 2e-5 + 1e-4)
+  assert own.network_seconds(1e10, 1) == pytest.approx(1 + 1e-4)  # (the network's part)
   # None: the host's latency for every collective.
   assert dataclasses.replace(own, network_latency_s=None).comm_seconds(0.0, 3, 0.0, 1) == (
       pytest.approx(3e-5))
