@@ -249,6 +249,10 @@ def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   # latency): every layout that sends bytes across has some.
   across = [c for c in found.candidates if not c.error and c.network_bytes]
   assert across and all(0 < c.network_collectives <= c.collectives for c in across)
+  report = found.report()  # (each row: its bytes across hosts and in how many collectives)
+  assert "across hosts (ops)" in report
+  assert any(f"({c.network_collectives})" in line and c.layout in line
+             for line in report.splitlines() for c in across)
   by_family = {c.family: c for c in found.candidates if not c.error}
   for family in ("data parallel 8", "data x model 2 x 4"):
     if family in by_family:

@@ -38,7 +38,7 @@ def table(found: Any, rows: int) -> str:
                  f" {max(reps for _, reps in p['runs'])} times), costs scaled to the whole")
   hosts = found.hosts > 1
   lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}"
-                + (f"  {'across hosts':>12}" if hosts else "")
+                + (f"  {'across hosts (ops)':>18}" if hosts else "")
                 + f"  {'peak mem':>9}  {'family':<31} layout"]
   for k, x in enumerate(c[:rows]):
     if x.error:
@@ -50,7 +50,8 @@ def table(found: Any, rows: int) -> str:
     timed = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
                  f"  {size(x.collective_bytes):>11}"
-                 + (f"  {size(x.network_bytes):>12}" if hosts else "")
+                 + (f"  {f'{size(x.network_bytes)} ({x.network_collectives})':>18}"
+                    if hosts else "")
                  + f"  {size(x.peak_memory):>9}  {x.family:<31} {x.layout}{timed}{mark}")
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
