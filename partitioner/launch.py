@@ -380,8 +380,10 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
   statuses = exit_statuses(tails[0], n)
   cause_known = any(statuses.values()) or any(
       "failed" in m or "ended" in m for m in marks.values())
+  failed = {r for r, m in marks.items() if "failed" in m}
   endings = sorted((order, r, text) for r, m in marks.items()
-                   for order, text in [how_it_ended(m, statuses.get(r), cause_known)])
+                   for order, text in [how_it_ended(m, statuses.get(r), cause_known,
+                                                    bool(failed - {r}))])
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
   return code or 1

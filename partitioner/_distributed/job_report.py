@@ -35,17 +35,25 @@ def lost(marks: dict[int, dict[str, str]], statuses: dict[int, int]) -> list[int
 
 
 def how_it_ended(marks: dict[str, str], status: int | None,
-                  cause_known: bool) -> tuple[int, str]:
+                  cause_known: bool, peer_failed: bool = False) -> tuple[int, str]:
   """One rank's ending, from the markers it left (``env.mark``) and its
   wait status from MPICH: (0 if it caused the job's end, else 1, what
-  happened). ``cause_known``: some rank caused the end."""
+  happened). ``cause_known``: some rank caused the end; ``peer_failed``:
+  another rank raised (or was interrupted) in Python, which a rank that
+  then exits without a Python exit follows (jax's runtime or MPI ended it
+  on the lost peer before its watcher could say so), never precedes."""
   pid = marks.get("started", "")
   if "failed" in marks:
     if marks["failed"] == "interrupted":
       return 0, "was interrupted (Ctrl-C)"
     return 0, f"raised {marks['failed'].rstrip('.')}; its traceback is above"
-  if status and not marks.keys() & {"done", "failed", "ended", "left"}:
-    how = (f"exit code {status >> 8}" if status > 255 else f"signal {status & 0x7F}")
+  quiet = not marks.keys() & {"done", "failed", "ended", "left"}
+  status = status or 0
+  how = (f"exit code {status >> 8}" if status > 255 else f"signal {status & 0x7F}")
+  if status and quiet and peer_failed:
+    return 1, (f"ended without a Python exit (PID {pid}, {how}) after a peer failed:"
+               " its runtime (jax's distributed service, or MPI) ended it")
+  if status and quiet:
     return -1, (f"died first (PID {pid}, {how}) without a Python exit: killed by"
                 " a signal, crashed in native code, or called os._exit")
   if "done" in marks:

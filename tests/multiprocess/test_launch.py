@@ -349,6 +349,21 @@ def test_a_rank_killed_by_a_signal_is_lost_a_rank_stopped_after_it_is_not():
   assert lost(marks, {0: 0, 1: 9, 2: 256, 3: 256}) == [1]
 
 
+def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
+  # (a race under "raise": jax's runtime or MPI may end the survivor on the
+  # lost peer before its watcher says so)
+  from partitioner._distributed.job_report import how_it_ended
+  quiet = {"started": "7"}
+  assert how_it_ended(quiet, 256, True, peer_failed=True) == (
+      1, "ended without a Python exit (PID 7, exit code 1) after a peer failed: its"
+         " runtime (jax's distributed service, or MPI) ended it")
+  assert how_it_ended(quiet, 9, True, peer_failed=True)[1].startswith(
+      "ended without a Python exit (PID 7, signal 9) after a peer failed")
+  # With no peer failing in Python, it was the first to go.
+  assert how_it_ended(quiet, 256, True)[0] == -1
+  assert how_it_ended(quiet, 9, True)[1].startswith("died first (PID 7, signal 9)")
+
+
 _ATTEMPTS = ("import os, sys\n"
              "attempt = os.environ['SHARDED_JIT_RESTART']\n"
              "print(f'attempt {attempt} rank {os.environ.get(\"PMI_RANK\", \"-\")}', flush=True)\n"
