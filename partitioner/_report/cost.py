@@ -201,24 +201,22 @@ def _mesh_ids(text: str | None, n: int) -> np.ndarray:
   return np.array([int(x) for x in text.split(",") if x])
 
 
-def _collective(op: _hlo.Instruction, processes: Sequence[int]
-                ) -> tuple[int, float, float, bool]:
-  """One collective's ``(runs, bytes sent, of those across processes,
-  whether it crosses processes)`` per call; nothing for a collective over
-  one device. One among TPU slices (``op.slices``) crosses the data-centre
-  network whole."""
+def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, bool]:
+  """One collective's ``(runs, bytes sent, whether it crosses processes)``
+  per call (one that crosses sends all its bytes on the network); nothing
+  for a collective over one device. One among TPU slices (``op.slices``)
+  crosses the data-centre network whole."""
   if op.slices:
-    sent = op.runs * op.bytes * _WEIGHT[op.opcode](op.slices)
-    return op.runs, sent, sent, True
+    return op.runs, op.runs * op.bytes * _WEIGHT[op.opcode](op.slices), True
   n = len(processes)
   found = groups(op.line, n)
   size = max((len(g) for g in found), default=1)
   if size <= 1 and op.opcode != "collective-permute":
-    return 0, 0.0, 0.0, False  # a collective over one device moves nothing
+    return 0, 0.0, False  # a collective over one device moves nothing
   sent = op.runs * op.bytes * _WEIGHT[op.opcode](
       max(size, 2) if op.opcode == "collective-permute" else size)
   across = any(len({processes[i] for i in g if i < n}) > 1 for g in found)
-  return op.runs, sent, sent if across else 0.0, across
+  return op.runs, sent, across
 
 
 @dataclasses.dataclass
@@ -370,9 +368,10 @@ def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Se
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
   for op in _hlo.instructions(hlo_text):
-    k, sent, across, crosses = _collective(op, processes)
+    k, sent, crosses = _collective(op, processes)
     if not k:
       continue
+    across = sent if crosses else 0.0
     for share, where in _shares(op.line, values, scope):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
@@ -455,7 +454,8 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   score matrices move in this program are not accessed there."""
   count, remote, weighted, network, once = 0, 0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
-    k, sent, across, crosses = _collective(op, processes)
+    k, sent, crosses = _collective(op, processes)
+    across = sent if crosses else 0.0
     count, weighted, network = count + k, weighted + sent, network + across
     remote += k if crosses else 0
     if k:  # (one run's time, for the schedule's replay)
