@@ -7,6 +7,8 @@ times a layer; a fused kernel keeps them on chip. ``partitioner.cost``
 and the search leave that traffic out when told the device fuses it.
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,13 +110,21 @@ def test_a_program_without_jax_attention_has_no_score_matrices():
     (_attend, dict(device_model="h100", attention="cudnn"),
      r"attention must be \"fused\" or None, got 'cudnn'"),
     (_attend, dict(device_model="cpu", attention="fused"),
-     r"compiled for cpu devices, scored as 'cpu .*hint: a program compiled for its devices"),
+     r"compiled for cpu devices, scored as 'cpu .*hint: .*for an accelerator's device model"),
     (_by_hand, dict(device_model="h100", attention="fused"),
      r"this program calls none; hint: an attention of its own is scored as the ops it runs"),
 ])
 def test_a_fused_attention_that_cannot_be_honoured_is_refused(attend, kw, match):
   with pytest.raises(ValueError, match=match):
     partitioner.cost(_compiled(attend), **kw)
+
+
+def test_a_program_xla_gpu_compiled_runs_the_attention_its_hlo_holds():
+  text = _compiled(_attend).as_text()
+  with pytest.raises(ValueError, match=r"compiled for gpu devices.*hint: a program XLA:GPU"
+                                       r" compiled runs the attention its HLO holds"):
+    _cost.fused_attention("cost", "fused", text, "gpu", partitioner.DEVICE_MODELS["h100"])
+  assert _cost.fused_attention("cost", "fused", text, "tpu", partitioner.DEVICE_MODELS["tpu-v5e"])
 
 
 @pytest.mark.eight_devices
@@ -134,3 +144,31 @@ def test_the_search_scores_a_fused_attention_as_partitioner_cost_does():
     assert found.best.seconds == pytest.approx(whole.seconds, rel=0.1)
     seconds[attention] = whole.seconds
   assert seconds["fused"] < 0.8 * seconds[None]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed: pip install 'sharded-jit[tpu]'")
+def test_a_program_xla_tpu_compiled_is_scored_fused_its_chunks_each_time_they_run():
+  """jax's attention standing in for a TPU flash kernel (MaxText's splash
+  attention): XLA:TPU's program scored with ``attention="fused"`` moves
+  no score matrices, in whole or in the chunks of queries a long
+  sequence's step takes them in (each chunk's, every iteration)."""
+  shape = _llama.Shape(layers=1, width=256, mlp=512, heads=4, kv_heads=2, vocab=512,
+                       batch=8, seq=1024)
+  mesh = Mesh(np.array(partitioner.tpu_devices("v5e:2x4")), ("data",))
+  def program(chunk):
+    step, (params, opt), tokens = _llama.abstract(
+        shape, activations=NamedSharding(mesh, P("data")), chunk=chunk)
+    same = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), params)
+    return jax.jit(step, in_shardings=(
+        same, {"mu": same, "nu": same, "count": NamedSharding(mesh, P())},
+        NamedSharding(mesh, P("data")))).lower(params, opt, tokens).compile()
+  for chunk in (None, 256):
+    compiled = program(chunk)
+    xla_ops, fused = (partitioner.cost(compiled, "tpu-v5e", attention=a)
+                      for a in (None, "fused"))
+    keys = _attention.score_shape(compiled.as_text())
+    assert keys == ((chunk or shape.seq) * shape.seq * shape.heads, shape.seq)
+    # (the logits and their gradient at least, each chunk every iteration)
+    assert xla_ops.bytes_accessed - fused.bytes_accessed >= 2 * shape.seq ** 2 * shape.heads * 2
+    assert fused.flops == xla_ops.flops and fused.seconds < xla_ops.seconds

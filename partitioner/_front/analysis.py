@@ -124,11 +124,13 @@ def cost(program: Any, device_model: DeviceModel | str | None = None,
       processes that hold them.
     attention: ``"fused"`` when the accelerator will run
       ``jax.nn.dot_product_attention`` as one fused kernel (cuDNN's,
-      ``implementation="cudnn"``; a flash kernel) and the program was
-      compiled for simulated CPU devices, which run XLA's ops: the bytes
+      ``implementation="cudnn"``; a flash kernel such as MaxText's splash
+      attention on a TPU) and the program was compiled for simulated CPU
+      devices or by XLA:TPU, which run XLA's ops in its place: the bytes
       its score matrices move there (sequence x sequence per head, the
       logits, the softmax, their gradients) are left out of
-      ``bytes_accessed`` and the time. None: the program's own ops.
+      ``bytes_accessed`` and the time (the peak memory stays the
+      program's). None: the program's own ops.
 
   Returns:
     A :class:`~partitioner.Cost`: flops, bytes accessed, collectives and
@@ -139,8 +141,8 @@ def cost(program: Any, device_model: DeviceModel | str | None = None,
     TypeError: ``program`` is not a compiled program.
     ValueError: an unknown device model name, ``hosts`` that do not
       divide the devices, or ``attention`` other than None or "fused",
-      or "fused" for a program compiled for its accelerator, scored under
-      a CPU's model, or calling no jax attention.
+      or "fused" for a program XLA:GPU compiled, scored under a CPU's
+      model, or calling no jax attention.
 
   Example:
     >>> import jax, numpy as np

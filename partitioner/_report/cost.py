@@ -412,25 +412,30 @@ _WEIGHT = {
 def fused_attention(who: str, attention: object, hlo_text: str, platform: str,
                     device: DeviceModel) -> bool:
   """Whether to score ``jax.nn.dot_product_attention`` as one fused kernel
-  (``attention="fused"``): only for a program compiled for simulated CPU
-  devices, under an accelerator's model, that calls it.
+  (``attention="fused"``): only under an accelerator's model, for a program
+  that calls it, compiled for simulated CPU devices (a plan for GPUs made
+  from them) or by XLA:TPU (jax's attention standing in for a flash kernel
+  the model runs there, such as MaxText's splash attention, whose Pallas
+  kernel XLA cannot see into). A program XLA:GPU compiled runs the
+  attention its HLO holds (cuDNN's, where XLA put it there).
 
   Raises:
     ValueError: ``attention`` is not "fused" or None; "fused" for a
-      program compiled for its devices (it runs the attention its HLO
-      holds), under a CPU's model, or calling no jax attention.
+      program XLA:GPU compiled, under a CPU's model, or calling no jax
+      attention.
   """
   if attention is None:
     return False
   if attention != "fused":
     raise ValueError(f"{who}: attention must be \"fused\" or None, got {attention!r}")
-  if platform != "cpu" or device.platform in ("", "cpu"):
+  if platform not in ("cpu", "tpu") or device.platform in ("", "cpu"):
     raise ValueError(
         f"{who}: attention=\"fused\" scores jax.nn.dot_product_attention as one fused"
         f" kernel on an accelerator, and this program was compiled for {platform} devices,"
-        f" scored as {device.name!r}; hint: a program compiled for its devices runs the"
-        " attention its HLO holds; the setting is for a plan for an accelerator's device"
-        " model made from simulated CPU devices")
+        f" scored as {device.name!r}; hint: a program XLA:GPU compiled runs the attention"
+        " its HLO holds; the setting is for an accelerator's device model, and a program"
+        " compiled for simulated CPU devices (a plan for GPUs) or by XLA:TPU (jax's"
+        " attention standing in for a flash kernel)")
   if _attention.score_shape(hlo_text) is None:
     raise ValueError(
         f"{who}: attention=\"fused\" scores jax.nn.dot_product_attention as one fused"
