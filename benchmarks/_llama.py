@@ -8,6 +8,7 @@ recomputed). Shapes only (``jax.ShapeDtypeStruct``): nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,60 @@ _MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _SAVED = {"full": (), "minimal": _MATMULS, "minimal_with_context": (*_MATMULS, "context")}
 
 
+def _rms(x, w):
+  """RMSNorm in float32, the result in bfloat16."""
+  import jax
+  import jax.numpy as jnp
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+  return (x32 * w).astype(jnp.bfloat16)
+
+
+def _checked(shape: Shape, remat: str | tuple[str, ...], chunk: int | None) -> tuple:
+  """The names a layer saves under ``remat``, once ``remat`` and ``chunk``
+  are known good.
+
+  Raises:
+    ValueError: an unknown policy or name; a chunk that does not divide
+      the sequence.
+  """
+  saved = remat if isinstance(remat, tuple) else _SAVED.get(remat)
+  if saved is None or not set(saved) <= {*_MATMULS, "context"}:
+    raise ValueError(f"make_step(remat={remat!r}): one of {sorted(_SAVED)}, or a tuple of"
+                     f" the names a layer saves, of {[*_MATMULS, 'context']}")
+  if chunk is not None and (chunk < 1 or shape.seq % chunk):
+    raise ValueError(f"make_step(chunk={chunk!r}): a divisor of the sequence length"
+                     f" {shape.seq}, or None")
+  return saved
+
+
+def _chunked(one, chunk: int, *xs):
+  """``one(i, *pieces)`` of each ``i``-th ``chunk`` of the sequence (axis 1
+  of every ``xs``), stacked on axis 0; each recomputed for the backward
+  (``jax.checkpoint``), so that one chunk's intermediates live at a time."""
+  import jax
+  import jax.numpy as jnp
+  pieces = xs[0].shape[1] // chunk
+  split = [x.reshape(x.shape[0], pieces, chunk, *x.shape[2:]).swapaxes(0, 1) for x in xs]
+  return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (jnp.arange(pieces), *split))
+
+
+def _attention(q, k, v, seq: int, chunk: int | None):
+  """Causal ``jax.nn.dot_product_attention``, its queries ``chunk`` at a
+  time (each chunk's mask the keys up to each query's position)."""
+  import jax
+  import jax.numpy as jnp
+  if not chunk or chunk >= seq:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  keys = jnp.arange(seq)
+
+  def one(i, q):
+    mask = (i * chunk + jnp.arange(chunk))[:, None] >= keys[None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+
+  return _chunked(one, chunk, q).swapaxes(0, 1).reshape(q.shape)
+
+
 def first_principles_bytes(shape: Shape, devices: int) -> float:
   """Bytes per device of the step under FSDP over ``devices``, counted by
   hand as a conservative sum (everything at once): float32 weights,
@@ -64,11 +119,12 @@ def first_principles_bytes(shape: Shape, devices: int) -> float:
           + tokens * shape.vocab * 14) / devices
 
 
-def abstract(shape: Shape, accumulate: bool = False, activations=None, remat: str = "full"):
+def abstract(shape: Shape, accumulate: bool = False, activations=None,
+             remat: str | tuple[str, ...] = "full", chunk: int | None = None):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
   Adam train step and its arguments' shapes (``accumulate``: its
   gradients through ``partitioner.accumulate``, the count the search's;
-  ``activations``, ``remat``: see :func:`make_step`)."""
+  ``activations``, ``remat``, ``chunk``: see :func:`make_step`)."""
   import jax
   import jax.numpy as jnp
   s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
@@ -80,10 +136,11 @@ def abstract(shape: Shape, accumulate: bool = False, activations=None, remat: st
             "final_norm": s(d), "unembed": s(d, shape.vocab)}
   opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
   tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
-  return make_step(shape, accumulate, activations, remat), (params, opt_state), tokens
+  return make_step(shape, accumulate, activations, remat, chunk), (params, opt_state), tokens
 
 
-def make_step(shape: Shape, accumulate: bool = False, activations=None, remat: str = "full"):
+def make_step(shape: Shape, accumulate: bool = False, activations=None,
+              remat: str | tuple[str, ...] = "full", chunk: int | None = None):
   """The train step: cross-entropy of the next token, Adam (lr 3e-4);
   with ``accumulate``, its gradients summed over microbatches
   (``partitioner.accumulate``, the count left to the search);
@@ -93,18 +150,23 @@ def make_step(shape: Shape, accumulate: bool = False, activations=None, remat: s
   as MaxText's ``remat_policy`` names it: ``"full"`` (all but its input),
   ``"minimal"`` (all but its weight matmuls' results: the norms, the
   attention and the activation function) or ``"minimal_with_context"``
-  (the attention's result saved too)."""
+  (the attention's result saved too), or the names a layer saves (of
+  ``"wq"``, ``"wk"``, ``"wv"``, ``"wo"``, ``"w_gate"``, ``"w_up"``,
+  ``"w_down"``, ``"context"``: MaxText's ``"custom"`` policy, the names it
+  offloads or keeps on the device); ``chunk``: the attention's queries
+  and the loss's tokens taken ``chunk`` at a time (``jax.lax.map``, each
+  chunk recomputed for the backward), so that neither a sequence x
+  sequence score matrix nor a sequence x vocabulary logit matrix is
+  whole at once: the same flops, the memory of a long sequence's flash
+  kernel and tiled loss; None: whole."""
   import jax
   import jax.numpy as jnp
   from jax.ad_checkpoint import checkpoint_name
 
-  if remat not in _SAVED:
-    raise ValueError(f"make_step(remat={remat!r}): one of {sorted(_SAVED)}")
+  saved = _checked(shape, remat, chunk)
+  attention = functools.partial(_attention, seq=shape.seq, chunk=chunk)
 
-  def rms(x, w):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
-    return (x32 * w).astype(jnp.bfloat16)
+  rms = _rms
 
   def block(x, p):
     if activations is not None:
@@ -116,21 +178,27 @@ def make_step(shape: Shape, accumulate: bool = False, activations=None, remat: s
     q = mm(y, "wq").reshape(b, t, shape.heads, shape.head_dim)
     k = mm(y, "wk").reshape(b, t, shape.kv_heads, shape.head_dim)
     v = mm(y, "wv").reshape(b, t, shape.kv_heads, shape.head_dim)
-    a = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "context")
+    a = checkpoint_name(attention(q, k, v), "context")
     x = x + mm(a.reshape(b, t, -1), "wo")
     y = rms(x, p["mlp_norm"])
     return x + mm(jax.nn.silu(mm(y, "w_gate")) * mm(y, "w_up"), "w_down")
 
-  layer = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(
-      *_SAVED[remat]))
+  layer = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(*saved))
 
   def loss(params, tokens):
     x = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]
     for p in params["layers"]:
       x = layer(x, p)
-    logits = (rms(x, params["final_norm"]) @ params["unembed"].astype(jnp.bfloat16))
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    unembed = params["unembed"].astype(jnp.bfloat16)
+
+    def total(_, x, targets):  # (the summed log-likelihood of some tokens)
+      logp = jax.nn.log_softmax((x @ unembed).astype(jnp.float32))
+      return jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    x, targets = rms(x, params["final_norm"]), tokens[:, 1:]
+    summed = (total(0, x, targets) if not chunk or chunk >= shape.seq
+              else _chunked(total, chunk, x, targets).sum())
+    return -summed / targets.size
 
   def step(params, opt_state, tokens):
     if accumulate:
