@@ -163,6 +163,7 @@ def test_a_program_xla_tpu_compiled_is_scored_fused_its_chunks_each_time_they_ru
     return jax.jit(step, in_shardings=(
         same, {"mu": same, "nu": same, "count": NamedSharding(mesh, P())},
         NamedSharding(mesh, P("data")))).lower(params, opt, tokens).compile()
+  flops = {}
   for chunk in (None, 256):
     compiled = program(chunk)
     xla_ops, fused = (partitioner.cost(compiled, "tpu-v5e", attention=a)
@@ -172,3 +173,7 @@ def test_a_program_xla_tpu_compiled_is_scored_fused_its_chunks_each_time_they_ru
     # (the logits and their gradient at least, each chunk every iteration)
     assert xla_ops.bytes_accessed - fused.bytes_accessed >= 2 * shape.seq ** 2 * shape.heads * 2
     assert fused.flops == xla_ops.flops and fused.seconds < xla_ops.seconds
+    flops[chunk] = fused.flops
+  # (XLA:TPU prints no loop's trip count: each chunk's flops count every
+  # iteration, and a chunk's forward is recomputed for its backward)
+  assert flops[None] < flops[256] < 1.2 * flops[None]

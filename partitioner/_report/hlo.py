@@ -337,7 +337,7 @@ def runs(hlo_text: str) -> dict[str, int]:
     if not name:
       continue
     for line in lines:
-      if (found := loop(line)) is not None:
+      if (found := loop(line, comps)) is not None:
         body, trip = found
         callers[body].append((name, trip or 1))
         cond = _CONDITION.search(line)
@@ -363,14 +363,38 @@ def runs(hlo_text: str) -> dict[str, int]:
   return {name: count(name) for name in comps if name}
 
 
-def loop(line: str) -> tuple[str, int | None] | None:
+def loop(line: str, comps: dict[str, list[str]] | None = None) -> tuple[str, int | None] | None:
   """A while instruction's ``(body, trip count)``, the count None where
-  XLA knows none; None for any other line."""
+  XLA knows none; None for any other line. XLA:CPU and XLA:GPU print the
+  count (``known_trip_count``); XLA:TPU does not, and there it is read off
+  the loop's condition (in ``comps``): ``counter < N`` against a constant,
+  the counter from 0 as jax's loops (``scan``, ``map``, a ``fori_loop``
+  of static bounds) count."""
   w = _WHILE.search(line)
   if w is None:
     return None
   trip = _TRIP.search(line)
-  return w.group("body"), int(trip.group(1)) if trip else None
+  if trip:
+    return w.group("body"), int(trip.group(1))
+  cond = _CONDITION.search(line)
+  return w.group("body"), _counted(comps.get(cond.group(1), []) if comps and cond else [])
+
+
+_LESS_THAN = re.compile(r"^\s*ROOT\s.*\scompare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=LT\b")
+_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((\d+)\)")
+_COUNTER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+get-tuple-element\(")
+
+
+def _counted(condition: list[str]) -> int | None:
+  """The trip count of a loop whose condition is ``counter < N`` (a
+  tuple element against an integer constant), else None."""
+  constants = {m.group(1): int(m.group(2)) for m in map(_INT_CONSTANT.match, condition) if m}
+  counters = {m.group(1) for m in map(_COUNTER.match, condition) if m}
+  for line in condition:
+    m = _LESS_THAN.match(line)
+    if m and m.group(1) in counters and m.group(2) in constants:
+      return constants[m.group(2)]
+  return None
 
 
 def flops(lines: list[str], matmuls_only: bool = False) -> float:

@@ -183,7 +183,7 @@ class _Replay:
 
   def _loop(self, line: str) -> tuple[list[str], int] | None:
     """A while loop's body lines and trip count (1 where unknown)."""
-    found = _hlo.loop(line) if " while(" in line else None
+    found = _hlo.loop(line, self.comps) if " while(" in line else None
     return None if found is None else (self.comps.get(found[0], []), found[1] or 1)
 
   def raw_total(self, lines: list[str]) -> float:

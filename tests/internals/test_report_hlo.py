@@ -278,3 +278,17 @@ def test_float32_matmuls_are_counted_apart():
   assert _hlo.matmul_flops_by_type(_GPU) == {"f32": 6 * _BATCHED + _PLAIN}
   bf16 = _GPU.replace("f32[", "bf16[")
   assert _hlo.matmul_flops_by_type(bf16).get("f32", 0.0) == 0.0 and _hlo.matmul_flops(bf16) > 0
+
+
+def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
+  """XLA:TPU prints no known_trip_count: the loop's condition, counter <
+  constant, gives it; a condition of another form leaves it unknown (1)."""
+  tpu = _SLICES.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+  assert "known_trip_count" not in tpu
+  assert _hlo.runs(tpu) == _hlo.runs(_SLICES)
+  assert _hlo.runs(tpu)["body"] == 3
+  line = next(l for l in tpu.splitlines() if " while(" in l)
+  assert _hlo.loop(line, _hlo.computations(tpu)) == ("body", 3)
+  assert _hlo.loop(line) == ("body", None)  # (no computations: nothing to read)
+  unknown = tpu.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
+  assert _hlo.runs(unknown)["body"] == 1
