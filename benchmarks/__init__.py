@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|published|calibrate]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|published|published_v6e|calibrate]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
@@ -73,6 +73,12 @@ Sections (one module each):
             7B on 1 to 16 hosts of 8 H100s, compiled for simulated
             devices); with --full and libtpu also its v5e, v5p and v4
             tables (51 configurations, each compiled by XLA:TPU).
+  published_v6e  only by name (``--full --only published_v6e``, libtpu
+            installed: about 70 minutes, its 10 compiles taking minutes
+            each), the ``tpu-v6e`` model against Google's Trillium recipes
+            (tpu-recipes: MaxText's Llama 3.1 8B on 8 to 256 chips, 70B on
+            32 to 256, one slice each, 8192 tokens a sequence): five of
+            their ten measured rates, each compiled by XLA:TPU.
   calibrate  how well ``partitioner.calibrate()``'s model (on a CPU, its
             rates fitted to its own small family of train steps) predicts
             the measured times of the search section's 34 programs, which

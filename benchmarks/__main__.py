@@ -37,7 +37,7 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "plan_real": plan_real.run, "startup": startup.run,
             "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
             "tpu_models": tpu_models.run, "published": published.run,
-            "calibrate": calibrate.run}
+            "published_v6e": published.run_v6e, "calibrate": calibrate.run}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,6 +14,14 @@ the scripts that ran them:
 - A3, 8 H100s a host (``gpu/a3/llama_2_7b/README.md``, ``1vm.sh`` ...):
   Llama 2 7B on 1 to 16 hosts, 5 rates.
 
+Google's Trillium recipes (github.com/AI-Hypercomputer/tpu-recipes,
+``training/trillium/Llama3.1-8B-MaxText/v6e-<n>/README.md`` ...) run
+MaxText on one v6e slice each and show a measured step's log line: Llama
+3.1 8B on 8 to 256 chips and 70B on 32 to 256, 10 rates, five of them
+here (the ``published_v6e`` section, run only by name: ``scripts/bench
+--full --only published_v6e``; 8192-token sequences, so each compile
+takes minutes, about 70 in all).
+
 Each decoder is MaxText's ``llama2`` block (``global_parameter_scale``'s
 shapes, or the script's own), vocabulary 32000, float32 weights and Adam,
 bfloat16 compute, the script's sequences a chip and ``remat_policy``
@@ -44,6 +52,15 @@ TFLOP/s per chip, set against the published one; per family the section
 reports how the two rank its configurations (Spearman's rho) and the
 slowest-to-fastest ratio of each, also with nothing hidden and with
 everything hidden, the two bounds of overlap.
+
+The v6e family is compiled for one slice (its runs are of one), at 1 and
+2 layers, its attention and loss in chunks of 1024 queries and tokens
+(``_llama.make_step(chunk=)``: XLA:TPU refuses a program whose 8192 x
+8192 score matrices or 8192 x 128256 logits exceed a chip's 31.25 GiB,
+where MaxText runs a flash kernel and offloads activations to the host),
+and scored with ``attention="fused"``: jax's attention stands in for
+MaxText's splash attention, a Pallas kernel that keeps the scores on
+chip.
 
 Not the same programs as MaxText's: its attention is a flash kernel
 (Pallas on TPU, cuDNN on GPU: ``attention: cudnn_flash_te`` in its
@@ -82,7 +99,7 @@ class Config:
   name: str
   shape: Any
   tensor: int
-  remat: str
+  remat: str | tuple[str, ...]  # (a tuple: the names a layer saves, MaxText's "custom")
   runs: tuple[tuple[str, int, float], ...]
 
 
@@ -98,6 +115,8 @@ class Family:
   configs: tuple[Config, ...]
   network: float | None = None  # the hosts' network per chip, where not the model's
   attention: str | None = None  # partitioner.cost's: "fused" where it runs a fused kernel
+  slices: int = SLICES  # compiled for so many slices (1: its runs are of one slice)
+  chunk: int | None = None  # the step's sequence chunk (_llama.make_step's), for memory
 
   def device(self):
     """The named model, with the family's network where it has its own."""
@@ -111,13 +130,15 @@ class Family:
                                " across hosts", network_bytes_per_s=self.network)
 
 
-def flags_of(libtpu_init_args: str) -> dict[str, bool]:
-  """``{"xla_...": True}`` from a script's ``LIBTPU_INIT_ARGS`` (a later
-  flag overrides an earlier one, as libtpu reads them)."""
-  out = {}
+def flags_of(libtpu_init_args: str) -> dict[str, bool | int | str]:
+  """``{"xla_...": True, "xla_...": 98304, "xla_...": "ENABLED"}`` from a
+  script's ``LIBTPU_INIT_ARGS`` (a later flag overrides an earlier one, as
+  libtpu reads them)."""
+  out: dict[str, bool | int | str] = {}
   for arg in libtpu_init_args.split():
     name, _, value = arg.lstrip("-").partition("=")
-    out[name] = value == "true"
+    out[name] = (value == "true" if value in ("true", "false")
+                 else int(value) if value.lstrip("-").isdigit() else value)
   return out
 
 
@@ -134,8 +155,9 @@ def shape_of(scale: int, per_chip: int):
 
 
 def _families() -> dict[str, Family]:
-  """The three tables, from MaxText's ``src/maxtext/configs/tpu/<gen>/``
-  (README.md: the rates; ``16b.sh`` ...: each run's settings)."""
+  """The tables: MaxText's ``src/maxtext/configs/tpu/<gen>/`` (README.md:
+  the rates; ``16b.sh`` ...: each run's settings), its A3 guide's, and
+  the Trillium recipes' (tpu-recipes' README.md of each)."""
   from benchmarks import _llama
   v5e = tuple(Config(f"{scale}B", shape_of(scale, per_chip), tensor, "full",
                      tuple(("v5e-256", k, r) for k, r in zip((1, 2, 4, 8, 16, 32), rates,
@@ -183,7 +205,46 @@ def _families() -> dict[str, Family]:
       # each: the search's way to plan GPUs without one)
       "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3,
                      network=A3_HIGH_NETWORK, attention="fused"),
+      # (one slice each: FSDP over it; jax's attention stands in for the
+      # splash kernel, scored as one; in chunks of 1024 queries and tokens
+      # so that XLA:TPU fits 8192-token sequences in a v6e chip's 31.25 GiB)
+      "v6e": Family("tpu-v6e", "published (Google's tpu-recipes: MaxText's Trillium logs)",
+                    {f"v6e-{n}": f"v6e:{t}" for n, t in V6E_PODS}, flags_of(V6E_FLAGS),
+                    _v6e(), attention="fused", slices=1, chunk=1024),
   }
+
+
+# The Trillium slices of the recipes, by chips, and libtpu's topologies.
+V6E_PODS = ((8, "2x4"), (16, "4x4"), (32, "4x8"), (64, "8x8"), (128, "8x16"), (256, "16x16"))
+
+
+def _v6e() -> tuple[Config, ...]:
+  """The Trillium recipes (github.com/AI-Hypercomputer/tpu-recipes,
+  ``training/trillium/Llama3.1-8B-MaxText/v6e-<n>/README.md`` and
+  ``Llama3.1-70B-MaxText/v6e-<n>/``, commit c8cfe2f): Llama 3.1 8B on 8 to
+  256 chips, 70B on 32 to 256 (here five of the ten: the 8B on 8, 64 and
+  256 chips, the 70B on 32 and 256; the others' 419.485 (8B, 16 chips),
+  407.225 (32), 412.319 (128), 422.091 (70B, 64) and 453.500 (128) left
+  out for time), each on one slice, FSDP over it, 8192
+  tokens a sequence, ``remat_policy: custom`` (the layer's input and the
+  query, key and value projections offloaded to the host, and the 8B's
+  out projection: saved, the rest recomputed), the TFLOP/s per device of
+  the log line each README shows (``completed step: 14, seconds: 3.443,
+  TFLOP/s/device: 413.433``: one step, measured by Google)."""
+  from benchmarks import _llama
+  llama = {"8B": dict(layers=32, width=4096, mlp=14336, heads=32),
+           "70B": dict(layers=80, width=8192, mlp=28672, heads=64)}
+  saved = {"8B": ("wq", "wk", "wv", "wo"), "70B": ("wq", "wk", "wv")}
+  runs: dict[tuple[str, int], list] = {}  # (size, batch a chip) -> (pod, 1, TFLOP/s)
+  for size, chips, batch, rate in (  # (5 of the 10: each compile takes minutes here)
+      ("8B", 8, 3, 413.433), ("8B", 64, 5, 419.701), ("8B", 256, 4, 417.397),
+      ("70B", 32, 2, 443.385), ("70B", 256, 5, 462.297)):
+    runs.setdefault((size, batch), []).append((f"v6e-{chips}", 1, rate))
+  return tuple(
+      Config(f"Llama 3.1 {size}, {batch} x 8192 tokens a chip",
+             _llama.Shape(**llama[size], kv_heads=8, vocab=128256, batch=batch, seq=8192,
+                          head=HEAD), 1, saved[size], tuple(on))
+      for (size, batch), on in runs.items())
 
 
 SEQ, VOCAB, HEAD = 2048, 32000, 128
@@ -206,6 +267,23 @@ V5P_FLAGS = ("--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
              " --xla_tpu_enable_async_collective_fusion_multiple_steps=true"
              " --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
 V4_FLAGS = "--xla_enable_async_all_gather=true"
+# The recipes' (MaxText's benchmarks/xla_flags_library.py: the dense VMEM
+# limit, the all-reduce and reduce-scatter layout, data parallel overlap,
+# continuation fusion for all-gathers); not their host offloading's
+# scheduler flags (nothing is offloaded here: what the recipes offload
+# stays in HBM; with them a compile took over 19 minutes, without 4.5),
+# nor the 8B's SparseCore all-reduce offload and collective matmul off
+# (FSDP alone reduce-scatters, and has no tensor axis).
+V6E_FLAGS = ("--xla_tpu_scoped_vmem_limit_kib=98304"
+             " --xla_tpu_use_minor_sharding_for_major_trivial_input=true"
+             " --xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1"
+             " --xla_tpu_assign_all_reduce_scatter_layout=true"
+             " --xla_tpu_enable_data_parallel_all_reduce_opt=true"
+             " --xla_tpu_data_parallel_opt_different_sized_ops=true"
+             " --xla_tpu_enable_async_collective_fusion=true"
+             " --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+             " --xla_tpu_enable_async_collective_fusion_multiple_steps=true"
+             " --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
 
 def maxtext_flops(shape) -> float:
   """MaxText's training flops per chip (``calculate_tflops_training_per_
@@ -221,7 +299,9 @@ def maxtext_flops(shape) -> float:
 
 
 def run(args) -> list[dict]:
-  families = _families()
+  """The published section: the H100 family, and with ``--full`` (libtpu
+  installed) the v5e, v5p and v4 ones."""
+  families = {n: f for n, f in _families().items() if n != "v6e"}
   names = [n for n, f in families.items() if not f.model.startswith("tpu-")]
   if not getattr(args, "full", False):
     print("(published: the TPU families, 28 compiles of 64 to 4096 TPU chips, about 20"
@@ -231,6 +311,27 @@ def run(args) -> list[dict]:
           " pip install -e .[tpu])")
   else:
     names = list(families)
+  return _family_rows(names)
+
+
+def run_v6e(args) -> list[dict]:
+  """The published_v6e section: the Trillium recipes' family, only when
+  asked for by name, with ``--full`` and libtpu (``--full --only
+  published_v6e``: 10 compiles of 8 to 256 chips, about 70 minutes here)."""
+  if not (getattr(args, "full", False) and getattr(args, "only", None) == "published_v6e"):
+    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, about 70"
+          " minutes: with --full --only published_v6e)")
+    return []
+  if importlib.util.find_spec("libtpu") is None:
+    print("(libtpu is not installed: no comparison with the Trillium recipes' rates;"
+          " pip install -e .[tpu])")
+    return []
+  return _family_rows(["v6e"])
+
+
+def _family_rows(names: list[str]) -> list[dict]:
+  """Each family's configurations (a child process each), then its ranking."""
+  families = _families()
   rows = []
   for name in names:
     got = [r for c in families[name].configs
@@ -243,8 +344,8 @@ def run(args) -> list[dict]:
 
 def compiled_cost(family: Family, config: Config, pod: str, layers: int):
   """XLA:TPU's program of the step at ``layers`` layers, MaxText's layout,
-  on 2 slices of ``pod``, under the family's flags: ``partitioner.cost``
-  under the family's device model."""
+  on the family's slices of ``pod`` (2, or 1), under the family's flags:
+  ``partitioner.cost`` under the family's device model."""
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding
@@ -252,21 +353,21 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
 
   import partitioner
   from benchmarks import _llama
-  topology = family.pods[pod]
-  if topology.startswith("cpu:"):  # (simulated devices, SLICES hosts of them)
-    chips, hosts = jax.devices()[:SLICES * int(topology[4:])], SLICES
+  topology, slices = family.pods[pod], family.slices
+  if topology.startswith("cpu:"):  # (simulated devices, so many hosts of them)
+    chips, hosts = jax.devices()[:slices * int(topology[4:])], slices
   else:
-    chips = sorted(partitioner.tpu_devices(topology, num_slices=SLICES),
+    chips = sorted(partitioner.tpu_devices(topology, num_slices=slices),
                    key=lambda c: (getattr(c, "slice_index", 0), c.id))
     hosts = None
   tensor = config.tensor
-  mesh = Mesh(np.array(chips).reshape(SLICES, len(chips) // SLICES // tensor, tensor),
+  mesh = Mesh(np.array(chips).reshape(slices, len(chips) // slices // tensor, tensor),
               ("data", "fsdp", "tensor"))
   shape = dataclasses.replace(config.shape, layers=layers,
                               batch=config.shape.batch * len(chips))
   step, (params, opt), tokens = _llama.abstract(
       shape, activations=NamedSharding(mesh, P(("data", "fsdp"), None, None)),
-      remat=config.remat)
+      remat=config.remat, chunk=family.chunk)
   named = lambda *spec: NamedSharding(mesh, P(*spec))
   # MaxText's logical rules: embed -> fsdp; heads, mlp, vocab -> tensor.
   rules = {"embed": named("tensor", "fsdp"), "unembed": named("fsdp", "tensor"),
@@ -308,7 +409,7 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
   family = _families()[family_name]
   config = next(c for c in family.configs if c.name == config_name)
   simulated = [t for t in family.pods.values() if t.startswith("cpu:")]
-  setup_jax(SLICES * _chips(simulated[0]) if simulated else 8)
+  setup_jax(family.slices * _chips(simulated[0]) if simulated else 8)
   shape, flops = config.shape, maxtext_flops(config.shape)
   rows = []
   for pod in dict.fromkeys(p for p, _, _ in config.runs):  # (in order, once each)
@@ -319,8 +420,9 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
     for _, slices, published in (r for r in config.runs if r[0] == pod):
       compute, comm, hidden = estimated_seconds(family.device(), one, two, shape.layers, slices)
       seconds = compute + comm - hidden
+      where = pod if family.slices == 1 else f"{slices} x {pod}"
       rows.append({
-          "case": f"{config.name} on {slices} x {pod}: TFLOP/s per chip, estimated vs published",
+          "case": f"{config.name} on {where}: TFLOP/s per chip, estimated vs published",
           "unit": "TFLOP/s", "ours": flops / seconds / 1e12, "jax": float(published),
           "serial": flops / (compute + comm) / 1e12,
           "hidden": flops / max(compute, comm) / 1e12,
@@ -328,13 +430,19 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
           "detail": (f"{shape.params() / 1e9:.1f}B parameters ({shape.layers} layers, width"
                      f" {shape.width}, {shape.heads} heads, MLP {shape.mlp}),"
                      f" {shape.batch} x {shape.seq} tokens a chip, {layout}, remat"
-                     f" {config.remat}; estimated {seconds:.2f} s a step ({compute:.2f} s"
+                     f" {_remat_name(config.remat)}; estimated {seconds:.2f} s a step ({compute:.2f} s"
                      f" compute, {comm:.2f} s collectives, {hidden:.2f} s of them behind"
                      f" compute), MaxText's flops {flops / 1e12:.0f} T a chip;"
                      f" {'XLA:TPU' if family.model.startswith('tpu-') else 'XLA:CPU'}'s peak"
                      f" at 1 / 2 layers {one.peak_memory / 1e9:.1f} /"
                      f" {two.peak_memory / 1e9:.1f} GB a chip")})
   return rows
+
+
+def _remat_name(remat: str | tuple[str, ...]) -> str:
+  """MaxText's name of a remat policy: ``"full"``, or ``"custom"`` with
+  what it saves."""
+  return remat if isinstance(remat, str) else f"custom (saved: {', '.join(remat)})"
 
 
 def _chips(topology: str) -> int:

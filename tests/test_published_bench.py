@@ -36,9 +36,40 @@ def test_remat_policies_save_what_maxtext_names_and_compute_the_same():
     _llama.make_step(TINY, remat="some")
 
 
-def test_a_scripts_flags_the_later_one_wins():
-  flags = published.flags_of("--xla_a=true --xla_b=false --xla_a=false")
-  assert flags == {"xla_a": False, "xla_b": False}
+def test_a_chunked_step_computes_the_same_and_holds_no_whole_score_or_logit_matrix():
+  gqa = _llama.Shape(layers=2, width=64, mlp=128, heads=4, kv_heads=2, vocab=512, batch=2,
+                     seq=32, head=16)
+  params, opt, tokens = _concrete(gqa)
+  whole = jax.jit(_llama.make_step(gqa))
+  chunked = jax.jit(_llama.make_step(gqa, chunk=8))
+  # (the same loss; the same update to within bfloat16's rounding: Adam's
+  # step is 3e-4 a weight, whatever the gradient's size)
+  new, _, value = chunked(params, opt, tokens)
+  new_whole, _, value_whole = whole(params, opt, tokens)
+  np.testing.assert_allclose(value, value_whole, rtol=1e-5)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+                         new, new_whole)
+  hlo = chunked.lower(params, opt, tokens).compile().as_text()
+  # (scores a chunk of 8 queries by 32 keys, logits 8 tokens by the vocabulary)
+  assert "f32[2,4,32,32]" not in hlo and "f32[2,32,512]" not in hlo
+  assert ",8,32]" in hlo and ",8,512]" in hlo
+  with pytest.raises(ValueError, match=r"chunk=5.*divisor of the sequence length 32"):
+    _llama.make_step(gqa, chunk=5)
+
+
+def test_a_remat_given_as_names_saves_those():
+  params, opt, tokens = _concrete(TINY)
+  flops = {r: jax.jit(_llama.make_step(TINY, remat=r)).lower(params, opt, tokens).compile()
+           .cost_analysis()["flops"] for r in ("full", ("wq", "wk", "wv", "wo"), "minimal")}
+  assert flops["full"] > flops[("wq", "wk", "wv", "wo")] > flops["minimal"]
+  with pytest.raises(ValueError, match=r"remat=\('wq', 'mlp'\).*names a layer saves"):
+    _llama.make_step(TINY, remat=("wq", "mlp"))
+
+
+def test_a_scripts_flags_the_later_one_wins_and_keep_their_numbers_and_words():
+  flags = published.flags_of("--xla_a=true --xla_b=false --xla_a=false --xla_c=98304"
+                             " --xla_d=ENABLED")
+  assert flags == {"xla_a": False, "xla_b": False, "xla_c": 98304, "xla_d": "ENABLED"}
 
 
 def test_ranks_give_ties_their_mean_and_a_family_alike_no_order():
@@ -57,5 +88,17 @@ def test_every_family_cites_its_table_and_names_a_model_and_a_topology():
     assert family.model in partitioner.DEVICE_MODELS and "MaxText's" in family.source
     for config in family.configs:
       assert config.runs and all(pod in family.pods for pod, _, _ in config.runs)
-      assert config.remat in _llama._SAVED
+      _llama._checked(config.shape, config.remat, family.chunk)  # (raises if not)
       assert config.shape.params() > 1e9
+
+
+def test_the_v6e_family_runs_only_when_named_with_full(capsys):
+  import types
+  for args in (dict(full=False, only="published_v6e"), dict(full=True, only=None)):
+    assert published.run_v6e(types.SimpleNamespace(**args)) == []
+    assert "with --full --only published_v6e" in capsys.readouterr().out
+  family = published._families()["v6e"]
+  assert family.slices == 1 and family.attention == "fused" and family.chunk == 1024
+  assert all(pod in family.pods and slices == 1
+             for c in family.configs for pod, slices, _ in c.runs)
+  assert published.flags_of(published.V6E_FLAGS)["xla_tpu_scoped_vmem_limit_kib"] == 98304
