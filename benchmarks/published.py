@@ -20,7 +20,7 @@ MaxText on one v6e slice each and show a measured step's log line: Llama
 3.1 8B on 8 to 256 chips and 70B on 32 to 256, 10 rates, five of them
 here (the ``published_v6e`` section, run only by name: ``scripts/bench
 --full --only published_v6e``; 8192-token sequences, so each compile
-takes minutes, about 70 in all).
+takes 6-7 minutes here, 66 in all).
 
 Each decoder is MaxText's ``llama2`` block (``global_parameter_scale``'s
 shapes, or the script's own), vocabulary 32000, float32 weights and Adam,
@@ -271,7 +271,8 @@ V4_FLAGS = "--xla_enable_async_all_gather=true"
 # limit, the all-reduce and reduce-scatter layout, data parallel overlap,
 # continuation fusion for all-gathers); not their host offloading's
 # scheduler flags (nothing is offloaded here: what the recipes offload
-# stays in HBM; with them a compile took over 19 minutes, without 4.5),
+# stays in HBM; with them one 8B compile had not ended in 19 minutes, with
+# these each takes 6-7 here),
 # nor the 8B's SparseCore all-reduce offload and collective matmul off
 # (FSDP alone reduce-scatters, and has no tensor axis).
 V6E_FLAGS = ("--xla_tpu_scoped_vmem_limit_kib=98304"
@@ -317,9 +318,9 @@ def run(args) -> list[dict]:
 def run_v6e(args) -> list[dict]:
   """The published_v6e section: the Trillium recipes' family, only when
   asked for by name, with ``--full`` and libtpu (``--full --only
-  published_v6e``: 10 compiles of 8 to 256 chips, about 70 minutes here)."""
+  published_v6e``: 10 compiles of 8 to 256 chips, about 66 minutes here)."""
   if not (getattr(args, "full", False) and getattr(args, "only", None) == "published_v6e"):
-    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, about 70"
+    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, about 66"
           " minutes: with --full --only published_v6e)")
     return []
   if importlib.util.find_spec("libtpu") is None:
