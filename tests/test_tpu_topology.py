@@ -291,12 +291,6 @@ def _deep_accumulated(params, x, microbatches=None):
 
 
 @needs_libtpu
-@pytest.mark.xfail(strict=True, reason=(
-    "XLA:TPU's loops now count every iteration (it prints no trip count; the"
-    " condition gives it): the microbatched layouts, whose loop was counted"
-    " once, no longer look fastest, and the three fastest, whose proxies"
-    " count a fitting peak, each miss the budget compiled whole (166 MB"
-    " against 124): the search gives up after three such whole compiles"))
 def test_a_tpu_plan_of_microbatches_holds_xla_tpus_own_peak():
   """On a TPU topology a count of microbatches is compiled whole by
   XLA:TPU (its layers run inside the loop): under a budget the whole

@@ -745,7 +745,9 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   order the search ranks them, each candidate whose floor
   (``Target.least_peak``: its arguments, its proxy's peak) is within the
   budget is compiled whole, and the first whose exact peak fits wins (at
-  most ``EXACT_COMPILES`` whole programs). The winner's peak and XLA's own
+  most ``EXACT_COMPILES`` whole programs; once they are spent, a candidate
+  compiled whole already, a count of microbatches, may still win). The
+  winner's peak and XLA's own
   time estimate are then its whole program's; its time, flops and
   collectives stay the proxy's, scaled as every other candidate's (on a
   Gemma decoder the whole program's estimate was 1.3x its scaled one: the
@@ -759,6 +761,8 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
   for x in order:
     target = space.part(x.candidate).target
     assert target is not None  # (counted memory never settles: every count has its own)
+    if not left and target.proxy is not None:
+      continue  # (no whole compile left: one compiled whole already may still fit)
     compiled = _settle(x, target, budget, request.devices[0].platform)
     left -= compiled
     if compiled:
@@ -768,8 +772,6 @@ def _settled(compiler: _Compiler, space: _Space, request: _Request) -> list[_fou
       if budget is None or x.score.peak_memory <= budget:
         winner = x
         break
-    if not left:
-      break
   bar.close()
   for x in compiler.results:  # (the rest: a proxy's peak scaled, an estimate)
     if not x.failed and x.memory is None:
