@@ -329,8 +329,8 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
 @functools.lru_cache(maxsize=4)  # (the texts are large: a score reads one a few times)
 def runs(hlo_text: str) -> dict[str, int]:
   """Computation name -> times it runs per call of the entry: a while
-  body its trip count times its caller's (1 where XLA knows no trip
-  count), a called computation (fusion, reduction) its caller's."""
+  body its trip count times its caller's (1 where the count is unknown),
+  a called computation (fusion, reduction) its caller's."""
   comps = computations(hlo_text)
   callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
   for name, lines in comps.items():
@@ -339,10 +339,10 @@ def runs(hlo_text: str) -> dict[str, int]:
     for line in lines:
       if (found := loop(line, comps)) is not None:
         body, trip = found
-        callers[body].append((name, trip or 1))
+        callers[body].append((name, 1 if trip is None else trip))
         cond = _CONDITION.search(line)
         if cond:
-          callers[cond.group(1)].append((name, trip + 1 if trip else 1))
+          callers[cond.group(1)].append((name, 1 if trip is None else trip + 1))
         continue
       for group in _CALLS.findall(line):
         for callee in re.split(r",\s*", group):
@@ -367,9 +367,11 @@ def loop(line: str, comps: dict[str, list[str]] | None = None) -> tuple[str, int
   """A while instruction's ``(body, trip count)``, the count None where
   XLA knows none; None for any other line. XLA:CPU and XLA:GPU print the
   count (``known_trip_count``); XLA:TPU does not, and there it is read off
-  the loop's condition (in ``comps``): ``counter < N`` against a constant,
-  the counter from 0 as jax's loops (``scan``, ``map``, a ``fori_loop``
-  of static bounds) count."""
+  the loop's condition and its first value (in ``comps``): ``counter <
+  N`` against a constant, the counter starting at a constant (jax's
+  ``scan``, ``map`` and a ``fori_loop`` of static bounds start it at 0);
+  a counter that starts at a value known only at run time (a
+  ``fori_loop`` from an argument) leaves the count unknown."""
   w = _WHILE.search(line)
   if w is None:
     return None
@@ -377,23 +379,57 @@ def loop(line: str, comps: dict[str, list[str]] | None = None) -> tuple[str, int
   if trip:
     return w.group("body"), int(trip.group(1))
   cond = _CONDITION.search(line)
-  return w.group("body"), _counted(comps.get(cond.group(1), []) if comps and cond else [])
+  if not comps or not cond:
+    return w.group("body"), None
+  start = _LOOP_INIT.search(line)
+  return w.group("body"), _counted(comps.get(cond.group(1), []),
+                                   lambda k: _first_value(comps, start.group(1) if start else "", k))
 
 
 _LESS_THAN = re.compile(r"^\s*ROOT\s.*\scompare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=LT\b")
-_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((\d+)\)")
-_COUNTER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+get-tuple-element\(")
+_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((-?\d+)\)")
+_COUNTER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+get-tuple-element\(.*?\bindex=(\d+)")
+_LOOP_INIT = re.compile(r"\swhile\(%?([\w.\-]+)\)")
 
 
-def _counted(condition: list[str]) -> int | None:
+def _counted(condition: list[str], first: Callable[[int], int | None]) -> int | None:
   """The trip count of a loop whose condition is ``counter < N`` (a
-  tuple element against an integer constant), else None."""
+  tuple element against an integer constant) and whose counter starts at
+  ``first(its tuple index)``, else None."""
   constants = {m.group(1): int(m.group(2)) for m in map(_INT_CONSTANT.match, condition) if m}
-  counters = {m.group(1) for m in map(_COUNTER.match, condition) if m}
+  counters = {m.group(1): int(m.group(2)) for m in map(_COUNTER.match, condition) if m}
   for line in condition:
     m = _LESS_THAN.match(line)
     if m and m.group(1) in counters and m.group(2) in constants:
-      return constants[m.group(2)]
+      start = first(counters[m.group(1)])
+      return None if start is None else max(0, constants[m.group(2)] - start)
+  return None
+
+
+def _first_value(comps: dict[str, list[str]], init: str, index: int) -> int | None:
+  """The integer constant that element ``index`` of the tuple ``init``
+  (a loop's first value) holds, through copies; None where it is not a
+  constant."""
+  tuple_ = _definition(comps, init)
+  if tuple_ is None or tuple_.group("kind") != "tuple":
+    return None
+  operands = OPERAND.findall(tuple_.group("args"))
+  value = _definition(comps, operands[index]) if index < len(operands) else None
+  while value is not None and value.group("kind") == "copy":
+    value = _definition(comps, next(iter(OPERAND.findall(value.group("args"))), ""))
+  if value is None or value.group("kind") != "constant":
+    return None
+  return int(value.group("args")) if re.fullmatch(r"-?\d+", value.group("args")) else None
+
+
+def _definition(comps: dict[str, list[str]], name: str) -> re.Match | None:
+  """The definition of the instruction ``name`` (names are the module's
+  own), or None."""
+  needle = f"%{name} = "
+  for lines in comps.values():
+    for line in lines:
+      if needle in line and (m := DEFINITION.match(line)) and m.group("name") == name:
+        return m
   return None
 
 

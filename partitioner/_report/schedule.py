@@ -184,7 +184,7 @@ class _Replay:
   def _loop(self, line: str) -> tuple[list[str], int] | None:
     """A while loop's body lines and trip count (1 where unknown)."""
     found = _hlo.loop(line, self.comps) if " while(" in line else None
-    return None if found is None else (self.comps.get(found[0], []), found[1] or 1)
+    return None if found is None else (self.comps.get(found[0], []), 1 if found[1] is None else found[1])
 
   def raw_total(self, lines: list[str]) -> float:
     """A computation's unscaled compute seconds, loop bodies each iteration."""

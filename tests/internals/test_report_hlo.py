@@ -282,7 +282,8 @@ def test_float32_matmuls_are_counted_apart():
 
 def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
   """XLA:TPU prints no known_trip_count: the loop's condition, counter <
-  constant, gives it; a condition of another form leaves it unknown (1)."""
+  constant, and the counter's first value give it; a condition of another
+  form, or a first value known only at run time, leaves it unknown (1)."""
   tpu = _SLICES.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
   assert "known_trip_count" not in tpu
   assert _hlo.runs(tpu) == _hlo.runs(_SLICES)
@@ -292,3 +293,14 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
   assert _hlo.loop(line) == ("body", None)  # (no computations: nothing to read)
   unknown = tpu.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
   assert _hlo.runs(unknown)["body"] == 1
+  # The counter's first value, through copies (as XLA:TPU passes it): a
+  # constant is subtracted; one known only at run time (a fori_loop from
+  # an argument, 20 - lo) leaves the count unknown, not 3 or 0.
+  copied = tpu.replace("tuple(%z, %w)", "tuple(%c, %w)").replace(
+      "  %init =", "  %c = s32[] copy(%z)\n  %init =")
+  assert _hlo.runs(copied)["body"] == 3
+  assert _hlo.runs(copied.replace("constant(0)", "constant(1)"))["body"] == 2
+  assert _hlo.runs(copied.replace("constant(0)", "constant(5)"))["body"] == 0
+  late = copied.replace("%c = s32[] copy(%z)", "%c = s32[] copy(%lo)").replace(
+      "  %z = s32[] constant(0)", "  %lo = s32[] parameter(2)")
+  assert _hlo.runs(late)["body"] == 1
