@@ -4,6 +4,7 @@ import functools
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 
@@ -90,18 +91,22 @@ def test_transformer_with_the_layout_search_finds():
 
 
 def test_transformer_resumes_from_its_checkpoint(tmp_path):
+  """A run of 6 steps keeps its last two checkpoints (4 and 6 steps done);
+  with the last removed, a second run resumes after step 3 (counted from 0)
+  and logs steps 4 and 5 as the first run did. (Two runs, not three: each
+  starts jax afresh.)"""
   small = ["--layers", "1", "--width", "64", "--heads", "4", "--batch", "8", "--seq", "32",
            "--sample", "0", "--plot=", "--check_steps", "0", "--log_every", "1"]
   losses = lambda out: re.findall(r"step +(\d+)/6 +loss (\S+)", out)
-  whole = run("examples/transformer.py", "--steps", "6", *small)
-  assert whole.returncode == 0, whole.stdout + whole.stderr
   ckpt = ["--checkpoint_dir", str(tmp_path / "ckpt"), "--checkpoint_every", "2"]
-  first = run("examples/transformer.py", "--steps", "3", *small, *ckpt)
-  assert first.returncode == 0, first.stdout + first.stderr
+  whole = run("examples/transformer.py", "--steps", "6", *small, *ckpt)
+  assert whole.returncode == 0, whole.stdout + whole.stderr
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["4", "6"]
+  shutil.rmtree(tmp_path / "ckpt" / "6")
   resumed = run("examples/transformer.py", "--steps", "6", *small, *ckpt)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-  assert "resumed from" in resumed.stdout and "after step 2" in resumed.stdout
-  assert losses(resumed.stdout) == losses(whole.stdout)[3:], (resumed.stdout, whole.stdout)
+  assert "resumed from" in resumed.stdout and "after step 3" in resumed.stdout
+  assert losses(resumed.stdout) == losses(whole.stdout)[4:], (resumed.stdout, whole.stdout)
 
 
 @pytest.mark.mpi
