@@ -52,8 +52,8 @@ def network_seconds(cost, model: str = "h100") -> float:
   a named device model: the bytes at the network's rate, each collective
   across at the network's latency."""
   import partitioner
-  return partitioner.DEVICE_MODELS[model].network_seconds(cost.network_bytes,
-                                                          cost.network_collectives)
+  return partitioner.DEVICE_MODELS[model].network_seconds(
+      cost.network_bytes, cost.network_collectives, cost.network_levels)
 
 
 def kinds(ops) -> str:

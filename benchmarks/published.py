@@ -392,7 +392,8 @@ def estimated_seconds(device, one, two, layers: int,
   on 2, as (compute, communication, of it hidden) seconds under the
   ``device`` model: each layer's increment repeated, the bytes across
   slices scaled by the ring all-reduce's 2 (k - 1) / k (1 at the compiled
-  2), the hidden time as a share of the communication's (no more than the
+  2) and each collective among them a level of the network's tree more
+  each time k doubles, the hidden time as a share of the communication's (no more than the
   compute)."""
   at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
   network = at("network_bytes") * (2 * (slices - 1) / slices)
@@ -400,7 +401,9 @@ def estimated_seconds(device, one, two, layers: int,
   compute = device.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
                                    at("transposed_bytes"))
   remote = at("network_collectives")  # (each at the network's latency)
-  comm = device.comm_seconds(link, at("collectives"), network, remote)  # (link: within slices)
+  # (each over all k: a level more each time k doubles beyond the compiled 2)
+  levels = remote * max(0.0, math.log2(slices) - 1)
+  comm = device.comm_seconds(link, at("collectives"), network, remote, levels)  # (link: within)
   compiled = device.comm_seconds(link, at("collectives"), at("network_bytes"), remote)
   return compute, comm, min(at("hidden_seconds") * comm / compiled, compute, comm)
 

@@ -96,6 +96,13 @@ def test_cost_for_hosts_charges_what_crosses_them():
   slower = dataclasses.replace(partitioner.DEVICE_MODELS["h100"], network_latency_s=1.0)
   assert partitioner.cost(theirs, slower, hosts=2).seconds > two.seconds + 0.9 * two.collectives
   assert partitioner.cost(ours, "h100", hosts=2) == two
+  # Over 4 hosts each all-reduce spans one level more than over 2 (NCCL's
+  # tree between hosts): 10 us more each under the GPUs' models.
+  four = partitioner.cost(theirs, "h100", hosts=4)
+  assert two.network_levels == 0 and four.network_levels == four.network_collectives > 0
+  assert four.seconds - two.seconds == pytest.approx(
+      four.network_levels * 10e-6 + partitioner.DEVICE_MODELS["h100"].comm_seconds(
+          0, 0, four.network_bytes - two.network_bytes), rel=1e-6)
   with pytest.raises(ValueError, match=r"hosts must be a positive number that divides the 4"):
     partitioner.cost(ours, hosts=3)
 

@@ -240,3 +240,20 @@ def test_a_network_whose_times_show_no_size_is_never_free():
   # No fixed cost seen: the host's latency (None), not a free collective.
   rate = {"all-reduce": [(4096, 8, 1e-9), (1 << 20, 8, (1 << 20) * 1.75 / 1e9)]}
   assert cal._network(rate)["network_latency_s"] is None
+
+
+def test_a_gpus_measured_model_keeps_its_named_networks_figures():
+  """One process measures its own devices, not the network between hosts:
+  a GPU's measured model keeps its named model's network (rate, latency
+  over 2 hosts, and a level more each doubling beyond)."""
+  class H100:
+    device_kind, platform = "NVIDIA H100 80GB HBM3", "gpu"
+    def memory_stats(self):
+      return {"bytes_limit": 60e9}
+  model = cal._fit([H100()], {"bfloat16": {4096: 6e14}, "float32": {4096: 3e14}}, {1 << 26: 3e12},
+                   {"all-reduce": [(1 << 20, 8, 1e-5), (1 << 24, 8, 8e-5)]})
+  named = partitioner.DEVICE_MODELS["h100"]
+  assert model.network_latency_s == named.network_latency_s == 50e-6
+  assert model.network_level_latency_s == named.network_level_latency_s == 10e-6
+  assert model.network_bytes_per_s == named.network_bytes_per_s
+  assert model.flops_per_s == 6e14 and model.f32_flops_per_s == 3e14

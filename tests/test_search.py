@@ -233,6 +233,29 @@ def test_measure_must_be_a_count():
 
 
 @pytest.mark.eight_devices
+def test_a_plan_for_more_hosts_charges_each_collective_a_level_a_doubling():
+  """8 hosts of one device: data parallel 8's gradient all-reduces span 8
+  hosts, two doublings beyond two (NCCL's tree: 10 us a level more under
+  the GPU models), and the search's score counts them."""
+  params, x = mlp(256, 1024, 64)
+  abstract = [jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+              for t in (params, x)]
+  found = partitioner.search(mlp_step, *abstract, hosts=8, device_model="h100",
+                             max_compiles=3, progress=False)
+  dp = next(c for c in found.candidates if c.family == "data parallel 8" and not c.error)
+  assert dp.network_collectives > 0 and dp.network_levels == 2 * dp.network_collectives
+  assert all(c.network_levels <= 2 * c.network_collectives for c in found.candidates)
+  # Its program costed over 2 hosts and over 8: the same bytes, the levels'
+  # 10 us each more.
+  k = found.candidates.index(dp)
+  compiled = found.choose(k).sharded_jit().lower(*abstract).compile()
+  two, eight = (partitioner.cost(compiled, "h100", hosts=h) for h in (2, 8))
+  assert two.network_levels == 0 and eight.network_levels == dp.network_levels
+  assert two.network_bytes == eight.network_bytes
+  assert eight.seconds - two.seconds == pytest.approx(dp.network_levels * 10e-6, rel=1e-6)
+
+
+@pytest.mark.eight_devices
 def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   """2 hosts of 4 devices with a slow network (h100's model: NVLink inside,
   50 GB/s across): the found layout moves no more bytes across hosts than

@@ -85,6 +85,10 @@ class Cost:
     network_collectives: of ``collectives``, those whose group crosses
       processes (or TPU slices): each costs the device model's
       ``network_latency_s``.
+    network_levels: of those, the doublings of the hosts their groups
+      span beyond two (a group over 8 hosts: 2), as often as they run:
+      each costs the device model's ``network_level_latency_s`` more
+      (:func:`network_levels`).
   """
   flops: float
   bytes_accessed: float
@@ -99,6 +103,7 @@ class Cost:
   transposed_bytes: float = 0.0
   hidden_seconds: float = 0.0
   network_collectives: int = 0
+  network_levels: float = 0.0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -201,22 +206,33 @@ def _mesh_ids(text: str | None, n: int) -> np.ndarray:
   return np.array([int(x) for x in text.split(",") if x])
 
 
-def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, bool]:
-  """One collective's ``(runs, bytes sent, whether it crosses processes)``
-  per call (one that crosses sends all its bytes on the network); nothing
-  for a collective over one device. One among TPU slices (``op.slices``)
-  crosses the data-centre network whole."""
+def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, int]:
+  """One collective's ``(runs, bytes sent, hosts its largest group spans)``
+  per call (one that spans several sends all its bytes on the network);
+  nothing for a collective over one device. One among TPU slices
+  (``op.slices``) crosses the data-centre network whole."""
   if op.slices:
-    return op.runs, op.runs * op.bytes * _WEIGHT[op.opcode](op.slices), True
+    return op.runs, op.runs * op.bytes * _WEIGHT[op.opcode](op.slices), op.slices
   n = len(processes)
   found = groups(op.line, n)
   size = max((len(g) for g in found), default=1)
   if size <= 1 and op.opcode != "collective-permute":
-    return 0, 0.0, False  # a collective over one device moves nothing
+    return 0, 0.0, 1  # a collective over one device moves nothing
   sent = op.runs * op.bytes * _WEIGHT[op.opcode](
       max(size, 2) if op.opcode == "collective-permute" else size)
-  across = any(len({processes[i] for i in g if i < n}) > 1 for g in found)
-  return op.runs, sent, across
+  hosts = max((len({processes[i] for i in g if i < n}) for g in found), default=1)
+  return op.runs, sent, hosts
+
+
+def network_levels(opcode: str, hosts: int) -> float:
+  """How many times a collective over ``hosts`` hosts doubles the hosts
+  of one over two (``log2(hosts) - 1``): the levels a library's tree (or
+  its logarithmic all-gather and reduce-scatter) adds between hosts, each
+  at :attr:`DeviceModel.network_level_latency_s`. 0 for a
+  collective-permute (one hop) or an all-to-all (its sends in parallel)."""
+  if hosts <= 2 or opcode in ("collective-permute", "all-to-all"):
+    return 0.0
+  return math.log2(hosts) - 1
 
 
 @dataclasses.dataclass
@@ -230,6 +246,7 @@ class Part:
   collective_bytes: float = 0.0
   network_bytes: float = 0.0
   network_collectives: float = 0.0
+  network_levels: float = 0.0
   flops: float = 0.0
   matmul_flops: float = 0.0
   accessed: float = 0.0
@@ -368,15 +385,17 @@ def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Se
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
   for op in _hlo.instructions(hlo_text):
-    k, sent, crosses = _collective(op, processes)
+    k, sent, hosts = _collective(op, processes)
     if not k:
       continue
-    across = sent if crosses else 0.0
+    across = sent if hosts > 1 else 0.0
+    levels = network_levels(op.opcode, hosts)
     for share, where in _shares(op.line, values, scope):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.collectives += k * share
-        part.network_collectives += k * share if crosses else 0.0
+        part.network_collectives += k * share if hosts > 1 else 0.0
+        part.network_levels += k * share * levels
         part.collective_bytes += sent * share
         part.network_bytes += across * share
 
@@ -457,14 +476,16 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   each device of the assignment; ``fused_attention``: the device runs
   ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
   score matrices move in this program are not accessed there."""
-  count, remote, weighted, network, once = 0, 0, 0.0, 0.0, {}
+  count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
-    k, sent, crosses = _collective(op, processes)
-    across = sent if crosses else 0.0
+    k, sent, hosts = _collective(op, processes)
+    across = sent if hosts > 1 else 0.0
     count, weighted, network = count + k, weighted + sent, network + across
-    remote += k if crosses else 0
+    remote += k if hosts > 1 else 0
+    levels += k * network_levels(op.opcode, hosts)
     if k:  # (one run's time, for the schedule's replay)
-      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(crosses))
+      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(hosts > 1),
+                                          network_levels(op.opcode, hosts))
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -478,10 +499,10 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
-  comm = device.comm_seconds(weighted - network, count, network, remote)
+  comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote)
+              hidden, remote, levels)

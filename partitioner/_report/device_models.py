@@ -94,7 +94,11 @@ InfiniBand (github.com/NVIDIA/nccl/issues/1244), 68-71 us on two AWS
 p5.48xlarge (H100, EFA; github.com/aws/aws-k8s-tester/pull/585), 50-57
 us on two p6-b200 (github.com/dstackai/dstack/pull/3961); one report of
 p5s measured 13 us (github.com/aws/aws-k8s-tester/pull/503). The A100's
-is the same 50 us, an estimate (no measurement found). The TPUs' across
+is the same 50 us, an estimate (no measurement found). Those are of 2
+nodes; each doubling of the hosts a collective spans beyond two adds 10
+us (``network_level_latency_s``), an estimate from NCCL's tuning model of
+its tree all-reduce across nodes (two network steps of 5.0 us a level,
+LL protocol). The TPUs' across
 slices is not known (none published): their 10 us, likely low. Latency
 weighs programs of many small collectives; ``partitioner.calibrate()``
 measures it on the devices at hand, across processes too.
@@ -161,6 +165,13 @@ class DeviceModel:
       6 us over 2 H100s of a node, 46-71 us over 16 on two nodes). None:
       ``latency_s``. Measured by :func:`partitioner.calibrate` in a job of
       several processes.
+    network_level_latency_s: what a collective across hosts costs more for
+      each doubling of the hosts its group spans beyond two
+      (:attr:`Cost.network_levels`): ``network_latency_s`` is the cost
+      over two hosts, and a library's tree adds a level between hosts
+      each time their number doubles (NCCL's model of its tree
+      all-reduce: 2 x 5.0 us a level). 0: none (the TPUs' slices, CPU
+      processes: not known).
   """
   name: str
   flops_per_s: float
@@ -176,6 +187,7 @@ class DeviceModel:
   f32_flops_per_s: float | None = None
   transpose_bytes_per_s: float | None = None
   network_latency_s: float | None = None
+  network_level_latency_s: float = 0.0
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -195,19 +207,24 @@ class DeviceModel:
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
   def comm_seconds(self, weighted_bytes: float, collectives: float,
-                   network_bytes: float = 0.0, network_collectives: float = 0.0) -> float:
+                   network_bytes: float = 0.0, network_collectives: float = 0.0,
+                   network_levels: float = 0.0) -> float:
     """Seconds of ``collectives`` collectives (``network_collectives`` of
-    them across hosts) sending ``weighted_bytes`` on the host's links and
+    them across hosts, their groups ``network_levels`` doublings beyond
+    two hosts in all) sending ``weighted_bytes`` on the host's links and
     ``network_bytes`` on the network."""
     across = self.latency_s if self.network_latency_s is None else self.network_latency_s
     return (weighted_bytes / self.link_bytes_per_s + network_bytes / self.network_bytes_per_s
             + (collectives - network_collectives) * self.latency_s
-            + network_collectives * across)
+            + network_collectives * across + network_levels * self.network_level_latency_s)
 
-  def network_seconds(self, network_bytes: float, network_collectives: float) -> float:
+  def network_seconds(self, network_bytes: float, network_collectives: float,
+                      network_levels: float = 0.0) -> float:
     """Seconds on the network between hosts: ``network_bytes`` at its
-    rate, each of ``network_collectives`` at its latency."""
-    return self.comm_seconds(0.0, network_collectives, network_bytes, network_collectives)
+    rate, each of ``network_collectives`` at its latency (and each of
+    their ``network_levels`` at the latency of a level)."""
+    return self.comm_seconds(0.0, network_collectives, network_bytes, network_collectives,
+                             network_levels)
 
 
 _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
@@ -216,16 +233,21 @@ _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default
 # A small collective across InfiniBand / EFA hosts (nccl-tests, 16 GPUs on
 # 2 nodes: 46-71 us in three reports; see the module's docstring)
 _ACROSS_HOSTS_LATENCY = 50e-6
+# and more for each doubling of the hosts: NCCL's tuning model of its tree
+# all-reduce, two network steps of 5.0 us a level (src/graph/tuning.cc)
+_LEVEL_LATENCY = 10e-6
 
 
 def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
          capacity: float, f32_flops: float) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
   another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
-  memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY``."""
+  memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
+  ``_LEVEL_LATENCY`` more each time its hosts double beyond two."""
   return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
                      memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
-                     f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY)
+                     f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
+                     network_level_latency_s=_LEVEL_LATENCY)
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({

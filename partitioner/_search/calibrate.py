@@ -502,6 +502,7 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
   if named is not None:
     fields["network_bytes_per_s"] = named.network_bytes_per_s
     fields["network_latency_s"] = named.network_latency_s
+    fields["network_level_latency_s"] = named.network_level_latency_s
     fields["memory_bytes"], fields["usable_fraction"] = named.memory_bytes, named.usable_fraction
   else:
     fields["network_bytes_per_s"] = fields["link_bytes_per_s"] / 2

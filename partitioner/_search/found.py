@@ -73,6 +73,9 @@ class CandidateResult:
       of ``search(hosts=)``).
     network_collectives: of ``collectives``, those whose group crosses
       hosts (each at the device model's ``network_latency_s``).
+    network_levels: of those, the doublings of the hosts their groups
+      span beyond two (each at the device model's
+      ``network_level_latency_s``).
     peak_memory: XLA's peak estimate per device.
     estimated_seconds: the cheap model's time, which shortlisted it.
     measured_seconds: its measured time per call (``measure=``), or None.
@@ -117,6 +120,7 @@ class CandidateResult:
   memory: dict | None = None
   hidden_seconds: float = 0.0
   network_collectives: int = 0
+  network_levels: float = 0.0
 
 
 def to_json(  # noqa: PLR0913 (the parts of the answer)
@@ -145,6 +149,7 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "hidden_seconds": s.hidden_seconds if s else 0.0,
         "network_collectives": s.network_collectives if s else 0,
+        "network_levels": s.network_levels if s else 0.0,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,

@@ -122,7 +122,7 @@ def plan_order(fits: list, device: DeviceModel) -> list:
   least = min(x.score.flops for x in band)
   lean = [x for x in band if x.score.flops <= LEAN_FLOPS * least]
   across = lambda x: device.network_seconds(x.score.network_bytes,
-                                            x.score.network_collectives)
+                                            x.score.network_collectives, x.score.network_levels)
   fewest = min(across(x) for x in lean)
   slack = QUIET_BYTES / device.network_bytes_per_s
   quiet = [x for x in lean if across(x) <= max(QUIET_WITHIN * fewest, fewest + slack)]

@@ -254,12 +254,14 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
                 if got.bytes_accessed else 0.0)
   compute = device.compute_seconds(flops, accessed, f32, transposed)
   count, remote = counts[0], min(counts[1], counts[0])
-  comm = device.comm_seconds(moved - network, count, network, remote)
+  # (the collectives across hosts keep their mix of group sizes)
+  levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
+  comm = device.comm_seconds(moved - network, count, network, remote, levels)
   before = device.comm_seconds(got.collective_bytes - got.network_bytes, got.collectives,
-                               got.network_bytes, got.network_collectives)
+                               got.network_bytes, got.network_collectives, got.network_levels)
   hidden = min(got.hidden_seconds / before * comm, compute) if before > 0 else 0.0
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
-                             network_collectives=remote,
+                             network_collectives=remote, network_levels=levels,
                              matmul_flops=matmul_flops, collective_bytes=moved,
                              network_bytes=network, seconds=compute + comm - hidden,
                              xla_seconds=None, f32_matmul_flops=f32,

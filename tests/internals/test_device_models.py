@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from partitioner import DEVICE_MODELS, DeviceModel
-from partitioner._report import hlo
+from partitioner._report import cost, hlo
 from partitioner._report.device_models import default_model
 from partitioner._search.flow import default_budget
 
@@ -57,6 +57,22 @@ def test_a_collective_across_hosts_costs_the_network_s_latency():
   # GPUs' from nccl-tests across InfiniBand / EFA nodes; TPUs' not known.
   assert DEVICE_MODELS["h100"].network_latency_s == 50e-6 > DEVICE_MODELS["h100"].latency_s
   assert DEVICE_MODELS["tpu-v5p"].network_latency_s is None
+
+
+def test_a_collective_over_more_hosts_costs_a_level_more_each_doubling():
+  """NCCL's tree: over 2 hosts the network's latency, a level (2 x 5.0 us
+  in NCCL's tuning model) more each time the hosts double."""
+  own = DeviceModel("mine", 1e12, 1e12, 1e11, 1e10, 1e-5, network_latency_s=1e-4,
+                    network_level_latency_s=1e-3)
+  assert own.comm_seconds(0.0, 1, 0.0, 1, 2.0) == pytest.approx(1e-4 + 2e-3)
+  assert own.network_seconds(0.0, 1, 2.0) == pytest.approx(1e-4 + 2e-3)
+  assert cost.network_levels("all-reduce", 2) == 0 == cost.network_levels("all-reduce", 1)
+  assert cost.network_levels("all-reduce", 8) == 2 == cost.network_levels("all-gather", 8)
+  assert cost.network_levels("reduce-scatter", 16) == 3
+  assert cost.network_levels("collective-permute", 8) == 0 == cost.network_levels("all-to-all", 8)
+  for name in ("a100", "h100", "h200", "gh200", "b200"):
+    assert DEVICE_MODELS[name].network_level_latency_s == 10e-6
+  assert DEVICE_MODELS["tpu-v5p"].network_level_latency_s == 0 == DEVICE_MODELS["cpu"].network_level_latency_s
 
 
 def _device(platform, stats):

@@ -286,7 +286,7 @@ def test_an_untimed_plan_for_hosts_prefers_the_lean_quiet_layout_of_the_close_on
   from types import SimpleNamespace as NS
   def row(i, seconds, flops, network, across=0):  # (network: MiB)
     return NS(index=i, score=NS(seconds=seconds, flops=flops, network_bytes=network * 2**20,
-                                network_collectives=across))
+                                network_collectives=across, network_levels=0.0))
   best, close_noisy, close_quiet, copies, far = (
       row(0, 1.0, 100, 50), row(1, 1.1, 105, 40), row(2, 1.2, 108, 30),
       row(3, 1.05, 300, 1), row(4, 2.0, 100, 0))
@@ -307,7 +307,7 @@ def test_of_layouts_that_send_about_as_few_bytes_across_hosts_the_faster_leads()
   from types import SimpleNamespace as NS
   def row(i, seconds, network):
     return NS(index=i, score=NS(seconds=seconds, flops=131, network_bytes=network,
-                                network_collectives=0))
+                                network_collectives=0, network_levels=0.0))
   fast, slow, noisy = row(0, 2.36, 3.01 * 2**20), row(1, 2.8, 3.0 * 2**20), row(2, 2.4, 21 * 2**20)
   assert _select.plan_order([fast, noisy, slow], _PLAN)[0] is fast
   tight = dataclasses.replace(_PLAN, error=0.1)
