@@ -318,9 +318,9 @@ def run(args) -> list[dict]:
 def run_v6e(args) -> list[dict]:
   """The published_v6e section: the Trillium recipes' family, only when
   asked for by name, with ``--full`` and libtpu (``--full --only
-  published_v6e``: 10 compiles of 8 to 256 chips, about 66 minutes here)."""
+  published_v6e``: 10 compiles of 8 to 256 chips, 66-76 minutes here)."""
   if not (getattr(args, "full", False) and getattr(args, "only", None) == "published_v6e"):
-    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, about 66"
+    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, 66-76"
           " minutes: with --full --only published_v6e)")
     return []
   if importlib.util.find_spec("libtpu") is None:
