@@ -482,10 +482,11 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     across = sent if hosts > 1 else 0.0
     count, weighted, network = count + k, weighted + sent, network + across
     remote += k if hosts > 1 else 0
-    levels += k * network_levels(op.opcode, hosts)
+    level = network_levels(op.opcode, hosts)
+    levels += k * level
     if k:  # (one run's time, for the schedule's replay)
       once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(hosts > 1),
-                                          network_levels(op.opcode, hosts))
+                                          level)
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
