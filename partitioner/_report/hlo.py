@@ -308,9 +308,10 @@ _ELEMENTWISE = frozenset({
     "round-nearest-afz", "sign", "and", "or", "xor", "not"})
 
 
+@functools.lru_cache(maxsize=4)  # (a score reads one text's computations several times)
 def computations(hlo_text: str) -> dict[str, list[str]]:
   """Computation name -> its instruction lines (the entry's name is the
-  key ``""`` too)."""
+  key ``""`` too). Shared between callers: read it, never change it."""
   found: dict[str, list[str]] = {}
   current = None
   for line in hlo_text.splitlines():

@@ -42,6 +42,10 @@ class _Value:
   itemsize: int
   roles: tuple[int | None, ...]
   source: int | None = None  # an argument: the first flat input alike (see OpTable)
+  nbytes: int = dataclasses.field(init=False, compare=False, repr=False)  # (the whole value's)
+
+  def __post_init__(self):
+    object.__setattr__(self, "nbytes", math.prod(self.shape) * self.itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,19 @@ class _Op:
   contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
   reduced: tuple[int, ...] = ()                # reduce: operand dims
   times: int = 1                               # scan bodies run length times; alike ops
+  # the flops on one device (a dot's 2 * out * contracted, a reduction's
+  # operand elements, another op's result elements)
+  work: float = dataclasses.field(init=False, compare=False, repr=False)
+
+  def __post_init__(self):
+    if self.kind == "dot":
+      contracted = math.prod(self.ins[0].shape[i] for i, _ in self.contract)
+      work = 2 * math.prod(self.outs[0].shape) * contracted
+    elif self.kind == "reduce":
+      work = math.prod(self.ins[0].shape)
+    else:
+      work = sum(math.prod(o.shape) for o in self.outs)
+    object.__setattr__(self, "work", work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +198,7 @@ class _Walk:
     self.f32 = 0.0
     self.gathered: set[int] = set()
     self._wanted: dict = {}
+    self._split: dict = {}
 
   def wanted(self, val: _Value) -> tuple[tuple[int, ...], ...]:
     """The grid axes each dimension of ``val`` is split over, by the
@@ -207,8 +225,10 @@ class _Walk:
 
   def local_bytes(self, val: _Value, dims: Sequence[tuple[int, ...]]) -> float:
     """The bytes of one device's piece of ``val`` split over ``dims``."""
-    split = math.prod(self.sizes[a] for ax in dims for a in ax)
-    return math.prod(val.shape) * val.itemsize / split
+    split = self._split.get(dims)
+    if split is None:
+      split = self._split[dims] = math.prod(self.sizes[a] for ax in dims for a in ax)
+    return val.nbytes / split
 
   def op(self, op: _Op) -> None:
     """Adds one op: the gathers of its arguments, its compute and bytes,
@@ -242,18 +262,14 @@ class _Walk:
     """Adds the op's flops (and a dot's result to the memory kept); the
     grid axes its results are partial sums over."""
     devices = math.prod(self.sizes[a] for a in {a for w in want_in for ax in w for a in ax})
+    flops = op.work / devices * op.times
+    self.flops += flops
     if op.kind == "dot":
-      lhs, _ = op.ins
-      contracted = math.prod(lhs.shape[i] for i, _ in op.contract)
-      flops = 2 * math.prod(op.outs[0].shape) * contracted / devices * op.times
-      self.flops += flops
-      self.f32 += flops if lhs.itemsize == 4 else 0.0
+      self.f32 += flops if op.ins[0].itemsize == 4 else 0.0
       self.memory += self.local_bytes(op.outs[0], outs[0]) * op.times
       return {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
     if op.kind == "reduce":
-      self.flops += math.prod(op.ins[0].shape) / max(devices, 1) * op.times
       return {a for d in op.reduced for a in want_in[0][d]}
-    self.flops += sum(math.prod(o.shape) for o in op.outs) / max(devices, 1) * op.times
     return set()
 
   def _send(self, sent: float, axis: int, times: int) -> None:
