@@ -237,7 +237,7 @@ def _abstract_mlp(d, h, b):
 @needs_libtpu
 def test_a_search_plans_for_a_tpu_slice_with_its_own_compiler():
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  params, x = _abstract_mlp(2048, 8192, 64)
+  params, x = _abstract_mlp(512, 2048, 64)
   found = partitioner.search(mlp_step, params, x, devices=chips, max_compiles=4)
   assert found.device_model == partitioner.DEVICE_MODELS["tpu-v5p"].name
   assert found.measured == 0  # compile-only devices: nothing timed
@@ -299,7 +299,7 @@ def test_a_tpu_plan_of_microbatches_holds_xla_tpus_own_peak():
   CPU plans check that; here XLA:TPU's compile of the whole batch split
   over the 4 chips, the layout that search finds, sets the budget.)"""
   chips = partitioner.tpu_devices("v5p:2x2x1")
-  params, x = _abstract_deep(8, 256, 1024, 16384)
+  params, x = _abstract_deep(8, 128, 256, 4096)  # (small: XLA:TPU compiles it in about 1 s)
   whole = sharded_jit(lambda p, b: _deep_accumulated(p, b, 1), in_parts=(None, P(4, 1)), out_parts=None,
                       devices=chips, donate_argnums=(0,)).lower(params, x).compile()
   budget = whole.cost().peak_memory * 0.7
@@ -317,7 +317,7 @@ def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
   by XLA:TPU, and its exact peak is what the search reports and what its
   budget is held to."""
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  params, x = _abstract_deep(12, 1024, 4096, 64)
+  params, x = _abstract_deep(12, 256, 1024, 64)
   found = partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3)
   best = found.best
   assert found.proxy and best.memory["by"] == "XLA:TPU, the whole program"
