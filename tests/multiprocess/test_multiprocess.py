@@ -227,12 +227,21 @@ ENDINGS = {
 }
 
 
+def _assert_failed_with(proc, code):
+  """The job ended with ``code`` (not 124: it did not hang). Or with 9 for
+  1: under load MPICH's mpiexec may have to SIGKILL a rank still exiting
+  after the job failed, and then reports 9 (seen once, with exit3)."""
+  out = proc.stdout + proc.stderr
+  cleanup_kill = code == 1 and proc.returncode == 9 and "Killed (signal 9)" in out
+  assert proc.returncode == code or cleanup_kill, out[-3000:]
+
+
 @pytest.mark.parametrize("how", sorted(ENDINGS))
 def test_a_rank_that_ends_early_ends_the_job_within_seconds(how):
   code, rank_says, launcher_says = ENDINGS[how]
   proc, _ = launch("mp_end.py", how, timeout=120)
   out = proc.stdout + proc.stderr
-  assert proc.returncode == code, out[-3000:]  # (not 124: it did not hang)
+  _assert_failed_with(proc, code)
   for text in rank_says:
     assert text in proc.stderr, proc.stderr[-3000:]
   tracebacks = proc.stderr.count("Traceback (most recent call last)")
@@ -251,7 +260,7 @@ def test_a_rank_that_ends_early_under_pmap_ends_the_job_within_seconds(how):
   code, rank_says, launcher_says = ENDINGS[how]
   proc, _ = launch("mp_end.py", how, timeout=120, env={"MP_END_PMAP": "1"})
   out = proc.stdout + proc.stderr
-  assert proc.returncode == code, out[-3000:]  # (not 124: it did not hang)
+  _assert_failed_with(proc, code)
   for text in rank_says:
     assert text in proc.stderr, proc.stderr[-3000:]
   assert "Check failure" not in out
