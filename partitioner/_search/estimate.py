@@ -56,8 +56,9 @@ class _Op:
   contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
   reduced: tuple[int, ...] = ()                # reduce: operand dims
   times: int = 1                               # scan bodies run length times; alike ops
-  # the flops on one device (a dot's 2 * out * contracted, a reduction's
-  # operand elements, another op's result elements)
+  # the op's flops on one device alone (a dot's 2 * out * contracted, a
+  # reduction's operand elements, another op's result elements); a
+  # candidate divides them among the devices its operands are split over
   work: float = dataclasses.field(init=False, compare=False, repr=False)
 
   def __post_init__(self):
