@@ -25,7 +25,9 @@ train.py`` restarts another launcher's command (``srun``, ``mpirun``,
 ``mpiexec``) as a whole the same way, its output passed through.
 ``--min-processes M``: a rank killed by a signal is taken as lost (its
 host gone or preempted), and the next attempt runs with one process fewer
-for each, never fewer than M.
+for each, never fewer than M. Those that mpiexec ends after it are not
+lost: on Linux the launcher watches the ranks' processes end, in order
+(:class:`~partitioner._distributed.job_report.EndOrder`).
 
 The console: rank 0 says ``2 processes x 4 devices ready`` once the
 processes are connected; gloo's ``[Gloo] Rank k is connected to ...`` lines
@@ -66,7 +68,7 @@ from partitioner._distributed.env import (
 from partitioner._distributed.env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed.env import launcher_world as launcher_world
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
-from partitioner._distributed.job_report import exit_statuses, how_it_ended, lost
+from partitioner._distributed.job_report import EndOrder, exit_statuses, how_it_ended, lost
 from sharding._checks import positive_count
 
 __all__ = ["LAUNCHER_ENV", "RESTART_ENV", "command", "environment", "find_gpus", "find_mpiexec",
@@ -350,24 +352,27 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     proc = subprocess.Popen(cmd, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
+    order = EndOrder(markers, n)
     output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))
+    order.stop()
     if ended:
       return code, []
     marks = read_marks(markers, n)
   if all("done" in m for m in marks.values()):
     return code, []
   tails = (output.tail(), errors.tail())
-  gone = lost(marks, exit_statuses(tails[0], n))
-  return _report_failure(cmd, code, marks, tails, n), gone
+  gone = lost(marks, exit_statuses(tails[0], n), order.followed())
+  return _report_failure(cmd, code, marks, tails, n, order.followed()), gone
 
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],
-                    n: int) -> int:
+                    n: int, followed: frozenset[int]) -> int:
   """Says on stderr how a failed job ended (mpiexec's own failure, or each
   rank's ending) and returns the launcher's exit code; ``tails`` are the
-  ends of the job's stdout and stderr."""
+  ends of the job's stdout and stderr, ``followed`` the ranks seen ending
+  after a peer's process (:class:`EndOrder`)."""
   if not any("started" in m for m in marks.values()):  # mpiexec's own failure
     said = (tails[0] + tails[1]).decode(errors="replace")
     hint = (" Hint: Open MPI refuses to run as root; if you mean to, set"
@@ -383,7 +388,7 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
   failed = {r for r, m in marks.items() if "failed" in m}
   endings = sorted((order, r, text) for r, m in marks.items()
                    for order, text in [how_it_ended(m, statuses.get(r), cause_known,
-                                                    bool(failed - {r}))])
+                                                    bool(failed - {r}), r in followed)])
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
   return code or 1

@@ -7,7 +7,10 @@ From the markers each rank leaves (``env.mark``) and MPICH's
 
 from __future__ import annotations
 
+import os
 import re
+import select
+import threading
 
 from partitioner._distributed import console as _console
 
@@ -26,22 +29,116 @@ def exit_statuses(text: bytes, size: int) -> dict[int, int]:
   return dict(enumerate(int(c) for c in codes[:size]))
 
 
-def lost(marks: dict[int, dict[str, str]], statuses: dict[int, int]) -> list[int]:
+def lost(marks: dict[int, dict[str, str]], statuses: dict[int, int],
+         followed: frozenset[int] = frozenset()) -> list[int]:
   """The ranks killed by a signal before any Python exit (as when their
-  host goes away or preempts them), not those ended after a peer."""
+  host goes away or preempts them), not those ended after a peer
+  (``followed``: seen ending after another rank's process, see
+  :class:`EndOrder`)."""
   return sorted(r for r, m in marks.items()
                 if (status := statuses.get(r)) and status <= 255 and status & 0x7F
+                and r not in followed
                 and not m.keys() & {"done", "failed", "ended", "left", "stopped"})
 
 
-def how_it_ended(marks: dict[str, str], status: int | None,
-                  cause_known: bool, peer_failed: bool = False) -> tuple[int, str]:
+class EndOrder(threading.Thread):
+  """Sees the job's processes end, in order, while it runs.
+
+  MPICH's exit codes cannot say which rank died first: its proxy records
+  0 for a rank it kills after a peer died, unless both ends reach it in
+  one pass of its event loop (as under load); then both show the peer's
+  signal 9. So this thread takes each rank's PID from its ``started``
+  mark (the launcher's ranks share its host), opens a Linux pidfd
+  (``os.pidfd_open``) for each and waits on them with epoll, which hands
+  back ready descriptors in the order they became ready: the order in
+  which the processes ended, even when this thread wakes late (as under
+  load). Where pidfds or epoll are missing (not Linux) it sees nothing and
+  the report rests on MPICH's codes alone.
+  """
+
+  _SCAN_SECS = 0.05  # how often to look for ranks not started yet
+
+  def __init__(self, directory: str, size: int):
+    super().__init__(daemon=True)
+    self.directory, self.size = directory, size
+    # Ranks in the order their processes ended; a set where it cannot tell.
+    self.ended: list[set[int]] = []
+    self._wake_r, self._wake_w = os.pipe()
+    if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
+      self.start()
+
+  def followed(self) -> frozenset[int]:
+    """The ranks seen ending after another rank's process."""
+    return frozenset().union(*self.ended[1:])
+
+  def stop(self) -> None:
+    """Ends the watch (the job has ended): one last look, then the thread ends."""
+    os.write(self._wake_w, b"x")
+    if self.is_alive():
+      self.join(timeout=2)
+    for fd in (self._wake_r, self._wake_w):
+      os.close(fd)
+
+  def run(self) -> None:
+    fds: dict[int, int] = {}  # pidfd -> rank
+    watched: set[int] = set()
+    with select.epoll() as ready:
+      ready.register(self._wake_r, select.EPOLLIN)
+      while True:
+        events = [fd for fd, _ in ready.poll(
+            -1 if len(watched) == self.size else self._SCAN_SECS)]
+        now = [fds.pop(fd) for fd in events if fd in fds]  # (in the order they ended)
+        for fd in events:
+          if fd != self._wake_r:
+            ready.unregister(fd)
+            os.close(fd)
+        gone = self._watch_new(watched, fds, ready)
+        if gone:  # (ended before it was watched: no telling when)
+          self.ended.append(set(now) | gone)
+        else:
+          self.ended.extend({r} for r in now)
+        if self._wake_r in events:
+          break
+    for fd in fds:
+      os.close(fd)
+
+  def _watch_new(self, watched: set[int], fds: dict[int, int], ready) -> set[int]:
+    """Opens a pidfd for each rank started since the last look; returns
+    the ranks already gone."""
+    gone = set()
+    for rank in range(self.size):
+      if rank in watched or (pid := self._pid(rank)) is None:
+        continue
+      watched.add(rank)
+      try:
+        fd = os.pidfd_open(pid)
+      except ProcessLookupError:
+        gone.add(rank)
+        continue
+      except OSError:  # (not permitted here: this rank goes unseen)
+        continue
+      fds[fd] = rank
+      ready.register(fd, select.EPOLLIN)
+    return gone
+
+  def _pid(self, rank: int) -> int | None:
+    try:
+      with open(os.path.join(self.directory, f"rank-{rank}.started")) as f:
+        return int(f.read())
+    except (OSError, ValueError):
+      return None
+
+
+def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,
+                  peer_failed: bool = False, followed: bool = False) -> tuple[int, str]:
   """One rank's ending, from the markers it left (``env.mark``) and its
   wait status from MPICH: (0 if it caused the job's end, else 1, what
   happened). ``cause_known``: some rank caused the end; ``peer_failed``:
   another rank raised (or was interrupted) in Python, which a rank that
   then exits without a Python exit follows (jax's runtime or MPI ended it
-  on the lost peer before its watcher could say so), never precedes."""
+  on the lost peer before its watcher could say so), never precedes;
+  ``followed``: its process was seen ending after a peer's
+  (:class:`EndOrder`)."""
   pid = marks.get("started", "")
   if "failed" in marks:
     if marks["failed"] == "interrupted":
@@ -53,6 +150,9 @@ def how_it_ended(marks: dict[str, str], status: int | None,
   if status and quiet and peer_failed:
     return 1, (f"ended without a Python exit (PID {pid}, {how}) after a peer failed:"
                " its runtime (jax's distributed service, or MPI) ended it")
+  if status and quiet and followed:
+    return 1, (f"was ended by the launcher (PID {pid}, {how}) after a peer's"
+               " process had ended")
   if status and quiet:
     return -1, (f"died first (PID {pid}, {how}) without a Python exit: killed by"
                 " a signal, crashed in native code, or called os._exit")

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import mpi_jobs as mp
 import pytest
@@ -347,6 +348,42 @@ def test_a_rank_killed_by_a_signal_is_lost_a_rank_stopped_after_it_is_not():
   marks = {0: {"started": "1", "stopped": "1"}, 1: {"started": "2"}, 2: {"started": "3"},
            3: {"started": "4", "failed": "ValueError"}}
   assert lost(marks, {0: 0, 1: 9, 2: 256, 3: 256}) == [1]
+  # Both killed by signal 9 (as MPICH reports under load), but rank 1's
+  # process was seen ending after rank 2's: only rank 2 is lost.
+  quiet = {r: {"started": str(r)} for r in range(3)}
+  assert lost(quiet, {0: 0, 1: 9, 2: 9}, followed=frozenset({1})) == [2]
+
+
+def test_a_rank_seen_ending_after_a_peer_was_ended_by_the_launcher():
+  from partitioner._distributed.job_report import how_it_ended
+  assert how_it_ended({"started": "7"}, 9, True, followed=True) == (
+      1, "was ended by the launcher (PID 7, signal 9) after a peer's process had ended")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_end_order_sees_which_process_ended_first(tmp_path):
+  """EndOrder: the ranks in the order their processes ended (killed here
+  2, then 0, then 1), and a rank already gone when first seen."""
+  from partitioner._distributed.job_report import EndOrder
+  procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+           for _ in range(4)]
+  procs[3].kill()
+  procs[3].wait()
+  for rank, proc in enumerate(procs):
+    (tmp_path / f"rank-{rank}.started").write_text(str(proc.pid))
+  order = EndOrder(str(tmp_path), 4)
+  try:
+    time.sleep(0.3)  # (its first look opens a pidfd for each)
+    assert order.ended == [{3}]
+    for rank in (2, 0, 1):
+      procs[rank].kill()
+      procs[rank].wait()
+  finally:
+    for proc in procs:
+      proc.kill()
+    order.stop()
+  assert order.ended == [{3}, {2}, {0}, {1}]
+  assert order.followed() == {0, 1, 2}
 
 
 def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
@@ -391,6 +428,35 @@ def test_another_launchers_command_is_restarted_as_a_whole(tmp_path, under_mpiex
       (a, r) for a in "01" for r in ranks]
   assert f"attempt 1 of {os.path.basename(cmd[0])} failed (exit code 3)" in out.stderr
   assert "restart 1 of 2" in out.stderr and "restart 2 of 2" not in out.stderr
+
+
+_KILLS_ITSELF = ("import os, signal, time\n"
+                 "if os.environ['PMI_RANK'] == '1' and os.environ['SHARDED_JIT_RESTART'] == '0':\n"
+                 "  time.sleep(1)\n"
+                 "  os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "time.sleep(0 if os.environ['SHARDED_JIT_RESTART'] != '0' else 60)\n")
+
+
+@pytest.mark.slow
+def test_only_the_rank_that_died_first_is_lost_when_mpich_reports_all_killed(tmp_path):
+  """MPICH reports signal 9 for every rank of a job without MPI (and for
+  ranks it kills in the same pass as the dead one's end, as under load):
+  the launcher's own watch tells rank 1, which died first, from the ranks
+  ended after it, and the job goes on with 2 processes of 3."""
+  pytest.importorskip("mpi4py")
+  if not hasattr(os, "pidfd_open"):
+    pytest.skip("the launcher sees the order in which ranks end through Linux pidfds")
+  script = tmp_path / "kills_itself.py"
+  script.write_text(_KILLS_ITSELF)
+  out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "3",
+                        "--max-restarts", "1", "--min-processes", "1", "--timeout", "120",
+                        str(script)], capture_output=True, text=True, timeout=180)
+  assert out.returncode == 0, out.stderr
+  assert "rank 1: died first (PID" in out.stderr, out.stderr
+  for rank in (0, 2):
+    assert f"rank {rank}: was ended by the launcher (PID" in out.stderr, out.stderr
+  assert ("starting the job again on 2 processes (rank 1 killed, taken as lost;"
+          " --min-processes 1), restart 1 of 1") in out.stderr, out.stderr
 
 
 @pytest.mark.slow
