@@ -383,28 +383,56 @@ def loop(line: str, comps: dict[str, list[str]] | None = None) -> tuple[str, int
   if not comps or not cond:
     return w.group("body"), None
   start = _LOOP_INIT.search(line)
+  body = comps.get(w.group("body"), [])
   return w.group("body"), _counted(comps.get(cond.group(1), []),
-                                   lambda k: _first_value(comps, start.group(1) if start else "", k))
+                                   lambda k: _first_value(comps, start.group(1) if start else "", k),
+                                   lambda k: _step(body, k))
 
 
 _LESS_THAN = re.compile(r"^\s*ROOT\s.*\scompare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=LT\b")
-_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((-?\d+)\)")
-_COUNTER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+get-tuple-element\(.*?\bindex=(\d+)")
+# (XLA:TPU's windowed einsum loops count in u32, by 2: a step each way round the ring)
+_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((-?\d+)\)")
+_COUNTER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+get-tuple-element\(.*?\bindex=(\d+)")
 _LOOP_INIT = re.compile(r"\swhile\(%?([\w.\-]+)\)")
 
 
-def _counted(condition: list[str], first: Callable[[int], int | None]) -> int | None:
+def _counted(condition: list[str], first: Callable[[int], int | None],
+             step: Callable[[int], int] = lambda _: 1) -> int | None:
   """The trip count of a loop whose condition is ``counter < N`` (a
   tuple element against an integer constant) and whose counter starts at
-  ``first(its tuple index)``, else None."""
+  ``first(its tuple index)`` and goes up by ``step(its tuple index)``,
+  else None."""
   constants = {m.group(1): int(m.group(2)) for m in map(_INT_CONSTANT.match, condition) if m}
   counters = {m.group(1): int(m.group(2)) for m in map(_COUNTER.match, condition) if m}
   for line in condition:
     m = _LESS_THAN.match(line)
     if m and m.group(1) in counters and m.group(2) in constants:
       start = first(counters[m.group(1)])
-      return None if start is None else max(0, constants[m.group(2)] - start)
+      by = step(counters[m.group(1)])
+      return None if start is None else max(0, -(-(constants[m.group(2)] - start) // by))
   return None
+
+
+def _step(body: list[str], index: int) -> int:
+  """How much a loop's body adds to its counter, tuple element ``index``:
+  the constant of ``add(get-tuple-element(index), constant)`` that its
+  root tuple passes on there; 1 where the body says otherwise (jax's
+  loops count by 1)."""
+  defs = {m.group("name"): m for m in map(DEFINITION.match, body) if m}
+  root = next((m for line in body if line.lstrip().startswith("ROOT ")
+               and (m := DEFINITION.match(line))), None)
+  if root is None or root.group("kind") != "tuple":
+    return 1
+  operands = OPERAND.findall(root.group("args"))
+  update = defs.get(operands[index]) if index < len(operands) else None
+  if update is None or update.group("kind") != "add":
+    return 1
+  parts = [defs.get(name) for name in OPERAND.findall(update.group("args"))]
+  constants = [int(p.group("args")) for p in parts if p is not None and p.group("kind") == "constant"
+               and re.fullmatch(r"-?\d+", p.group("args"))]
+  counters = [p for p in parts if p is not None and p.group("kind") == "get-tuple-element"
+              and re.search(rf"\), index={index}\b", p.string)]
+  return constants[0] if len(constants) == 1 and counters and constants[0] > 0 else 1
 
 
 def _first_value(comps: dict[str, list[str]], init: str, index: int) -> int | None:

@@ -304,3 +304,20 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
   late = copied.replace("%c = s32[] copy(%z)", "%c = s32[] copy(%lo)").replace(
       "  %z = s32[] constant(0)", "  %lo = s32[] parameter(2)")
   assert _hlo.runs(late)["body"] == 1
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
+  """XLA:TPU's windowed einsum loops (collective matmul) count in u32 and
+  step 2 (a shard each way round the ring): counter < 4 from 0 runs twice,
+  < 5 three times; a body that adds a value not known until run time
+  counts as stepping 1."""
+  tpu = _SLICES.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+  stepped = tpu.replace("s32[]", "u32[]").replace(
+      "ROOT %r = (u32[], f32[64,1024]{1,0}) tuple(%i, %w)",
+      "%two = u32[] constant(2)\n  %next = u32[] add(%i, %two)\n"
+      "  ROOT %r = (u32[], f32[64,1024]{1,0}) tuple(%next, %w)")
+  assert "add(%i, %two)" in stepped
+  assert _hlo.runs(stepped.replace("constant(3)", "constant(4)"))["body"] == 2
+  assert _hlo.runs(stepped.replace("constant(3)", "constant(5)"))["body"] == 3
+  unknown = stepped.replace("%two = u32[] constant(2)", "%two = u32[] partition-id()")
+  assert _hlo.runs(unknown.replace("constant(3)", "constant(4)"))["body"] == 4
