@@ -177,3 +177,53 @@ def test_a_program_xla_tpu_compiled_is_scored_fused_its_chunks_each_time_they_ru
   # (XLA:TPU prints no loop's trip count: each chunk's flops count every
   # iteration, and a chunk's forward is recomputed for its backward)
   assert flops[None] < flops[256] < 1.2 * flops[None]
+
+
+# As XLA:TPU fuses a score matrix with a reduction of it into one fusion of
+# two results (a chunk of 16 queries x 16 keys, 4 heads), read by the next.
+_TWO_RESULTS = """\
+HloModule m
+
+%fused (a: f32[4,16,8], b: f32[4,16,8]) -> (f32[4,16], f32[4,16,16]) {
+  %a = f32[4,16,8]{2,1,0} parameter(0)
+  %b = f32[4,16,8]{2,1,0} parameter(1)
+  %s = f32[4,16,16]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={2}
+  %z = f32[] constant(0)
+  %m = f32[4,16]{1,0} reduce(%s, %z), dimensions={2}, to_apply=%max
+  ROOT %t = (f32[4,16]{1,0}, f32[4,16,16]{2,1,0}) tuple(%m, %s)
+}
+
+%minus (s: f32[4,16,16], m: f32[4,16]) -> f32[4,16,16] {
+  %s = f32[4,16,16]{2,1,0} parameter(0)
+  %m = f32[4,16]{1,0} parameter(1)
+  %b = f32[4,16,16]{2,1,0} broadcast(%m), dimensions={0,1}
+  ROOT %d = f32[4,16,16]{2,1,0} subtract(%s, %b)
+}
+
+%max (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %r = f32[] maximum(%x, %y)
+}
+
+ENTRY %main (q: f32[4,16,8], k: f32[4,16,8]) -> f32[4,16,16] {
+  %q = f32[4,16,8]{2,1,0} parameter(0)
+  %k = f32[4,16,8]{2,1,0} parameter(1)
+  %f = (f32[4,16]{1,0}, f32[4,16,16]{2,1,0}) fusion(%q, %k), kind=kOutput, calls=%fused, metadata={op_name="jit(step)/vmap(BTNH,BSNH->BNTS)/dot_general"}
+  %s = f32[4,16,16]{2,1,0} get-tuple-element(%f), index=1
+  %m = f32[4,16]{1,0} get-tuple-element(%f), index=0
+  ROOT %e = f32[4,16,16]{2,1,0} fusion(%s, %m), kind=kLoop, calls=%minus, metadata={op_name="jit(step)/sub"}
+}
+"""
+
+
+def test_a_score_matrix_among_a_fusions_results_moves_nothing():
+  """A fusion of several results (XLA:TPU's: the logits and their row
+  maximum) holds a score matrix: the shape is found in it, and its bytes,
+  written and then read, leave the traffic; the maximum's stay."""
+  assert _attention.score_shape(_TWO_RESULTS) == (4 * 16 * 16, 16)
+  assert _attention.score_bytes("(f32[4,16]{1,0}, f32[4,16,16]{2,1,0})", (1024, 16)) == 4096
+  moved, _ = _cost.score_traffic(_TWO_RESULTS)
+  # written by the first fusion, read by the second, and the second's own
+  # result (score-shaped too): 3 x 4 KiB
+  assert moved == 3 * 4 * 16 * 16 * 4

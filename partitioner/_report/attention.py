@@ -31,7 +31,8 @@ def score_shape(hlo_text: str) -> tuple[int, int] | None:
   """The score matrices of the program's jax attention per device, as
   ``(elements, keys)``: the largest result of the ops of its matmuls (the
   logits, or the gradient of the probabilities; XLA may fuse a convert or
-  a transpose with them) and that result's last dimension, the keys'
+  a transpose with them, or a reduction beside them, as one of several
+  results) and that result's last dimension, the keys'
   sequence length; None where the program calls none. (With attentions
   of several sizes, the largest's.)"""
   best: tuple[int, int] | None = None
@@ -42,12 +43,10 @@ def score_shape(hlo_text: str) -> tuple[int, int] | None:
     m = _hlo.DEFINITION.match(line)  # (a dot, or the fusion XLA made around one)
     if m is None:
       continue
-    found = _hlo.ARRAY.findall(m.group("shape"))
-    if len(found) != 1:
-      continue
-    dims = [int(d) for d in found[0][1].split(",") if d]
-    if dims and (best is None or math.prod(dims) > best[0]):
-      best = (math.prod(dims), dims[-1])
+    for _, found in _hlo.ARRAY.findall(m.group("shape")):  # (a multi-output fusion's each)
+      dims = [int(d) for d in found.split(",") if d]
+      if dims and (best is None or math.prod(dims) > best[0]):
+        best = (math.prod(dims), dims[-1])
   return best
 
 
@@ -60,6 +59,15 @@ def is_score(shape: str, score: tuple[int, int]) -> bool:
     return False
   dims = [int(d) for d in found[0][1].split(",") if d]
   return len(dims) >= 2 and math.prod(dims) == score[0] and score[1] in dims
+
+
+def score_bytes(shape: str, score: tuple[int, int]) -> int:
+  """The bytes of the score matrices in a value of ``shape``: the whole
+  array where it is one (:func:`is_score`), those of a tuple's arrays
+  that are (a multi-output fusion's results), else 0."""
+  found = _hlo.ARRAY.findall(shape)
+  return sum(_hlo.array_bytes(t, d) for t, d in found
+             if is_score(f"{t}[{d}]", score))
 
 
 def transposed_score_bytes(hlo_text: str, score: tuple[int, int]) -> float:

@@ -285,11 +285,13 @@ class _Values:
   """What :func:`scoped` reads of each value of the program once: the
   bytes and scope of the op that made it, the scope of the op that calls
   each computation, every definition ``(computation, match, scope)``, and
-  the values that are score matrices of a fused attention (no traffic)."""
+  the bytes of each value that are score matrices of a fused attention (no
+  traffic): the whole value, or the score matrices among the results of
+  a fusion XLA made with several (XLA:TPU's: a reduction beside them)."""
   made: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
   caller: dict[str, str | None] = dataclasses.field(default_factory=dict)
   defined: list[tuple[str, re.Match, str | None]] = dataclasses.field(default_factory=list)
-  scores: set[str] = dataclasses.field(default_factory=set)
+  scores: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def scope(self, value: str) -> str | None:
     """The scope of the op that made ``value`` (None: unknown)."""
@@ -322,8 +324,8 @@ def _values(comps: dict[str, list[str]], scope: re.Pattern,
         where = next((values.scope(v) for v in _hlo.OPERAND.findall(m.group("args"))
                       if values.scope(v)), None)
       values.made[m.group("name")] = (size, where)
-      if score is not None and _attention.is_score(m.group("shape"), score):
-        values.scores.add(m.group("name"))
+      if score is not None and (held := _attention.score_bytes(m.group("shape"), score)):
+        values.scores[m.group("name")] = held
       values.caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
       values.defined.append((name, m, where))
   return values
@@ -356,7 +358,7 @@ def _moved(counts: dict[str, int], values: _Values) -> Iterator[tuple[str | None
     read = [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))]
     k = counts.get(name, 1)
     yield (where, k * sum(values.size(v) for v in read),
-           k * sum(values.size(v) for v in read if v in values.scores))
+           k * sum(values.scores.get(v, 0) for v in read))
 
 
 def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
