@@ -117,6 +117,13 @@ class Family:
   attention: str | None = None  # partitioner.cost's: "fused" where it runs a fused kernel
   slices: int = SLICES  # compiled for so many slices (1: its runs are of one slice)
   chunk: int | None = None  # the step's sequence chunk (_llama.make_step's), for memory
+  # (config name, pod) -> flags that run's script adds to the family's
+  run_flags: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
+
+  def flags_for(self, config: Config, pod: str) -> dict:
+    """The XLA flags of ``config``'s run on ``pod``: the family's, and its
+    script's own."""
+    return {**self.flags, **self.run_flags.get((config.name, pod), {})}
 
   def device(self):
     """The named model, with the family's network where it has its own."""
@@ -210,7 +217,10 @@ def _families() -> dict[str, Family]:
       # so that XLA:TPU fits 8192-token sequences in a v6e chip's 31.25 GiB)
       "v6e": Family("tpu-v6e", "published (Google's tpu-recipes: MaxText's Trillium logs)",
                     {f"v6e-{n}": f"v6e:{t}" for n, t in V6E_PODS}, flags_of(V6E_FLAGS),
-                    _v6e(), attention="fused", slices=1, chunk=1024),
+                    _v6e(), attention="fused", slices=1, chunk=1024,
+                    run_flags={run: flags_of(DISABLE_COLLECTIVE_MATMUL) for run in (
+                        ("Llama 3.1 8B, 3 x 8192 tokens a chip", "v6e-8"),
+                        ("Llama 3.1 70B, 2 x 8192 tokens a chip", "v6e-32"))}),
   }
 
 
@@ -273,8 +283,7 @@ V4_FLAGS = "--xla_enable_async_all_gather=true"
 # scheduler flags (nothing is offloaded here: what the recipes offload
 # stays in HBM; with them one 8B compile had not ended in 19 minutes, with
 # these each takes 6-7 here),
-# nor the 8B's SparseCore all-reduce offload and collective matmul off
-# (FSDP alone reduce-scatters, and has no tensor axis).
+# nor the 8B's SparseCore all-reduce offload.
 V6E_FLAGS = ("--xla_tpu_scoped_vmem_limit_kib=98304"
              " --xla_tpu_use_minor_sharding_for_major_trivial_input=true"
              " --xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1"
@@ -285,6 +294,13 @@ V6E_FLAGS = ("--xla_tpu_scoped_vmem_limit_kib=98304"
              " --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
              " --xla_tpu_enable_async_collective_fusion_multiple_steps=true"
              " --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+
+# The "_no_collective_matmul" recipes' (the 8B on v6e-8, the 70B on v6e-32):
+# no windowed einsum, where XLA:TPU would otherwise turn each FSDP
+# all-gather and its matmul into a loop round the ring, the matmul's whole
+# result read and written each step.
+DISABLE_COLLECTIVE_MATMUL = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
+
 
 def maxtext_flops(shape) -> float:
   """MaxText's training flops per chip (``calculate_tflops_training_per_
@@ -382,7 +398,7 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
   compiled = jax.jit(step, in_shardings=(weights, state, named(("data", "fsdp"), None)),
                      out_shardings=(weights, state, named()),
                      donate_argnums=(0, 1)).lower(params, opt, tokens).compile(
-                         compiler_options=family.flags)
+                         compiler_options=family.flags_for(config, pod))
   return partitioner.cost(compiled, family.device(), hosts=hosts, attention=family.attention)
 
 

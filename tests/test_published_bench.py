@@ -102,3 +102,12 @@ def test_the_v6e_family_runs_only_when_named_with_full(capsys):
   assert all(pod in family.pods and slices == 1
              for c in family.configs for pod, slices, _ in c.runs)
   assert published.flags_of(published.V6E_FLAGS)["xla_tpu_scoped_vmem_limit_kib"] == 98304
+  # The "_no_collective_matmul" recipes (8B on v6e-8, 70B on v6e-32) turn
+  # XLA:TPU's windowed einsums off; the others keep them.
+  off = {(c.name.split(",")[0], pod)
+         for c in family.configs for pod, _, _ in c.runs
+         if family.flags_for(c, pod).get("xla_jf_spmd_threshold_for_windowed_einsum_mib")
+         == 1000000}
+  assert off == {("Llama 3.1 8B", "v6e-8"), ("Llama 3.1 70B", "v6e-32")}
+  assert all(family.flags_for(c, pod).items() >= family.flags.items()
+             for c in family.configs for pod, _, _ in c.runs)
