@@ -81,6 +81,14 @@ class EndOrder(threading.Thread):
 
   def run(self) -> None:
     fds: dict[int, int] = {}  # pidfd -> rank
+    try:
+      self._watch(fds)
+    except OSError:  # (the report falls back on MPICH's codes for what it missed)
+      pass
+    for fd in fds:
+      os.close(fd)
+
+  def _watch(self, fds: dict[int, int]) -> None:
     watched: set[int] = set()
     with select.epoll() as ready:
       ready.register(self._wake_r, select.EPOLLIN)
@@ -99,8 +107,6 @@ class EndOrder(threading.Thread):
           self.ended.extend({r} for r in now)
         if self._wake_r in events:
           break
-    for fd in fds:
-      os.close(fd)
 
   def _watch_new(self, watched: set[int], fds: dict[int, int], ready) -> set[int]:
     """Opens a pidfd for each rank started since the last look; returns
