@@ -373,7 +373,9 @@ def test_end_order_sees_which_process_ended_first(tmp_path):
     (tmp_path / f"rank-{rank}.started").write_text(str(proc.pid))
   order = EndOrder(str(tmp_path), 4)
   try:
-    time.sleep(0.3)  # (its first look opens a pidfd for each)
+    deadline = time.monotonic() + 30  # (its first look opens a pidfd for each)
+    while order.ended != [{3}] and time.monotonic() < deadline:
+      time.sleep(0.01)
     assert order.ended == [{3}]
     for rank in (2, 0, 1):
       procs[rank].kill()
@@ -432,7 +434,7 @@ def test_another_launchers_command_is_restarted_as_a_whole(tmp_path, under_mpiex
 
 _KILLS_ITSELF = ("import os, signal, time\n"
                  "if os.environ['PMI_RANK'] == '1' and os.environ['SHARDED_JIT_RESTART'] == '0':\n"
-                 "  time.sleep(1)\n"
+                 "  time.sleep(2)\n"
                  "  os.kill(os.getpid(), signal.SIGKILL)\n"
                  "time.sleep(0 if os.environ['SHARDED_JIT_RESTART'] != '0' else 60)\n")
 
