@@ -14,6 +14,23 @@ the scripts that ran them:
 - A3, 8 H100s a host (``gpu/a3/llama_2_7b/README.md``, ``1vm.sh`` ...):
   Llama 2 7B on 1 to 16 hosts, 5 rates.
 
+MosaicML's llm-foundry (github.com/mosaicml/llm-foundry,
+``scripts/train/benchmarking/README.md``) publishes the measured
+throughput of its MPT models trained with Composer and PyTorch FSDP; from
+its table "A100 80GB with 1600 Gbps node-node interconnect (RoCE)", the
+A100 family here: MPT 1B to 30B on one node of 8 A100s, sequences of
+2048, and the 7B at 4096 and 8192 too, 7 rates (each row's "Model
+TFLOP": its MFU times the A100's 312 TFLOP/s, by MosaicML's own flop
+count, 6 x the parameters a token plus 12 x layers x width x sequence a
+token of attention). Each MPT block stands here as a ``llama2`` block of
+the same width, heads and depth whose gated MLP (3 matrices of 8/3 x the
+width) holds and computes what MPT's (2 of 4 x the width) does, its
+vocabulary 50368, its embeddings untied (MPT ties them: 3% more weights
+here, the same flops); FSDP over the node's 8 (FULL_SHARD), a run with
+activation checkpointing as ``remat_policy: full`` and one without as
+``minimal_with_context`` (only elementwise ops recomputed), FlashAttention
+scored as a fused kernel (``attention="fused"``).
+
 Google's Trillium recipes (github.com/AI-Hypercomputer/tpu-recipes,
 ``training/trillium/Llama3.1-8B-MaxText/v6e-<n>/README.md`` ...) run
 MaxText on one v6e slice each and show a measured step's log line: Llama
@@ -70,8 +87,8 @@ matrices add memory traffic; the H100s' program is scored with
 score matrices move are left out. Some of its scripts offload
 activations to host memory or tile the vocabulary (here neither). Needs libtpu (``pip install
 -e .[tpu]``) for the TPU families: about 20 minutes here (28 compiles of
-64 to 4096 chips), so only with ``--full``; the H100 family (about 10 s)
-runs by default.
+64 to 4096 chips), so only with ``--full``; the H100 and A100 families
+(XLA:CPU, about 2 minutes) run by default.
 """
 
 from __future__ import annotations
@@ -101,6 +118,7 @@ class Config:
   tensor: int
   remat: str | tuple[str, ...]  # (a tuple: the names a layer saves, MaxText's "custom")
   runs: tuple[tuple[str, int, float], ...]
+  params: int | None = None  # the table's own parameter count, where its flops use it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +137,11 @@ class Family:
   chunk: int | None = None  # the step's sequence chunk (_llama.make_step's), for memory
   # (config name, pod) -> flags that run's script adds to the family's
   run_flags: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
+  counter: str = "MaxText"  # whose flop count the published rates are in
+
+  def flops(self, config: Config) -> float:
+    """A step's training flops a chip, counted as the table counts them."""
+    return mpt_flops(config) if self.counter == "MosaicML" else maxtext_flops(config.shape)
 
   def flags_for(self, config: Config, pod: str) -> dict:
     """The XLA flags of ``config``'s run on ``pod``: the family's, and its
@@ -199,6 +222,9 @@ def _families() -> dict[str, Family]:
                tuple(("A3", k, r) for k, r in ((1, 492), (2, 422), (4, 407), (8, 409),
                                                (16, 375)))),)
   return {
+      "a100": Family("a100", "published (MosaicML's llm-foundry A100 table)",
+                     {"8 x A100": "cpu:8"}, {}, _mpt_a100(), attention="fused", slices=1,
+                     counter="MosaicML"),
       "v5e": Family("tpu-v5e", "published (MaxText's v5e table)", {"v5e-256": "v5e:16x16"},
                     flags_of(V5E_FLAGS), v5e),
       # (a v5p pod is named by its cores, two a chip: v5p-128 is 64 chips)
@@ -222,6 +248,43 @@ def _families() -> dict[str, Family]:
                         ("Llama 3.1 8B, 3 x 8192 tokens a chip", "v6e-8"),
                         ("Llama 3.1 70B, 2 x 8192 tokens a chip", "v6e-32"))}),
   }
+
+
+# MosaicML's A100 table (llm-foundry, scripts/train/benchmarking/README.md,
+# commit 061f2c7; the MPT yamls in scripts/train/yamls/pretrain/ give the
+# shapes): name, layers, width, heads, sequence, micro batch a GPU,
+# activation checkpointing, the row's NumParams and its "Model TFLOP" (a GPU's).
+MPT_A100 = (
+    ("1B", 24, 2048, 16, 2048, 14, False, 1315950592, 186.7501),
+    ("3B", 32, 2560, 20, 2048, 10, False, 2651837440, 193.7863),
+    ("7B", 32, 4096, 32, 2048, 6, False, 6658859008, 200.3836),
+    ("7B", 32, 4096, 32, 4096, 16, True, 6667247616, 171.1072),
+    ("7B", 32, 4096, 32, 8192, 8, True, 6684024832, 169.9318),
+    ("13B", 40, 5120, 40, 2048, 2, False, 12853954560, 185.8556),
+    ("30B", 48, 7168, 56, 2048, 3, True, 29975214080, 172.5420),
+)
+
+
+def _mpt_a100() -> tuple[Config, ...]:
+  """The A100 family: each MPT row as a ``llama2`` block of its shape
+  (see the module's docstring), FSDP over one node's 8 GPUs."""
+  from benchmarks import _llama
+  return tuple(
+      Config(f"MPT {name}, {batch} x {seq} tokens a GPU",
+             _llama.Shape(layers=layers, width=width, mlp=round(8 * width / 3), heads=heads,
+                          kv_heads=heads, vocab=50368, batch=batch, seq=seq),
+             1, "full" if checkpointing else "minimal_with_context",
+             (("8 x A100", 1, rate),), params=params)
+      for name, layers, width, heads, seq, batch, checkpointing, params, rate in MPT_A100)
+
+
+def mpt_flops(config: Config) -> float:
+  """MosaicML's training flops a GPU (llm-foundry's benchmarking README,
+  its MFU): 3 x (2 x the parameters a token, and attention's 4 x layers x
+  width x sequence a token, causal or not), for ``batch`` sequences."""
+  shape = config.shape
+  tokens = shape.batch * shape.seq
+  return 3 * (2 * config.params * tokens + 4 * shape.layers * shape.width * shape.seq * tokens)
 
 
 # The Trillium slices of the recipes, by chips, and libtpu's topologies.
@@ -316,7 +379,7 @@ def maxtext_flops(shape) -> float:
 
 
 def run(args) -> list[dict]:
-  """The published section: the H100 family, and with ``--full`` (libtpu
+  """The published section: the H100 and A100 families, and with ``--full`` (libtpu
   installed) the v5e, v5p and v4 ones."""
   families = {n: f for n, f in _families().items() if n != "v6e"}
   names = [n for n, f in families.items() if not f.model.startswith("tpu-")]
@@ -430,7 +493,7 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
   config = next(c for c in family.configs if c.name == config_name)
   simulated = [t for t in family.pods.values() if t.startswith("cpu:")]
   setup_jax(family.slices * _chips(simulated[0]) if simulated else 8)
-  shape, flops = config.shape, maxtext_flops(config.shape)
+  shape, flops = config.shape, family.flops(config)
   rows = []
   for pod in dict.fromkeys(p for p, _, _ in config.runs):  # (in order, once each)
     one, two = (compiled_cost(family, config, pod, n) for n in (1, 2))
@@ -452,7 +515,7 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
                      f" {shape.batch} x {shape.seq} tokens a chip, {layout}, remat"
                      f" {_remat_name(config.remat)}; estimated {seconds:.2f} s a step ({compute:.2f} s"
                      f" compute, {comm:.2f} s collectives, {hidden:.2f} s of them behind"
-                     f" compute), MaxText's flops {flops / 1e12:.0f} T a chip;"
+                     f" compute), {family.counter}'s flops {flops / 1e12:.0f} T a chip;"
                      f" {'XLA:TPU' if family.model.startswith('tpu-') else 'XLA:CPU'}'s peak"
                      f" at 1 / 2 layers {one.peak_memory / 1e9:.1f} /"
                      f" {two.peak_memory / 1e9:.1f} GB a chip")})

@@ -85,11 +85,32 @@ def test_ranks_give_ties_their_mean_and_a_family_alike_no_order():
 def test_every_family_cites_its_table_and_names_a_model_and_a_topology():
   import partitioner
   for family in published._families().values():
-    assert family.model in partitioner.DEVICE_MODELS and "MaxText's" in family.source
+    assert family.model in partitioner.DEVICE_MODELS
+    assert f"{family.counter}'s" in family.source or "MaxText's" in family.source
     for config in family.configs:
       assert config.runs and all(pod in family.pods for pod, _, _ in config.runs)
       _llama._checked(config.shape, config.remat, family.chunk)  # (raises if not)
       assert config.shape.params() > 1e9
+
+
+def test_the_a100_family_counts_flops_as_mosaicml_does():
+  """MosaicML's MFU counts 6 x the parameters a token plus attention's 12
+  x layers x width x sequence: its 7B row at 2048 (4641 tokens/s a GPU)
+  is its "Model TFLOP", 200.38; each MPT block stands as a llama2 block
+  with the same matmul weights a layer (a gated MLP of 8/3 x the width)."""
+  family = published._families()["a100"]
+  assert family.model == "a100" and family.attention == "fused" and family.slices == 1
+  seven = next(c for c in family.configs if c.name == "MPT 7B, 6 x 2048 tokens a GPU")
+  tokens = seven.shape.batch * seven.shape.seq
+  assert family.flops(seven) / tokens * 4641 / 1e12 == pytest.approx(200.3836, rel=1e-3)
+  assert seven.runs == (("8 x A100", 1, 200.3836),) and seven.remat == "minimal_with_context"
+  for config in family.configs:
+    d = config.shape.width
+    assert 3 * d * config.shape.mlp == pytest.approx(8 * d * d, rel=1e-3)
+    # (the table's NumParams: MPT's tied vocabulary and its position table, within 0.1%)
+    mpt = config.shape.layers * 12 * d * d + (50368 + config.shape.seq) * d
+    assert mpt == pytest.approx(config.params, rel=1e-3)
+  assert [c.remat for c in family.configs].count("full") == 3  # (checkpointing on)
 
 
 def test_the_v6e_family_runs_only_when_named_with_full(capsys):
