@@ -7,6 +7,7 @@ From the markers each rank leaves (``env.mark``) and MPICH's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -81,10 +82,10 @@ class EndOrder(threading.Thread):
 
   def run(self) -> None:
     fds: dict[int, int] = {}  # pidfd -> rank
-    try:
+    # (a watch that fails keeps what it saw; the report falls back on
+    # MPICH's codes for the rest)
+    with contextlib.suppress(OSError):
       self._watch(fds)
-    except OSError:  # (the report falls back on MPICH's codes for what it missed)
-      pass
     for fd in fds:
       os.close(fd)
 
