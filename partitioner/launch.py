@@ -68,7 +68,13 @@ from partitioner._distributed.env import (
 from partitioner._distributed.env import LAUNCHER_ENV as LAUNCHER_ENV
 from partitioner._distributed.env import launcher_world as launcher_world
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
-from partitioner._distributed.job_report import EndOrder, exit_statuses, how_it_ended, lost
+from partitioner._distributed.job_report import (
+  EndOrder,
+  exit_statuses,
+  how_it_ended,
+  lost,
+  quiet_deaths,
+)
 from sharding._checks import positive_count
 
 __all__ = ["LAUNCHER_ENV", "RESTART_ENV", "command", "environment", "find_gpus", "find_mpiexec",
@@ -363,8 +369,9 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
   if all("done" in m for m in marks.values()):
     return code, []
   tails = (output.tail(), errors.tail())
-  gone = lost(marks, exit_statuses(tails[0], n), order.followed())
-  return _report_failure(cmd, code, marks, tails, n, order.followed()), gone
+  statuses = exit_statuses(tails[0], n)
+  followed = order.followed(quiet_deaths(marks, statuses))
+  return _report_failure(cmd, code, marks, tails, n, followed), lost(marks, statuses, followed)
 
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],

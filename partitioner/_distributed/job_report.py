@@ -68,9 +68,13 @@ class EndOrder(threading.Thread):
     if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
       self.start()
 
-  def followed(self) -> frozenset[int]:
-    """The ranks seen ending after another rank's process."""
-    return frozenset().union(*self.ended[1:])
+  def followed(self, among: set[int] | None = None) -> frozenset[int]:
+    """The ranks (of ``among``, those that could have died first) seen
+    ending after another of them. A rank that ended itself in Python on
+    losing a peer may go before the killed peer's last thread: it does not
+    count."""
+    seen = [b & among if among is not None else b for b in self.ended]
+    return frozenset().union(*[b for b in seen if b][1:])
 
   def stop(self) -> None:
     """Ends the watch (the job has ended): one last look, then the thread ends."""
@@ -134,6 +138,13 @@ class EndOrder(threading.Thread):
         return int(f.read())
     except (OSError, ValueError):
       return None
+
+
+def quiet_deaths(marks: dict[int, dict[str, str]], statuses: dict[int, int]) -> set[int]:
+  """The ranks that ended with a non-zero status and no Python exit: those
+  that may have died first."""
+  return {r for r, m in marks.items() if statuses.get(r)
+          and not m.keys() & {"done", "failed", "ended", "left", "stopped"}}
 
 
 def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,

@@ -386,6 +386,10 @@ def test_end_order_sees_which_process_ended_first(tmp_path):
     order.stop()
   assert order.ended == [{3}, {2}, {0}, {1}]
   assert order.followed() == {0, 1, 2}
+  # Among the ranks that could have died first only: rank 2 ended itself
+  # in Python (it does not count), so rank 0 went first.
+  assert order.followed({0, 1, 3}) == {0, 1}
+  assert order.followed({0, 1}) == {1}
 
 
 def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
