@@ -203,11 +203,14 @@ ENDINGS = {
               ["rank 1: raised ValueError: rank 1 broke at step 5; its traceback is above",
                # a race, all true: rank 0 reads rank 1's notice, or the
                # launcher stops it first, or it notices the lost connection
-               # first, or jax's runtime ends it on the lost peer first
+               # first, or jax's runtime ends it on the lost peer first, or
+               # MPICH's proxy SIGKILLs it once rank 1's PMI socket closes
                ("rank 0: ended because of a peer: rank 1 failed",
                 "rank 0: was stopped by the launcher after a peer failed",
                 "rank 0: ended because of a peer: lost its connection to a peer",
                 "rank 0: ended without a Python exit (PID \\d+, exit code 1) after a peer"
+                " failed",
+                "rank 0: ended without a Python exit (PID \\d+, signal 9) after a peer"
                 " failed")]),
     "keyboard": (130, ["sharded_jit: rank 1 of 2 was interrupted"],
                  ["rank 1: was interrupted (Ctrl-C)"]),
