@@ -13,7 +13,10 @@ as its ``CUDA_VISIBLE_DEVICES``; fewer than N*K GPUs is an error. The script
 calls ``partitioner.initialize()`` (or just uses ``sharded_jit``) to join
 the other processes. The exit code is the job's: non-zero if any rank
 fails, or if a rank did not finish normally (killed, or ``os._exit``) even
-when ``mpiexec`` itself reports success.
+when ``mpiexec`` itself reports success; that of the rank that caused the
+failure where MPICH reports it (its exit code, or the signal that killed
+it), as ``mpirun`` gives the first failing process's, not the signal
+``mpiexec`` then sent its peers.
 
 ``--max-restarts R``: when the job fails (a rank dies, or exits non-zero),
 every rank is ended (as always) and the whole job starts again, up to R
@@ -398,7 +401,20 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
                                                     bool(failed - {r}), r in followed)])
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
-  return code or 1
+  return _cause_code(endings, statuses) or code or 1
+
+
+def _cause_code(endings: list[tuple[int, int, str]], statuses: dict[int, int]) -> int:
+  """The exit code of the rank that ended the job (the first of
+  ``endings`` that caused it, by MPICH's wait ``statuses``): its own exit
+  code, or the signal that killed it, as mpirun reports the first failing
+  process's; 0 where none caused it with a code of its own (MPICH's
+  may then be a peer's, killed after it)."""
+  for order, rank, _ in endings:
+    status = statuses.get(rank, 0)
+    if order <= 0 and status:
+      return status >> 8 if status > 255 else status & 0x7F
+  return 0
 
 
 

@@ -407,6 +407,22 @@ def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_firs
   assert how_it_ended(quiet, 9, True)[1].startswith("died first (PID 7, signal 9)")
 
 
+def test_the_job_exits_with_the_code_of_the_rank_that_ended_it():
+  """As mpirun gives the first failing process's exit code: not the
+  signal 9 MPICH's mpiexec reports once it has killed the peers."""
+  from partitioner.launch import _cause_code
+  raised = [(0, 1, "raised ValueError"), (1, 0, "was stopped by the launcher")]
+  assert _cause_code(raised, {0: 9, 1: 256}) == 1
+  assert _cause_code(raised, {0: 9, 1: 3 << 8}) == 3
+  killed = [(-1, 1, "died first"), (1, 0, "was ended by the launcher")]
+  assert _cause_code(killed, {0: 9, 1: 9}) == 9
+  # none that caused it left a code of its own (exit 0 while a peer needed
+  # it; no statuses from MPICH): mpiexec's then
+  assert _cause_code([(0, 1, "its script ended"), (1, 0, "ended because of a peer")],
+                     {0: 256, 1: 0}) == 0
+  assert _cause_code(raised, {}) == 0
+
+
 _ATTEMPTS = ("import os, sys\n"
              "attempt = os.environ['SHARDED_JIT_RESTART']\n"
              "print(f'attempt {attempt} rank {os.environ.get(\"PMI_RANK\", \"-\")}', flush=True)\n"

@@ -231,11 +231,11 @@ ENDINGS = {
 
 
 def _assert_failed_with(proc, code):
-  """The job ended with ``code`` (not 124: it did not hang). Or with 9 for
-  1: under load MPICH's mpiexec may have to SIGKILL a rank still exiting
-  after the job failed, and then reports 9 (seen once, with exit3)."""
+  """The job ended with ``code`` (not 124: it did not hang). Or with 9:
+  under load MPICH's mpiexec may have to SIGKILL a rank still exiting
+  after the job failed, and then reports 9 for it (seen once, with exit3)."""
   out = proc.stdout + proc.stderr
-  cleanup_kill = code == 1 and proc.returncode == 9 and "Killed (signal 9)" in out
+  cleanup_kill = code != 9 and proc.returncode == 9 and "Killed (signal 9)" in out
   assert proc.returncode == code or cleanup_kill, out[-3000:]
 
 
