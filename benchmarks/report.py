@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from benchmarks._common import ROOT
 
@@ -158,25 +159,57 @@ def write(results: dict, command: str) -> None:
         f"{''.join(', ' + os.path.relpath(p, ROOT) for p in images)}")
 
 
+# Sections whose rows come in families, each from one source (its rows'
+# "against"): a run that gave some families keeps the others' last rows
+# (the published section without --full runs the GPU families only).
+BY_SOURCE = ("published",)
+
+
 def merge(results: dict, command: str, path: str) -> dict:
   """results.json's figures with ``results``' sections replaced, each
-  section's command recorded; written back to ``path`` and returned."""
+  section's command recorded (in a :data:`BY_SOURCE` section, only the
+  families the run gave; the command of those kept beside it); written
+  back to ``path`` and returned."""
   merged = {}
   if os.path.exists(path):
     with open(path) as f:
       merged = json.load(f)
   commands = merged.get("commands", {})
+  before = dict(commands)
   # (a section that gave no rows, as one skipped without --full or libtpu,
   # keeps its last figures)
   results = {k: v for k, v in results.items() if k not in SECTIONS or v}
   for name in SECTIONS:
     if name in results:
       commands[name] = command
+  for name in BY_SOURCE:
+    if name in results and merged.get(name):
+      results[name], kept = _by_source(merged[name], results[name])
+      last = before.get(name, "").split(" (the ")[0]
+      if kept and last and last != command:
+        commands[name] = f"{command} (the {', '.join(kept)} rows: {last})"
   merged.update(results)
   merged["commands"] = commands
   with open(path, "w") as f:
     json.dump(merged, f, indent=1)
   return merged
+
+
+def _by_source(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str]]:
+  """``old`` rows with each source's replaced by ``new``'s, in their
+  order (a new source after them), and the sources kept from ``old``."""
+  given = {r.get("against") for r in new}
+  out, done = [], set()
+  for row in old:
+    source = row.get("against")
+    if source not in given:
+      out.append(row)
+    elif source not in done:
+      out += [r for r in new if r.get("against") == source]
+      done.add(source)
+  out += [r for r in new if r.get("against") not in done]
+  kept = dict.fromkeys(str(r.get("against")) for r in old if r.get("against") not in given)
+  return out, [re.sub(r"^published \((.*)\)$", r"\1", k) for k in kept]
 
 
 def block(results: dict, images: list[str]) -> str:

@@ -132,3 +132,31 @@ def test_the_v6e_family_runs_only_when_named_with_full(capsys):
   assert off == {("Llama 3.1 8B", "v6e-8"), ("Llama 3.1 70B", "v6e-32")}
   assert all(family.flags_for(c, pod).items() >= family.flags.items()
              for c in family.configs for pod, _, _ in c.runs)
+
+
+def test_a_run_of_some_families_keeps_the_others_rows(tmp_path):
+  """``--only published`` without --full runs the GPU families: the TPU
+  families' last rows, and the command that gave them, stay."""
+  import json
+
+  from benchmarks import report
+  path = tmp_path / "results.json"
+  row = lambda case, source, ours: {"case": case, "against": f"published ({source})",
+                                    "ours": ours}
+  old = [row("7B", "MaxText's A3 table", 1.0), row("16B", "MaxText's v5e table", 2.0),
+         row("32B", "MaxText's v5e table", 3.0)]
+  path.write_text(json.dumps({"published": old, "commands": {
+      "published": "python -m benchmarks --full --only published"}}))
+  merged = report.merge({"published": [row("7B", "MaxText's A3 table", 1.5),
+                                       row("1B", "MosaicML's table", 4.0)]},
+                        "python -m benchmarks --only published", str(path))
+  assert [(r["case"], r["ours"]) for r in merged["published"]] == [
+      ("7B", 1.5), ("16B", 2.0), ("32B", 3.0), ("1B", 4.0)]
+  assert merged["commands"]["published"] == (
+      "python -m benchmarks --only published (the MaxText's v5e table rows:"
+      " python -m benchmarks --full --only published)")
+  assert json.loads(path.read_text()) == merged
+  # a run of every family replaces them all, under its own command
+  again = report.merge({"published": [row("16B", "MaxText's v5e table", 5.0)]},
+                       "python -m benchmarks --full --only published", str(path))
+  assert [r["case"] for r in again["published"]] == ["7B", "16B", "1B"]
