@@ -16,7 +16,10 @@ Float32 matmuls on a GPU run as TF32 at jax's default precision: the
 GPU models hold that rate too (the datasheets' TF32 dense figure, half
 the bf16 one; the H100's and H200's measured). The H100's and H200's
 compute and memory rates are measured (by
-``partitioner.calibrate`` on one of each: ``docs/measured``), and so is
+``partitioner.calibrate`` on one of each: ``docs/measured``), the A100's,
+GH200's and B200's bf16 matmul rates are published measurements (torch's
+matmul at its best shape: an upper bound of what XLA's reach, which on
+the H100 measured 0.82x torch's best, 651 against 794.5), and so is
 the v4's data-centre network (PaLM's); every other figure of the
 accelerators is a datasheet peak for one device (dense, bf16), not a
 measurement; the cpu's are measured:
@@ -39,8 +42,13 @@ measurement; the cpu's are measured:
   a CPU: XLA:CPU's transposed copies of tens of MB run several times
   slower per byte than its elementwise ops. Collectives across processes
   (gloo over TCP) are not fitted: half the in-process rate;
-- ``a100``: NVIDIA A100 SXM 80 GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s
-  HBM2e, 200 Gb/s InfiniBand per GPU (25 GB/s); inside a host, the
+- ``a100``: 271 TFLOP/s of bf16 matmul, measured (the "Maximum Achievable
+  Matmul FLOPS" table of Stas Bekman's ML Engineering book,
+  github.com/stas00/ml-engineering, ``compute/accelerator/README.md``:
+  271.2 on an A100 SXM, torch 2.6.0 + CUDA 12.6, the best of a search over
+  matmul shapes, a mean of 100 runs; the datasheet's 312); NVIDIA A100
+  SXM 80 GB datasheet: 156 TFLOP/s TF32, 2.0 TB/s HBM2e, 200 Gb/s
+  InfiniBand per GPU (25 GB/s); inside a host, the
   all-reduce bus bandwidth nccl-tests measures on 8 A100 SXM4 over NVLink 3
   at large sizes, 230-250 GB/s (published: docs/search.md cites it; the
   datasheet's 600 GB/s counts both directions of every link);
@@ -57,10 +65,14 @@ measurement; the cpu's are measured:
   TFLOP/s of bf16 matmul, 351-362 of float32 as TF32, 4.24-4.28 TB/s (the
   datasheet's 989, 494 and 4.8);
   NVIDIA H200 SXM datasheet: 141 GB, the H100's links;
-- ``gh200``: NVIDIA GH200 Grace Hopper datasheet: 989 TFLOP/s, 96 GB
-  HBM3 at 4.0 TB/s; the H100's links (NVLink 4);
-- ``b200``: NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU,
-  180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
+- ``gh200``: 829 TFLOP/s of bf16 matmul, measured (the same table: 828.6
+  on a GH200 of 900 W and 141 GB, torch 2.6.0 + CUDA 12.6; the
+  datasheet's 989); NVIDIA GH200 Grace Hopper datasheet: 494 TFLOP/s
+  TF32, 96 GB HBM3 at 4.0 TB/s; the H100's links (NVLink 4);
+- ``b200``: 1745 TFLOP/s of bf16 matmul, measured (the same table:
+  1745.0 on a B200 SXM, torch 2.7.1 + CUDA 12.8; the datasheet's 2250);
+  NVIDIA HGX B200 datasheet: 1.125 PFLOP/s TF32, 180 GB HBM3e at 7.7
+  TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
 - ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
   1.2 TB/s, ICI ~270 GB/s per chip (the docs' all-reduce bandwidth of 1.1
   PB/s a pod of 4096 chips); data-centre network 1.65 GB/s per chip, a
@@ -253,11 +265,11 @@ def _gpu(name: str, flops: float, memory: float, link: float, network: float, la
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
-    "a100": _gpu("NVIDIA A100 SXM 80GB", 312e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
+    "a100": _gpu("NVIDIA A100 SXM 80GB", 271e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
     "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12),
     "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12),
-    "gh200": _gpu("NVIDIA GH200", 989e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
-    "b200": _gpu("NVIDIA B200", 2250e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
+    "gh200": _gpu("NVIDIA GH200", 829e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
+    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,
