@@ -68,11 +68,13 @@ Sections (one module each):
             against docs/search.md's first-principles account; with --full,
             Llama 3 70B's for 8 hosts x 8 H100s (``... 70b``).
 
-  published  the named device models' estimates against MaxText's
-            published TFLOP/s per chip: by default its A3 table (Llama 2
-            7B on 1 to 16 hosts of 8 H100s, compiled for simulated
-            devices); with --full and libtpu also its v5e, v5p and v4
-            tables (51 configurations, each compiled by XLA:TPU).
+  published  the named device models' estimates against published
+            TFLOP/s per chip: by default the GPU tables, compiled for
+            simulated devices (MaxText's A3: Llama 2 7B on 1 to 16 hosts
+            of 8 H100s; MosaicML's MPT 1B to 30B on 8 A100s, 7 rates, and
+            on 8 H100s at 512 to 65536 tokens a sequence, 30 rates); with
+            --full and libtpu also MaxText's v5e, v5p and v4 tables (46
+            rates, each compiled by XLA:TPU).
   published_v6e  only by name (``--full --only published_v6e``, libtpu
             installed: 66-76 minutes, its 10 compiles taking 6-7 minutes
             each), the ``tpu-v6e`` model against Google's Trillium recipes

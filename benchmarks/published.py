@@ -29,7 +29,9 @@ vocabulary 50368, its embeddings untied (MPT ties them: 3% more weights
 here, the same flops); FSDP over the node's 8 (FULL_SHARD), a run with
 activation checkpointing as ``remat_policy: full`` and one without as
 ``minimal_with_context`` (only elementwise ops recomputed), FlashAttention
-scored as a fused kernel (``attention="fused"``).
+scored as a fused kernel (``attention="fused"``). Its table "H100 80GB
+BF16" gives a second H100 family, the same way: MPT 1B to 30B on one node
+of 8 H100s at 512 to 65536 tokens a sequence, 30 rates (MFU x 989).
 
 Google's Trillium recipes (github.com/AI-Hypercomputer/tpu-recipes,
 ``training/trillium/Llama3.1-8B-MaxText/v6e-<n>/README.md`` ...) run
@@ -223,8 +225,11 @@ def _families() -> dict[str, Family]:
                                                (16, 375)))),)
   return {
       "a100": Family("a100", "published (MosaicML's llm-foundry A100 table)",
-                     {"8 x A100": "cpu:8"}, {}, _mpt_a100(), attention="fused", slices=1,
-                     counter="MosaicML"),
+                     {"8 x A100": "cpu:8"}, {}, _mpt(MPT_A100, "8 x A100"), attention="fused",
+                     slices=1, counter="MosaicML"),
+      "h100_mpt": Family("h100", "published (MosaicML's llm-foundry H100 table)",
+                         {"8 x H100": "cpu:8"}, {}, _mpt(MPT_H100, "8 x H100"),
+                         attention="fused", slices=1, counter="MosaicML"),
       "v5e": Family("tpu-v5e", "published (MaxText's v5e table)", {"v5e-256": "v5e:16x16"},
                     flags_of(V5E_FLAGS), v5e),
       # (a v5p pod is named by its cores, two a chip: v5p-128 is 64 chips)
@@ -265,17 +270,54 @@ MPT_A100 = (
 )
 
 
-def _mpt_a100() -> tuple[Config, ...]:
-  """The A100 family: each MPT row as a ``llama2`` block of its shape
-  (see the module's docstring), FSDP over one node's 8 GPUs."""
+# The same README's table "H100 80GB BF16": its runs of MPT 1B to 30B on
+# one node of 8 H100s (amp_bf16, FULL_SHARD), 512 to 65536 tokens a
+# sequence; the shapes as MPT_A100's, "Model TFLOP" its MFU x 989.
+MPT_H100 = (
+    ("1B", 24, 2048, 16, 512, 56, False, 1312804864, 427),
+    ("1B", 24, 2048, 16, 1024, 18, False, 1313853440, 415),
+    ("1B", 24, 2048, 16, 2048, 14, False, 1315950592, 413),
+    ("1B", 24, 2048, 16, 4096, 7, False, 1320144896, 398),
+    ("1B", 24, 2048, 16, 8192, 3, False, 1328533504, 373),
+    ("1B", 24, 2048, 16, 16384, 2, False, 1345310720, 348),
+    ("1B", 24, 2048, 16, 32768, 1, False, 1378865152, 331),
+    ("1B", 24, 2048, 16, 65536, 1, True, 1445974016, 260),
+    ("3B", 32, 2560, 20, 512, 40, False, 2647905280, 458),
+    ("3B", 32, 2560, 20, 1024, 20, False, 2649216000, 457),
+    ("3B", 32, 2560, 20, 4096, 5, False, 2657080320, 418),
+    ("3B", 32, 2560, 20, 8192, 3, False, 2667566080, 398),
+    ("3B", 32, 2560, 20, 16384, 1, False, 2688537600, 359),
+    ("3B", 32, 2560, 20, 32768, 3, True, 2730480640, 285),
+    ("3B", 32, 2560, 20, 65536, 1, True, 2814366720, 265),
+    ("7B", 32, 4096, 32, 1024, 64, True, 6654664704, 423),
+    ("7B", 32, 4096, 32, 2048, 6, False, 6658859008, 459),
+    ("7B", 32, 4096, 32, 4096, 16, True, 6667247616, 399),
+    ("7B", 32, 4096, 32, 8192, 8, True, 6684024832, 367),
+    ("7B", 32, 4096, 32, 32768, 2, True, 6784688128, 306),
+    ("7B", 32, 4096, 32, 65536, 1, True, 6918905856, 282),
+    ("13B", 40, 5120, 40, 1024, 40, True, 12848711680, 438),
+    ("13B", 40, 5120, 40, 2048, 2, False, 12853954560, 393),
+    ("13B", 40, 5120, 40, 4096, 10, True, 12864440320, 411),
+    ("13B", 40, 5120, 40, 16384, 3, True, 12927354880, 351),
+    ("13B", 40, 5120, 40, 32768, 1, True, 13011240960, 313),
+    ("30B", 48, 7168, 56, 1024, 6, True, 29967874048, 383),
+    ("30B", 48, 7168, 56, 2048, 3, True, 29975214080, 377),
+    ("30B", 48, 7168, 56, 4096, 1, True, 29989894144, 354),
+    ("30B", 48, 7168, 56, 8192, 1, True, 30019254272, 296),
+)
+
+
+def _mpt(table: tuple, node: str) -> tuple[Config, ...]:
+  """A MosaicML family: each MPT row as a ``llama2`` block of its shape
+  (see the module's docstring), FSDP over one node's 8 GPUs (``node``)."""
   from benchmarks import _llama
   return tuple(
       Config(f"MPT {name}, {batch} x {seq} tokens a GPU",
              _llama.Shape(layers=layers, width=width, mlp=round(8 * width / 3), heads=heads,
                           kv_heads=heads, vocab=50368, batch=batch, seq=seq),
              1, "full" if checkpointing else "minimal_with_context",
-             (("8 x A100", 1, rate),), params=params)
-      for name, layers, width, heads, seq, batch, checkpointing, params, rate in MPT_A100)
+             ((node, 1, rate),), params=params)
+      for name, layers, width, heads, seq, batch, checkpointing, params, rate in table)
 
 
 def mpt_flops(config: Config) -> float:

@@ -188,6 +188,8 @@ def merge(results: dict, command: str, path: str) -> dict:
       last = before.get(name, "").split(" (the ")[0]
       if kept and last and last != command:
         commands[name] = f"{command} (the {', '.join(kept)} rows: {last})"
+      elif kept and last:  # (the same command again: the kept rows' stays said)
+        commands[name] = before[name]
   merged.update(results)
   merged["commands"] = commands
   with open(path, "w") as f:

@@ -104,13 +104,30 @@ def test_the_a100_family_counts_flops_as_mosaicml_does():
   tokens = seven.shape.batch * seven.shape.seq
   assert family.flops(seven) / tokens * 4641 / 1e12 == pytest.approx(200.3836, rel=1e-3)
   assert seven.runs == (("8 x A100", 1, 200.3836),) and seven.remat == "minimal_with_context"
+  _each_mpt_block_holds_mpt_s_weights(family)
+  assert [c.remat for c in family.configs].count("full") == 3  # (checkpointing on)
+
+
+def _each_mpt_block_holds_mpt_s_weights(family):
   for config in family.configs:
     d = config.shape.width
     assert 3 * d * config.shape.mlp == pytest.approx(8 * d * d, rel=1e-3)
     # (the table's NumParams: MPT's tied vocabulary and its position table, within 0.1%)
     mpt = config.shape.layers * 12 * d * d + (50368 + config.shape.seq) * d
     assert mpt == pytest.approx(config.params, rel=1e-3)
-  assert [c.remat for c in family.configs].count("full") == 3  # (checkpointing on)
+
+
+def test_the_h100_family_of_mosaicml_counts_its_long_sequences_as_mosaicml_does():
+  """MosaicML's H100 table on one node: its 1B at 32768 tokens (12025
+  tokens/s a GPU) is its "Model TFLOP", 331, attention most of it."""
+  family = published._families()["h100_mpt"]
+  assert family.model == "h100" and family.counter == "MosaicML" and family.slices == 1
+  one = next(c for c in family.configs if c.name == "MPT 1B, 1 x 32768 tokens a GPU")
+  tokens = one.shape.batch * one.shape.seq
+  assert family.flops(one) / tokens * 12025 / 1e12 == pytest.approx(331, rel=4e-3)  # (both rounded)
+  assert len(family.configs) == 30 and {c.shape.seq for c in family.configs} == {
+      512, 1024, 2048, 4096, 8192, 16384, 32768, 65536}
+  _each_mpt_block_holds_mpt_s_weights(family)
 
 
 def test_the_v6e_family_runs_only_when_named_with_full(capsys):
@@ -156,6 +173,10 @@ def test_a_run_of_some_families_keeps_the_others_rows(tmp_path):
       "python -m benchmarks --only published (the MaxText's v5e table rows:"
       " python -m benchmarks --full --only published)")
   assert json.loads(path.read_text()) == merged
+  # the same run again: the kept rows' command is still said
+  assert report.merge({"published": [row("7B", "MaxText's A3 table", 1.5)]},
+                      "python -m benchmarks --only published",
+                      str(path))["commands"] == merged["commands"]
   # a run of every family replaces them all, under its own command
   again = report.merge({"published": [row("16B", "MaxText's v5e table", 5.0)]},
                        "python -m benchmarks --full --only published", str(path))
