@@ -373,7 +373,7 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     return code, []
   tails = (output.tail(), errors.tail())
   statuses = exit_statuses(tails[0], n)
-  followed = order.followed(quiet_deaths(marks, statuses))
+  followed = order.followed(quiet_deaths(marks))
   return _report_failure(cmd, code, marks, tails, n, followed), lost(marks, statuses, followed)
 
 
@@ -393,7 +393,9 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
                      f" own message is above.{hint}\n")
     return code or 1
   statuses = exit_statuses(tails[0], n)
-  cause_known = any(statuses.values()) or any(
+  # (a rank seen ending after a peer's process was ended for it: its
+  # status is not a cause)
+  cause_known = any(s for r, s in statuses.items() if r not in followed) or any(
       "failed" in m or "ended" in m for m in marks.values())
   failed = {r for r, m in marks.items() if "failed" in m}
   endings = sorted((order, r, text) for r, m in marks.items()

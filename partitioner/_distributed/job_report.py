@@ -140,11 +140,12 @@ class EndOrder(threading.Thread):
       return None
 
 
-def quiet_deaths(marks: dict[int, dict[str, str]], statuses: dict[int, int]) -> set[int]:
-  """The ranks that ended with a non-zero status and no Python exit: those
-  that may have died first."""
-  return {r for r, m in marks.items() if statuses.get(r)
-          and not m.keys() & {"done", "failed", "ended", "left", "stopped"}}
+def quiet_deaths(marks: dict[int, dict[str, str]]) -> set[int]:
+  """The ranks that ended with no Python exit: those that may have died
+  first (killed, crashed, or ``os._exit``, whose status 0 MPICH reports
+  as it does a rank it ended, so no status is asked)."""
+  return {r for r, m in marks.items()
+          if not m.keys() & {"done", "failed", "ended", "left", "stopped"}}
 
 
 def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,

@@ -407,6 +407,26 @@ def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_firs
   assert how_it_ended(quiet, 9, True)[1].startswith("died first (PID 7, signal 9)")
 
 
+def test_a_rank_that_left_through_os_exit_0_first_is_the_cause(capsys):
+  """Rank 1 calls ``os._exit(0)``; under load MPICH reports the rank it
+  then kills (0) with signal 9, not 0. Seen ending after rank 1's process,
+  rank 0 was ended for it: rank 1 is named, its exit being no Python one."""
+  from partitioner._distributed.job_report import quiet_deaths
+  from partitioner.launch import _report_failure
+  marks = {0: {"started": "11"}, 1: {"started": "12"}}
+  assert quiet_deaths(marks) == {0, 1}  # (status 0 too: os._exit(0))
+  tail = b"[mpiexec@host] Exit codes: [host] 9,0\n"
+  code = _report_failure(["mpiexec"], 9, marks, (tail, b""), 2, frozenset({0}))
+  err = capsys.readouterr().err
+  assert code == 9
+  assert ("rank 0: was ended by the launcher (PID 11, signal 9) after a peer's process"
+          " had ended") in err, err
+  assert "rank 1: ended without a Python exit (PID 12)" in err, err
+  # without the order seen, MPICH's codes alone: rank 0 went first
+  _report_failure(["mpiexec"], 9, marks, (tail, b""), 2, frozenset())
+  assert "rank 0: died first (PID 11, signal 9)" in capsys.readouterr().err
+
+
 def test_the_job_exits_with_the_code_of_the_rank_that_ended_it():
   """As mpirun gives the first failing process's exit code: not the
   signal 9 MPICH's mpiexec reports once it has killed the peers."""
