@@ -73,6 +73,7 @@ from partitioner._distributed.env import launcher_world as launcher_world
 from partitioner._distributed.job_report import EXIT_LINE as _EXIT_LINE
 from partitioner._distributed.job_report import (
   EndOrder,
+  by_signal,
   exit_statuses,
   how_it_ended,
   lost,
@@ -373,7 +374,7 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     return code, []
   tails = (output.tail(), errors.tail())
   statuses = exit_statuses(tails[0], n)
-  followed = order.followed(quiet_deaths(marks))
+  followed = by_signal(order.followed(quiet_deaths(marks)), statuses)
   return _report_failure(cmd, code, marks, tails, n, followed), lost(marks, statuses, followed)
 
 

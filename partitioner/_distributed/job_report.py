@@ -140,6 +140,15 @@ class EndOrder(threading.Thread):
       return None
 
 
+def by_signal(ranks: frozenset[int], statuses: dict[int, int]) -> frozenset[int]:
+  """Of ``ranks`` (seen ending after a peer), those a signal ended: the
+  launcher ends ranks by one, so a rank that exited with a code of its
+  own went by itself, whenever its process was seen to end (a process
+  that exits tears down its memory before its peers hear of it, and a
+  peer killed then may be gone first)."""
+  return frozenset(r for r in ranks if 0 < statuses.get(r, 0) <= 255)
+
+
 def quiet_deaths(marks: dict[int, dict[str, str]]) -> set[int]:
   """The ranks that ended with no Python exit: those that may have died
   first (killed, crashed, or ``os._exit``, whose status 0 MPICH reports
