@@ -7,6 +7,7 @@ times a layer; a fused kernel keeps them on chip. ``partitioner.cost``
 and the search leave that traffic out when told the device fuses it.
 """
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -104,6 +105,50 @@ def test_inside_a_scan_the_score_matrices_move_every_iteration():
 
 def test_a_program_without_jax_attention_has_no_score_matrices():
   assert _attention.score_shape(_compiled(_by_hand).as_text()) is None
+
+
+def _plain(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v)
+
+
+def _masked(q, k, v):  # (a causal mask given as an array: a fused kernel computes every block)
+  return jax.nn.dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((T, T), bool)))
+
+
+# One attention's forward (its two matmuls) per device: 4 x batch x T^2 x
+# heads x head size flops, data parallel over 8.
+_FORWARD = 4 * (B // 8) * T * T * N * H
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("attend,kernel", [(_attend, 1.75), (_plain, 3.5), (_masked, 3.5)])
+def test_a_fused_kernel_recomputes_the_logits_and_skips_a_causal_half(attend, kernel):
+  """jax's train step runs the forward's 2 matmuls and the backward's 4;
+  a flash kernel's backward runs 5 (the logits again), and under jax's
+  causal mask half of every product."""
+  found, fused = _attention.flops(_compiled(attend).as_text())
+  assert found == pytest.approx(3 * _FORWARD)
+  assert fused == pytest.approx(kernel * _FORWARD)
+  assert _attention.flops(_compiled(_by_hand).as_text()) == (0.0, 0.0)
+
+
+@pytest.mark.eight_devices
+def test_a_fused_attention_is_charged_at_the_model_s_attention_rate():
+  compiled = _compiled(_attend, jnp.bfloat16)
+  h100 = partitioner.DEVICE_MODELS["h100"]
+  slow, fast = (dataclasses.replace(h100, attention_flops_per_s=rate, name=f"h100 at {rate}")
+                for rate in (1e12, 1e16))
+  costs = {m.name: partitioner.cost(compiled, m, attention="fused") for m in (slow, fast)}
+  a, b = costs[slow.name], costs[fast.name]
+  assert a.attention_flops == b.attention_flops == pytest.approx(3 * _FORWARD)
+  assert a.attention_kernel_flops == pytest.approx(1.75 * _FORWARD)
+  assert a.attention_flops <= a.matmul_flops
+  # (the kernel's flops at 1 TFLOP/s: the step's time grows by about theirs)
+  assert a.seconds - b.seconds == pytest.approx(1.75 * _FORWARD / 1e12, rel=0.05)
+  # Without attention="fused" XLA's ops are scored: the rate is not used.
+  plain = [partitioner.cost(compiled, m) for m in (slow, fast)]
+  assert plain[0].seconds == plain[1].seconds
+  assert plain[0].attention_flops == plain[0].attention_kernel_flops == 0.0
 
 
 @pytest.mark.parametrize("attend,kw,match", [

@@ -257,3 +257,37 @@ def test_a_gpus_measured_model_keeps_its_named_networks_figures():
   assert model.network_level_latency_s == named.network_level_latency_s == 10e-6
   assert model.network_bytes_per_s == named.network_bytes_per_s
   assert model.flops_per_s == 6e14 and model.f32_flops_per_s == 3e14
+
+
+def test_a_gpus_measured_model_takes_the_fused_attention_s_rate_at_the_longer_sequence():
+  class H100:
+    device_kind, platform = "NVIDIA H100 80GB HBM3", "gpu"
+  model = cal._fit([H100()], {"bfloat16": {4096: 6e14}}, {1 << 26: 3e12}, {},
+                   {2048: 4e14, 8192: 5e14})
+  assert model.attention_flops_per_s == 5e14
+  assert cal._fit([H100()], {"bfloat16": {4096: 6e14}}, {1 << 26: 3e12}, {}).attention_flops_per_s \
+      is None
+
+
+def test_the_attention_rate_is_the_fused_kernel_s_count_over_the_time():
+  """On a CPU the kernel is XLA's (implementation=None): the figure is its
+  forward and backward pass at the flash kernels' count (3.5 x 4 x
+  sequences x seq^2 x heads x head size, halved for the causal mask)."""
+  devices = jax.devices()[:1]
+  rate = cal.measure_attention(devices, 256, 0.01, 1, implementation=None, heads=2,
+                               head_size=32, tokens=512)
+  assert np.isfinite(rate) and rate > 0
+
+
+def test_where_cudnn_s_attention_does_not_run_the_calibration_says_so_and_goes_on(tmp_path):
+  lines = []
+  plan = cal._Plan({}, 1, (), 0.01, (128,))
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("a GPU runs cuDNN's attention")
+  assert cal._attention_rows(jax.devices()[:1], plan, 1, lines.append) == {}
+  assert "cuDNN's fused kernel did not run here" in lines[0]
+  assert "matmul rate" in lines[0]
+  found = cal.Calibration(partitioner.DEVICE_MODELS["h100"], {}, {}, {}, "1 x H100", "h100",
+                          attention={2048: 4e14, 8192: 5e14})
+  found.save(tmp_path / "c.json")
+  assert cal.load(tmp_path / "c.json").attention == {2048: 4e14, 8192: 5e14}

@@ -11,6 +11,13 @@ gradients). XLA keeps each op's name through its passes, and the names
 of jax's attention matmuls carry their einsums' subscripts
 (``vmap(BTNH,BSNH->BNTS)/dot_general``), by which the score matrices'
 shape on each device is found.
+
+A fused kernel also does other arithmetic than jax's ops
+(:func:`kernel_flops`): its backward pass recomputes the logits (five
+sequence x sequence matmuls where jax's backward runs four, jax having
+saved the probabilities), and under a causal mask (jax's ``is_causal``) it
+skips the blocks above the diagonal, half the products, where XLA computes
+every one and masks them after.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from partitioner._report import hlo as _hlo
 # the values; the ops of each (forward and backward) carry them in their names.
 EINSUMS = ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# jax's causal mask (``is_causal=True``: ``_get_causal_mask``, a ``jnp.tril``
+# inside the attention's vmap); a mask passed as an array is not seen here,
+# and a fused kernel given one computes every block too (cuDNN's: a bias).
+_CAUSAL = re.compile(r'op_name="[^"]*vmap\(jit\(tril\)\)')
 
 
 def score_shape(hlo_text: str) -> tuple[int, int] | None:
@@ -76,3 +87,46 @@ def transposed_score_bytes(hlo_text: str, score: tuple[int, int]) -> float:
   matrices (``score``: :func:`score_shape`'s)."""
   others = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, score))
   return _hlo.transposed_bytes(hlo_text) - others
+
+
+def flops(hlo_text: str) -> tuple[float, float]:
+  """``(flops, kernel flops)`` per call of the program's jax attention
+  matmuls, each as often as it runs: as XLA runs them, and what a fused
+  kernel does in their place; (0, 0) where the program calls no jax
+  attention.
+
+  Its matmuls are those with a score matrix (:func:`score_shape`) for
+  result or operand, named for :data:`EINSUMS` where XLA kept a name (it
+  drops it where it merges a dot's batch dimensions). A kernel's count
+  (flash kernels' own, e.g. flash-attention's benchmarks: forward ``4 x
+  batch x sequence^2 x heads x head size``, backward 2.5 times that)
+  follows from which of the two each is: every forward pass runs one
+  matmul of each kind (the logits; the probabilities times the values),
+  every backward pass one that makes a score matrix (the gradient of the
+  probabilities) and three that read one, where the kernel runs them
+  plus the logits again. So the kernel does half the flops of those that
+  make score matrices and 1.5 times those that read them, and half of it
+  all under jax's causal mask."""
+  score = score_shape(hlo_text)
+  if score is None:
+    return 0.0, 0.0
+  counts, comps = _hlo.runs(hlo_text), _hlo.computations(hlo_text)
+  found = kernel = 0.0
+  for name, lines in comps.items():
+    if not name:
+      continue
+    shapes = {m.group("name"): m.group("shape") for line in lines
+              if (m := _hlo.DEFINITION.match(line))}
+    for line, f in _hlo.line_flops(lines, matmuls_only=True):
+      m = _hlo.DEFINITION.match(line)
+      op = _OP_NAME.search(line)
+      if m is None or (op and not any(e in op.group(1) for e in EINSUMS)):
+        continue  # (named for something else, whatever its shapes)
+      makes = is_score(m.group("shape"), score)
+      reads = any(is_score(shapes.get(v, ""), score)
+                  for v in _hlo.OPERAND.findall(m.group("args")))
+      if makes or reads:
+        f *= counts.get(name, 1)
+        found += f
+        kernel += f / 2 if makes else 1.5 * f
+  return found, kernel / 2 if _CAUSAL.search(hlo_text) else kernel

@@ -89,6 +89,13 @@ class Cost:
       span beyond two (a group over 8 hosts: 2), as often as they run:
       each costs the device model's ``network_level_latency_s`` more
       (:func:`network_levels`).
+    attention_flops: with ``attention="fused"``, the part of
+      ``matmul_flops`` in jax attention's matmuls (forward and backward,
+      as XLA runs them), else 0.
+    attention_kernel_flops: what a fused kernel computes in their place
+      (:func:`partitioner._report.attention.flops`: its backward recomputes
+      the logits; under jax's causal mask, half), charged at
+      :attr:`DeviceModel.attention_flops_per_s` where the model has one.
   """
   flops: float
   bytes_accessed: float
@@ -104,6 +111,8 @@ class Cost:
   hidden_seconds: float = 0.0
   network_collectives: int = 0
   network_levels: float = 0.0
+  attention_flops: float = 0.0
+  attention_kernel_flops: float = 0.0
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -477,7 +486,8 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
   each device of the assignment; ``fused_attention``: the device runs
   ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
-  score matrices move in this program are not accessed there."""
+  score matrices move in this program are not accessed there, and its
+  matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
   count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
   for op in _hlo.instructions(hlo_text):
     k, sent, hosts = _collective(op, processes)
@@ -498,14 +508,16 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   matmuls = _hlo.matmul_flops_by_type(hlo_text)
   f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
   transposed = _hlo.transposed_bytes(hlo_text)
+  attention = kernel = 0.0
   if fused_attention:
     scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
-  compute = device.compute_seconds(flops, accessed, f32, transposed)
+    attention, kernel = _attention.flops(hlo_text)
+  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels)
+              hidden, remote, levels, attention, kernel)

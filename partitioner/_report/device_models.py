@@ -184,6 +184,14 @@ class DeviceModel:
       each time their number doubles (NCCL's model of its tree
       all-reduce: 2 x 5.0 us a level). 0: none (the TPUs' slices, CPU
       processes: not known).
+    attention_flops_per_s: the rate of a fused attention kernel (cuDNN's,
+      a flash kernel) on its own count of flops, forward and backward,
+      where a program is scored with ``attention="fused"``: the kernel's
+      flops (:attr:`Cost.attention_kernel_flops`: its backward recomputes
+      the logits, a causal one skips the masked half) at this rate take the
+      place of jax's attention matmuls (:attr:`Cost.attention_flops`) at
+      ``flops_per_s``. None: those matmuls at ``flops_per_s``, as XLA runs
+      them. Measured by :func:`partitioner.calibrate` on a GPU.
   """
   name: str
   flops_per_s: float
@@ -200,6 +208,7 @@ class DeviceModel:
   transpose_bytes_per_s: float | None = None
   network_latency_s: float | None = None
   network_level_latency_s: float = 0.0
+  attention_flops_per_s: float | None = None
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -207,15 +216,22 @@ class DeviceModel:
     return None if self.memory_bytes is None else self.memory_bytes * self.usable_fraction
 
   def compute_seconds(self, flops: float, bytes_accessed: float,
-                      f32_matmul_flops: float = 0.0, transposed_bytes: float = 0.0) -> float:
+                      f32_matmul_flops: float = 0.0, transposed_bytes: float = 0.0,
+                      attention_flops: float = 0.0, attention_kernel_flops: float = 0.0
+                      ) -> float:
     """Seconds of ``flops`` (``f32_matmul_flops`` of them in float32
-    matmuls) and ``bytes_accessed`` (``transposed_bytes`` of them the
-    results of large transposes)."""
+    matmuls, ``attention_flops`` of them jax attention's matmuls that a
+    fused kernel runs as ``attention_kernel_flops``) and
+    ``bytes_accessed`` (``transposed_bytes`` of them the results of large
+    transposes)."""
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
     if transposed_bytes and self.transpose_bytes_per_s:
       memory_s += transposed_bytes / self.transpose_bytes_per_s
     if f32_matmul_flops and self.f32_flops_per_s:
       flop_s += f32_matmul_flops * (1 / self.f32_flops_per_s - 1 / self.flops_per_s)
+    if attention_flops and self.attention_flops_per_s:
+      flop_s += (attention_kernel_flops / self.attention_flops_per_s
+                 - attention_flops / self.flops_per_s)
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
   def comm_seconds(self, weighted_bytes: float, collectives: float,
@@ -251,25 +267,27 @@ _LEVEL_LATENCY = 10e-6
 
 
 def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
-         capacity: float, f32_flops: float) -> DeviceModel:
+         capacity: float, f32_flops: float, attention: float | None = None) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
-  another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
-  memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
+  another), float32 matmuls at ``f32_flops`` (TF32), a fused attention
+  kernel at ``attention`` (None: not known), jax's share of the memory, a
+  collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
   ``_LEVEL_LATENCY`` more each time its hosts double beyond two."""
   return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
                      memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
                      f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
-                     network_level_latency_s=_LEVEL_LATENCY)
+                     network_level_latency_s=_LEVEL_LATENCY, attention_flops_per_s=attention)
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
     "a100": _gpu("NVIDIA A100 SXM 80GB", 271e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
-    "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12),
-    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12),
+    "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12,
+                 567e12),
+    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12, 567e12),
     "gh200": _gpu("NVIDIA GH200", 829e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
-    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12),
+    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12, 998e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,

@@ -8,6 +8,10 @@ such pairs.
 
 - compute: chained square matmuls ``c = a @ c`` at a few sizes, in
   bfloat16 and float32 (float32 only on a CPU);
+- on a GPU, a fused attention: ``jax.nn.dot_product_attention`` as cuDNN
+  runs it (causal, bfloat16, heads of 128), its forward and backward
+  pass, at two sequence lengths, on the kernel's own count of flops
+  (:func:`partitioner._report.attention.flops`);
 - memory: ``x = x * s + 1`` over an array several times the caches, read
   and written once per iteration;
 - collectives: each kind (all-reduce, all-gather, reduce-scatter,
@@ -17,7 +21,8 @@ such pairs.
   factor for the group size).
 
 The model takes the largest matmul's rate in the accelerator's dtype
-(bfloat16; float32 on a CPU), the memory rate, and the line
+(bfloat16; float32 on a CPU), the longer sequence's attention rate, the
+memory rate, and the line
 ``seconds = latency + weighted bytes / bandwidth`` fitted to every
 collective by least squares on the relative error.
 """
@@ -66,6 +71,9 @@ class Calibration:
       group size, seconds)]}`` of each collective over every process's
       devices (what ``network_bytes_per_s`` and ``network_latency_s`` are
       fitted to); else empty.
+    attention: on a GPU, ``{sequence length: flop/s}`` of the fused
+      attention kernel (:func:`measure_attention`); else empty, or where
+      the kernel does not run there (the progress line says why).
   """
   model: DeviceModel
   matmul: dict[str, dict[int, float]]
@@ -75,6 +83,7 @@ class Calibration:
   named: str | None = None
   steps: tuple[StepTime, ...] = ()
   across: dict[str, list[tuple[int, int, float]]] = dataclasses.field(default_factory=dict)
+  attention: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict[str, Any]:
     return {"model": dataclasses.asdict(self.model), "devices": self.devices,
@@ -83,7 +92,8 @@ class Calibration:
             "memory": {str(b): r for b, r in self.memory.items()},
             "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()},
             "steps": [dataclasses.asdict(row) for row in self.steps],
-            "across": {k: [list(row) for row in rows] for k, rows in self.across.items()}}
+            "across": {k: [list(row) for row in rows] for k, rows in self.across.items()},
+            "attention": {str(n): r for n, r in self.attention.items()}}
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -126,7 +136,8 @@ def load(path: str | os.PathLike) -> Calibration:
       collectives={k: [tuple(row) for row in rows]
                    for k, rows in data.get("collectives", {}).items()},
       steps=tuple(StepTime(**row) for row in data.get("steps", ())),
-      across={k: [tuple(row) for row in rows] for k, rows in data.get("across", {}).items()})
+      across={k: [tuple(row) for row in rows] for k, rows in data.get("across", {}).items()},
+      attention={int(n): r for n, r in data.get("attention", {}).items()})
 
 
 def _per_iteration(build: Callable[[int], Callable], args: Sequence[Any], k: int,
@@ -211,6 +222,59 @@ def measure_memory(devices: Sequence[Any], nbytes: int, target: float, repeats: 
   return 2 * nbytes / _timed(build, args, target, repeats)
 
 
+# The fused attention timed on a GPU: causal, bfloat16, 16 heads of 128
+# (a 2048-wide model's), as many sequences as make 16384 tokens a device.
+ATTENTION_SEQUENCES = (2048, 8192)
+_HEADS, _HEAD_SIZE, _TOKENS = 16, 128, 16384
+
+
+def measure_attention(devices: Sequence[Any], seq: int, target: float, repeats: int,
+                      implementation: str | None = "cudnn", heads: int = _HEADS,
+                      head_size: int = _HEAD_SIZE, tokens: int = _TOKENS) -> float:
+  """flop/s per device of ``jax.nn.dot_product_attention`` (causal,
+  bfloat16; ``implementation``: jax's, "cudnn" by default), its forward
+  and backward pass, every device at once, on a fused kernel's count:
+  forward ``4 x sequences x seq^2 x heads x head_size``, backward 2.5
+  times that, halved for the causal mask (flash kernels' own count, and
+  :func:`partitioner._report.attention.flops`'s)."""
+  batch = max(1, tokens // seq)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((batch, seq, heads, head_size)).astype(jnp.bfloat16)
+             for _ in range(3))
+
+  def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return out.astype(jnp.float32).sum()
+
+  def step(fixed, q):  # (each iteration's queries from the last one's gradients)
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, *fixed)
+    return (q + 1e-3 * (dq + dk + dv)).astype(q.dtype)
+
+  build, args = _on_all(devices, step, k, v, q)
+  return 3.5 * 4 * batch * seq ** 2 * heads * head_size / 2 / _timed(build, args, target, repeats)
+
+
+def _attention_rows(devices: Sequence[Any], plan: _Plan, repeats: int,
+                    say: Callable[[str], None]) -> dict[int, float]:
+  """On a GPU, the fused attention's rate at each of ``plan``'s sequence
+  lengths (:func:`measure_attention`); empty where there are none or the
+  kernel does not run on these devices (said through ``say``)."""
+  rates: dict[int, float] = {}
+  for seq in plan.attention:
+    try:
+      rates[seq] = measure_attention(devices, seq, plan.target, repeats)
+    # (cuDNN's attention needs an Ampere or later GPU and cuDNN 8.9 or later:
+    # jax says so with one of these)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+      say(f"attention: cuDNN's fused kernel did not run here ({type(e).__name__}:"
+          f" {str(e).splitlines()[0] if str(e) else ''}); the model charges jax attention's"
+          " matmuls at the matmul rate")
+      return {}
+    say(f"attention (cuDNN, causal, forward and backward) at {seq} tokens:"
+        f" {rates[seq] / 1e12:.3g} TFLOP/s")
+  return rates
+
+
 def _collective_step(kind: str, n: int) -> Callable[[Any, Any], Any]:
   """One iteration of ``kind`` inside shard_map over axis "d" (size n);
   each keeps its block's shape so iterations chain."""
@@ -283,6 +347,7 @@ class _Plan:
   memory_bytes: int
   block_bytes: tuple[int, ...]
   target: float  # seconds per timed program
+  attention: tuple[int, ...] = ()  # sequence lengths of the fused attention timed
 
 
 def _plan(platform: str) -> _Plan:
@@ -290,7 +355,8 @@ def _plan(platform: str) -> _Plan:
     return _Plan({"float32": (256, 512, 1024)}, 64 << 20,
                  tuple(4 << (2 * i) for i in range(5, 10)), 0.02)
   return _Plan({"bfloat16": (1024, 4096, 8192), "float32": (1024, 4096, 8192)},
-               1 << 30, tuple(4 << (2 * i) for i in range(5, 13)), 0.02)
+               1 << 30, tuple(4 << (2 * i) for i in range(5, 13)), 0.02,
+               ATTENTION_SEQUENCES if platform == "gpu" else ())
 
 
 def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike | None = None,
@@ -351,13 +417,14 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
       say(f"matmul {dtype} {n}: {matmul[dtype][n] / 1e12:.3g} TFLOP/s")
   memory = {plan.memory_bytes: measure_memory(devices, plan.memory_bytes, plan.target, repeats)}
   say(f"memory: {memory[plan.memory_bytes] / 1e9:.4g} GB/s")
+  attention = _attention_rows(devices, plan, repeats, say)
   collectives = (_collective_rows(devices, kinds, plan, repeats, say) if len(devices) > 1
                  else {})
   across = (_collective_rows([d for d in jax.devices() if d.device_kind == first.device_kind],
                              kinds, plan, repeats, lambda line: say(f"across processes: {line}"),
                              across=True)
             if everywhere else {})
-  model = _fit(devices, matmul, memory, collectives)
+  model = _fit(devices, matmul, memory, collectives, attention)
   timed: tuple[StepTime, ...] = ()
   if steps or (steps is None and first.platform == "cpu"):
     model, timed = _fitted_to_steps(devices, model, say)
@@ -366,7 +433,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
                                 **_network(across))
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
-                      _named(first), timed, across)
+                      _named(first), timed, across, attention)
   return _shared(found, path, everywhere)
 
 
@@ -477,7 +544,8 @@ def _named(device: Any) -> str | None:
 
 
 def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: dict[int, float],
-         collectives: dict[str, list[tuple[int, int, float]]]) -> DeviceModel:
+         collectives: dict[str, list[tuple[int, int, float]]],
+         attention: dict[int, float] | None = None) -> DeviceModel:
   first = devices[0]
   try:
     named = default_model(first.device_kind, first.platform)
@@ -492,6 +560,8 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
       "overlap": first.platform == "tpu", "platform": first.platform}
   if first.platform == "gpu" and matmul.get("float32"):  # (TF32 at jax's default precision)
     fields["f32_flops_per_s"] = max(matmul["float32"].values())
+  if attention:  # (the longer sequence's: a training run's, and the kernel's steadier rate)
+    fields["attention_flops_per_s"] = attention[max(attention)]
   rows = [(k, b, g, s) for k, found in collectives.items() for b, g, s in found]
   if rows:
     fields["link_bytes_per_s"], fields["latency_s"] = fit_links(rows)

@@ -246,13 +246,15 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   """``got`` with these totals (``counts``: the collectives, and of them
   those across hosts; and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
-  Its float32 matmuls keep their share of the matmuls, its large
-  transposes theirs of the bytes accessed, its hidden communication its
-  share of the communication time."""
-  f32 = got.f32_matmul_flops * (matmul_flops / got.matmul_flops) if got.matmul_flops else 0.0
+  Its float32 matmuls and a fused attention's keep their share of the
+  matmuls, its large transposes theirs of the bytes accessed, its hidden
+  communication its share of the communication time."""
+  share = matmul_flops / got.matmul_flops if got.matmul_flops else 0.0
+  f32 = got.f32_matmul_flops * share
+  attention, kernel = got.attention_flops * share, got.attention_kernel_flops * share
   transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
                 if got.bytes_accessed else 0.0)
-  compute = device.compute_seconds(flops, accessed, f32, transposed)
+  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel)
   count, remote = counts[0], min(counts[1], counts[0])
   # (the collectives across hosts keep their mix of group sizes)
   levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
@@ -265,6 +267,7 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
                              matmul_flops=matmul_flops, collective_bytes=moved,
                              network_bytes=network, seconds=compute + comm - hidden,
                              xla_seconds=None, f32_matmul_flops=f32,
+                             attention_flops=attention, attention_kernel_flops=kernel,
                              transposed_bytes=transposed, hidden_seconds=hidden, **more)
 
 

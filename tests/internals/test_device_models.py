@@ -152,3 +152,16 @@ def test_transposed_bytes_count_the_copies_that_reorder_memory():
     return hlo.transposed_bytes(_compiled_text(
         lambda w: jax.lax.fori_loop(0, n, lambda i, w: jnp.tanh(w.T), w), (2048, 2048)))
   assert looped(6) - looped(3) == 3 * 2048 * 2048 * 4
+
+
+def test_a_fused_attention_s_matmuls_take_the_kernel_s_rate_on_its_own_count():
+  """jax's attention matmuls (``attention_flops``) leave the matmul rate
+  and the kernel's flops (``attention_kernel_flops``: causal, half) take
+  the model's attention rate; a model without one keeps XLA's count at
+  the matmul rate."""
+  model = dataclasses.replace(DEVICE_MODELS["h100"], attention_flops_per_s=500e12)
+  assert model.compute_seconds(3e12, 0.0, attention_flops=2e12, attention_kernel_flops=1.75e12) \
+      == pytest.approx(1e12 / 650e12 + 1.75e12 / 500e12)
+  plain = DEVICE_MODELS["cpu"]
+  assert plain.compute_seconds(3e9, 0.0, attention_flops=2e9, attention_kernel_flops=1e9) \
+      == plain.compute_seconds(3e9, 0.0)
