@@ -901,6 +901,9 @@ def check_calibration(machine: Machine, report_path: str) -> str:
 
   parts = [figure("matmul", "flops_per_s", 1e12, "TFLOP/s"),
            figure("memory", "memory_bytes_per_s", 1e9, "GB/s")]
+  if model.get("attention_flops_per_s"):  # (a GPU's: cuDNN's fused attention ran)
+    parts.append(figure("fused attention (cuDNN, causal, forward and backward)",
+                        "attention_flops_per_s", 1e12, "TFLOP/s"))
   if child["count"] > 1:
     parts += [figure("links", "link_bytes_per_s", 1e9, "GB/s"),
               f"latency {model['latency_s'] * 1e6:.3g} us"]

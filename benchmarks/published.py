@@ -86,7 +86,10 @@ Not the same programs as MaxText's: its attention is a flash kernel
 llama2_7b.yml for GPUs). On the TPUs here it is XLA's, whose score
 matrices add memory traffic; the H100s' program is scored with
 ``attention="fused"``, as cuDNN's kernel runs it: the bytes XLA:CPU's
-score matrices move are left out. Some of its scripts offload
+score matrices move are left out, and its matmuls are the kernel's (the
+causal half, the logits recomputed) at the ``h100`` model's cuDNN rate
+(MosaicML's runs used an older, slower kernel; the A100 model holds no
+such rate: XLA's count at the matmul rate). Some of its scripts offload
 activations to host memory or tile the vocabulary (here neither). Needs libtpu (``pip install
 -e .[tpu]``) for the TPU families: about 20 minutes here (28 compiles of
 64 to 4096 chips), so only with ``--full``; the H100 and A100 families

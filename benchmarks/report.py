@@ -185,16 +185,30 @@ def merge(results: dict, command: str, path: str) -> dict:
   for name in BY_SOURCE:
     if name in results and merged.get(name):
       results[name], kept = _by_source(merged[name], results[name])
-      last = before.get(name, "").split(" (the ")[0]
-      if kept and last and last != command:
-        commands[name] = f"{command} (the {', '.join(kept)} rows: {last})"
-      elif kept and last:  # (the same command again: the kept rows' stays said)
-        commands[name] = before[name]
+      if kept and before.get(name):
+        commands[name] = _with_kept(command, kept, before[name])
   merged.update(results)
   merged["commands"] = commands
   with open(path, "w") as f:
     json.dump(merged, f, indent=1)
   return merged
+
+
+def _with_kept(command: str, kept: list[str], last: str) -> str:
+  """``command``, and the command that gave each of the ``kept`` families'
+  rows, read off the section's ``last`` command (``"CMD (the A, B rows:
+  CMD2; the C rows: CMD3)"``: a family not named there came from CMD)."""
+  base, _, rest = last.partition(" (the ")
+  given: dict[str, str] = {}
+  for part in rest.removesuffix(")").split("; the ") if rest else ():
+    names, _, cmd = part.partition(" rows: ")
+    given.update(dict.fromkeys(names.split(", "), cmd))
+  groups: dict[str, list[str]] = {}
+  for family in kept:
+    groups.setdefault(given.get(family, base), []).append(family)
+  said = [f"the {', '.join(names)} rows: {cmd}" for cmd, names in groups.items()
+          if cmd != command]
+  return f"{command} ({'; '.join(said)})" if said else command
 
 
 def _by_source(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str]]:

@@ -3,6 +3,7 @@ checks in this process on the 8 simulated CPU devices, what decides a
 plugin install, the report, bad input, and (slow) the whole command."""
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+import partitioner
 from benchmarks import accelerator_check as ac
 from partitioner._compile.check import tolerance as check_mode_tolerance
 
@@ -237,6 +239,29 @@ def test_skip_calibration_reports_it_skipped_and_runs_the_rest(monkeypatch):
   ran.clear()
   ac.run_checks(ac.Recorder(), ac.Machine(platform="cpu", kinds=["cpu"]))
   assert "check_calibration" in ran
+
+
+def test_a_gpus_calibration_reports_its_fused_attention_beside_the_named_model(
+    monkeypatch, tmp_path):
+  """The calibrated H100's figures against the named ``h100``: matmul,
+  memory, and cuDNN's fused attention (measured only on a GPU)."""
+  named = dataclasses.asdict(partitioner.DEVICE_MODELS["h100"])
+  model = dict(named, flops_per_s=640e12, attention_flops_per_s=600e12)
+
+  def child(function, env, timeout, path):
+    with open(path, "w") as f:
+      json.dump({"model": model}, f)
+    return {"named": {"key": "h100", **named}, "count": 1}
+  monkeypatch.setattr(ac, "_json_child", child)
+  monkeypatch.setattr(ac, "child_env", lambda machine: {})
+  detail = ac.check_calibration(ac.Machine(platform="gpu", kinds=["NVIDIA H100 80GB HBM3"]),
+                                str(tmp_path / "report.md"))
+  assert "matmul TFLOP/s 640 (0.98x the named 'h100': 650)" in detail
+  assert ("fused attention (cuDNN, causal, forward and backward) TFLOP/s 600 (1.06x the named"
+          " 'h100': 567)") in detail
+  del model["attention_flops_per_s"]  # (cuDNN's kernel did not run: no figure)
+  assert "fused attention" not in ac.check_calibration(
+      ac.Machine(platform="gpu", kinds=["NVIDIA H100 80GB HBM3"]), str(tmp_path / "report.md"))
 
 
 # ---- bad input, and the whole command ----

@@ -181,3 +181,14 @@ def test_a_run_of_some_families_keeps_the_others_rows(tmp_path):
   again = report.merge({"published": [row("16B", "MaxText's v5e table", 5.0)]},
                        "python -m benchmarks --full --only published", str(path))
   assert [r["case"] for r in again["published"]] == ["7B", "16B", "1B"]
+  assert again["commands"]["published"] == (
+      "python -m benchmarks --full --only published (the MaxText's A3 table, MosaicML's table"
+      " rows: python -m benchmarks --only published)")
+  # and a run of the GPU families under a third command: each kept
+  # family's own command stays said, not the last run's
+  third = report.merge({"published": [row("7B", "MaxText's A3 table", 1.7),
+                                      row("1B", "MosaicML's table", 4.2)]},
+                       "scripts/bench --only published", str(path))
+  assert third["commands"]["published"] == (
+      "scripts/bench --only published (the MaxText's v5e table rows:"
+      " python -m benchmarks --full --only published)")

@@ -92,6 +92,30 @@ measurement; the cpu's are measured:
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
+A fused attention kernel (``attention="fused"``: cuDNN's, which jax runs on
+a GPU) has a rate of its own on the H100, H200 and B200, on the kernel's
+count of flops (forward and backward, the causal mask's half skipped):
+
+- ``h200``: 567 TFLOP/s, measured: cuDNN 9.19.1's causal attention,
+  bfloat16, forward 644 and backward 541 TFLOP/s at 8192 tokens (64 query
+  heads, 8 of keys and values, 128 wide: Llama 3.1 70B's), "NVIDIA H200"
+  (github.com/NVIDIA/cudnn-frontend, commit 3929da2,
+  ``benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/
+  llama3.1_20260227_034703.csv``; 3.5 / (1 / 644 + 2.5 / 541)); at 2048
+  tokens 397, at 16384 603;
+- ``h100``: the H200's 567, an estimate (no measurement of cuDNN's kernel
+  on an H100 found; the two share their SMs and clocks, and the kernel is
+  bound by its arithmetic): FlashAttention-3's forward and backward at the
+  same shape on a Hopper GPU of unstated model measured 630 and 531.6,
+  556 together (github.com/Dao-AILab/flash-attention/pull/1791);
+- ``b200``: 998 TFLOP/s, measured: cuDNN 9.13 under PyTorch's SDPA,
+  forward 1171 and backward 942.5 at 8192 tokens (128 query heads, 8 of
+  keys and values), "NVIDIA B200" (cudnn-frontend commit 0b1577c,
+  ``benchmark/sdpa_benchmark_training/artifacts/
+  sdpa_bf16_benchmark_results_NVIDIA_B200.csv``);
+- the A100, the GH200 and the TPUs have none (none found): their attention's matmuls
+  run at the matmul rate, on XLA's count.
+
 The accelerators' latency per collective inside a host (8 us on the H100
 and later GPUs, 10 us on the A100 and the TPUs) is an estimate, not a
 measurement: NCCL's own tuning model (nccl's ``src/graph/tuning.cc``: a
@@ -267,16 +291,16 @@ _LEVEL_LATENCY = 10e-6
 
 
 def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
-         capacity: float, f32_flops: float, attention: float | None = None) -> DeviceModel:
+         capacity: float, f32_flops: float, **more: float) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
-  another), float32 matmuls at ``f32_flops`` (TF32), a fused attention
-  kernel at ``attention`` (None: not known), jax's share of the memory, a
-  collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
-  ``_LEVEL_LATENCY`` more each time its hosts double beyond two."""
+  another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
+  memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
+  ``_LEVEL_LATENCY`` more each time its hosts double beyond two; ``more``:
+  other fields (a fused attention's rate, where one is known)."""
   return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
                      memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
                      f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
-                     network_level_latency_s=_LEVEL_LATENCY, attention_flops_per_s=attention)
+                     network_level_latency_s=_LEVEL_LATENCY, **more)
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
@@ -284,10 +308,12 @@ MODELS = types.MappingProxyType({
                        overlap=False, error=0.30, platform="cpu"),
     "a100": _gpu("NVIDIA A100 SXM 80GB", 271e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
     "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12,
-                 567e12),
-    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12, 567e12),
+                 attention_flops_per_s=567e12),
+    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12,
+                 attention_flops_per_s=567e12),
     "gh200": _gpu("NVIDIA GH200", 829e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
-    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12, 998e12),
+    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12,
+                 attention_flops_per_s=998e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,

@@ -35,7 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,7 @@ _HEADS, _HEAD_SIZE, _TOKENS = 16, 128, 16384
 
 
 def measure_attention(devices: Sequence[Any], seq: int, target: float, repeats: int,
-                      implementation: str | None = "cudnn", heads: int = _HEADS,
+                      implementation: Literal["xla", "cudnn"] | None = "cudnn", heads: int = _HEADS,
                       head_size: int = _HEAD_SIZE, tokens: int = _TOKENS) -> float:
   """flop/s per device of ``jax.nn.dot_product_attention`` (causal,
   bfloat16; ``implementation``: jax's, "cudnn" by default), its forward
