@@ -72,9 +72,11 @@ Sections (one module each):
             TFLOP/s per chip: by default the GPU tables, compiled for
             simulated devices (MaxText's A3: Llama 2 7B on 1 to 16 hosts
             of 8 H100s; MosaicML's MPT 1B to 30B on 8 A100s, 7 rates, and
-            on 8 H100s at 512 to 65536 tokens a sequence, 30 rates); with
-            --full and libtpu also MaxText's v5e, v5p and v4 tables (46
-            rates, each compiled by XLA:TPU).
+            on 8 H100s at 512 to 65536 tokens a sequence, 30 rates), and
+            with jax's CUDA plugin (the cuda extra: ``WITH_CUDA=1``) the
+            same three compiled by XLA:GPU too (about 6.5 minutes more);
+            with --full and libtpu also MaxText's v5e, v5p and v4 tables
+            (46 rates, each compiled by XLA:TPU).
   published_v6e  only by name (``--full --only published_v6e``, libtpu
             installed: 66-76 minutes, its 10 compiles taking 6-7 minutes
             each), the ``tpu-v6e`` model against Google's Trillium recipes

@@ -92,13 +92,15 @@ def _chunked(one, chunk: int, *xs):
   return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (jnp.arange(pieces), *split))
 
 
-def _attention(q, k, v, seq: int, chunk: int | None):
-  """Causal ``jax.nn.dot_product_attention``, its queries ``chunk`` at a
+def _attention(q, k, v, seq: int, chunk: int | None, implementation: str | None = None):
+  """Causal ``jax.nn.dot_product_attention`` (``implementation``: jax's
+  argument: "cudnn" for cuDNN's fused kernel), its queries ``chunk`` at a
   time (each chunk's mask the keys up to each query's position)."""
   import jax
   import jax.numpy as jnp
   if not chunk or chunk >= seq:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=implementation)  # type: ignore[arg-type]
   keys = jnp.arange(seq)
 
   def one(i, q):
@@ -120,11 +122,13 @@ def first_principles_bytes(shape: Shape, devices: int) -> float:
 
 
 def abstract(shape: Shape, accumulate: bool = False, activations=None,
-             remat: str | tuple[str, ...] = "full", chunk: int | None = None):
+             remat: str | tuple[str, ...] = "full", chunk: int | None = None,
+             implementation: str | None = None):
   """``(step, (params, opt_state), tokens)`` as ShapeDtypeStructs: the
   Adam train step and its arguments' shapes (``accumulate``: its
   gradients through ``partitioner.accumulate``, the count the search's;
-  ``activations``, ``remat``, ``chunk``: see :func:`make_step`)."""
+  ``activations``, ``remat``, ``chunk``, ``implementation``: see
+  :func:`make_step`)."""
   import jax
   import jax.numpy as jnp
   s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
@@ -136,11 +140,13 @@ def abstract(shape: Shape, accumulate: bool = False, activations=None,
             "final_norm": s(d), "unembed": s(d, shape.vocab)}
   opt_state = {"mu": params, "nu": params, "count": jax.ShapeDtypeStruct((), jnp.int32)}
   tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jnp.int32)
-  return make_step(shape, accumulate, activations, remat, chunk), (params, opt_state), tokens
+  return (make_step(shape, accumulate, activations, remat, chunk, implementation),
+          (params, opt_state), tokens)
 
 
 def make_step(shape: Shape, accumulate: bool = False, activations=None,
-              remat: str | tuple[str, ...] = "full", chunk: int | None = None):
+              remat: str | tuple[str, ...] = "full", chunk: int | None = None,
+              implementation: str | None = None):
   """The train step: cross-entropy of the next token, Adam (lr 3e-4);
   with ``accumulate``, its gradients summed over microbatches
   (``partitioner.accumulate``, the count left to the search);
@@ -158,13 +164,16 @@ def make_step(shape: Shape, accumulate: bool = False, activations=None,
   chunk recomputed for the backward), so that neither a sequence x
   sequence score matrix nor a sequence x vocabulary logit matrix is
   whole at once: the same flops, the memory of a long sequence's flash
-  kernel and tiled loss; None: whole."""
+  kernel and tiled loss; None: whole; ``implementation``: the attention's
+  (``jax.nn.dot_product_attention``'s argument: "cudnn" for cuDNN's fused
+  kernel, which only a GPU's compiler lowers; None: XLA's)."""
   import jax
   import jax.numpy as jnp
   from jax.ad_checkpoint import checkpoint_name
 
   saved = _checked(shape, remat, chunk)
-  attention = functools.partial(_attention, seq=shape.seq, chunk=chunk)
+  attention = functools.partial(_attention, seq=shape.seq, chunk=chunk,
+                                implementation=implementation)
 
   rms = _rms
 

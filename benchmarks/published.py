@@ -41,6 +41,14 @@ here (the ``published_v6e`` section, run only by name: ``scripts/bench
 --full --only published_v6e``; 8192-token sequences, so each compile
 takes 6-7 minutes here, 66 in all).
 
+With jax's CUDA plugin installed (the ``cuda`` extra), the three GPU
+families are also compiled by XLA:GPU itself, for compile-only GPUs
+(``partitioner.gpu_devices``: ``h100_xla_gpu``, ``a100_xla_gpu``,
+``h100_mpt_xla_gpu``), with cuDNN's attention in the program
+(``jax.nn.dot_product_attention(implementation="cudnn")``, as MaxText's
+``cudnn_flash_te`` and MosaicML's FlashAttention run a fused kernel):
+their costs are XLA:GPU's program's, not XLA:CPU's stand-in's.
+
 Each decoder is MaxText's ``llama2`` block (``global_parameter_scale``'s
 shapes, or the script's own), vocabulary 32000, float32 weights and Adam,
 bfloat16 compute, the script's sequences a chip and ``remat_policy``
@@ -143,6 +151,7 @@ class Family:
   # (config name, pod) -> flags that run's script adds to the family's
   run_flags: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
   counter: str = "MaxText"  # whose flop count the published rates are in
+  implementation: str | None = None  # the step's attention's (_llama.make_step's)
 
   def flops(self, config: Config) -> float:
     """A step's training flops a chip, counted as the table counts them."""
@@ -246,6 +255,17 @@ def _families() -> dict[str, Family]:
       # each: the search's way to plan GPUs without one)
       "h100": Family("h100", "published (MaxText's A3 table)", {"A3": "cpu:8"}, {}, a3,
                      network=A3_HIGH_NETWORK, attention="fused"),
+      # (the GPU families again, compiled by XLA:GPU itself for compile-only
+      # GPUs, cuDNN's attention in the program: with jax's CUDA plugin)
+      "h100_xla_gpu": Family("h100", "published (MaxText's A3 table; XLA:GPU)",
+                             {"A3": "gpu:h100:8"}, {}, a3, network=A3_HIGH_NETWORK,
+                             implementation="cudnn"),
+      "a100_xla_gpu": Family("a100", "published (MosaicML's llm-foundry A100 table; XLA:GPU)",
+                             {"8 x A100": "gpu:a100:8"}, {}, _mpt(MPT_A100, "8 x A100"),
+                             slices=1, counter="MosaicML", implementation="cudnn"),
+      "h100_mpt_xla_gpu": Family("h100", "published (MosaicML's llm-foundry H100 table; XLA:GPU)",
+                                 {"8 x H100": "gpu:h100:8"}, {}, _mpt(MPT_H100, "8 x H100"),
+                                 slices=1, counter="MosaicML", implementation="cudnn"),
       # (one slice each: FSDP over it; jax's attention stands in for the
       # splash kernel, scored as one; in chunks of 1024 queries and tokens
       # so that XLA:TPU fits 8192-token sequences in a v6e chip's 31.25 GiB)
@@ -426,8 +446,17 @@ def maxtext_flops(shape) -> float:
 def run(args) -> list[dict]:
   """The published section: the H100 and A100 families, and with ``--full`` (libtpu
   installed) the v5e, v5p and v4 ones."""
+  from partitioner import _compat
   families = {n: f for n, f in _families().items() if n != "v6e"}
-  names = [n for n, f in families.items() if not f.model.startswith("tpu-")]
+  compiled_by_xla_gpu = [n for n, f in families.items()
+                         if any(t.startswith("gpu:") for t in f.pods.values())]
+  names = [n for n, f in families.items()
+           if not f.model.startswith("tpu-") and n not in compiled_by_xla_gpu]
+  if _compat.cuda_plugin_installed():
+    names += compiled_by_xla_gpu
+  else:
+    print("(jax's CUDA plugin is not installed: the GPU families are compiled by XLA:CPU"
+          " only, not by XLA:GPU too; pip install -e .[cuda])")
   if not getattr(args, "full", False):
     print("(published: the TPU families, 28 compiles of 64 to 4096 TPU chips, about 20"
           " minutes: with --full)")
@@ -435,7 +464,7 @@ def run(args) -> list[dict]:
     print("(libtpu is not installed: no comparison with published TPU rates;"
           " pip install -e .[tpu])")
   else:
-    names = list(families)
+    names += [n for n, f in families.items() if f.model.startswith("tpu-")]
   return _family_rows(names)
 
 
@@ -481,6 +510,8 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
   topology, slices = family.pods[pod], family.slices
   if topology.startswith("cpu:"):  # (simulated devices, so many hosts of them)
     chips, hosts = jax.devices()[:slices * int(topology[4:])], slices
+  elif topology.startswith("gpu:"):  # (XLA:GPU's compile-only GPUs, a host's each)
+    chips, hosts = partitioner.gpu_devices(topology[4:], num_hosts=slices), None
   else:
     chips = sorted(partitioner.tpu_devices(topology, num_slices=slices),
                    key=lambda c: (getattr(c, "slice_index", 0), c.id))
@@ -492,7 +523,7 @@ def compiled_cost(family: Family, config: Config, pod: str, layers: int):
                               batch=config.shape.batch * len(chips))
   step, (params, opt), tokens = _llama.abstract(
       shape, activations=NamedSharding(mesh, P(("data", "fsdp"), None, None)),
-      remat=config.remat, chunk=family.chunk)
+      remat=config.remat, chunk=family.chunk, implementation=family.implementation)
   named = lambda *spec: NamedSharding(mesh, P(*spec))
   # MaxText's logical rules: embed -> fsdp; heads, mlp, vocab -> tensor.
   rules = {"embed": named("tensor", "fsdp"), "unembed": named("fsdp", "tensor"),
@@ -562,10 +593,16 @@ def config_rows(family_name: str, config_name: str) -> list[dict]:
                      f" {_remat_name(config.remat)}; estimated {seconds:.2f} s a step ({compute:.2f} s"
                      f" compute, {comm:.2f} s collectives, {hidden:.2f} s of them behind"
                      f" compute), {family.counter}'s flops {flops / 1e12:.0f} T a chip;"
-                     f" {'XLA:TPU' if family.model.startswith('tpu-') else 'XLA:CPU'}'s peak"
+                     f" {_compiler(family.pods[pod])}'s peak"
                      f" at 1 / 2 layers {one.peak_memory / 1e9:.1f} /"
                      f" {two.peak_memory / 1e9:.1f} GB a chip")})
   return rows
+
+
+def _compiler(topology: str) -> str:
+  """Whose program a pod's costs are read from: ``"XLA:CPU"`` (simulated
+  devices), ``"XLA:GPU"``, ``"XLA:TPU"``."""
+  return {"cpu": "XLA:CPU", "gpu": "XLA:GPU"}.get(topology.split(":")[0], "XLA:TPU")
 
 
 def _remat_name(remat: str | tuple[str, ...]) -> str:
@@ -576,8 +613,8 @@ def _remat_name(remat: str | tuple[str, ...]) -> str:
 
 def _chips(topology: str) -> int:
   """Chips (devices) in one slice or host of ``topology``: ``"v4:4x4x12"``
-  192, ``"cpu:8"`` 8."""
-  return math.prod(int(n) for n in topology.split(":")[1].split("x"))
+  192, ``"cpu:8"`` 8, ``"gpu:h100:8"`` 8."""
+  return math.prod(int(n) for n in topology.split(":")[-1].split("x"))
 
 
 def _ranks(values):

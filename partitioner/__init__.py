@@ -27,6 +27,7 @@ from partitioner._front.pmap import PmapFunction as PmapFunction
 from partitioner._front.pmap import pmap as pmap
 from partitioner._front.sharded_jit import ShardedJitFunction as ShardedJitFunction
 from partitioner._front.sharded_jit import sharded_jit as sharded_jit
+from partitioner._lower.gpu_topology import gpu_devices as gpu_devices
 from partitioner._lower.topology import tpu_devices as tpu_devices
 from partitioner._pipeline.accumulate import accumulate as accumulate
 from partitioner._pipeline.schedule import pipeline as pipeline
@@ -48,7 +49,8 @@ __all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Che
            "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
            "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
            "PmapFunction", "ShardedJitFunction", "World", "accumulate", "clear_caches",
-           "calibrate", "compilation_stats", "config", "cost", "explain", "initialize", "pipeline",
+           "calibrate", "compilation_stats", "config", "cost", "explain", "gpu_devices",
+           "initialize", "pipeline",
            "pipeline_order",
            "pmap", "search", "sharded_jit", "to_global", "to_local", "tpu_devices"]
 

@@ -195,6 +195,8 @@ def lowering_platform(device: Device) -> str:
   from jax._src import xla_bridge
   if device.platform != "gpu":
     return device.platform
+  if is_compile_only(device):  # (a CUDA topology's, with no GPU backend to ask)
+    return "cuda"
   return xla_bridge.canonicalize_platform(device.client.platform)
 
 
@@ -229,6 +231,36 @@ def compile_only(module: bytes, devices: Sequence[Device], options: Any) -> Any:
 XlaRuntimeError = getattr(jax.errors, "JaxRuntimeError", None) or _xc.XlaRuntimeError
 
 
+def cost_analysis(executable: Any) -> dict[str, float]:
+  """XLA's cost analysis of a compiled executable's per-device program. A
+  compile-only GPU client (XLA:GPU without a GPU: a CUDA topology of
+  ``jax.experimental.topologies``) implements none; there XLA's generic
+  analysis of the optimized module, run through the CPU client, stands in
+  (it counts no custom call: the cost model counts cuBLAS's and cuDNN's
+  from the HLO, their bytes where the result says
+  :data:`CUSTOM_CALL_BYTES_UNCOUNTED`)."""
+  try:
+    return dict(executable.cost_analysis() or {})
+  except XlaRuntimeError as e:
+    if "UNIMPLEMENTED" not in str(e):
+      raise
+  import jaxlib._jax as _jax  # (jax._src.lib._jax)
+  module = executable.hlo_modules()[0]
+  found = dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+  # (the generic analysis puts -1 flops and -1 bytes on each custom call:
+  # taken back, and the bytes said to be uncounted)
+  calls = float(module.to_string().count(" custom-call("))
+  found["flops"] = found.get("flops", 0.0) + calls
+  found["bytes accessed"] = found.get("bytes accessed", 0.0) + calls
+  found[CUSTOM_CALL_BYTES_UNCOUNTED] = 1.0
+  return found
+
+
+# The key :func:`cost_analysis` adds where its figures leave out what each
+# custom call (cuBLAS's gemms, cuDNN's attention) reads and writes.
+CUSTOM_CALL_BYTES_UNCOUNTED = "custom call bytes uncounted"
+
+
 def libtpu_installed() -> bool:
   """Whether jax finds libtpu (the ``libtpu`` package, or ``TPU_LIBRARY_PATH``)."""
   from jax._src import cloud_tpu_init
@@ -251,6 +283,54 @@ def topology_devices(topology: str, num_slices: int) -> tuple[Device, ...]:
   extra = {"chip_config_name": "megacore"} if topology.lower().startswith("v4:") else {}
   desc = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices, **extra)
   return tuple(desc.devices)
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA plugin (XLA:GPU's compiler, ``jax[cuda12]``) is
+  installed."""
+  return _cuda_plugin() is not None
+
+
+def _cuda_plugin() -> str | None:
+  """The module of jax's CUDA plugin (``jax_plugins.xla_cuda12``), or None."""
+  import importlib.util
+  if importlib.util.find_spec("jax_plugins") is None:
+    return None
+  return next((name for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+               if importlib.util.find_spec(name) is not None), None)
+
+
+def gpu_topology_devices(target_config: str, hosts: int, per_host: int
+                         ) -> tuple[Device, ...]:
+  """The compile-only devices of ``hosts`` hosts of ``per_host`` GPUs each,
+  all of the GPU ``target_config`` describes (a ``GpuTargetConfigProto``
+  in text form): XLA:GPU compiles for them without a GPU."""
+  import importlib
+  import os
+
+  from jax.experimental import topologies
+  make = lambda: topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                              topology=f"1x{hosts}x{per_host}")
+  try:
+    return tuple(make().devices)
+  except NotImplementedError:
+    # jax left the plugin out when it started its backends: its check of the
+    # CUDA driver fails without a GPU. Registered now, that check skipped
+    # (the compiler needs no driver); a plugin that registered has no such
+    # failure, so this runs at most once.
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    name = _cuda_plugin()
+    if name is None:
+      raise
+    importlib.import_module(name).initialize()
+    # (and given what jax gives each plugin it found at its start: custom
+    # calls' partitioners, FFI targets)
+    from jax._src import xla_bridge
+    registration = xla_bridge._backend_factories.get("cuda")
+    if registration is not None and registration.c_api is not None:
+      for callback in list(xla_bridge._plugin_callbacks):
+        callback(c_api=registration.c_api)
+    return tuple(make().devices)
 
 
 def forget_absent_tpu() -> None:

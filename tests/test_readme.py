@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from partitioner import _compat
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # README.md, then the guides, as paths relative to the repository.
@@ -81,6 +83,8 @@ def test_python_block_runs_on_its_own(doc, line, code, tmp_path):
   script.write_text(_checked(code))
   if "tpu_devices(" in code and importlib.util.find_spec("libtpu") is None:
     pytest.skip("needs libtpu: pip install 'sharded-jit[tpu]' (scripts/test with WITH_LIBTPU=1)")
+  if "gpu_devices(" in code and not _compat.cuda_plugin_installed():
+    pytest.skip("needs jax's CUDA plugin: pip install 'sharded-jit[cuda]'")
   if "partitioner.initialize()" in code:
     pytest.importorskip("mpi4py")
     cmd = [sys.executable, "-m", "partitioner.launch", "-n", "2",

@@ -206,7 +206,7 @@ class CompiledProgram(abc.ABC):
 
   def cost_analysis(self) -> dict[str, float]:
     """XLA's cost analysis of the per-device program (flops, bytes, ...)."""
-    return dict(self.loaded.cost_analysis() or {})
+    return _compat.cost_analysis(self.loaded)
 
   def memory_analysis(self) -> Any:
     """XLA's memory statistics of the per-device program."""

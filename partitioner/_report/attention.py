@@ -130,3 +130,43 @@ def flops(hlo_text: str) -> tuple[float, float]:
         found += f
         kernel += f / 2 if makes else 1.5 * f
   return found, kernel / 2 if _CAUSAL.search(hlo_text) else kernel
+
+
+# cuDNN's fused attention in a program XLA:GPU compiled
+# (``jax.nn.dot_product_attention(..., implementation="cudnn")``): one
+# custom call forward, one backward, the score matrices' shape and the mask
+# in its backend config.
+_CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_MASK = re.compile(r'"mask_type":\s*"(\w+)"')
+
+
+def cudnn_flops(hlo_text: str) -> tuple[float, float]:
+  """``(flops, kernel flops)`` per call of the program's cuDNN attention
+  calls, each as often as it runs: what XLA's own attention would compute
+  in their place (forward ``4 x batch x heads x queries x keys x head
+  size``, backward twice that), which XLA's cost analysis leaves out as it
+  leaves out every custom call, and what the kernel computes (its backward
+  2.5 times its forward, the logits recomputed; half of both under a
+  causal mask: :func:`flops`'s count). (0, 0) where there are none."""
+  counts = _hlo.runs(hlo_text)
+  found = kernel = 0.0
+  for name, lines in _hlo.computations(hlo_text).items():
+    if not name:
+      continue
+    for line in lines:
+      if not _CUDNN.search(line) or (m := _hlo.DEFINITION.match(line)) is None:
+        continue
+      scores, arrays = _SCORES.search(line), _hlo.ARRAY.findall(m.group("shape"))
+      if scores is None or not arrays:
+        continue
+      # (the first result: the output forward, the queries' gradient backward)
+      head = int(arrays[0][1].split(",")[-1])
+      forward = 4.0 * math.prod(int(d.strip('" ')) for d in scores.group(1).split(",")) * head
+      backward = "Backward" in line.split("custom_call_target=")[1].split(",")[0]
+      mask = _MASK.search(line)
+      causal = mask is not None and "CAUSAL" in mask.group(1)
+      k = counts.get(name, 1)
+      found += k * forward * (2 if backward else 1)
+      kernel += k * forward * (2.5 if backward else 1) / (2 if causal else 1)
+  return found, kernel

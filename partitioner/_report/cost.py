@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from partitioner._compat import CUSTOM_CALL_BYTES_UNCOUNTED
 from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report import schedule as _schedule
@@ -89,9 +90,11 @@ class Cost:
       span beyond two (a group over 8 hosts: 2), as often as they run:
       each costs the device model's ``network_level_latency_s`` more
       (:func:`network_levels`).
-    attention_flops: with ``attention="fused"``, the part of
-      ``matmul_flops`` in jax attention's matmuls (forward and backward,
-      as XLA runs them), else 0.
+    attention_flops: the part of ``matmul_flops`` a fused attention kernel
+      runs: with ``attention="fused"``, jax attention's matmuls (forward and
+      backward, as XLA runs them); in a program XLA:GPU compiled, what XLA's
+      attention would compute in place of its cuDNN attention calls
+      (:func:`partitioner._report.attention.cudnn_flops`); else 0.
     attention_kernel_flops: what a fused kernel computes in their place
       (:func:`partitioner._report.attention.flops`: its backward recomputes
       the logits; under jax's causal mask, half), charged at
@@ -392,6 +395,18 @@ def score_traffic(hlo_text: str) -> tuple[float, float]:
   return moved, _attention.transposed_score_bytes(hlo_text, score)
 
 
+def custom_call_bytes(hlo_text: str) -> float:
+  """The bytes the program's custom calls (cuBLAS's gemms, cuDNN's
+  attention) read and write per call: each one's operands and results, as
+  often as it runs."""
+  values = _values(_hlo.computations(hlo_text), _NO_SCOPE)
+  counts = _hlo.runs(hlo_text)
+  return float(sum(
+      counts.get(name, 1) * sum(values.size(v) for v in
+                                [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))])
+      for name, m, _ in values.defined if m.group("kind") == "custom-call"))
+
+
 def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
@@ -501,18 +516,26 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
                                           level)
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
+  if cost.get(CUSTOM_CALL_BYTES_UNCOUNTED):  # (a compile-only GPU's stand-in analysis)
+    accessed += custom_call_bytes(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
   matmuls = _hlo.matmul_flops_by_type(hlo_text)
-  f32 = matmuls.get("f32", 0.0) if _hlo.compiled_for_gpu(hlo_text) else 0.0
+  gpu = _hlo.compiled_for_gpu(hlo_text)
+  f32 = matmuls.get("f32", 0.0) if gpu else 0.0
   transposed = _hlo.transposed_bytes(hlo_text)
-  attention = kernel = 0.0
+  # cuDNN's attention in XLA:GPU's program: a custom call, which XLA's
+  # analyses count nothing for
+  attention, kernel = _attention.cudnn_flops(hlo_text) if gpu else (0.0, 0.0)
+  flops += attention
+  if attention:
+    matmuls["cudnn"] = attention
   if fused_attention:
     scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
-    attention, kernel = _attention.flops(hlo_text)
+    attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
   compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,

@@ -679,8 +679,9 @@ def accessed(lines: list[str]) -> float:
 
 def compiled_for_gpu(hlo_text: str) -> bool:
   """Whether XLA:GPU compiled the program (its matmuls are cuBLAS or
-  Triton calls; XLA:CPU's are dots, bfloat16 ones computed in float32)."""
-  return "__cublas$" in hlo_text or "__triton" in hlo_text
+  Triton calls, its attention cuDNN's; XLA:CPU's are dots, bfloat16 ones
+  computed in float32)."""
+  return any(mark in hlo_text for mark in ("__cublas$", "__triton", "__cudnn$"))
 
 
 def matmul_flops(hlo_text: str) -> float:

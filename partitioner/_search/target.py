@@ -314,7 +314,7 @@ def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
   consecutive ones (``fused_attention``: see :class:`Place`); a digest of
   its text; the text."""
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
-  cost = score(text, dict(loaded.cost_analysis() or {}), loaded.get_compiled_memory_stats(),
+  cost = score(text, _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats(),
                hosts_of(len(program.devices), hosts), device, fused_attention)
   return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), text
 
