@@ -127,6 +127,7 @@ def test_cudnn_s_attention_in_xla_gpu_s_program_is_charged_as_the_kernel_does_it
   assert fast.attention_flops == pytest.approx(3 * forward)  # (XLA's: 2 + 4 matmuls)
   assert fast.attention_kernel_flops == pytest.approx(1.75 * forward)
   assert fast.flops >= 3 * forward
+  assert partitioner.explain(compiled).flops == pytest.approx(fast.flops)
   # their bytes too: forward q, k, v in and the output out; backward those,
   # the output's gradient in and q's, k's and v's out (2 MB each a device)
   assert fast.bytes_accessed >= 12 * (b // 8) * t * n * h * 2

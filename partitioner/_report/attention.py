@@ -149,6 +149,8 @@ def cudnn_flops(hlo_text: str) -> tuple[float, float]:
   leaves out every custom call, and what the kernel computes (its backward
   2.5 times its forward, the logits recomputed; half of both under a
   causal mask: :func:`flops`'s count). (0, 0) where there are none."""
+  if "__cudnn$fmha" not in hlo_text:
+    return 0.0, 0.0
   counts = _hlo.runs(hlo_text)
   found = kernel = 0.0
   for name, lines in _hlo.computations(hlo_text).items():

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report.explanation import (
   LARGEST_TEMPORARIES,
@@ -157,5 +158,7 @@ def explanation(described: Description, hlo_text: str, cost_analysis: dict,
       outputs=tuple(_value_layout(*o) for o in d.outputs),
       collectives=found, pipelines=pipelines(d.pipelines, found),
       temporaries=temporaries(hlo_text),
-      flops=_hlo.program_flops(hlo_text, cost_analysis),
+      # (cuDNN's attention calls, which XLA's analyses count nothing for, as
+      # partitioner.cost counts them)
+      flops=_hlo.program_flops(hlo_text, cost_analysis) + _attention.cudnn_flops(hlo_text)[0],
       memory=memory(memory_stats), guards=tuple(d.guards), replicas=d.replicas)
