@@ -13,7 +13,7 @@ of jax's attention matmuls carry their einsums' subscripts
 shape on each device is found.
 
 A fused kernel also does other arithmetic than jax's ops
-(:func:`kernel_flops`): its backward pass recomputes the logits (five
+(:func:`flops`): its backward pass recomputes the logits (five
 sequence x sequence matmuls where jax's backward runs four, jax having
 saved the probabilities), and under a causal mask (jax's ``is_causal``) it
 skips the blocks above the diagonal, half the products, where XLA computes
