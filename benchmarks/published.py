@@ -446,13 +446,12 @@ def maxtext_flops(shape) -> float:
 def run(args) -> list[dict]:
   """The published section: the H100 and A100 families, and with ``--full`` (libtpu
   installed) the v5e, v5p and v4 ones."""
-  from partitioner import _compat
   families = {n: f for n, f in _families().items() if n != "v6e"}
   compiled_by_xla_gpu = [n for n, f in families.items()
                          if any(t.startswith("gpu:") for t in f.pods.values())]
   names = [n for n, f in families.items()
            if not f.model.startswith("tpu-") and n not in compiled_by_xla_gpu]
-  if _compat.cuda_plugin_installed():
+  if _cuda_plugin_installed():
     names += compiled_by_xla_gpu
   else:
     print("(jax's CUDA plugin is not installed: the GPU families are compiled by XLA:CPU"
@@ -466,6 +465,14 @@ def run(args) -> list[dict]:
   else:
     names += [n for n, f in families.items() if f.model.startswith("tpu-")]
   return _family_rows(names)
+
+
+def _cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA plugin is installed (the ``cuda`` extra), for
+  ``partitioner.gpu_devices``."""
+  return (importlib.util.find_spec("jax_plugins") is not None
+          and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
+                  for v in (12, 13)))
 
 
 def run_v6e(args) -> list[dict]:
