@@ -24,7 +24,9 @@ sequences, ZeRO-1 8 and the collectives XLA:TPU makes of it), and the
 8B is planned through XLA:TPU itself for 8 v5p chips (``... tpu8b``,
 about 7 minutes) and for 256 (``... tpu256``, a batch of 256 sequences,
 about 5 minutes): search time, the winner's peak against jax.jit's
-compile of the exported layout and the budget.
+compile of the exported layout and the budget. With --full and jax's
+CUDA plugin (the ``cuda`` extra), the 8B is planned through XLA:GPU for
+one host of 8 H100s the same way (``... gpu8b``, about 3 minutes).
 
 Each plan runs in a child process (``python -m benchmarks.plan_real 8b``):
 the 70B's needs 64 devices."""
@@ -54,9 +56,20 @@ def run(args) -> list[dict]:
       rows += child_rows("benchmarks.plan_real", "tpu256", timeout=TIMEOUT)
     else:
       print("(libtpu is not installed: no comparison with XLA:TPU; pip install -e .[tpu])")
+    if _cuda_plugin_installed():
+      rows += child_rows("benchmarks.plan_real", "gpu8b", timeout=TIMEOUT)
+    else:
+      print("(jax's CUDA plugin is not installed: no plan through XLA:GPU;"
+            " pip install -e .[cuda])")
   for r in rows:
     r.setdefault("ratio", r["ours"] / r["jax"] if r["jax"] else float("nan"))
   return rows
+
+
+def _cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA plugin is installed (the ``cuda`` extra)."""
+  from benchmarks.published import _cuda_plugin_installed as installed
+  return installed()
 
 
 # A small decoder of the same code, for XLA:TPU to compile in minutes here.
@@ -148,51 +161,59 @@ def _zero_against_tpu() -> list[dict]:
 
 # Plans through XLA:TPU: the 8B on 8 v5p chips (its batch of 8), and on
 # 256 (a batch of 256 sequences, a million tokens a step).
-TPU_PLANS = {"tpu8b": ("v5p:2x2x2", 8), "tpu256": ("v5p:4x8x8", 256)}
+# Plans through the target's own compiler: (platform, topology, batch).
+COMPILED_PLANS = {"tpu8b": ("tpu", "v5p:2x2x2", 8), "tpu256": ("tpu", "v5p:4x8x8", 256),
+                  "gpu8b": ("gpu", "h100:8", 8)}
 
 
-def _plan_tpu(which: str) -> list[dict]:
-  """The 8B planned for a v5p slice by XLA:TPU itself (compile-only
-  devices from libtpu): search time, and the winner's peak (XLA:TPU's,
-  its whole program) against jax.jit's compile of the exported layout and
-  against the budget."""
+def _plan_compiled(which: str) -> list[dict]:
+  """The 8B planned by the target's own compiler for compile-only devices
+  (XLA:TPU for a v5p slice, from libtpu; XLA:GPU for a host of 8 H100s,
+  from jax's CUDA plugin): search time, and the winner's peak (the
+  compiler's, its whole program) against jax.jit's compile of the
+  exported layout and against the budget."""
   import dataclasses
 
   from benchmarks import _llama
   setup_jax(8)
   import partitioner
-  topology, batch = TPU_PLANS[which]
+  platform, topology, batch = COMPILED_PLANS[which]
   shape = dataclasses.replace(_llama.LLAMA3_8B, batch=batch)
   step, state, tokens = _llama.abstract(shape)
-  chips = partitioner.tpu_devices(topology)
+  chips = (partitioner.tpu_devices(topology) if platform == "tpu"
+           else partitioner.gpu_devices(topology))
   start = time.perf_counter()
   found = partitioner.search(step, *state, tokens, devices=chips, progress=False)
   seconds = time.perf_counter() - start
   best, m = found.best, found.best.memory or {}
-  name = (f"Llama 3 8B, {len(chips)} v5p chips ({topology.replace(':', ' ')}), batch {batch}"
-          " x 4096, through the TPU compiler")
+  compiler, what = (("XLA:TPU", f"{len(chips)} v5p chips ({topology.replace(':', ' ')})")
+                    if platform == "tpu" else ("XLA:GPU", f"{len(chips)} H100s (one host)"))
+  name = f"Llama 3 8B, {what}, batch {batch} x 4096, through {compiler}"
   detail = (f"found: {best.family}, grid (data, fsdp, model) {tuple(best.grid)};"
-            f" {found.compiled} compiled of {found.estimated} estimated; XLA:TPU, whole"
-            f" program: peak {best.peak_memory / 1e9:.2f} GB per chip (arguments"
+            f" {found.compiled} compiled of {found.estimated} estimated; {compiler}, whole"
+            f" program: peak {best.peak_memory / 1e9:.2f} GB a device (arguments"
             f" {m.get('arguments', 0) / 1e9:.2f}, temporaries {m.get('temporaries', 0) / 1e9:.2f});"
-            f" XLA's time estimate {best.xla_seconds or 0:.3f} s, ours {best.seconds:.3f} s")
+            + (f" XLA's time estimate {best.xla_seconds:.3f} s," if best.xla_seconds else "")
+            + f" ours {best.seconds:.3f} s")
   limit = 600.0
+  budget = "95% of 95 GB" if platform == "tpu" else "75% of 80 GB (jax's share of a GPU)"
   rows = [{"case": f"{name}: search time (cold)", "unit": "s", "ours": seconds, "jax": limit,
            "against": f"{limit:.0f} s", "target": "<= 1.0", "detail": detail},
           {"case": f"{name}: the winner's peak as reported vs jax.jit's of the same layout",
            "unit": "GB", "ours": best.peak_memory / 1e9, "jax": _jax_jit_peak(found, step, state,
                                                                              tokens) / 1e9,
-           "against": "jax.jit with found.named_shardings(), XLA:TPU's memory analysis",
+           "against": f"jax.jit with found.named_shardings(), {compiler}'s memory analysis",
            "target": "0.9-1.1", "detail": detail},
           {"case": f"{name}: the winner's exact peak vs the budget", "unit": "GB",
            "ours": best.peak_memory / 1e9, "jax": found.budget / 1e9,
-           "against": "95% of 95 GB", "target": "<= 1.0", "detail": detail}]
+           "against": budget, "target": "<= 1.0", "detail": detail}]
   return rows
 
 
 def _jax_jit_peak(found, step, state, tokens) -> int:
-  """XLA:TPU's peak of the found layout compiled by jax.jit (its exported
-  mesh and NamedShardings, the state donated as the search scored it)."""
+  """The compiler's peak of the found layout compiled by jax.jit (its
+  exported mesh and NamedShardings, the state donated as the search scored
+  it)."""
   import jax
   _, ins, outs = found.named_shardings()
   compiled = jax.jit(step, in_shardings=ins, out_shardings=outs,
@@ -308,4 +329,4 @@ def _smallest_whole(shape) -> float:
 if __name__ == "__main__":
   which = sys.argv[1]
   print(json.dumps(_against_tpu() if which == "tpu" else _torchtitan() if which == "titan"
-                   else _plan_tpu(which) if which in TPU_PLANS else _plan(which)))
+                   else _plan_compiled(which) if which in COMPILED_PLANS else _plan(which)))
