@@ -37,7 +37,7 @@ import json
 import sys
 import time
 
-from benchmarks._common import child_rows, setup_jax
+from benchmarks._common import child_rows, cuda_plugin_installed, setup_jax
 
 TIMEOUT = 1200
 
@@ -56,7 +56,7 @@ def run(args) -> list[dict]:
       rows += child_rows("benchmarks.plan_real", "tpu256", timeout=TIMEOUT)
     else:
       print("(libtpu is not installed: no comparison with XLA:TPU; pip install -e .[tpu])")
-    if _cuda_plugin_installed():
+    if cuda_plugin_installed():
       rows += child_rows("benchmarks.plan_real", "gpu8b", timeout=TIMEOUT)
     else:
       print("(jax's CUDA plugin is not installed: no plan through XLA:GPU;"
@@ -64,12 +64,6 @@ def run(args) -> list[dict]:
   for r in rows:
     r.setdefault("ratio", r["ours"] / r["jax"] if r["jax"] else float("nan"))
   return rows
-
-
-def _cuda_plugin_installed() -> bool:
-  """Whether jax's CUDA plugin is installed (the ``cuda`` extra)."""
-  from benchmarks.published import _cuda_plugin_installed as installed
-  return installed()
 
 
 # A small decoder of the same code, for XLA:TPU to compile in minutes here.

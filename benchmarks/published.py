@@ -113,7 +113,7 @@ import math
 import sys
 from typing import Any
 
-from benchmarks._common import child_rows, setup_jax
+from benchmarks._common import child_rows, cuda_plugin_installed, setup_jax
 
 SLICES = 2  # each pod's program is compiled for 2 of them
 # A3 High's network (Google Cloud's GPU network docs: 1,000 Gbps a VM of 8
@@ -451,7 +451,7 @@ def run(args) -> list[dict]:
                          if any(t.startswith("gpu:") for t in f.pods.values())]
   names = [n for n, f in families.items()
            if not f.model.startswith("tpu-") and n not in compiled_by_xla_gpu]
-  if _cuda_plugin_installed():
+  if cuda_plugin_installed():
     names += compiled_by_xla_gpu
   else:
     print("(jax's CUDA plugin is not installed: the GPU families are compiled by XLA:CPU"
@@ -465,14 +465,6 @@ def run(args) -> list[dict]:
   else:
     names += [n for n, f in families.items() if f.model.startswith("tpu-")]
   return _family_rows(names)
-
-
-def _cuda_plugin_installed() -> bool:
-  """Whether jax's CUDA plugin is installed (the ``cuda`` extra), for
-  ``partitioner.gpu_devices``."""
-  return (importlib.util.find_spec("jax_plugins") is not None
-          and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
-                  for v in (12, 13)))
 
 
 def run_v6e(args) -> list[dict]:
