@@ -547,8 +547,8 @@ def estimated_seconds(device, one, two, layers: int,
   ``device`` model: each layer's increment repeated, the bytes across
   slices scaled by the ring all-reduce's 2 (k - 1) / k (1 at the compiled
   2) and each collective among them a level of the network's tree more
-  each time k doubles, the hidden time as a share of the communication's (no more than the
-  compute)."""
+  each time k doubles, the hidden time as a share of the communication's, within
+  slices and across them each of its own (no more than the compute)."""
   at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
   network = at("network_bytes") * (2 * (slices - 1) / slices)
   link = at("collective_bytes") - at("network_bytes")
@@ -559,8 +559,13 @@ def estimated_seconds(device, one, two, layers: int,
   # (each over all k: a level more each time k doubles beyond the compiled 2)
   levels = remote * max(0.0, math.log2(slices) - 1)
   comm = device.comm_seconds(link, at("collectives"), network, remote, levels)  # (link: within)
-  compiled = device.comm_seconds(link, at("collectives"), at("network_bytes"), remote)
-  return compute, comm, min(at("hidden_seconds") * comm / compiled, compute, comm)
+  across = device.network_seconds(network, remote, levels)
+  # (the depth's cost at 2 slices, its hidden time split within and across)
+  deep = dataclasses.replace(one, **{f: at(f) for f in (
+      "collective_bytes", "network_bytes", "collectives", "network_collectives",
+      "network_levels", "hidden_seconds", "network_hidden_seconds")})
+  hidden, _ = deep.hidden_for(device, comm - across, across)
+  return compute, comm, min(hidden, compute, comm)
 
 
 def config_rows(family_name: str, config_name: str) -> list[dict]:

@@ -99,6 +99,13 @@ class Cost:
       (:func:`partitioner._report.attention.flops`: its backward recomputes
       the logits; under jax's causal mask, half), charged at
       :attr:`DeviceModel.attention_flops_per_s` where the model has one.
+    network_hidden_seconds: the part of ``hidden_seconds`` that is the
+      collectives across processes (or slices) alone, replayed without the
+      others: what a program's network time hides, for an estimate that
+      scales the network's bytes apart from the links' (XLA:GPU's program
+      of a data-parallel step across hosts hides its host's own
+      collectives behind the layers but waits for the gradients' reduction
+      across hosts after the backward loop).
   """
   flops: float
   bytes_accessed: float
@@ -116,6 +123,25 @@ class Cost:
   network_levels: float = 0.0
   attention_flops: float = 0.0
   attention_kernel_flops: float = 0.0
+  network_hidden_seconds: float = 0.0
+
+  def hidden_for(self, device: DeviceModel, link_seconds: float,
+                 network_seconds: float) -> tuple[float, float]:
+    """The communication hidden behind compute, and its part across
+    hosts, when this program's collectives take ``link_seconds`` within
+    hosts and ``network_seconds`` across them under ``device`` (a program
+    scaled from this one: more layers, more hosts): each part hides the
+    share of its own time that this program's schedule hides."""
+    network = device.network_seconds(self.network_bytes, self.network_collectives,
+                                     self.network_levels)
+    link = device.comm_seconds(self.collective_bytes - self.network_bytes, self.collectives,
+                               self.network_bytes, self.network_collectives,
+                               self.network_levels) - network
+    network_hidden = min(self.network_hidden_seconds, self.hidden_seconds, network)
+    link_hidden = min(self.hidden_seconds - network_hidden, link)
+    across = network_hidden / network * network_seconds if network > 0 else 0.0
+    within = link_hidden / link * link_seconds if link > 0 else 0.0
+    return within + across, across
 
 
 def hosts_of(n: int, hosts: int) -> list[int]:
@@ -504,6 +530,7 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   score matrices move in this program are not accessed there, and its
   matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
   count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
+  across_lines = set()
   for op in _hlo.instructions(hlo_text):
     k, sent, hosts = _collective(op, processes)
     across = sent if hosts > 1 else 0.0
@@ -514,6 +541,8 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     if k:  # (one run's time, for the schedule's replay)
       once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(hosts > 1),
                                           level)
+      if hosts > 1:
+        across_lines.add(op.line)
   flops = _hlo.program_flops(hlo_text, cost)
   accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
   if cost.get(CUSTOM_CALL_BYTES_UNCOUNTED):  # (a compile-only GPU's stand-in analysis)
@@ -540,7 +569,11 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
+  # (the network's collectives alone: what of their time the schedule hides)
+  network_hidden = min(_schedule.hidden_seconds(
+      hlo_text, lambda line: once.get(line, 0.0) if line in across_lines else 0.0, compute,
+      device), hidden) if hidden and across_lines else 0.0
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels, attention, kernel)
+              hidden, remote, levels, attention, kernel, network_hidden)

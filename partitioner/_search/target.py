@@ -248,7 +248,8 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   under ``device``; no XLA estimate (that was of the compiled program).
   Its float32 matmuls and a fused attention's keep their share of the
   matmuls, its large transposes theirs of the bytes accessed, its hidden
-  communication its share of the communication time."""
+  communication its share of the communication time (within hosts and
+  across them, each of its own)."""
   share = matmul_flops / got.matmul_flops if got.matmul_flops else 0.0
   f32 = got.f32_matmul_flops * share
   attention, kernel = got.attention_flops * share, got.attention_kernel_flops * share
@@ -259,16 +260,18 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   # (the collectives across hosts keep their mix of group sizes)
   levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
   comm = device.comm_seconds(moved - network, count, network, remote, levels)
-  before = device.comm_seconds(got.collective_bytes - got.network_bytes, got.collectives,
-                               got.network_bytes, got.network_collectives, got.network_levels)
-  hidden = min(got.hidden_seconds / before * comm, compute) if before > 0 else 0.0
+  across = device.network_seconds(network, remote, levels)
+  hidden, network_hidden = got.hidden_for(device, comm - across, across)
+  hidden = min(hidden, compute)
+  network_hidden = min(network_hidden, hidden)
   return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
                              network_collectives=remote, network_levels=levels,
                              matmul_flops=matmul_flops, collective_bytes=moved,
                              network_bytes=network, seconds=compute + comm - hidden,
                              xla_seconds=None, f32_matmul_flops=f32,
                              attention_flops=attention, attention_kernel_flops=kernel,
-                             transposed_bytes=transposed, hidden_seconds=hidden, **more)
+                             transposed_bytes=transposed, hidden_seconds=hidden,
+                             network_hidden_seconds=network_hidden, **more)
 
 
 def whole_program(platform: str) -> str:

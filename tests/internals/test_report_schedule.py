@@ -279,3 +279,49 @@ def test_for_a_gpu_an_all_reduce_waits_at_its_first_user_through_its_tuple():
   assert got.collectives == 1
   assert got.hidden_seconds == pytest.approx(_MATMUL / rate, rel=0.01)
   assert _score(_REDUCED_LAST, _gpu(rate), matmuls=3).hidden_seconds == 0
+
+
+def _across_and_within(hidden: str) -> str:
+  """A gather across two hosts (devices 0-3 on one, 4-7 on the other) and
+  one within each host; the one named ``hidden`` runs behind a dot, the
+  other is waited for at once."""
+  across = (f"(f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=1,"
+            f" {_GROUP}, dimensions={{0}}")
+  within = ("(f32[8,64]{1,0}, f32[32,64]{1,0}) all-gather-start(%w), channel_id=2,"
+            " replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}")
+  first, second = (("a", across), ("b", within)) if hidden == "within" else (
+      ("b", within), ("a", across))
+  return _program(f"""\
+  %{first[0]}s = {first[1]}
+  %{first[0]}d = {"f32[64,64]" if first[0] == "a" else "f32[32,64]"}{{1,0}} all-gather-done(%{first[0]}s)
+  %{second[0]}s = {second[1]}
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %{second[0]}d = {"f32[64,64]" if second[0] == "a" else "f32[32,64]"}{{1,0}} all-gather-done(%{second[0]}s)
+  %d2 = f32[64,64]{{1,0}} dot(%d1, %ad), {_DOT}
+  ROOT %t = (f32[64,64]{{1,0}}, f32[32,64]{{1,0}}) tuple(%d2, %bd)
+""")
+
+
+@pytest.mark.parametrize("hidden", ["within", "across"])
+def test_the_part_across_hosts_hides_its_own_share(hidden):
+  """The schedule's hidden time split: the collectives across hosts
+  replayed alone (``network_hidden_seconds``). Scaled to more hosts
+  (``Cost.hidden_for``), each part hides its own share of its own time: a
+  gradient's reduction across hosts waited for after the loop stays
+  exposed however long the network takes, where a share of the whole
+  communication hid part of it."""
+  device = _device(1e9)  # (the dot, 524 us, outlasts either gather)
+  got = _cost.score(_across_and_within(hidden), {"flops": 2 * _MATMUL}, _MEMORY,
+                    [0] * 4 + [1] * 4, device)
+  across, within = 64 * 64 * 4 * 7 / 8 / 1e9, 32 * 64 * 4 * 3 / 4 / 1e9
+  assert got.network_collectives == 1 and got.network_bytes * 1e-9 == pytest.approx(across)
+  if hidden == "within":
+    assert got.hidden_seconds == pytest.approx(within, rel=1e-3)
+    assert got.network_hidden_seconds == 0
+    # (ten times the network: still only the host's own gather hidden)
+    assert got.hidden_for(device, within, 10 * across) == pytest.approx((within, 0.0), rel=1e-3)
+  else:
+    assert got.hidden_seconds == pytest.approx(across, rel=1e-3)
+    assert got.network_hidden_seconds == pytest.approx(across, rel=1e-3)
+    assert got.hidden_for(device, within, 10 * across) == pytest.approx(
+        (10 * across, 10 * across), rel=1e-3)
