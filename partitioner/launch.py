@@ -359,10 +359,14 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     except ValueError as e:
       parser.error(str(e))
     env[RESTART_ENV] = str(attempt)
-    proc = subprocess.Popen(cmd, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    order = EndOrder(markers, n)
+    order = EndOrder(markers, n)  # (listening before the ranks connect)
+    try:
+      proc = subprocess.Popen(cmd, env=env,
+                              start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    except BaseException:
+      order.stop()
+      raise
     output = _Forward(proc.stdout, sys.stdout, hide, args.prefix_rank)
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))

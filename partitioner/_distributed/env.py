@@ -1,6 +1,6 @@
 """The one list of environment variables launchers use to announce ranks.
 
-This module imports nothing but ``os``: the per-rank entry point of
+This module imports nothing but the standard library: the per-rank entry point of
 ``partitioner.launch`` loads it by path before the user's script runs, when
 nothing else (jax in particular) may be imported yet.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 
 # (rank, size) variables set by the common MPI launchers.
 LAUNCHER_ENV = (
@@ -188,6 +189,40 @@ def mark(rank: int, kind: str, text: str = "") -> None:
     with open(f"{path}.{os.getpid()}.tmp", "w") as f:
       f.write(text)
     os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+# The launcher's socket in that directory: each rank holds a connection to
+# it for its whole life (see ``hold_end_socket``).
+END_SOCKET = "ends.sock"
+_held: list[socket.socket] = []
+
+
+def hold_end_socket(rank: int) -> None:
+  """Connects to the launcher's socket and keeps the connection open until
+  this process ends (if it runs under the launcher; otherwise nothing).
+  Never raises.
+
+  Its end is how the launcher sees, in order, which rank ended first
+  (``job_report.EndOrder``): the kernel closes a dying process's sockets
+  together, before the process has ended, so this one closes with the
+  rank's MPI connection, the one whose closing makes MPICH kill the other
+  ranks; a pidfd turns ready only once the process has ended, which a
+  big process killed first may do after a peer MPICH killed for it.
+  A child forked in Python closes its copy at once.
+  """
+  directory = os.environ.get(LAUNCH_DIR_ENV)
+  if not directory or _held or not hasattr(socket, "AF_UNIX"):
+    return
+  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  try:
+    conn.settimeout(2)
+    conn.connect(os.path.join(directory, END_SOCKET))
+    conn.sendall(f"{rank}\n".encode())
+  except OSError:  # (an older launcher, or none listening: the pidfds remain)
+    conn.close()
+    return
+  _held.append(conn)
+  os.register_at_fork(after_in_child=conn.close)
 
 
 def read_marks(directory: str, size: int) -> dict[int, dict[str, str]]:

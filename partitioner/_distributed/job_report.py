@@ -1,8 +1,8 @@
 """How ``partitioner.launch`` tells the user which rank ended how.
 
 From the markers each rank leaves (``env.mark``) and MPICH's
-``-print-all-exitcodes`` line. Imports nothing but the standard library and
-``console`` (the launcher never imports jax).
+``-print-all-exitcodes`` line. Imports nothing but the standard library,
+``console`` and ``env`` (the launcher never imports jax).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import contextlib
 import os
 import re
 import select
+import socket
 import threading
 
 from partitioner._distributed import console as _console
+from partitioner._distributed.env import END_SOCKET
 
 EXIT_CODES = re.compile(rb"\[mpiexec@[^\]]*\] Exit codes: (.*)\n?")
 EXIT_LINE = _console.one_line(b"[mpiexec@", EXIT_CODES)  # ours to read, not the user's
@@ -47,14 +49,27 @@ class EndOrder(threading.Thread):
 
   MPICH's exit codes cannot say which rank died first: its proxy records
   0 for a rank it kills after a peer died, unless both ends reach it in
-  one pass of its event loop (as under load); then both show the peer's
-  signal 9. So this thread takes each rank's PID from its ``started``
-  mark (the launcher's ranks share its host), opens a Linux pidfd
-  (``os.pidfd_open``) for each and waits on them with epoll, which hands
-  back ready descriptors in the order they became ready: the order in
-  which the processes ended, even when this thread wakes late (as under
-  load). Where pidfds or epoll are missing (not Linux) it sees nothing and
-  the report rests on MPICH's codes alone.
+  one pass of its event loop (as under load); then the one it killed shows
+  signal 9 too. So this thread watches two ends of each rank, in one
+  epoll, which hands back ready descriptors in the order they became
+  ready (the order in which they happened, even when this thread wakes
+  late, as under load):
+
+  - its connection to the socket this thread listens on (``END_SOCKET``,
+    which each rank holds open for its life: ``env.hold_end_socket``). A
+    dying process's sockets close together, its MPI connection's too, whose
+    closing is what makes MPICH kill the others: so this end comes before
+    any rank MPICH kills for it can end, however long the dying process
+    then takes to be gone (a big one killed by a signal may take longer
+    than the peer killed for it);
+  - its process, through a Linux pidfd (``os.pidfd_open``, the PID from its
+    ``started`` mark: the launcher's ranks share its host): for a rank
+    that never connected, or whose connection a child it forked outside
+    Python still holds.
+
+  A rank has ended at the first of the two. Where AF_UNIX sockets, pidfds
+  or epoll are missing it sees less, or nothing, and the report rests on
+  MPICH's codes for the rest.
   """
 
   _SCAN_SECS = 0.05  # how often to look for ranks not started yet
@@ -65,7 +80,9 @@ class EndOrder(threading.Thread):
     # Ranks in the order their processes ended; a set where it cannot tell.
     self.ended: list[set[int]] = []
     self._wake_r, self._wake_w = os.pipe()
+    self._listener: socket.socket | None = None
     if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
+      self._listener = _listen(os.path.join(directory, END_SOCKET), size)
       self.start()
 
   def followed(self, among: set[int] | None = None) -> frozenset[int]:
@@ -83,29 +100,41 @@ class EndOrder(threading.Thread):
       self.join(timeout=2)
     for fd in (self._wake_r, self._wake_w):
       os.close(fd)
+    if self._listener is not None:
+      self._listener.close()
 
   def run(self) -> None:
-    fds: dict[int, int] = {}  # pidfd -> rank
+    fds: dict[int, tuple] = {}  # fd -> ("pid", rank) or ("conn", socket, rank or None)
     # (a watch that fails keeps what it saw; the report falls back on
     # MPICH's codes for the rest)
     with contextlib.suppress(OSError):
       self._watch(fds)
-    for fd in fds:
-      os.close(fd)
+    for fd, what in fds.items():
+      if what[0] == "pid":
+        os.close(fd)
+      else:
+        what[1].close()
 
-  def _watch(self, fds: dict[int, int]) -> None:
+  def _watch(self, fds: dict[int, tuple]) -> None:
     watched: set[int] = set()
+    done: set[int] = set()
     with select.epoll() as ready:
       ready.register(self._wake_r, select.EPOLLIN)
+      if self._listener is not None:
+        ready.register(self._listener.fileno(), select.EPOLLIN)
       while True:
         events = [fd for fd, _ in ready.poll(
             -1 if len(watched) == self.size else self._SCAN_SECS)]
-        now = [fds.pop(fd) for fd in events if fd in fds]  # (in the order they ended)
+        now = []  # (in the order they ended)
         for fd in events:
-          if fd != self._wake_r:
-            ready.unregister(fd)
-            os.close(fd)
-        gone = self._watch_new(watched, fds, ready)
+          if self._listener is not None and fd == self._listener.fileno():
+            self._accept(fds, ready)
+          elif fd in fds and (rank := self._read(fd, fds, ready)) is not None:
+            if rank not in done:
+              done.add(rank)
+              now.append(rank)
+        gone = self._watch_new(watched, fds, ready) - done
+        done |= gone
         if gone:  # (ended before it was watched: no telling when)
           self.ended.append(set(now) | gone)
         else:
@@ -113,7 +142,41 @@ class EndOrder(threading.Thread):
         if self._wake_r in events:
           break
 
-  def _watch_new(self, watched: set[int], fds: dict[int, int], ready) -> set[int]:
+  def _accept(self, fds: dict[int, tuple], ready) -> None:
+    if self._listener is None:
+      return
+    with contextlib.suppress(OSError):
+      conn, _ = self._listener.accept()
+      conn.setblocking(False)
+      fds[conn.fileno()] = ("conn", conn, None)
+      ready.register(conn.fileno(), select.EPOLLIN)
+
+  def _read(self, fd: int, fds: dict[int, tuple], ready) -> int | None:
+    """The rank that ``fd`` (ready) says has ended, or None (a rank's
+    connection said which rank it is)."""
+    what = fds[fd]
+    if what[0] == "pid":
+      del fds[fd]
+      ready.unregister(fd)
+      os.close(fd)
+      return what[1]
+    conn, rank = what[1], what[2]
+    try:
+      data = conn.recv(64)
+    except BlockingIOError:
+      return None
+    except OSError:
+      data = b""
+    if data:
+      with contextlib.suppress(ValueError):
+        fds[fd] = ("conn", conn, int(data.split(b"\n")[0]))
+      return None
+    del fds[fd]
+    ready.unregister(fd)
+    conn.close()
+    return rank
+
+  def _watch_new(self, watched: set[int], fds: dict[int, tuple], ready) -> set[int]:
     """Opens a pidfd for each rank started since the last look; returns
     the ranks already gone."""
     gone = set()
@@ -128,7 +191,7 @@ class EndOrder(threading.Thread):
         continue
       except OSError:  # (not permitted here: this rank goes unseen)
         continue
-      fds[fd] = rank
+      fds[fd] = ("pid", rank)
       ready.register(fd, select.EPOLLIN)
     return gone
 
@@ -138,6 +201,22 @@ class EndOrder(threading.Thread):
         return int(f.read())
     except (OSError, ValueError):
       return None
+
+
+def _listen(path: str, size: int) -> socket.socket | None:
+  """A Unix socket listening at ``path`` for ``size`` ranks, or None where
+  it cannot be made (no AF_UNIX, a path too long)."""
+  if not hasattr(socket, "AF_UNIX"):
+    return None
+  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  try:
+    listener.bind(path)
+    listener.listen(size + 8)
+  except OSError:
+    listener.close()
+    return None
+  listener.setblocking(False)
+  return listener
 
 
 def by_signal(ranks: frozenset[int], statuses: dict[int, int]) -> frozenset[int]:

@@ -39,6 +39,7 @@ def main() -> None:
   _sibling("console").show_ready_line(sys.stdout)
   rank, _ = env.launcher_world()
   env.mark(rank, "started", str(os.getpid()))
+  env.hold_end_socket(rank)
   atexit.register(env.mark, rank, "done")
   module = sys.argv[1] == "-m"
   target = sys.argv[2] if module else sys.argv[1]

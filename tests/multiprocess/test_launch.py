@@ -2,9 +2,11 @@
 rank's GPUs on a GPU host, faked here), the per-rank entry, and the console
 (partitioner/_distributed/console.py)."""
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -390,6 +392,64 @@ def test_end_order_sees_which_process_ended_first(tmp_path):
   # in Python (it does not count), so rank 0 went first.
   assert order.followed({0, 1, 3}) == {0, 1}
   assert order.followed({0, 1}) == {1}
+
+
+_HOLDER = """
+import os, sys, time
+from partitioner._distributed import env
+env.mark(int(sys.argv[1]), "started", str(os.getpid()))
+env.hold_end_socket(int(sys.argv[1]))
+print("connected", flush=True)
+if sys.argv[2] == "fork":  # a child outliving it, forked in Python
+  if (child := os.fork()) == 0:
+    time.sleep(60)
+    os._exit(0)
+  print(child, flush=True)
+if sys.argv[2] == "close":  # its sockets closed, the process not yet ended
+  sys.stdin.readline()
+  env._held[0].close()
+  print("closed", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_end_order_sees_a_rank_end_when_its_sockets_close(tmp_path):
+  """A rank whose sockets have closed has ended, though its process lingers
+  (as a big process killed by a signal does while MPICH, seeing its MPI
+  connection close, kills its peer): it ended before the peer whose process
+  then ends first. A child it forked holds no copy of the connection."""
+  from partitioner._distributed.job_report import EndOrder
+  order = EndOrder(str(tmp_path), 3)
+  env = dict(os.environ, SHARDED_JIT_LAUNCH_DIR=str(tmp_path),
+             PYTHONPATH=os.pathsep.join([mp.ROOT, os.environ.get("PYTHONPATH", "")]))
+  procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(rank), how], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+           for rank, how in enumerate(["wait", "close", "fork"])]
+  try:
+    for proc in procs:
+      assert proc.stdout.readline() == "connected\n"
+    child = int(procs[2].stdout.readline())
+    procs[1].stdin.write("\n")
+    procs[1].stdin.flush()
+    assert procs[1].stdout.readline() == "closed\n"
+    for rank in (0, 2):
+      procs[rank].kill()
+      procs[rank].wait()
+    deadline = time.monotonic() + 30
+    while len(order.ended) < 3 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    procs[1].kill()
+    procs[1].wait()
+  finally:
+    with contextlib.suppress(NameError, OSError):
+      os.kill(child, signal.SIGKILL)  # (it holds rank 2's stdout too)
+    for proc in procs:
+      proc.kill()
+      proc.communicate()
+    order.stop()
+  assert order.ended == [{1}, {0}, {2}]  # (rank 1 once, though its pidfd came last)
+  assert order.followed({0, 1}) == {0}
 
 
 def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
