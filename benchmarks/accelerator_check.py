@@ -930,6 +930,9 @@ def check_plan(machine: Machine, report_path: str) -> str:
     with open(path) as f:
       rows = {r["figure"]: r for r in json.load(f)}
   counted = rows["counted / XLA's peak"]["value"]
+  if counted is None:
+    failed = next(r for name, r in rows.items() if name.startswith("counted peak"))
+    raise AssertionError(f"the search's count on a CPU device failed: {failed['detail']}")
   parts = [f"{rows['device']['params'] / 1e9:.2f}B-parameter decoder: counted / XLA's peak"
            f" {counted:.2f}"]
   parts += [f"{name.split('device model ')[-1]}: estimated / measured time {r['value']:.2f}"

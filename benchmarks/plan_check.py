@@ -64,23 +64,29 @@ def _measure(step: Any, state: tuple, tokens: Any, steps: int) -> tuple[list[flo
 
 
 def check(shape: _llama.Shape, steps: int, device_model: str | None,
-          calibration: str | None) -> list[dict]:
+          calibration: str | None, attention: str | None = None) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
   import partitioner
   device = jax.devices()[0]
-  step, state_shapes, tokens_shape = _llama.abstract(shape)
+  step, state_shapes, tokens_shape = _llama.abstract(shape, implementation=attention)
   out: list[dict] = [{"figure": "device", "value": f"{device.device_kind} ({device.platform})",
-                      "params": shape.params()}]
+                      "params": shape.params(), "attention": attention or "jax's default"}]
 
   start = time.perf_counter()
-  counted = partitioner.search(step, *state_shapes, tokens_shape, devices=jax.devices("cpu")[:1],
-                               device_model=device_model or _own_model(device), progress=False,
-                               measure=0, memory_budget_bytes=1e13)
-  out.append({"figure": "counted peak per device (search on a CPU device, for the accelerator)",
-              "value": counted.best.peak_memory, "unit": "B",
-              "detail": counted.best.memory, "seconds": time.perf_counter() - start})
+  counted = None
+  try:
+    counted = partitioner.search(step, *state_shapes, tokens_shape,
+                                 devices=jax.devices("cpu")[:1],
+                                 device_model=device_model or _own_model(device),
+                                 progress=False, measure=0, memory_budget_bytes=1e13)
+    out.append({"figure": "counted peak per device (search on a CPU device, for the"
+                          " accelerator)", "value": counted.best.peak_memory, "unit": "B",
+                "detail": counted.best.memory, "seconds": time.perf_counter() - start})
+  except Exception as e:  # (cuDNN's attention has no CPU lowering): the rest stands
+    out.append({"figure": "counted peak per device (search on a CPU device)", "value": None,
+                "detail": f"{type(e).__name__}: {e}"[:300]})
 
   state = _random_state(state_shapes, device)
   # (random tokens: all-equal ones would make the embedding's gradient a
@@ -98,14 +104,21 @@ def check(shape: _llama.Shape, steps: int, device_model: str | None,
           {"figure": "XLA's peak per device (memory analysis)", "value": xla_peak, "unit": "B"},
           {"figure": "allocator's peak bytes in use", "value": stats.get("peak_bytes_in_use"),
            "unit": "B"},
-          {"figure": "counted / XLA's peak", "value": counted.best.peak_memory / xla_peak}]
+          {"figure": "counted / XLA's peak",
+           "value": counted.best.peak_memory / xla_peak if counted else None}]
+  xla = compiled.cost_analysis()
+  xla = (xla[0] if isinstance(xla, list) else xla) or {}
+  out.append({"figure": "XLA's own cost analysis (custom calls count -1 or nothing)",
+              "value": xla.get("flops"), "unit": "flops",
+              "detail": f"bytes accessed {xla.get('bytes accessed')}"})
   models = [device_model or _own_model(device)] + ([calibration] if calibration else [])
   for model in models:
     cost = partitioner.cost(compiled, model)
     out.append({"figure": f"estimated / measured seconds, device model {model}",
                 "value": cost.seconds / measured,
-                "detail": f"estimated {cost.seconds:.4g} s: {cost.flops / 1e12:.3g} TFLOP,"
-                          f" {cost.bytes_accessed / 1e9:.3g} GB accessed"})
+                "detail": f"estimated {cost.seconds:.4g} s: {cost.flops / 1e12:.3g} TFLOP"
+                          f" ({cost.attention_kernel_flops / 1e12:.3g} in a fused attention"
+                          f" kernel), {cost.bytes_accessed / 1e9:.3g} GB accessed"})
   del state, tokens
   try:
     start = time.perf_counter()
@@ -142,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--device-model", default=None, help="a DEVICE_MODELS name (default: the"
                  " device's own)")
   p.add_argument("--calibration", default=None, help="a partitioner.calibrate file")
+  p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
+                 help="jax.nn.dot_product_attention's implementation (default: jax's"
+                 " choice; cudnn: cuDNN's fused kernel, on an NVIDIA GPU only)")
   p.add_argument("--json", default=None, help="also write the figures there")
   args = p.parse_args(argv)
   shape = _llama.Shape(**{k: getattr(args, k) for k in DEFAULT})
-  rows = check(shape, args.steps, args.device_model, args.calibration)
+  rows = check(shape, args.steps, args.device_model, args.calibration, args.attention)
   for row in rows:
     print(json.dumps(row, default=str), flush=True)
   if args.json:

@@ -9,6 +9,7 @@ and the search leave that traffic out when told the device fuses it.
 
 import dataclasses
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,50 @@ def test_a_score_matrix_among_a_fusions_results_moves_nothing():
   # written by the first fusion, read by the second, and the second's own
   # result (score-shaped too): 3 x 4 KiB
   assert moved == 3 * 4 * 16 * 16 * 4
+
+
+def test_a_search_of_cudnn_s_attention_on_cpu_devices_says_where_it_compiles():
+  """cuDNN's attention traces only with jax's CUDA plugin, and has no CPU
+  lowering: the search says so, and how to plan such a model (XLA:GPU's
+  compile-only devices, or jax's attention scored fused), instead of the
+  hint for arguments that do not trace."""
+  def loss(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation="cudnn").astype(jnp.float32).sum()
+  x = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError) as e:
+    partitioner.search(loss, x, x, x, device_model="h100", progress=False, measure=0,
+                       num_devices=1, max_compiles=1, memory_budget_bytes=1e12)
+  # (with the CUDA plugin it traces, and then cannot compile for CPU devices)
+  assert re.search(r"Hint: (cuDNN's attention \(implementation=\"cudnn\"\) traces only where"
+                   r" jax finds cuDNN|'dot_product_attention_fwd' has no cpu lowering)",
+                   str(e.value)), e.value
+  assert re.search(r"partitioner.gpu_devices\(\"h100:8\"\).*attention=\"fused\"",
+                   str(e.value)), e.value
+  assert "mark non-array arguments" not in str(e.value)
+
+
+def test_the_gpu_only_hint_names_an_op_with_no_lowering_on_the_devices_searched():
+  from partitioner._search.flow import _gpu_only_hint
+  said = _gpu_only_hint("NotImplementedError: MLIR translation rule for primitive"
+                        " 'dot_product_attention_fwd' not found for platform cpu")
+  assert said.startswith(" Hint: 'dot_product_attention_fwd' has no cpu lowering")
+  assert "attention=\"fused\"" in said
+  other = _gpu_only_hint("MLIR translation rule for primitive 'triton_call' not found for"
+                         " platform cpu")
+  assert "'triton_call' has no cpu lowering" in other and "fused" not in other
+  assert _gpu_only_hint("TypeError: unsupported operand") is None
+
+
+def test_the_attention_rate_benchmark_runs_xla_s_attention_on_a_cpu(capsys):
+  """``python -m benchmarks.attention_rate`` (cuDNN's kernel on a GPU):
+  its XLA path on a CPU, and its error for a shape that is not five
+  integers."""
+  from benchmarks import attention_rate
+  assert attention_rate.main(["--implementation", "xla", "--shape", "1,128,2,1,16"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"xla b1 s128 h2/1 d16 fwd\+bwd: cuDNN calls 0 \| XLA's cost_analysis"
+                   r" flops [\d.e+]+ \| partitioner.cost: flops", out), out
+  with pytest.raises(SystemExit):
+    attention_rate.main(["--shape", "1,128"])
+  assert "--shape takes five integers, B,S,H,KV,D" in capsys.readouterr().err

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -346,9 +347,10 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
   except Exception as e:  # the user's function: any error means it does not trace
     raise ValueError(
         f"{who}: the function does not trace with the example arguments"
-        f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}. Hint: pass the"
-        " arguments you would call it with (arrays or jax.ShapeDtypeStruct), and"
-        " mark non-array arguments with static_argnums.") from e
+        f" ({_inputs.describe(dynamic)}): {type(e).__name__}: {e}."
+        + (_gpu_only_hint(str(e)) or " Hint: pass the arguments you would call it with"
+           " (arrays or jax.ShapeDtypeStruct), and mark non-array arguments with"
+           " static_argnums.")) from e
   return (closed, out_shape, _stage_axis.free(probe.pipelines),
           [c for c in probe.accumulations if c.free])
 
@@ -728,9 +730,34 @@ def _compiled(compiler: _Compiler, who: str) -> list[_found.Result]:
   scored = [x for x in compiler.results if not x.failed]
   if not scored:
     results = compiler.results
-    raise ValueError(f"{who}: no candidate layout compiled; the first error: "
-                     f"{results[0].error if results else 'no candidates'}")
+    first = str(results[0].error) if results else "no candidates"
+    raise ValueError(f"{who}: no candidate layout compiled; the first error: {first}"
+                     f"{_gpu_only_hint(first) or ''}")
   return scored
+
+
+_NO_LOWERING = re.compile(r"rule for primitive '(\w+)' not found for platform (\w+)")
+_FUSED_INSTEAD = (", or search the same model with jax.nn.dot_product_attention's"
+                  " implementation=None and attention=\"fused\" (scored as a fused kernel)")
+
+
+def _gpu_only_hint(error: str) -> str | None:
+  """A hint where the function uses an op the devices searched cannot
+  trace or compile (cuDNN's attention, ``implementation="cudnn"``, on a
+  machine without jax's CUDA plugin, or on CPU devices); else None."""
+  gpus = (" Plan for GPUs on XLA:GPU's compile-only devices"
+          " (devices=partitioner.gpu_devices(\"h100:8\"), pip install 'sharded-jit[cuda]'),"
+          " or search on the GPUs themselves")
+  if "cuDNN is not detected" in error:
+    return (" Hint: cuDNN's attention (implementation=\"cudnn\") traces only where jax"
+            f" finds cuDNN, with its CUDA plugin.{gpus}{_FUSED_INSTEAD}.")
+  found = _NO_LOWERING.search(error)
+  if found is None:
+    return None
+  primitive, platform = found.groups()
+  return (f" Hint: {primitive!r} has no {platform} lowering, so the search cannot compile"
+          f" it on {platform} devices.{gpus}"
+          f"{_FUSED_INSTEAD if 'dot_product_attention' in primitive else ''}.")
 
 
 # Whole programs the target's compiler may compile to settle the winner.
