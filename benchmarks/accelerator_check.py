@@ -876,6 +876,9 @@ def calibrate_child(path: str) -> None:
   found = partitioner.calibrate(path=path)
   named = found.named and {"key": found.named,
                            **dataclasses.asdict(partitioner.DEVICE_MODELS[found.named])}
+  if named:  # (its fused attention's rate at each length timed)
+    model = partitioner.DEVICE_MODELS[found.named]
+    named["attention_at"] = {str(n): model.attention_rate(n) for n in found.attention}
   print(json.dumps({"named": named, "count": len(jax.local_devices())}))
 
 
@@ -901,7 +904,13 @@ def check_calibration(machine: Machine, report_path: str) -> str:
 
   parts = [figure("matmul", "flops_per_s", 1e12, "TFLOP/s"),
            figure("memory", "memory_bytes_per_s", 1e9, "GB/s")]
-  if model.get("attention_flops_per_s"):  # (a GPU's: cuDNN's fused attention ran)
+  factors = model.get("attention_length_factors") or []
+  if factors and model.get("attention_flops_per_s"):  # (cuDNN's attention ran at each length)
+    at, rate = named.get("attention_at") or {}, model["attention_flops_per_s"]
+    parts.append("fused attention (cuDNN, causal, forward and backward) TFLOP/s "
+                 + ", ".join(f"at {n} tokens {_versus(f * rate, at.get(str(n)), 1e12, label)}"
+                             for n, f in factors))
+  elif model.get("attention_flops_per_s"):  # (at one length)
     parts.append(figure("fused attention (cuDNN, causal, forward and backward)",
                         "attention_flops_per_s", 1e12, "TFLOP/s"))
   if child["count"] > 1:

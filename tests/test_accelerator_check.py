@@ -246,19 +246,28 @@ def test_a_gpus_calibration_reports_its_fused_attention_beside_the_named_model(
   """The calibrated H100's figures against the named ``h100``: matmul,
   memory, and cuDNN's fused attention (measured only on a GPU)."""
   named = dataclasses.asdict(partitioner.DEVICE_MODELS["h100"])
-  model = dict(named, flops_per_s=640e12, attention_flops_per_s=600e12)
+  model = dict(named, flops_per_s=640e12, attention_flops_per_s=600e12,
+               attention_length_factors=[[2048, 440 / 600], [8192, 1.0]])
 
   def child(function, env, timeout, path):
     with open(path, "w") as f:
       json.dump({"model": model}, f)
-    return {"named": {"key": "h100", **named}, "count": 1}
+    return {"named": {"key": "h100", **named, "attention_at": {"2048": 440e12, "8192": 600e12}},
+            "count": 1}
   monkeypatch.setattr(ac, "_json_child", child)
   monkeypatch.setattr(ac, "child_env", lambda machine: {})
   detail = ac.check_calibration(ac.Machine(platform="gpu", kinds=["NVIDIA H100 80GB HBM3"]),
                                 str(tmp_path / "report.md"))
   assert "matmul TFLOP/s 640 (0.98x the named 'h100': 650)" in detail
-  assert ("fused attention (cuDNN, causal, forward and backward) TFLOP/s 600 (1.06x the named"
-          " 'h100': 567)") in detail
+  # (each length timed beside the named model's rate there)
+  assert ("fused attention (cuDNN, causal, forward and backward) TFLOP/s at 2048 tokens 440"
+          " (1.00x the named 'h100': 440), at 8192 tokens 600 (1.00x the named 'h100': 600)"
+          ) in detail
+  model["attention_length_factors"] = []  # (one length: its rate)
+  assert ("fused attention (cuDNN, causal, forward and backward) TFLOP/s 600 (1.15x the named"
+          " 'h100': 521)") in ac.check_calibration(
+              ac.Machine(platform="gpu", kinds=["NVIDIA H100 80GB HBM3"]),
+              str(tmp_path / "report.md"))
   del model["attention_flops_per_s"]  # (cuDNN's kernel did not run: no figure)
   assert "fused attention" not in ac.check_calibration(
       ac.Machine(platform="gpu", kinds=["NVIDIA H100 80GB HBM3"]), str(tmp_path / "report.md"))

@@ -144,8 +144,16 @@ def test_a_fused_attention_is_charged_at_the_model_s_attention_rate():
   assert a.attention_flops == b.attention_flops == pytest.approx(3 * _FORWARD)
   assert a.attention_kernel_flops == pytest.approx(1.75 * _FORWARD)
   assert a.attention_flops <= a.matmul_flops
-  # (the kernel's flops at 1 TFLOP/s: the step's time grows by about theirs)
-  assert a.seconds - b.seconds == pytest.approx(1.75 * _FORWARD / 1e12, rel=0.05)
+  assert a.attention_sequence == T
+  # (the kernel's flops at 1 TFLOP/s times the named model's factor for
+  # T = 512 tokens, its shortest length's: the step's time grows by about theirs)
+  assert slow.attention_rate(T) == pytest.approx(1e12 * 382 / 521)
+  assert a.seconds - b.seconds == pytest.approx(1.75 * _FORWARD / slow.attention_rate(T),
+                                                rel=0.05)
+  # With one rate at every length, that rate.
+  flat = dataclasses.replace(slow, attention_length_factors=(), name="flat")
+  c = partitioner.cost(compiled, flat, attention="fused")
+  assert c.seconds - b.seconds == pytest.approx(1.75 * _FORWARD / 1e12, rel=0.05)
   # Without attention="fused" XLA's ops are scored: the rate is not used.
   plain = [partitioner.cost(compiled, m) for m in (slow, fast)]
   assert plain[0].seconds == plain[1].seconds
@@ -320,3 +328,36 @@ def test_the_attention_rate_benchmark_runs_xla_s_attention_on_a_cpu(capsys):
   with pytest.raises(SystemExit):
     attention_rate.main(["--shape", "1,128"])
   assert "--shape takes five integers, B,S,H,KV,D" in capsys.readouterr().err
+
+
+def test_a_kernel_s_rate_follows_the_sequence_length_between_the_lengths_measured():
+  """attention_length_factors: the rate at each length measured, in
+  between interpolated in the length's logarithm, beyond the ends the
+  ends'; a bad table is refused; a calibration file's lists load."""
+  model = dataclasses.replace(partitioner.DEVICE_MODELS["h200"], attention_flops_per_s=500e12,
+                              attention_length_factors=[[8192, 1.0], [2048, 0.6]])
+  assert model.attention_length_factors == ((2048, 0.6), (8192, 1.0))
+  assert model.attention_rate(2048) == pytest.approx(300e12)
+  assert model.attention_rate(4096) == pytest.approx(400e12)  # (halfway in log2)
+  assert model.attention_rate(512) == pytest.approx(300e12)
+  assert model.attention_rate(65536) == pytest.approx(500e12)
+  assert model.attention_rate(0) == 500e12  # (the length not known)
+  assert hash(model)
+  h200 = partitioner.DEVICE_MODELS["h200"]
+  assert [round(h200.attention_rate(n) / 1e12) for n in (2048, 4096, 8192)] == [382, 466, 521]
+  with pytest.raises(ValueError, match=r"attention_length_factors=.*not positive. Hint: give"
+                                       r" \(\(sequence length, fraction of"):
+    dataclasses.replace(h200, attention_length_factors=((2048, 0.0),))
+
+
+def test_the_keys_length_of_cudnn_s_attention_is_read_from_its_call():
+  """A program XLA:GPU compiled: cuDNN's calls' score matrices (batch,
+  heads, queries, keys) in their backend config give the length; jax's
+  attention as XLA's ops, its score matrices' last dimension."""
+  call = ('  %fmha = (bf16[2,8192,32,128]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v),'
+          ' custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend'
+          '_config":{"intermediate_tensor_shape":{"element_type":"BF16","dimensions":'
+          '["2","32","8192","8192"]},"mask_type":"CAUSAL"}}')
+  assert _attention.sequence(f"ENTRY %main {{\n{call}\n}}") == 8192
+  assert _attention.sequence(_compiled(_attend).as_text()) == T
+  assert _attention.sequence(_compiled(_by_hand).as_text()) == 0

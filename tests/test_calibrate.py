@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import partitioner
+from partitioner._report.device_models import load_model
 from partitioner._search import calibrate as cal
 from partitioner._search import calibrate_steps as steps_lib
 from tests.test_search import mlp_step
@@ -259,12 +260,18 @@ def test_a_gpus_measured_model_keeps_its_named_networks_figures():
   assert model.flops_per_s == 6e14 and model.f32_flops_per_s == 3e14
 
 
-def test_a_gpus_measured_model_takes_the_fused_attention_s_rate_at_the_longer_sequence():
+def test_a_gpus_measured_model_takes_the_fused_attention_s_rate_at_each_sequence(tmp_path):
   class H100:
     device_kind, platform = "NVIDIA H100 80GB HBM3", "gpu"
   model = cal._fit([H100()], {"bfloat16": {4096: 6e14}}, {1 << 26: 3e12}, {},
                    {2048: 4e14, 8192: 5e14})
   assert model.attention_flops_per_s == 5e14
+  assert model.attention_length_factors == ((2048, 0.8), (8192, 1.0))
+  assert model.attention_rate(2048) == pytest.approx(4e14)
+  # (as a calibration file writes it, and the search reads it back)
+  path = tmp_path / "model.json"
+  path.write_text(json.dumps({"model": dataclasses.asdict(model)}))
+  assert load_model(path) == model
   assert cal._fit([H100()], {"bfloat16": {4096: 6e14}}, {1 << 26: 3e12}, {}).attention_flops_per_s \
       is None
 

@@ -121,9 +121,9 @@ def test_cudnn_s_attention_in_xla_gpu_s_program_is_charged_as_the_kernel_does_it
   assert "__cudnn$fmha" in compiled.as_text()
   forward = 4 * (b // 8) * n * t * t * h
   h100 = partitioner.DEVICE_MODELS["h100"]
-  slow = partitioner.DeviceModel(**{**h100.__dict__, "attention_flops_per_s": 1e12,
-                                    "name": "slow attention"})
-  fast, slow = (partitioner.cost(compiled, m) for m in (h100, slow))
+  slow_model = partitioner.DeviceModel(**{**h100.__dict__, "attention_flops_per_s": 1e12,
+                                          "name": "slow attention"})
+  fast, slow = (partitioner.cost(compiled, m) for m in (h100, slow_model))
   assert fast.attention_flops == pytest.approx(3 * forward)  # (XLA's: 2 + 4 matmuls)
   assert fast.attention_kernel_flops == pytest.approx(1.75 * forward)
   assert fast.flops >= 3 * forward
@@ -131,8 +131,10 @@ def test_cudnn_s_attention_in_xla_gpu_s_program_is_charged_as_the_kernel_does_it
   # their bytes too: forward q, k, v in and the output out; backward those,
   # the output's gradient in and q's, k's and v's out (2 MB each a device)
   assert fast.bytes_accessed >= 12 * (b // 8) * t * n * h * 2
+  # (at the rate for its 1024 tokens: the shortest length's factor, both models)
+  assert fast.attention_sequence == t
   assert slow.seconds - fast.seconds == pytest.approx(
-      1.75 * forward * (1 / 1e12 - 1 / h100.attention_flops_per_s), rel=0.05)
+      1.75 * forward * (1 / slow_model.attention_rate(t) - 1 / h100.attention_rate(t)), rel=0.05)
 
 
 @needs_cuda

@@ -172,3 +172,19 @@ def cudnn_flops(hlo_text: str) -> tuple[float, float]:
       found += k * forward * (2 if backward else 1)
       kernel += k * forward * (2.5 if backward else 1) / (2 if causal else 1)
   return found, kernel
+
+
+def sequence(hlo_text: str) -> int:
+  """The keys' length of the program's attention (what a fused kernel's
+  rate depends on, :meth:`DeviceModel.attention_rate`): its cuDNN calls'
+  (their score matrices' last dimension, from the backend config), else
+  jax attention's (:func:`score_shape`); with several lengths, the
+  longest; 0 where it calls none."""
+  if "__cudnn$fmha" in hlo_text:
+    lengths = [int(found.group(1).split(",")[-1].strip('" '))
+               for line in hlo_text.splitlines()
+               if _CUDNN.search(line) and (found := _SCORES.search(line))]
+    if lengths:
+      return max(lengths)
+  score = score_shape(hlo_text)
+  return score[1] if score else 0

@@ -106,6 +106,10 @@ class Cost:
       of a data-parallel step across hosts hides its host's own
       collectives behind the layers but waits for the gradients' reduction
       across hosts after the backward loop).
+    attention_sequence: the keys' length of the attention whose kernel
+      flops those are (:func:`partitioner._report.attention.sequence`),
+      on which the kernel's rate depends
+      (:attr:`DeviceModel.attention_length_factors`); 0 where there are none.
   """
   flops: float
   bytes_accessed: float
@@ -124,6 +128,7 @@ class Cost:
   attention_flops: float = 0.0
   attention_kernel_flops: float = 0.0
   network_hidden_seconds: float = 0.0
+  attention_sequence: int = 0
 
   def hidden_for(self, device: DeviceModel, link_seconds: float,
                  network_seconds: float) -> tuple[float, float]:
@@ -565,7 +570,8 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     scores, transposed_scores = score_traffic(hlo_text)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
     attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
-  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel)
+  sequence = _attention.sequence(hlo_text) if kernel else 0
+  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel, sequence)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
@@ -576,4 +582,4 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels, attention, kernel, network_hidden)
+              hidden, remote, levels, attention, kernel, network_hidden, sequence)

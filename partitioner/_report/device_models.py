@@ -96,18 +96,22 @@ A fused attention kernel (``attention="fused"``: cuDNN's, which jax runs on
 a GPU) has a rate of its own on the H100, H200 and B200, on the kernel's
 count of flops (forward and backward, the causal mask's half skipped):
 
-- ``h200``: 567 TFLOP/s, measured: cuDNN 9.19.1's causal attention,
-  bfloat16, forward 644 and backward 541 TFLOP/s at 8192 tokens (64 query
-  heads, 8 of keys and values, 128 wide: Llama 3.1 70B's), "NVIDIA H200"
-  (github.com/NVIDIA/cudnn-frontend, commit 3929da2,
-  ``benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/
-  llama3.1_20260227_034703.csv``; 3.5 / (1 / 644 + 2.5 / 541)); at 2048
-  tokens 397, at 16384 603;
-- ``h100``: the H200's 567, an estimate (no measurement of cuDNN's kernel
-  on an H100 found; the two share their SMs and clocks, and the kernel is
-  bound by its arithmetic): FlashAttention-3's forward and backward at the
-  same shape on a Hopper GPU of unstated model measured 630 and 531.6,
-  556 together (github.com/Dao-AILab/flash-attention/pull/1791);
+- ``h200``: measured on one H200 (2026-11-28, jax 0.11.2 and the cuDNN its
+  CUDA 13 plugin loads; two runs of ``python -m benchmarks.attention_rate``,
+  ``docs/measured/h200-cudnn-attention.log``): causal, bfloat16, 32 query
+  heads and 8 of keys and values, 128 wide, 32768 tokens a call, forward
+  and backward: 382 TFLOP/s at 2048 tokens, 466 at 4096, 521 at 8192
+  (``attention_length_factors``: 0.733, 0.894 and 1 of 521; 521 beyond). NVIDIA's own benchmark of cuDNN
+  9.19.1 on an "NVIDIA H200" (github.com/NVIDIA/cudnn-frontend, commit
+  3929da2, ``benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/
+  llama3.1_20260227_034703.csv``, batch 1, 64 query heads) grows the same
+  way: 397 at 2048, 502 at 4096, 567 at 8192 (forward 644, backward 541),
+  603 at 16384;
+- ``h100``: the H200's rates, an estimate (no measurement of cuDNN's
+  kernel on an H100 found; the two share their SMs and clocks, and the
+  kernel is bound by its arithmetic): FlashAttention-3's forward and
+  backward at 8192 tokens on a Hopper GPU of unstated model measured 630
+  and 531.6, 556 together (github.com/Dao-AILab/flash-attention/pull/1791);
 - ``b200``: 998 TFLOP/s, measured: cuDNN 9.13 under PyTorch's SDPA,
   forward 1171 and backward 942.5 at 8192 tokens (128 query heads, 8 of
   keys and values), "NVIDIA B200" (cudnn-frontend commit 0b1577c,
@@ -155,8 +159,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +222,16 @@ class DeviceModel:
       place of jax's attention matmuls (:attr:`Cost.attention_flops`) at
       ``flops_per_s``. None: those matmuls at ``flops_per_s``, as XLA runs
       them. Measured by :func:`partitioner.calibrate` on a GPU.
+    attention_length_factors: that kernel's rate by sequence length, as
+      ``((length, factor), ...)`` in increasing length, each factor a
+      fraction of ``attention_flops_per_s``: a program's attention at a
+      length between two (the keys' length,
+      :attr:`Cost.attention_sequence`) runs at the factor interpolated in
+      the length's logarithm, one shorter than the first at the first's,
+      one longer than the last at the last's. A kernel's rate grows with
+      the sequence (cuDNN's on an H200: 382 TFLOP/s at 2048 tokens, 521
+      at 8192: factors 0.73 and 1). Empty: ``attention_flops_per_s`` at
+      every length.
   """
   name: str
   flops_per_s: float
@@ -233,6 +249,32 @@ class DeviceModel:
   network_latency_s: float | None = None
   network_level_latency_s: float = 0.0
   attention_flops_per_s: float | None = None
+  attention_length_factors: tuple[tuple[int, float], ...] = ()
+
+  def __post_init__(self):
+    # (from a calibration file: lists; kept as tuples, the model hashable)
+    factors = tuple(sorted((int(n), float(f)) for n, f in self.attention_length_factors))
+    if any(n <= 0 or f <= 0 for n, f in factors):
+      raise ValueError(f"DeviceModel {self.name!r}: attention_length_factors="
+                       f"{self.attention_length_factors!r} holds a length or a factor that"
+                       " is not positive. Hint: give ((sequence length, fraction of"
+                       " attention_flops_per_s), ...).")
+    object.__setattr__(self, "attention_length_factors", factors)
+
+  def attention_rate(self, sequence: int = 0) -> float | None:
+    """The fused attention kernel's rate at ``sequence`` tokens (0: not
+    known): :attr:`attention_flops_per_s` times its factor for that
+    length (:attr:`attention_length_factors`, where the model holds
+    some); None where the model has no such rate."""
+    rate, factors = self.attention_flops_per_s, self.attention_length_factors
+    if not rate or not factors or sequence <= 0:
+      return rate
+    if sequence <= factors[0][0]:
+      return rate * factors[0][1]
+    for (n0, f0), (n1, f1) in zip(factors, factors[1:]):
+      if sequence <= n1:
+        return rate * (f0 + math.log(sequence / n0) / math.log(n1 / n0) * (f1 - f0))
+    return rate * factors[-1][1]
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -241,21 +283,21 @@ class DeviceModel:
 
   def compute_seconds(self, flops: float, bytes_accessed: float,
                       f32_matmul_flops: float = 0.0, transposed_bytes: float = 0.0,
-                      attention_flops: float = 0.0, attention_kernel_flops: float = 0.0
-                      ) -> float:
+                      attention_flops: float = 0.0, attention_kernel_flops: float = 0.0,
+                      attention_sequence: int = 0) -> float:
     """Seconds of ``flops`` (``f32_matmul_flops`` of them in float32
     matmuls, ``attention_flops`` of them jax attention's matmuls that a
-    fused kernel runs as ``attention_kernel_flops``) and
-    ``bytes_accessed`` (``transposed_bytes`` of them the results of large
-    transposes)."""
+    fused kernel runs as ``attention_kernel_flops``, at its rate for
+    ``attention_sequence`` tokens) and ``bytes_accessed``
+    (``transposed_bytes`` of them the results of large transposes)."""
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
     if transposed_bytes and self.transpose_bytes_per_s:
       memory_s += transposed_bytes / self.transpose_bytes_per_s
     if f32_matmul_flops and self.f32_flops_per_s:
       flop_s += f32_matmul_flops * (1 / self.f32_flops_per_s - 1 / self.flops_per_s)
-    if attention_flops and self.attention_flops_per_s:
-      flop_s += (attention_kernel_flops / self.attention_flops_per_s
-                 - attention_flops / self.flops_per_s)
+    rate = self.attention_rate(attention_sequence) if attention_flops else None
+    if rate:
+      flop_s += attention_kernel_flops / rate - attention_flops / self.flops_per_s
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
   def comm_seconds(self, weighted_bytes: float, collectives: float,
@@ -291,7 +333,7 @@ _LEVEL_LATENCY = 10e-6
 
 
 def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
-         capacity: float, f32_flops: float, **more: float) -> DeviceModel:
+         capacity: float, f32_flops: float, **more: Any) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
   another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
   memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
@@ -302,15 +344,19 @@ def _gpu(name: str, flops: float, memory: float, link: float, network: float, la
                      f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
                      network_level_latency_s=_LEVEL_LATENCY, **more)
 
+# cuDNN's fused attention by sequence length on one H200 (see the docstring):
+# 382, 466 and 521 TFLOP/s
+_HOPPER_ATTENTION = ((2048, 382 / 521), (4096, 466 / 521), (8192, 1.0))
+
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
     "a100": _gpu("NVIDIA A100 SXM 80GB", 271e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
     "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12,
-                 attention_flops_per_s=567e12),
+                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
     "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12,
-                 attention_flops_per_s=567e12),
+                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
     "gh200": _gpu("NVIDIA GH200", 829e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
     "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12,
                  attention_flops_per_s=998e12),

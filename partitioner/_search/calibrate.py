@@ -10,7 +10,7 @@ such pairs.
   bfloat16 and float32 (float32 only on a CPU);
 - on a GPU, a fused attention: ``jax.nn.dot_product_attention`` as cuDNN
   runs it (causal, bfloat16, heads of 128), its forward and backward
-  pass, at two sequence lengths, on the kernel's own count of flops
+  pass, at three sequence lengths, on the kernel's own count of flops
   (:func:`partitioner._report.attention.flops`);
 - memory: ``x = x * s + 1`` over an array several times the caches, read
   and written once per iteration;
@@ -21,7 +21,9 @@ such pairs.
   factor for the group size).
 
 The model takes the largest matmul's rate in the accelerator's dtype
-(bfloat16; float32 on a CPU), the longer sequence's attention rate, the
+(bfloat16; float32 on a CPU), the attention's rate at each sequence
+length (the longest's as ``attention_flops_per_s``, the others' as
+``attention_length_factors``), the
 memory rate, and the line
 ``seconds = latency + weighted bytes / bandwidth`` fitted to every
 collective by least squares on the relative error.
@@ -224,7 +226,7 @@ def measure_memory(devices: Sequence[Any], nbytes: int, target: float, repeats: 
 
 # The fused attention timed on a GPU: causal, bfloat16, 16 heads of 128
 # (a 2048-wide model's), as many sequences as make 16384 tokens a device.
-ATTENTION_SEQUENCES = (2048, 8192)
+ATTENTION_SEQUENCES = (2048, 4096, 8192)
 _HEADS, _HEAD_SIZE, _TOKENS = 16, 128, 16384
 
 
@@ -560,8 +562,11 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
       "overlap": first.platform == "tpu", "platform": first.platform}
   if first.platform == "gpu" and matmul.get("float32"):  # (TF32 at jax's default precision)
     fields["f32_flops_per_s"] = max(matmul["float32"].values())
-  if attention:  # (the longer sequence's: a training run's, and the kernel's steadier rate)
+  if attention:  # (the kernel's rate grows with the sequence: each length's kept)
     fields["attention_flops_per_s"] = attention[max(attention)]
+    if len(attention) > 1:
+      fields["attention_length_factors"] = tuple(
+          (n, r / attention[max(attention)]) for n, r in sorted(attention.items()))
   rows = [(k, b, g, s) for k, found in collectives.items() for b, g, s in found]
   if rows:
     fields["link_bytes_per_s"], fields["latency_s"] = fit_links(rows)

@@ -255,7 +255,8 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   attention, kernel = got.attention_flops * share, got.attention_kernel_flops * share
   transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
                 if got.bytes_accessed else 0.0)
-  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel)
+  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel,
+                                   got.attention_sequence)
   count, remote = counts[0], min(counts[1], counts[0])
   # (the collectives across hosts keep their mix of group sizes)
   levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
