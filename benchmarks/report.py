@@ -104,7 +104,7 @@ def _ratio_table(rows: list | None, title: str, header: list[str], detail) -> li
   out = ["", title, "", *header]
   out += [f"| {c['case']} | {c['ours']:.2f} {c['unit']} | {c['jax']:.2f} {c['unit']}"
           f" | {c['ratio']:.2f} |" for c in rows]
-  return out + [f"({detail(c)})" for c in rows if c.get("detail")]
+  return out + list(dict.fromkeys(f"({detail(c)})" for c in rows if c.get("detail")))
 
 
 def plots(results: dict, directory: str) -> list[str]:
@@ -264,5 +264,16 @@ def _search_table(rows: list | None, title: str,
          "|---|---|---|---|---|---|"]
   out += [f"| {c['case']} | {c['ours']:.3g} {c['unit']} | {c['jax']:.3g} {c['unit']}"
           f" | {c['against']} | {c['ratio']:.2f} | {c['target']} |" for c in rows]
-  out += [f"({c['case'].split(':')[0]}: {c['detail']})" for c in rows if c.get("detail")]
-  return out
+  notes = (f"({_model_of(c['case'])}: {c['detail']})" for c in rows if c.get("detail"))
+  return out + list(dict.fromkeys(notes))  # (rows of one model may share a note)
+
+
+def _model_of(case: str) -> str:
+  """The model part of a ``"model: metric"`` case, whose model may hold a
+  dict of its settings (``{'layers': 2, ...}``)."""
+  depth = 0
+  for i, ch in enumerate(case):
+    depth += (ch in "{[(") - (ch in "}])")
+    if ch == ":" and depth == 0:
+      return case[:i]
+  return case

@@ -192,3 +192,15 @@ def test_a_run_of_some_families_keeps_the_others_rows(tmp_path):
   assert third["commands"]["published"] == (
       "scripts/bench --only published (the MaxText's v5e table rows:"
       " python -m benchmarks --full --only published)")
+
+
+def test_a_search_sections_notes_name_the_model_once():
+  """Rows of one model that share a note print it once, under the model's
+  whole name (a name may hold its settings' dict, colons and all)."""
+  from benchmarks import report
+  name = "small decoder {'layers': 2, 'width': 512}, 8 chips"
+  rows = [{"case": f"{name}: {metric}", "ours": 1.0, "jax": 2.0, "unit": "s", "against": "x",
+           "ratio": 0.5, "target": "-", "detail": "found FSDP 8"}
+          for metric in ("search time", "peak vs the budget")]
+  out = report._search_table(rows, "title")
+  assert out[-1] == f"({name}: found FSDP 8)" and out.count(out[-1]) == 1
