@@ -160,6 +160,18 @@ def test_measure_times_the_best_candidates():
   assert "measured" in found.report()
 
 
+@pytest.mark.eight_devices
+def test_a_step_that_feeds_nothing_back_is_timed_to_its_end():
+  """A forward pass returns no new state: its inputs are ready at once, so
+  waiting on them let its timed steps pile up, queued, until XLA:CPU's
+  collectives deadlocked (XLA's rendezvous aborted the process after 40 s,
+  three runs of three here). Each wait is on the last step's outputs."""
+  params, x = mlp(512, 2048, 64)
+  forward = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+  found = partitioner.search(forward, params, x, max_compiles=4, measure=2)
+  assert sum(1 for c in found.candidates if c.measured_seconds) == 2
+
+
 def click_step(params, ids, labels):
   """A recommender's step: an embedding bag (ids summed) into a small MLP."""
   def loss(p):
@@ -369,3 +381,17 @@ def test_close_calls_time_the_whole_program_where_the_proxy_is_most_of_it(
   assert found.proxy and timed
   assert (timed[0] > found.proxy["proxy_ops"]) == whole
   assert all(x.measured_seconds for x in found.candidates[:2])
+
+
+@pytest.mark.eight_devices
+def test_a_plan_from_xla_cpus_programs_names_the_accelerators_own_compiler():
+  """An accelerator planned from simulated CPU devices: the report says its
+  programs were XLA:CPU's, and how to plan with the target's compiler."""
+  params, x = mlp(64, 256, 32)
+  gpu = partitioner.search(mlp_step, params, x, device_model="h100", hosts=2, max_compiles=2)
+  assert gpu.stand_in == {"platform": "gpu", "model": "h100", "devices": 8, "hosts": 2}
+  assert 'devices=partitioner.gpu_devices("h100:4", num_hosts=2)' in gpu.report()
+  tpu = partitioner.search(mlp_step, params, x, device_model="tpu-v5p", max_compiles=2)
+  assert 'partitioner.tpu_devices("v5p:<a topology of 8 chips>")' in tpu.report()
+  own = partitioner.search(mlp_step, params, x, max_compiles=2, measure=0)
+  assert own.stand_in == {} and "XLA:CPU's programs" not in own.report()

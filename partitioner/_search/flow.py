@@ -420,7 +420,22 @@ def _run(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
                         time.perf_counter() - start,
                         (request.hosts, [d.id for d in request.devices]),
                         [(r.names[k], m) for k, m in sorted(r.repeats.items())],
-                        space.target.describe(), accumulate=bool(counts))
+                        space.target.describe(), accumulate=bool(counts),
+                        stand_in=_stand_in(request))
+
+
+def _stand_in(request: _Request) -> dict:
+  """Where an accelerator is planned from simulated CPU devices (XLA:CPU's
+  programs stand in for its compiler's): its platform, the name of its
+  model in ``DEVICE_MODELS`` (None for the user's own), the devices and
+  hosts; else {}. ``FoundLayout.report()`` says so, and how to plan with
+  the accelerator's own compiler."""
+  device = request.device
+  if not accounted(request) or device.platform not in ("gpu", "tpu"):
+    return {}
+  key = next((k for k, m in _device_models.MODELS.items() if m == device), None)
+  return {"platform": device.platform, "model": key, "devices": len(request.devices),
+          "hosts": request.hosts}
 
 
 @dataclasses.dataclass

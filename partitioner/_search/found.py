@@ -127,10 +127,11 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
     results: Sequence[Result], device: DeviceModel, budget: float | None,
     estimated: int, seconds: float, where: tuple[int, Sequence[int]] = (1, ()),
     grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None,
-    accumulate: bool = False) -> bytes:
+    accumulate: bool = False, stand_in: dict | None = None) -> bytes:
   """The search's answer as JSON (cached, shared between ranks); ``where``:
   the hosts it planned for and its devices' ids, in order; ``accumulate``:
-  the function leaves its microbatch count to the search."""
+  the function leaves its microbatch count to the search; ``stand_in``: an
+  accelerator planned from XLA:CPU's programs (``flow._stand_in``)."""
   hosts, devices = where
   rows = []
   for x in results:
@@ -156,6 +157,7 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
                      "search_seconds": seconds, "hosts": hosts,
                      "grouped": [list(g) for g in grouped], "proxy": proxy or {},
                      "devices": list(devices), "accumulate": accumulate,
+                     "stand_in": stand_in or {},
                      "candidates": rows}).encode()
 
 
@@ -186,6 +188,10 @@ class FoundLayout:
       layout (``sharded_jit()`` and ``function()`` apply it); None when
       it has no such call.
     device_model: the name of the device model it scored with.
+    stand_in: where it planned an accelerator from simulated CPU devices
+      (XLA:CPU's programs in its compiler's place): ``{"platform": "gpu"
+      or "tpu", "model": its name in ``DEVICE_MODELS`` or None, "devices":
+      n, "hosts": h}``; else ``{}``.
   """
 
   def __init__(self, fun: Callable[..., Any], static: Sequence[int], data: dict,
@@ -202,6 +208,7 @@ class FoundLayout:
     self.proxy = data["proxy"]
     self.search_seconds = data["search_seconds"]
     self.device_model = data["device_model"]
+    self.stand_in = data.get("stand_in") or {}
     self.budget = data["budget"]
     self.device_ids = tuple(data.get("devices", ()))
     self.microbatches = self.best.microbatches if data.get("accumulate") else None

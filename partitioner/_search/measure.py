@@ -111,13 +111,13 @@ def measure(f: Function, out_state: Sequence[int | None],
     for k in order[done % len(feeds):] + order[:done % len(feeds)]:  # none always first
       feed, t = feeds[k], times[k]
       feed.step()  # warm, right before its timed steps
-      jax.block_until_ready(feed.leaves)
+      feed.wait()
       begin = time.perf_counter()
       for k in range(calls):
         feed.step()
         if k % in_flight == in_flight - 1:  # (see IN_FLIGHT)
-          jax.block_until_ready(feed.leaves)
-      jax.block_until_ready(feed.leaves)
+          feed.wait()
+      feed.wait()
       t.append((time.perf_counter() - begin) / calls)
   return _paired(times)
 
@@ -169,10 +169,10 @@ def state_args(f: Function, out_state: Sequence[int | None]) -> tuple[int, ...]:
 def _first_step(feed: _Feed) -> float:
   """The first call, then the seconds of one more (how long a step is)."""
   feed.step()
-  jax.block_until_ready(feed.leaves)
+  feed.wait()
   begin = time.perf_counter()
   feed.step()
-  jax.block_until_ready(feed.leaves)
+  feed.wait()
   return time.perf_counter() - begin
 
 
@@ -191,10 +191,17 @@ class _Feed:
   takes the state the last one returned."""
 
   def __init__(self, compiled: Any, leaves: list, out_state: Sequence[int | None]):
-    self.compiled, self.leaves = compiled, leaves
+    self.compiled, self.leaves, self.outs = compiled, leaves, []
     self.out_state = [(k, i) for k, i in enumerate(out_state) if i is not None]
 
   def step(self) -> None:
     outs = jax.tree_util.tree_leaves(self.compiled.call_flat(self.leaves))
     for k, i in self.out_state:
       self.leaves[i] = outs[k]
+    self.outs = outs
+
+  def wait(self) -> None:
+    """Until the last step has finished: its outputs are ready (its
+    inputs may be ready long before, where a step feeds nothing back, and
+    steps left queued then deadlock XLA:CPU's collectives: ``IN_FLIGHT``)."""
+    jax.block_until_ready(self.outs)

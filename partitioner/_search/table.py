@@ -59,6 +59,9 @@ def table(found: Any, rows: int) -> str:
   memory = where_memory_goes(found.best)
   if memory:
     lines.append(memory)
+  compiler = own_compiler_hint(found.stand_in)
+  if compiler:
+    lines.append(compiler)
   lost = families_that_lost(found)
   if lost:
     lines.append(lost)
@@ -83,6 +86,33 @@ def where_memory_goes(best: Any) -> str:
           f" {size(best.peak_memory)} = arguments {size(m['arguments'])} (weights,"
           f" optimizer state, batch) + kept {size(m['kept'])} (saved activations,"
           f" gradients) + working {size(m['working'])} ({m['at']}).")
+
+
+def own_compiler_hint(stand_in: dict) -> str:
+  """Where an accelerator was planned from XLA:CPU's programs
+  (``FoundLayout.stand_in``): what that leaves in the estimates, and how
+  to plan with its own compiler from this machine."""
+  if not stand_in:
+    return ""
+  from partitioner import _compat
+  from partitioner._lower.gpu_topology import GPUS
+  hosts, n, key = stand_in["hosts"], stand_in["devices"], stand_in["model"]
+  if stand_in["platform"] == "gpu":
+    gpu = key if key in GPUS else "<gpu>"
+    spec = f'"{gpu}:{n // hosts}"' + (f", num_hosts={hosts}" if hosts > 1 else "")
+    have = ("jax's CUDA plugin is installed here" if _compat.cuda_plugin_installed()
+            else "the cuda extra: pip install 'sharded-jit[cuda]', about 5.5 GB")
+    return ("Planned from XLA:CPU's programs on simulated devices: their times count"
+            " XLA:CPU's memory traffic, several times XLA:GPU's on the published GPU"
+            " families (docs/search.md, \"Planning for GPUs, with XLA:GPU\"). For"
+            f" XLA:GPU's own: devices=partitioner.gpu_devices({spec}) ({have}).")
+  chip = key.removeprefix("tpu-") if key else "<chip>"
+  slices = f", num_slices={hosts}" if hosts > 1 else ""
+  have = ("libtpu is installed here" if _compat.libtpu_installed()
+          else "the tpu extra: pip install 'sharded-jit[tpu]'")
+  return ("Planned from XLA:CPU's programs on simulated devices. For XLA:TPU's own (its"
+          " memory analysis and schedule): devices=partitioner.tpu_devices("
+          f'"{chip}:<a topology of {n // hosts} chips>"{slices}) ({have}).')
 
 
 def _others(found: Any) -> list:
