@@ -237,8 +237,7 @@ def cost_analysis(executable: Any) -> dict[str, float]:
   ``jax.experimental.topologies``) implements none; there XLA's generic
   analysis of the optimized module, run through the CPU client, stands in
   (it counts no custom call: the cost model counts cuBLAS's and cuDNN's
-  from the HLO, their bytes where the result says
-  :data:`CUSTOM_CALL_BYTES_UNCOUNTED`)."""
+  flops from the HLO, and every kernel's bytes itself)."""
   try:
     return dict(executable.cost_analysis() or {})
   except XlaRuntimeError as e:
@@ -248,17 +247,11 @@ def cost_analysis(executable: Any) -> dict[str, float]:
   module = executable.hlo_modules()[0]
   found = dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
   # (the generic analysis puts -1 flops and -1 bytes on each custom call:
-  # taken back, and the bytes said to be uncounted)
+  # taken back)
   calls = float(module.to_string().count(" custom-call("))
   found["flops"] = found.get("flops", 0.0) + calls
   found["bytes accessed"] = found.get("bytes accessed", 0.0) + calls
-  found[CUSTOM_CALL_BYTES_UNCOUNTED] = 1.0
   return found
-
-
-# The key :func:`cost_analysis` adds where its figures leave out what each
-# custom call (cuBLAS's gemms, cuDNN's attention) reads and writes.
-CUSTOM_CALL_BYTES_UNCOUNTED = "custom call bytes uncounted"
 
 
 def libtpu_installed() -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from partitioner import accumulate, search, sharded_jit
-from partitioner._report import hlo
+from partitioner._report import traffic
 from sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.eight_devices
@@ -136,18 +136,21 @@ def test_an_accelerator_plan_counts_the_microbatches_memory():
 
 
 def test_a_loop_of_matmuls_counts_its_bytes_every_iteration():
-  """XLA's cost analysis counts a while body once: the bytes of a body
-  that does matmuls are added for every other iteration; a loop without
-  (XLA:CPU's scatter, one iteration a row) keeps XLA's count."""
-  def scanned(w, xs):
-    return jax.lax.scan(lambda c, x: (c + jnp.tanh(x @ w), None), jnp.zeros((64, 64)), xs)[0]
-  text = jax.jit(scanned).lower(jnp.ones((64, 64)), jnp.ones((10, 64, 64))).compile().as_text()
-  assert hlo.repeated_bytes(text) > 9 * 64 * 64 * 4
-  def scatter(buf, idx, upd):
-    return buf.at[idx].add(upd)
-  text = jax.jit(scatter).lower(jnp.ones((100, 64)), jnp.arange(50),
-                                jnp.ones((50, 64))).compile().as_text()
-  assert hlo.repeated_bytes(text) == 0.0
+  """XLA's cost analysis counts a while body once: the traffic counts a
+  scan's body for every iteration (its layer's slice of the stacked
+  weights), as the unrolled loop's."""
+  def scanned(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+  def unrolled(ws, x):
+    for i in range(10):
+      x = jnp.tanh(x @ ws[i])
+    return x
+  args = jnp.ones((10, 256, 256)), jnp.ones((8, 256))
+  scan, loop = (traffic.bytes_moved(jax.jit(f).lower(*args).compile().as_text())
+                for f in (scanned, unrolled))
+  assert scan > 10 * 256 * 256 * 4  # (each iteration reads its layer's weights)
+  assert scan < 2 * 10 * 256 * 256 * 4  # (and not the stack)
+  assert scan == pytest.approx(loop, rel=0.1)
 
 
 def test_a_count_is_tried_only_with_layouts_whose_split_divides_a_microbatch():

@@ -276,7 +276,7 @@ def test_a_score_matrix_among_a_fusions_results_moves_nothing():
   maximum) holds a score matrix: the shape is found in it, and its bytes,
   written and then read, leave the traffic; the maximum's stay."""
   assert _attention.score_shape(_TWO_RESULTS) == (4 * 16 * 16, 16)
-  assert _attention.score_bytes("(f32[4,16]{1,0}, f32[4,16,16]{2,1,0})", (1024, 16)) == 4096
+  assert _attention.score_bytes("(f32[4,16]{1,0}, f32[4,16,16]{2,1,0})", ((1024, 16),)) == 4096
   moved, _ = _cost.score_traffic(_TWO_RESULTS)
   # written by the first fusion, read by the second, and the second's own
   # result (score-shaped too): 3 x 4 KiB

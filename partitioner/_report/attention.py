@@ -35,18 +35,23 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # jax's causal mask (``is_causal=True``: ``_get_causal_mask``, a ``jnp.tril``
 # inside the attention's vmap); a mask passed as an array is not seen here,
 # and a fused kernel given one computes every block too (cuDNN's: a bias).
-_CAUSAL = re.compile(r'op_name="[^"]*vmap\(jit\(tril\)\)')
+# (A search's proxy names its repetitions between the two:
+# ``vmap(proxy_repeat_0_0))/jit(tril)``.)
+_CAUSAL = re.compile(r'op_name="[^"]*vmap\([^"]*jit\(tril\)')
 
 
-def score_shape(hlo_text: str) -> tuple[int, int] | None:
+def score_shapes(hlo_text: str) -> tuple[tuple[int, int], ...]:
   """The score matrices of the program's jax attention per device, as
-  ``(elements, keys)``: the largest result of the ops of its matmuls (the
-  logits, or the gradient of the probabilities; XLA may fuse a convert or
-  a transpose with them, or a reduction beside them, as one of several
-  results) and that result's last dimension, the keys'
-  sequence length; None where the program calls none. (With attentions
-  of several sizes, the largest's.)"""
-  best: tuple[int, int] | None = None
+  ``(elements, keys)`` pairs, the largest first: the largest result of
+  the ops of its matmuls (the logits, or the gradient of the
+  probabilities; XLA may fuse a convert or a transpose with them, or a
+  reduction beside them, as one of several results) and that result's
+  last dimension, the keys' sequence length; and each op's largest result
+  of at least an eighth of those elements with the same keys' length
+  (layers split otherwise: a search's proxy may split the heads of one of
+  its repetitions and not the other's); () where the program calls
+  none."""
+  largest: dict[str, tuple[int, int]] = {}
   for line in hlo_text.splitlines():
     name = _OP_NAME.search(line)
     if name is None or not any(e in name.group(1) for e in EINSUMS):
@@ -56,36 +61,48 @@ def score_shape(hlo_text: str) -> tuple[int, int] | None:
       continue
     for _, found in _hlo.ARRAY.findall(m.group("shape")):  # (a multi-output fusion's each)
       dims = [int(d) for d in found.split(",") if d]
-      if dims and (best is None or math.prod(dims) > best[0]):
-        best = (math.prod(dims), dims[-1])
-  return best
+      if dims and math.prod(dims) > largest.get(m.group("name"), (0, 0))[0]:
+        largest[m.group("name")] = (math.prod(dims), dims[-1])
+  if not largest:
+    return ()
+  best = max(largest.values())
+  return tuple(sorted({s for s in largest.values()
+                       if s[1] == best[1] and 8 * s[0] >= best[0]}, reverse=True))
 
 
-def is_score(shape: str, score: tuple[int, int]) -> bool:
-  """Whether ``shape`` is one array shaped as a score matrix: as many
-  elements, the keys' length among its dimensions (XLA:CPU merges or
-  splits the others: ``[B, K, G x T, S]``, ``[B, K, G, T, S]``)."""
+def score_shape(hlo_text: str) -> tuple[int, int] | None:
+  """The largest of :func:`score_shapes`, or None where the program calls
+  no jax attention."""
+  shapes = score_shapes(hlo_text)
+  return shapes[0] if shapes else None
+
+
+def is_score(shape: str, scores: tuple[tuple[int, int], ...]) -> bool:
+  """Whether ``shape`` is one array shaped as a score matrix (one of
+  ``scores``, :func:`score_shapes`'): as many elements, the keys' length
+  among its dimensions (XLA:CPU merges or splits the others: ``[B, K, G
+  x T, S]``, ``[B, K, G, T, S]``)."""
   found = _hlo.ARRAY.findall(shape)
   if len(found) != 1:
     return False
   dims = [int(d) for d in found[0][1].split(",") if d]
-  return len(dims) >= 2 and math.prod(dims) == score[0] and score[1] in dims
+  return len(dims) >= 2 and any(math.prod(dims) == n and keys in dims for n, keys in scores)
 
 
-def score_bytes(shape: str, score: tuple[int, int]) -> int:
+def score_bytes(shape: str, scores: tuple[tuple[int, int], ...]) -> int:
   """The bytes of the score matrices in a value of ``shape``: the whole
   array where it is one (:func:`is_score`), those of a tuple's arrays
   that are (a multi-output fusion's results), else 0."""
   found = _hlo.ARRAY.findall(shape)
   return sum(_hlo.array_bytes(t, d) for t, d in found
-             if is_score(f"{t}[{d}]", score))
+             if is_score(f"{t}[{d}]", scores))
 
 
-def transposed_score_bytes(hlo_text: str, score: tuple[int, int]) -> float:
+def transposed_score_bytes(hlo_text: str, scores: tuple[tuple[int, int], ...]) -> float:
   """The bytes of the program's large transposes
   (:func:`partitioner._report.hlo.transposed_bytes`) that make score
-  matrices (``score``: :func:`score_shape`'s)."""
-  others = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, score))
+  matrices (``scores``: :func:`score_shapes`')."""
+  others = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, scores))
   return _hlo.transposed_bytes(hlo_text) - others
 
 
@@ -95,7 +112,7 @@ def flops(hlo_text: str) -> tuple[float, float]:
   kernel does in their place; (0, 0) where the program calls no jax
   attention.
 
-  Its matmuls are those with a score matrix (:func:`score_shape`) for
+  Its matmuls are those with a score matrix (:func:`score_shapes`) for
   result or operand, named for :data:`EINSUMS` where XLA kept a name (it
   drops it where it merges a dot's batch dimensions). A kernel's count
   (flash kernels' own, e.g. flash-attention's benchmarks: forward ``4 x
@@ -107,8 +124,8 @@ def flops(hlo_text: str) -> tuple[float, float]:
   plus the logits again. So the kernel does half the flops of those that
   make score matrices and 1.5 times those that read them, and half of it
   all under jax's causal mask."""
-  score = score_shape(hlo_text)
-  if score is None:
+  score = score_shapes(hlo_text)
+  if not score:
     return 0.0, 0.0
   counts, comps = _hlo.runs(hlo_text), _hlo.computations(hlo_text)
   found = kernel = 0.0

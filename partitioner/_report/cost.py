@@ -1,9 +1,12 @@
 """The exact score of a candidate: compile it through our pipeline (no
 execution) and read the compiled program.
 
-- compute: ``cost_analysis()``'s flops and bytes accessed per device,
-  with the matmuls and the bytes of a while loop's body counted for every
-  iteration (XLA counts a body once);
+- compute: ``cost_analysis()``'s flops per device, with the matmuls of a
+  while loop's body counted for every iteration (XLA counts a body
+  once), and the bytes its kernels read and write
+  (:mod:`partitioner._report.traffic`: each loop body for every
+  iteration, a slice's bytes where a kernel reads one, elementwise chains
+  fused);
 - communication: each collective in the partitioned HLO (as many times as
   it runs: inside a loop, the trip count), its bytes per
   device weighted by what a ring algorithm sends for its group size
@@ -24,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from partitioner._compat import CUSTOM_CALL_BYTES_UNCOUNTED
 from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report import schedule as _schedule
+from partitioner._report import traffic as _traffic
 from partitioner._report.device_models import DeviceModel
 from sharding._checks import positive_count
 
@@ -297,12 +300,6 @@ class Part:
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _NO_SCOPE = re.compile(r"(?!)")  # (matches nothing: every op unscoped)
-# Ops that move no data themselves (a loop's or call's body counts its own).
-_NO_ACCESS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-                        "while", "conditional", "call", "after-all", "partition-id",
-                        "replica-id", "opt-barrier"})
-
-
 def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
            fused_attention: bool = False) -> dict[str | None, Part]:
   """The program's costs by the named scope its ops were traced under
@@ -316,9 +313,9 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
   parts: dict[str | None, Part] = {None: Part()}
   counts = _hlo.runs(hlo_text)
   comps = _hlo.computations(hlo_text)
-  values = _values(comps, scope, _attention.score_shape(hlo_text) if fused_attention else None)
+  values = _values(comps, scope, _attention.score_shapes(hlo_text) if fused_attention else None)
   _add_flops(parts, comps, counts, values, scope)
-  _add_accessed(parts, counts, values)
+  _add_accessed(parts, hlo_text, values)
   _add_collectives(parts, hlo_text, processes, values, scope)
   return parts
 
@@ -346,10 +343,10 @@ class _Values:
 
 
 def _values(comps: dict[str, list[str]], scope: re.Pattern,
-            score: tuple[int, int] | None = None) -> _Values:
+            score: tuple[tuple[int, int], ...] | None = None) -> _Values:
   """Every value's bytes and scope, in program order; with ``score`` (a
   fused attention's score matrices, :func:`partitioner._report.attention.
-  score_shape`), the values shaped as them."""
+  score_shapes`), the values shaped as them."""
   values = _Values()
   for name, lines in comps.items():
     if not name:
@@ -389,26 +386,21 @@ def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
         part.matmul_flops += counts.get(name, 1) * f if _hlo.is_matmul(line) else 0.0
 
 
-def _moved(counts: dict[str, int], values: _Values) -> Iterator[tuple[str | None, float, float]]:
-  """Each top-level op's ``(scope, bytes, of them a fused attention's score
-  matrices)`` per call: its operands and result, as XLA's cost analysis
-  counts them (not inside fusions, not ops that move no data), as often
-  as it runs."""
-  for name, m, where in values.defined:
-    kind = m.group("kind")
-    if name in values.caller or kind in _NO_ACCESS or kind.endswith("-done"):
-      continue
-    read = [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))]
-    k = counts.get(name, 1)
-    yield (where, k * sum(values.size(v) for v in read),
-           k * sum(values.scores.get(v, 0) for v in read))
+def _moved(hlo_text: str, values: _Values) -> Iterator[tuple[str | None, float, float]]:
+  """Each kernel's ``(scope, bytes, of them a fused attention's score
+  matrices)`` per call (:func:`partitioner._report.traffic.kernels`: what
+  it reads and writes, as often as it runs)."""
+  for k in _traffic.kernels(hlo_text):
+    moved = {k.name: k.written, **k.reads}
+    scores = sum(min(size, values.scores[v] * size / values.size(v)) for v, size in moved.items()
+                 if values.scores.get(v) and values.size(v))
+    yield values.scope(k.name), k.runs * k.bytes, k.runs * scores
 
 
-def _add_accessed(parts: dict[str | None, Part], counts: dict[str, int],
-                  values: _Values) -> None:
-  """Each top-level op's bytes (:func:`_moved`) to its scope and the whole
+def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values) -> None:
+  """Each kernel's bytes (:func:`_moved`) to its scope and the whole
   program's, less a fused attention's score matrices."""
-  for where, size, scores in _moved(counts, values):
+  for where, size, scores in _moved(hlo_text, values):
     for p in {None, where}:
       parts.setdefault(p, Part()).accessed += size - scores
 
@@ -417,25 +409,13 @@ def score_traffic(hlo_text: str) -> tuple[float, float]:
   """``(bytes accessed, bytes of large transposes)`` per call that the
   program's ``jax.nn.dot_product_attention`` moves in its score matrices
   (:mod:`partitioner._report.attention`), counted as :func:`scoped` counts
-  every op's bytes; (0, 0) where it calls none."""
-  score = _attention.score_shape(hlo_text)
-  if score is None:
+  every kernel's bytes; (0, 0) where it calls none."""
+  score = _attention.score_shapes(hlo_text)
+  if not score:
     return 0.0, 0.0
   values = _values(_hlo.computations(hlo_text), _NO_SCOPE, score)
-  moved = sum(scores for _, _, scores in _moved(_hlo.runs(hlo_text), values))
+  moved = sum(scores for _, _, scores in _moved(hlo_text, values))
   return moved, _attention.transposed_score_bytes(hlo_text, score)
-
-
-def custom_call_bytes(hlo_text: str) -> float:
-  """The bytes the program's custom calls (cuBLAS's gemms, cuDNN's
-  attention) read and write per call: each one's operands and results, as
-  often as it runs."""
-  values = _values(_hlo.computations(hlo_text), _NO_SCOPE)
-  counts = _hlo.runs(hlo_text)
-  return float(sum(
-      counts.get(name, 1) * sum(values.size(v) for v in
-                                [m.group("name"), *_hlo.OPERAND.findall(m.group("args"))])
-      for name, m, _ in values.defined if m.group("kind") == "custom-call"))
 
 
 def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
@@ -549,9 +529,7 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
       if hosts > 1:
         across_lines.add(op.line)
   flops = _hlo.program_flops(hlo_text, cost)
-  accessed = float(cost.get("bytes accessed", 0.0)) + _hlo.repeated_bytes(hlo_text)
-  if cost.get(CUSTOM_CALL_BYTES_UNCOUNTED):  # (a compile-only GPU's stand-in analysis)
-    accessed += custom_call_bytes(hlo_text)
+  accessed = _traffic.bytes_moved(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)

@@ -300,7 +300,7 @@ _DIMS = re.compile(r"\[([\d,]*)\]")
 OPERAND = re.compile(r"%([\w.\-]+)")  # a value an instruction reads
 # Ops XLA's cost analysis counts one flop per result element (transcendentals
 # included, as it counts them apart).
-_ELEMENTWISE = frozenset({
+ELEMENTWISE = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
     "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic",
     "sqrt", "rsqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf",
@@ -427,12 +427,22 @@ def _step(body: list[str], index: int) -> int:
   update = defs.get(operands[index]) if index < len(operands) else None
   if update is None or update.group("kind") != "add":
     return 1
-  parts = [defs.get(name) for name in OPERAND.findall(update.group("args"))]
+  parts = [_uncopied(defs, defs.get(name)) for name in OPERAND.findall(update.group("args"))]
   constants = [int(p.group("args")) for p in parts if p is not None and p.group("kind") == "constant"
                and re.fullmatch(r"-?\d+", p.group("args"))]
   counters = [p for p in parts if p is not None and p.group("kind") == "get-tuple-element"
               and re.search(rf"\), index={index}\b", p.string)]
   return constants[0] if len(constants) == 1 and counters and constants[0] > 0 else 1
+
+
+def _uncopied(defs: dict[str, re.Match], value: re.Match | None) -> re.Match | None:
+  """The value a chain of copies starts from (XLA:TPU copies a loop's
+  counter before it adds its step: ``add(copy(get-tuple-element), 2)``)."""
+  for _ in range(8):
+    if value is None or value.group("kind") != "copy":
+      break
+    value = defs.get(next(iter(OPERAND.findall(value.group("args"))), ""))
+  return value
 
 
 def _first_value(comps: dict[str, list[str]], init: str, index: int) -> int | None:
@@ -509,7 +519,7 @@ def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, 
   found = []
   for line, m, shapes in _defined(lines):
     kind = m.group("kind")
-    if not matmuls_only and (kind in _ELEMENTWISE or kind == "reduce"):
+    if not matmuls_only and (kind in ELEMENTWISE or kind == "reduce"):
       arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
                              shapes.get(_first_operand(m.group("args")), ""))
       found.append((line, float(sum(_elements(a) for a in arrays[:1]))))
@@ -633,48 +643,6 @@ def uncounted_gemm_flops(hlo_text: str, counted: float) -> float:
               if _GEMM.search(line))
   own = sum(flops(lines) for lines in comps)
   return gemms if counted < own - gemms / 2 else 0.0
-
-
-def repeated_bytes(hlo_text: str) -> float:
-  """The bytes accessed ``cost_analysis()`` leaves out: each while body's
-  (:func:`accessed`) for every iteration after the first, where the body
-  does matmuls (a scan over layers or microbatches). The loops XLA makes
-  of a scatter or a sort (XLA:CPU: one iteration a token, its buffers
-  updated in place) keep XLA's count."""
-  counts, comps = runs(hlo_text), computations(hlo_text)
-  bodies = {w.group("body") for w in map(_WHILE.search, hlo_text.splitlines()) if w}
-
-  def has_matmul(name: str) -> bool:
-    lines = comps.get(name, [])
-    return any(is_matmul(line) for line in lines) or any(
-        has_matmul(callee) for line in lines for callee in CALLED.findall(line))
-  return sum((counts[name] - 1) * accessed(comps[name]) for name in bodies
-             if name in comps and counts.get(name, 1) > 1 and has_matmul(name))
-
-
-def accessed(lines: list[str]) -> float:
-  """The bytes one computation's instructions move, about as XLA counts
-  them: each result written and read once (twice its bytes); an update in
-  place (a result shaped as one of its operands: a dynamic-update-slice,
-  a scatter, a fusion ending in one) its other operands twice, not the
-  buffer it updates. Loops, tuples and parameters move none of their own."""
-  shapes: dict[str, str] = {}
-  total = 0
-  for line in lines:
-    m = DEFINITION.match(line)
-    if m is None:
-      continue
-    shape, kind = m.group("shape"), m.group("kind")
-    shapes[m.group("name")] = shape
-    if kind in NOT_COMPUTED or kind in ("while", "conditional", "call"):
-      continue
-    operands = [shapes.get(name, "") for name in _OPERAND_NAME.findall(m.group("args"))]
-    if shape in operands:  # (in place: the update, not the buffer)
-      operands.remove(shape)
-      total += 2 * sum(array_bytes(t, d) for o in operands for t, d in ARRAY.findall(o))
-    else:
-      total += 2 * result_bytes(kind, shape)
-  return float(total)
 
 
 def compiled_for_gpu(hlo_text: str) -> bool:

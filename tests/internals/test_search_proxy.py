@@ -371,13 +371,13 @@ UNNAMED = """HloModule m
   ROOT %dot.1 = f32[4,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
-ENTRY %main (p0: f32[4,8], p1: f32[8,8]) -> (f32[4,8], f32[4,8]) {
+ENTRY %main (p0: f32[4,8], p1: f32[8,8]) -> (f32[4,8], f32[4,8]{0,1}) {
   %p0 = f32[4,8]{1,0} parameter(0)
   %p1 = f32[8,8]{1,0} parameter(1)
   %tanh.1 = f32[4,8]{1,0} tanh(%p0), metadata={op_name="jit(f)/proxy_repeat_0_1/tanh"}
   %ynn_fusion.1 = f32[4,8]{1,0} fusion(%tanh.1, %p1), kind=kCustom, calls=%fused_computation.1
-  %copy.1 = f32[4,8]{1,0} copy(%tanh.1)
-  ROOT %tuple.1 = (f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%ynn_fusion.1, %copy.1)
+  %copy.1 = f32[4,8]{0,1} copy(%tanh.1)
+  ROOT %tuple.1 = (f32[4,8]{1,0}, f32[4,8]{0,1}) tuple(%ynn_fusion.1, %copy.1)
 }
 """
 

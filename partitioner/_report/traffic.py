@@ -1,0 +1,418 @@
+"""The memory traffic of a compiled program as an accelerator moves it:
+each kernel's reads and writes, each loop body's for every iteration, the
+same however the model is written and whichever compiler fused it.
+
+The program's top-level instructions (of the entry and of each loop's
+body, as often as it runs) are of three sorts:
+
+- **views** move nothing: a conversion (element type, bitcast, reshape,
+  a copy that keeps the layout) and a slice (``dynamic-slice``,
+  ``slice``), alone or as a fusion of nothing else. Whatever reads a view
+  reads its elements from the array below it, at the narrower element
+  type: a scan's body reads its layer's slice of the stacked weights (or
+  of the stacked residuals), as an unrolled loop reads that layer's
+  arrays; a bfloat16 weight that XLA:CPU widens to float32 for its dot is
+  read as bfloat16.
+- **elementwise kernels** (an elementwise op, or a loop fusion of them)
+  whose result only other elementwise kernels read are fused into those
+  readers, as XLA:GPU's fusion merger does: the result is never written,
+  and each reader reads its inputs instead. So an elementwise chain moves
+  its inputs and its output once, however a compiler cut it.
+- **kernels**: everything else (matmuls, reductions, transposes, custom
+  calls, the fusions around them, and the elementwise kernels that feed
+  them) reads its operands and writes its result, except where it touches
+  part of an array: inside a fusion, a parameter read only through slices
+  costs the slices' bytes; an update in place (``dynamic-update-slice``,
+  ``scatter``, also at a fusion's root) writes the update, not the buffer,
+  and costs nothing more where the update is made by a kernel of the same
+  computation (which writes it straight into the buffer: a scan storing
+  its layer's residuals into their stack moves what the unrolled loop
+  writes).
+
+Collectives move their bytes on the links: their time is the
+communication's (``partitioner._report.cost``), not the memory's. XLA's
+own cost analysis counts a loop's body once and a fusion's operands whole
+inside a loop, which made a ``lax.scan`` over layers cost more than the
+same layers unrolled, more the deeper the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+from partitioner._report import hlo as _hlo
+
+# Ops that move no data of their own (a loop's or call's body is counted
+# where it runs; an async op's ``-done`` is its ``-start``'s; a send or a
+# receive moves its bytes over a link, as a collective does).
+_NO_TRAFFIC = _hlo.NOT_COMPUTED | {"while", "conditional", "call", "copy-done", "async-done",
+                                   "send", "send-done", "recv", "recv-done"}
+_COLLECTIVES = frozenset(_hlo.COLLECTIVE_KINDS) | {k + "-start" for k in _hlo.COLLECTIVE_KINDS} \
+    | {k + "-done" for k in _hlo.COLLECTIVE_KINDS}
+_SLICES = frozenset({"dynamic-slice", "slice"})
+_IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+_CONVERSIONS = frozenset({"bitcast", "convert", "bitcast-convert", "copy", "reshape"})
+# What an elementwise kernel may hold besides elementwise ops (scalars
+# and broadcasts of them: its constants, and the index arithmetic).
+_ELEMENTWISE_FUSED = _hlo.ELEMENTWISE | _CONVERSIONS | {"broadcast", "constant", "iota", "parameter"}
+_CONTROL = re.compile(r"\b(?:body|condition|to_apply)=%?([\w.\-]+)"
+                      r"|\bbranch_computations=\{([^}]*)\}")
+_FUSION_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_LAYOUT = re.compile(r"\{([\d,]*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of a program: the instruction that makes it (``name``, in
+  ``computation``), how many times it runs per call, the bytes it writes
+  and those it reads of each value (a fused elementwise input's under
+  that input's name)."""
+  computation: str
+  name: str
+  runs: int
+  written: float
+  reads: dict[str, float]
+
+  @property
+  def bytes(self) -> float:
+    """What one run reads and writes."""
+    return self.written + sum(self.reads.values())
+
+
+def bytes_moved(hlo_text: str) -> float:
+  """The bytes the program's kernels read and write per call, each as
+  often as it runs (see the module's docstring)."""
+  return float(sum(k.runs * k.bytes for k in kernels(hlo_text)))
+
+
+@functools.lru_cache(maxsize=4)  # (a score reads one text's kernels a few times)
+def kernels(hlo_text: str) -> tuple[Kernel, ...]:
+  """The program's kernels (see the module's docstring), in program
+  order."""
+  comps = _hlo.computations(hlo_text)
+  counts = _hlo.runs(hlo_text)
+  found = []
+  for name in _kernel_computations(hlo_text):
+    if name not in comps:
+      continue
+    c = _Computation(comps[name], comps)
+    for value, d in c.defs.items():
+      if c.is_kernel(value, d):
+        written, reads = c.kernel(d)
+        found.append(Kernel(name, value, counts.get(name, 1), written, reads))
+  return tuple(found)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_computations(hlo_text: str) -> tuple[str, ...]:
+  """The computations whose instructions are kernels: the entry and what
+  it runs through control flow (loop bodies and conditions, a
+  conditional's branches, a call's computation), not fusions' bodies nor
+  reductions' computations."""
+  comps = _hlo.computations(hlo_text)
+  entry = next((n for n, lines in comps.items() if n and lines is comps.get("")), None)
+  found, todo = [], [entry] if entry else []
+  while todo:
+    name = todo.pop()
+    if name in found:
+      continue
+    found.append(name)
+    for line in comps.get(name, ()):
+      m = _hlo.DEFINITION.match(line)
+      if m is None or m.group("kind") not in ("while", "conditional", "call"):
+        continue
+      for one, branches in _CONTROL.findall(line):
+        todo += [c.strip().lstrip("%") for c in (one or branches).split(",") if c.strip()]
+  return tuple(found)
+
+
+class _Computation:
+  """One computation whose instructions are kernels: each value's
+  definition, its readers, its sort (view, fused elementwise, kernel) and
+  its bytes as an accelerator holds it."""
+
+  def __init__(self, lines: list[str], comps: dict[str, list[str]]):
+    self.comps = comps
+    self.defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, lines) if m}
+    self.readers: dict[str, list[re.Match]] = {}
+    for d in self.defs.values():
+      for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
+        self.readers.setdefault(v, []).append(d)
+    self.bodies = {n: _body(d, comps) for n, d in self.defs.items()}
+    self.views = {n for n, d in self.defs.items() if self._is_view(d)}
+    elementwise = {n for n, d in self.defs.items() if self._is_elementwise(d)}
+    self.fused = {n for n in elementwise
+                  if self.readers.get(n) and all(r.group("name") in elementwise
+                                                 for r in self.readers[n])}
+    self.width: dict[str, float] = {}
+    for n, d in self.defs.items():  # (program order: a view's source comes first)
+      width = _element_bytes(d.group("shape"))
+      readers = self.readers.get(n, [])
+      if readers and all(r.group("name") in self.views for r in readers):
+        width = min(width, max(_element_bytes(r.group("shape")) for r in readers))
+      if n in self.views and (source := self._source(d)):
+        width = min(width, self.width.get(source, width))
+      self.width[n] = width
+
+  def is_kernel(self, name: str, d: re.Match) -> bool:
+    """Whether the instruction ``d`` making ``name`` is a kernel."""
+    kind = d.group("kind")
+    return (name not in self.views and name not in self.fused and kind not in _NO_TRAFFIC
+            and kind not in _COLLECTIVES)
+
+  def size(self, name: str) -> float:
+    """The bytes of the value ``name`` as the device holds it (0 where
+    unknown)."""
+    d = self.defs.get(name)
+    if d is None:
+      return 0.0
+    shape = d.group("shape").strip()
+    if shape.startswith("("):
+      return float(_array_bytes(shape))  # (a tuple: each array as it is)
+    return _elements(shape) * self.width[name]
+
+  def read(self, names: list[str]) -> dict[str, float]:
+    """What reading the values ``names`` reads: each one's bytes, or, for
+    a fused elementwise result, what its kernel reads (each array once)."""
+    found: dict[str, float] = {}
+    todo = list(names)
+    while todo:
+      v = todo.pop()
+      if v in found or v not in self.defs:
+        continue
+      if v in self.fused:
+        found[v] = 0.0
+        todo += _hlo.OPERAND.findall(self.defs[v].group("args"))
+      else:
+        found[v] = self.size(v)
+    return found
+
+  def kernel(self, m: re.Match) -> tuple[float, dict[str, float]]:
+    """What one kernel writes, and reads of each value."""
+    kind, name = m.group("kind"), m.group("name")
+    args = _hlo.OPERAND.findall(m.group("args"))
+    if kind in _IN_PLACE:  # (the update: operand 1 of a dynamic-update-slice, 2 of a scatter)
+      update = args[2 if kind == "scatter" else 1] if len(args) > 2 else ""
+      if self._made_here(update):
+        return 0.0, {}
+      reads = self.read([update])
+      return sum(reads.values()), reads
+    body = self.bodies.get(name)
+    if body is not None:
+      return _fusion_bytes(body, [self.read([v]) for v in args], self.size(name),
+                           [self._made_here(v) for v in args])
+    written = self.size(name)
+    if kind == "custom-call":
+      written = float(_call_result_bytes(m.group("shape")))
+    return written, self.read(args)
+
+  def _made_here(self, name: str) -> bool:
+    """Whether ``name`` (through views) is made by a kernel of this
+    computation, not passed in (a parameter, a loop's carried value)."""
+    d = self.defs.get(name)
+    for _ in range(16):
+      if d is None or d.group("name") not in self.views:
+        break
+      source = self._source(d)
+      d = self.defs.get(source) if source else None
+    return d is not None and d.group("kind") not in _hlo.NOT_COMPUTED
+
+  def _source(self, d: re.Match) -> str | None:
+    """The array a view reads (its first operand)."""
+    args = _hlo.OPERAND.findall(d.group("args"))
+    return args[0] if args else None
+
+  def _is_view(self, d: re.Match) -> bool:
+    kind = d.group("kind")
+    if kind == "fusion":
+      body = self.bodies.get(d.group("name"))
+      return body is not None and _only(body, lambda m, defs: _is_view_op(m, defs), arrays=1)
+    return _is_view_op(d, self.defs)
+
+  def _is_elementwise(self, d: re.Match) -> bool:
+    kind = d.group("kind")
+    if kind == "fusion":
+      body = self.bodies.get(d.group("name"))
+      return body is not None and "kind=kLoop" in d.string and _only(
+          body, lambda m, defs: m.group("kind") in _ELEMENTWISE_FUSED and (
+              m.group("kind") != "copy" or _keeps_layout(m, defs)))
+    return kind in _hlo.ELEMENTWISE and not d.group("shape").lstrip().startswith("(")
+
+
+def _body(d: re.Match, comps: dict[str, list[str]]) -> list[str] | None:
+  """A fusion's computation's lines, else None."""
+  if d.group("kind") != "fusion":
+    return None
+  called = _FUSION_CALLS.search(d.string)
+  return comps.get(called.group(1)) if called else None
+
+
+def _only(body: list[str], allowed, arrays: int | None = None) -> bool:
+  """Whether every instruction of a fusion's ``body`` is ``allowed(match,
+  defs)`` (scalar ones aside: index arithmetic), with ``arrays`` array
+  parameters if given."""
+  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, body) if m}
+  params = [m for m in defs.values() if m.group("kind") == "parameter"
+            and _elements(m.group("shape")) > 1]
+  if arrays is not None and len(params) != arrays:
+    return False
+  return all(m.group("kind") == "parameter" or _elements(m.group("shape")) <= 1
+             or allowed(m, defs) for m in defs.values())
+
+
+def _is_view_op(d: re.Match, defs: dict[str, re.Match]) -> bool:
+  kind = d.group("kind")
+  if kind in _SLICES:
+    return True
+  if kind not in _CONVERSIONS or len(_hlo.OPERAND.findall(d.group("args"))) != 1:
+    return False
+  return kind != "copy" or _keeps_layout(d, defs)
+
+
+def _keeps_layout(d: re.Match, defs: dict[str, re.Match]) -> bool:
+  """Whether a copy keeps its operand's layout (else it is a transpose)."""
+  args = _hlo.OPERAND.findall(d.group("args"))
+  source = defs.get(args[0]) if args else None
+  return source is not None and _layout(source.group("shape")) == _layout(d.group("shape"))
+
+
+def _layout(shape: str) -> str:
+  m = _LAYOUT.search(shape)
+  return m.group(1) if m else ""
+
+
+def _call_result_bytes(shape: str) -> int:
+  """A custom call's results, less a scratch buffer (cuBLAS's workspace:
+  the last element of its tuple, bytes)."""
+  elements = _hlo.tuple_elements(shape)
+  if len(elements) > 1 and re.match(r"\s*[su]8\[", elements[-1]):
+    elements = elements[:-1]
+  return sum(_array_bytes(e) for e in elements)
+
+
+def _fusion_bytes(body: list[str], operands: list[dict[str, float]], result: float,
+                  made_here: list[bool]) -> tuple[float, dict[str, float]]:
+  """What a fusion reads (each parameter whole, or the slices it takes of
+  it; nothing of a buffer it updates in place) and writes (each result
+  whole, or an update in place's update, nothing where the update is made
+  in the fusion from ``made_here`` operands alone): ``operands`` what
+  reading each operand whole reads (:meth:`_Computation.read`),
+  ``result`` the bytes of its result, as the caller holds them."""
+  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, body) if m}
+  users: dict[str, list[re.Match]] = {}
+  for d in defs.values():
+    for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
+      users.setdefault(v, []).append(d)
+  root = next((m for line in body if line.lstrip().startswith("ROOT ")
+               and (m := _hlo.DEFINITION.match(line))), None)
+  if root is None:
+    return 0.0, {}
+  several = root.group("kind") == "tuple"
+  outputs = ([defs[v] for v in _hlo.OPERAND.findall(root.group("args")) if v in defs]
+             if several else [root])
+  written, updated, stored = 0.0, set(), 0
+  for out in outputs:
+    whole = float(_array_bytes(out.group("shape"))) if several else result
+    update = _update_in_place(out, defs)
+    if update is None:
+      written += whole
+      continue
+    buffer, source, size = update
+    updated.add(buffer)
+    if all(made_here[i] for i in _parameters_of(source, defs)):
+      stored += 1  # (written where it was made)
+    else:
+      written += size * whole / max(_elements(out.group("shape")), 1)
+  if outputs and stored == len(outputs):
+    return 0.0, {}
+  reads: dict[str, float] = {}
+  for d in defs.values():
+    index = int(d.group("args")) if d.group("kind") == "parameter" else len(operands)
+    if index >= len(operands) or d.group("name") in updated:
+      continue
+    sliced = _sliced_elements(d.group("name"), users)
+    share = 1.0 if sliced is None else min(1.0, sliced / max(_elements(d.group("shape")), 1))
+    for value, size in operands[index].items():
+      reads[value] = max(reads.get(value, 0.0), size * share)
+  return written, reads
+
+
+def _parameters_of(name: str, defs: dict[str, re.Match]) -> set[int]:
+  """The indices of the fusion's array parameters the value ``name`` is
+  computed from."""
+  found, todo, seen = set(), [name], set()
+  while todo:
+    v = todo.pop()
+    d = defs.get(v)
+    if d is None or v in seen:
+      continue
+    seen.add(v)
+    if d.group("kind") == "parameter":
+      if _elements(d.group("shape")) > 1:
+        found.add(int(d.group("args")))
+    else:
+      todo += _hlo.OPERAND.findall(d.group("args"))
+  return found
+
+
+def _update_in_place(out: re.Match, defs: dict[str, re.Match]) -> tuple[str, str, int] | None:
+  """``(the parameter it updates, the update's value, the update's
+  elements)`` where a fusion's result is an update in place of one of its
+  parameters (through conversions), else None."""
+  d = _through(out, defs)
+  if d is None or d.group("kind") not in _IN_PLACE:
+    return None
+  args = _hlo.OPERAND.findall(d.group("args"))
+  buffer = _through(defs.get(args[0]), defs) if args else None
+  if buffer is None or buffer.group("kind") != "parameter":
+    return None
+  update = defs.get(args[2 if d.group("kind") == "scatter" else 1]) if len(args) > 2 else None
+  if update is None:
+    return None
+  return buffer.group("name"), update.group("name"), _elements(update.group("shape"))
+
+
+def _through(d: re.Match | None, defs: dict[str, re.Match]) -> re.Match | None:
+  """The first definition at or below ``d`` (toward its operands) that is
+  not a conversion of one operand."""
+  for _ in range(16):
+    if d is None or d.group("kind") not in _CONVERSIONS:
+      break
+    args = _hlo.OPERAND.findall(d.group("args"))
+    d = defs.get(args[0]) if len(args) == 1 else None
+  return d
+
+
+def _sliced_elements(name: str, users: dict[str, list[re.Match]], depth: int = 0) -> int | None:
+  """The elements a fusion reads of the value ``name`` where every use of
+  it (through conversions) is a slice of it, else None."""
+  total = 0
+  for u in users.get(name, ()):
+    kind = u.group("kind")
+    args = _hlo.OPERAND.findall(u.group("args"))
+    if (kind in _SLICES or kind == "gather") and args and args[0] == name:
+      total += _elements(u.group("shape"))
+    elif kind in _CONVERSIONS and depth < 16:
+      inner = _sliced_elements(u.group("name"), users, depth + 1)
+      if inner is None:
+        return None
+      total += inner
+    else:
+      return None
+  return total
+
+
+def _array_bytes(shape: str) -> int:
+  return sum(_hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(shape))
+
+
+def _elements(shape: str) -> int:
+  return sum(math.prod(int(x) for x in d.split(",") if x) for _, d in _hlo.ARRAY.findall(shape))
+
+
+def _element_bytes(shape: str) -> float:
+  m = _hlo.ARRAY.search(shape)
+  return _hlo.array_bytes(m.group(1), "") if m else 4.0
