@@ -105,3 +105,49 @@ def test_the_report_names_the_data_reduction_apart_from_the_stages():
   assert "between stages" in text
   assert ("weight gradients reduced over the data devices: 4.0 KiB per device per call"
           " in 1 reduction(s) after the loop") in text
+
+
+# A pipeline planned for an accelerator's devices from a host that has one
+# CPU device: the stages count the program's devices (a compile-only
+# topology's), not the host's.
+_PLANNED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+import jax, jax.numpy as jnp
+import partitioner
+from partitioner import sharded_jit
+from sharding import PartitionSpec as P
+from tests.test_pipeline_data import _step
+kind = sys.argv[1]
+devices = (partitioner.tpu_devices("v5p:2x2x2") if kind == "tpu"
+           else partitioner.gpu_devices("a100:8"))
+grid = (4, 2, 1)
+w_spec, x_spec = P(4, 1, 1, grid=grid, axes=(0, None, None)), P(2, 1, grid=grid, axes=(1, None))
+f = sharded_jit(_step(4, 8, 1, w_spec, x_spec), in_parts=(w_spec, x_spec),
+                out_parts=(w_spec, None), devices=devices)
+compiled = f.lower(jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)).compile()
+(pipe,) = compiled.explain().pipelines
+cost = partitioner.cost(compiled, "tpu-v5p" if kind == "tpu" else "a100")
+print(len(jax.devices()), pipe.stages, pipe.data_reductions, cost.seconds > 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tpu", "gpu"])
+def test_a_pipeline_for_compile_only_devices_counts_their_stages_not_the_hosts(kind):
+  import importlib.util
+  import pathlib
+  import subprocess
+  import sys
+
+  from partitioner import _compat
+  if kind == "tpu" and importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu not installed: pip install 'sharded-jit[tpu]'")
+  if kind == "gpu" and not _compat.cuda_plugin_installed():
+    pytest.skip("jax's CUDA plugin not installed: pip install 'sharded-jit[cuda]'")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, "-c", _PLANNED, kind], cwd=root, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["1", "4", "1", "True"]

@@ -75,7 +75,8 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
     traced = trace_and_lower(
         request.fun, request.name,
         lambda flat: rebuild(jax.tree_util.tree_unflatten(inputs.treedef, flat)),
-        avals, donated, in_specs, _lowering_platform(request.devices))
+        avals, donated, in_specs, _lowering_platform(request.devices),
+        len(request.devices) if request.devices is not None else None)
 
   out_tree_avals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
   out_specs = broadcast_specs(request.out_parts, out_tree_avals, "out_parts")

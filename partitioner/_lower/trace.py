@@ -105,6 +105,7 @@ def trace_and_lower(
     donated: Sequence[int],
     in_specs: Sequence[Any] | None = None,
     platform: str | None = None,
+    num_devices: int | None = None,
 ) -> TracedProgram:
   """Traces ``fun`` on abstract flat inputs and lowers it to StableHLO.
 
@@ -120,19 +121,24 @@ def trace_and_lower(
     platform: the platform to lower for (``devices=`` of another platform
       than the default backend's: CPU devices on a GPU host, a TPU
       topology's); None: the default backend's.
+    num_devices: how many devices the program may use (``devices=``, a
+      compile-only topology's included), for calls inside the function
+      that check it (``partitioner.pipeline``'s stages); None: jax's.
 
   Raises:
     NotImplementedError: the function has ordered side effects.
   """
   memo = _reuse.get()
   if memo is None:
-    return _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform)
-  key = (fun, name, tuple(in_avals), tuple(donated), platform)
+    return _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform,
+                            num_devices)
+  key = (fun, name, tuple(in_avals), tuple(donated), platform, num_devices)
   by_specs = (*key, tuple(map(repr, in_specs or ())))
   if memo.get(key) is _BY_SPECS:
     key = by_specs
   if key not in memo:
-    traced = _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform)
+    traced = _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs, platform,
+                              num_devices)
     if traced.read_specs:  # another layout may trace to another program
       memo[key], key = _BY_SPECS, by_specs
     memo[key] = traced
@@ -143,7 +149,7 @@ _BY_SPECS = object()  # a memo entry: this function's traces depend on the specs
 
 
 def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs,
-                     platform) -> TracedProgram:
+                     platform, num_devices) -> TracedProgram:
   out_trees = []
 
   def flat_fun(*leaves):
@@ -156,7 +162,7 @@ def _trace_and_lower(fun, name, rebuild_args, in_avals, donated, in_specs,
 
   flat_fun.__name__ = flat_fun.__qualname__ = name
   jitted = jax.jit(flat_fun, keep_unused=True, donate_argnums=tuple(donated))
-  with emit_markers(), tracing(in_specs) as state:
+  with emit_markers(), tracing(in_specs, num_devices=num_devices) as state:
     # inspect_array_sharding asks XLA even though this lowering is on one device.
     lowered = _compat.lower_with_rules(jitted.trace(*in_avals), _inspect.rules(), platform)
   callbacks, keepalive, unordered, ordered = _compat.lowering_callbacks(lowered)
@@ -225,8 +231,10 @@ class PipelineCall:
 class Tracing:
   """The trace under way: its flat inputs' specs and the calls recorded."""
 
-  def __init__(self, specs: Sequence[Any] | None, probe: bool = False):
+  def __init__(self, specs: Sequence[Any] | None, probe: bool = False,
+               num_devices: int | None = None):
     self._specs = None if specs is None else list(specs)
+    self.num_devices = num_devices  # (None: jax's devices)
     # A probe (partitioner.search's first trace) has no specs yet: a
     # pipeline whose stages it would read from them runs as one stage.
     self.probe = probe
@@ -269,10 +277,12 @@ _current: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def tracing(specs: Sequence[Any] | None, probe: bool = False) -> Iterator[Tracing]:
+def tracing(specs: Sequence[Any] | None, probe: bool = False,
+            num_devices: int | None = None) -> Iterator[Tracing]:
   """Within it, :func:`current` is a new :class:`Tracing` with ``specs``
-  (one per flat input; None: not known); ``probe``: see :class:`Tracing`."""
-  state = Tracing(specs, probe)
+  (one per flat input; None: not known), ``probe`` (see :class:`Tracing`)
+  and the devices the program may use (``num_devices``; None: jax's)."""
+  state = Tracing(specs, probe, num_devices)
   token = _current.set(state)
   try:
     yield state

@@ -61,9 +61,11 @@ def leading(tree: Any, where: str, arg: str, dim: str, hint: str) -> tuple[int, 
 
 
 def stages(stages: int | None, param_specs: list | None, leaves: list,
-           num_layers: int, repeats: int = 1) -> int:
+           num_layers: int, repeats: int = 1, num_devices: int | None = None) -> int:
   """S: ``stages``, else the leading count of ``param_parts`` (or of the
-  enclosing sharded_jit's ``in_parts``), checked."""
+  enclosing sharded_jit's ``in_parts``), checked against the devices the
+  program may use (``num_devices``: the enclosing sharded_jit's
+  ``devices=``, a compile-only topology's; None: jax's)."""
   leads = set()
   for spec, w in zip(param_specs or [], leaves):
     reject_auto([spec], ["layer_params"], "partitioner.pipeline param_parts")
@@ -98,11 +100,12 @@ def stages(stages: int | None, param_specs: list | None, leaves: list,
         f" must divide the number of layers L = {num_layers} (the leading"
         f" dimension of layer_params); each stage holds {per}. Hint: use a"
         f" divisor of {num_layers}.")
-  if s > len(jax.devices()):
+  available = len(jax.devices()) if num_devices is None else num_devices
+  if s > available:
     raise ValueError(
         f"partitioner.pipeline: stages={s} needs {s} devices, one stage each,"
-        f" but only {len(jax.devices())} devices are available. Hint: use at"
-        f" most {len(jax.devices())} stages.")
+        f" but only {available} devices are available. Hint: use at"
+        f" most {available} stages.")
   return s
 
 

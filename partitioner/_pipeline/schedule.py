@@ -145,7 +145,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     stages = 1  # outside sharded_jit: the plain loop, for reference runs
   elif free:
     param_specs = checks.from_inputs(tracing, leaves)
-  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, r), m, r)
+  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, r,
+                                    tracing.num_devices if tracing is not None else None), m, r)
   s = schedule.stages
   checks.batch(x, m)
   checks.circular(r, m, s)
