@@ -554,7 +554,8 @@ def estimated_seconds(device, one, two, layers: int,
   link = at("collective_bytes") - at("network_bytes")
   compute = device.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
                                    at("transposed_bytes"), at("attention_flops"),
-                                   at("attention_kernel_flops"), one.attention_sequence)
+                                   at("attention_kernel_flops"), one.attention_sequence,
+                                   at("overlapped_bytes"))
   remote = at("network_collectives")  # (each at the network's latency)
   # (each over all k: a level more each time k doubles beyond the compiled 2)
   levels = remote * max(0.0, math.log2(slices) - 1)

@@ -113,6 +113,12 @@ class Cost:
       flops those are (:func:`partitioner._report.attention.sequence`),
       on which the kernel's rate depends
       (:attr:`DeviceModel.attention_length_factors`); 0 where there are none.
+    overlapped_bytes: of ``bytes_accessed``, those that matmul kernels
+      move while their flops run, under a GPU's model (which runs one
+      kernel after another, each as long as the larger of its flops' and
+      its bytes' times: :func:`partitioner._report.traffic.overlapped_bytes`);
+      0 under other models (a CPU's adds the two; a TPU's takes the larger
+      over the whole program).
   """
   flops: float
   bytes_accessed: float
@@ -132,6 +138,7 @@ class Cost:
   attention_kernel_flops: float = 0.0
   network_hidden_seconds: float = 0.0
   attention_sequence: int = 0
+  overlapped_bytes: float = 0.0
 
   def hidden_for(self, device: DeviceModel, link_seconds: float,
                  network_seconds: float) -> tuple[float, float]:
@@ -391,10 +398,31 @@ def _moved(hlo_text: str, values: _Values) -> Iterator[tuple[str | None, float, 
   matrices)`` per call (:func:`partitioner._report.traffic.kernels`: what
   it reads and writes, as often as it runs)."""
   for k in _traffic.kernels(hlo_text):
-    moved = {k.name: k.written, **k.reads}
-    scores = sum(min(size, values.scores[v] * size / values.size(v)) for v, size in moved.items()
-                 if values.scores.get(v) and values.size(v))
-    yield values.scope(k.name), k.runs * k.bytes, k.runs * scores
+    yield values.scope(k.name), k.runs * k.bytes, k.runs * _scores(k, values)
+
+
+def _scores(k: _traffic.Kernel, values: _Values) -> float:
+  """The bytes of a fused attention's score matrices among what one run of
+  the kernel ``k`` reads and writes."""
+  moved = {k.name: k.written, **k.reads}
+  return sum(min(size, values.scores[v] * size / values.size(v)) for v, size in moved.items()
+             if values.scores.get(v) and values.size(v))
+
+
+def overlapped_bytes(hlo_text: str, device: DeviceModel, fused_attention: bool = False) -> float:
+  """:attr:`Cost.overlapped_bytes` of a program under ``device``: what its
+  matmul kernels move while their flops run, under a GPU's model
+  (:func:`partitioner._report.traffic.overlapped_bytes`); with
+  ``fused_attention``, a kernel's bytes less the score matrices, which
+  the fused kernel keeps on chip."""
+  if device.platform != "gpu":
+    return 0.0
+  ratio = device.memory_bytes_per_s / device.flops_per_s
+  values = (_values(_hlo.computations(hlo_text), _NO_SCOPE, _attention.score_shapes(hlo_text))
+            if fused_attention else None)
+  return float(sum(k.runs * min(k.bytes - (_scores(k, values) if values else 0.0),
+                                k.matmul_flops * ratio)
+                   for k in _traffic.kernels(hlo_text) if k.matmul_flops))
 
 
 def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values) -> None:
@@ -549,7 +577,9 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
     attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
   sequence = _attention.sequence(hlo_text) if kernel else 0
-  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel, sequence)
+  overlapped = overlapped_bytes(hlo_text, device, fused_attention)
+  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel, sequence,
+                                   overlapped)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
@@ -560,4 +590,4 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels, attention, kernel, network_hidden, sequence)
+              hidden, remote, levels, attention, kernel, network_hidden, sequence, overlapped)

@@ -284,13 +284,18 @@ class DeviceModel:
   def compute_seconds(self, flops: float, bytes_accessed: float,
                       f32_matmul_flops: float = 0.0, transposed_bytes: float = 0.0,
                       attention_flops: float = 0.0, attention_kernel_flops: float = 0.0,
-                      attention_sequence: int = 0) -> float:
+                      attention_sequence: int = 0, overlapped_bytes: float = 0.0) -> float:
     """Seconds of ``flops`` (``f32_matmul_flops`` of them in float32
     matmuls, ``attention_flops`` of them jax attention's matmuls that a
     fused kernel runs as ``attention_kernel_flops``, at its rate for
     ``attention_sequence`` tokens) and ``bytes_accessed``
-    (``transposed_bytes`` of them the results of large transposes)."""
+    (``transposed_bytes`` of them the results of large transposes;
+    ``overlapped_bytes`` of them moved by matmul kernels while their flops
+    run, :attr:`Cost.overlapped_bytes`, which a model that adds the two
+    leaves out)."""
     flop_s, memory_s = flops / self.flops_per_s, bytes_accessed / self.memory_bytes_per_s
+    if not self.overlap:
+      memory_s -= min(overlapped_bytes, bytes_accessed) / self.memory_bytes_per_s
     if transposed_bytes and self.transpose_bytes_per_s:
       memory_s += transposed_bytes / self.transpose_bytes_per_s
     if f32_matmul_flops and self.f32_flops_per_s:

@@ -69,12 +69,14 @@ class Kernel:
   """One kernel of a program: the instruction that makes it (``name``, in
   ``computation``), how many times it runs per call, the bytes it writes
   and those it reads of each value (a fused elementwise input's under
-  that input's name)."""
+  that input's name), and its matmuls' flops (a dot, a cuBLAS gemm, a
+  convolution: its own, or those of the fusion it is)."""
   computation: str
   name: str
   runs: int
   written: float
   reads: dict[str, float]
+  matmul_flops: float = 0.0
 
   @property
   def bytes(self) -> float:
@@ -99,11 +101,36 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
     if name not in comps:
       continue
     c = _Computation(comps[name], comps)
+    matmuls = {line: f for line, f in _hlo.line_flops(comps[name], matmuls_only=True)}
     for value, d in c.defs.items():
       if c.is_kernel(value, d):
         written, reads = c.kernel(d)
-        found.append(Kernel(name, value, counts.get(name, 1), written, reads))
+        body = c.bodies.get(value)
+        flops = matmuls.get(d.string, 0.0) if body is None else _matmul_flops(body, comps)
+        found.append(Kernel(name, value, counts.get(name, 1), written, reads, flops))
   return tuple(found)
+
+
+def overlapped_bytes(hlo_text: str, bytes_per_flop: float) -> float:
+  """The bytes per call that matmul kernels move while their flops run:
+  each one's bytes, or as many as its flops' time lets move at
+  ``bytes_per_flop`` (a device's memory rate over its matmul rate), if
+  fewer. A device that runs one kernel after another, each as long as
+  the larger of its flops' and its bytes' times (a GPU), spends on a
+  program its flops' time and its bytes' time less these."""
+  return float(sum(k.runs * min(k.bytes, k.matmul_flops * bytes_per_flop)
+                   for k in kernels(hlo_text) if k.matmul_flops))
+
+
+def _matmul_flops(body: list[str], comps: dict[str, list[str]], depth: int = 0) -> float:
+  """The matmul flops of a fusion's computation (and of the fusions
+  nested in it)."""
+  flops = sum(f for _, f in _hlo.line_flops(body, matmuls_only=True))
+  if depth < 4:
+    for line in body:
+      for inner in _FUSION_CALLS.findall(line) if " fusion(" in line else ():
+        flops += _matmul_flops(comps.get(inner, []), comps, depth + 1)
+  return flops
 
 
 @functools.lru_cache(maxsize=4)

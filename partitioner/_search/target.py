@@ -247,16 +247,18 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   those across hosts; and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
   Its float32 matmuls and a fused attention's keep their share of the
-  matmuls, its large transposes theirs of the bytes accessed, its hidden
+  matmuls, its large transposes and its matmuls' overlapped bytes theirs
+  of the bytes accessed, its hidden
   communication its share of the communication time (within hosts and
   across them, each of its own)."""
   share = matmul_flops / got.matmul_flops if got.matmul_flops else 0.0
   f32 = got.f32_matmul_flops * share
   attention, kernel = got.attention_flops * share, got.attention_kernel_flops * share
-  transposed = (got.transposed_bytes * (accessed / got.bytes_accessed)
-                if got.bytes_accessed else 0.0)
+  share_accessed = accessed / got.bytes_accessed if got.bytes_accessed else 0.0
+  transposed = got.transposed_bytes * share_accessed
+  overlapped = got.overlapped_bytes * share_accessed
   compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel,
-                                   got.attention_sequence)
+                                   got.attention_sequence, overlapped)
   count, remote = counts[0], min(counts[1], counts[0])
   # (the collectives across hosts keep their mix of group sizes)
   levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
@@ -271,7 +273,8 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
                              network_bytes=network, seconds=compute + comm - hidden,
                              xla_seconds=None, f32_matmul_flops=f32,
                              attention_flops=attention, attention_kernel_flops=kernel,
-                             transposed_bytes=transposed, hidden_seconds=hidden,
+                             transposed_bytes=transposed, overlapped_bytes=overlapped,
+                             hidden_seconds=hidden,
                              network_hidden_seconds=network_hidden, **more)
 
 
