@@ -4,7 +4,7 @@ Everything runs in one run, on simulated CPU devices, and is reported as
 ratios ours/jax. Simulated devices share the machine's cores: the numbers
 show our overhead, not scaling.
 
-  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|published|published_v6e|calibrate]
+  scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|scan_loop|published|published_v6e|calibrate]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
@@ -67,6 +67,12 @@ Sections (one module each):
             time, the winner's peak per device against the budget and
             against docs/search.md's first-principles account; with --full,
             Llama 3 70B's for 8 hosts x 8 H100s (``... 70b``).
+  scan_loop  the same MLP stack (width 2048, hidden 8192, bfloat16, FSDP
+            8) as a lax.scan over stacked weights and as a Python loop,
+            at 4, 16 and 32 layers, with and without remat, compiled (not
+            run) by XLA:CPU, and by XLA:TPU and XLA:GPU where libtpu and
+            jax's CUDA plugin are installed: the scan's estimated step over
+            the loop's (``partitioner.cost``).
 
   published  the named device models' estimates against published
             TFLOP/s per chip: by default the GPU tables, compiled for

@@ -24,6 +24,7 @@ from benchmarks import (
   published,
   report,
   scaling,
+  scan_loop,
   search,
   search_models,
   startup,
@@ -36,7 +37,8 @@ SECTIONS = {"dispatch": dispatch.run, "scaling": scaling.run, "layout": layout.r
             "pipeline": pipeline.run, "pipeline_data": pipeline_data.run,
             "plan_real": plan_real.run, "startup": startup.run,
             "multiprocess": multiprocess.run, "checkpoint": checkpoint.run,
-            "tpu_models": tpu_models.run, "published": published.run,
+            "tpu_models": tpu_models.run, "scan_loop": scan_loop.run,
+            "published": published.run,
             "published_v6e": published.run_v6e, "calibrate": calibrate.run}
 
 

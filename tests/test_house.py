@@ -209,3 +209,14 @@ def test_no_text_refers_to_numbered_sessions_or_issues():
         if pattern.search(line):
           found.append(f"{name}:{k}: {line.strip()[:80]}")
   assert found == []
+
+
+def test_the_scripts_a_reader_runs_keep_their_run_bit():
+  # The README's commands call scripts/... directly: without the bit, a
+  # fresh clone answers "Permission denied" (_env.sh is sourced, not run).
+  import subprocess
+  listed = subprocess.run(["git", "ls-files", "-s", "scripts"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+  modes = {line.split()[-1]: line.split()[0] for line in listed}
+  assert modes and {name: mode for name, mode in modes.items()
+                    if not name.endswith("_env.sh") and mode != "100755"} == {}

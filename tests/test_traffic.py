@@ -6,14 +6,11 @@ body's for every iteration, so that the same layers written as a
 import importlib.util
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import partitioner
-from partitioner import sharded_jit
+from benchmarks import scan_loop
 from partitioner._report import traffic
-from sharding import PartitionSpec as P
-from sharding import fsdp_specs
 
 KIB = 1024
 
@@ -139,39 +136,9 @@ def test_a_gpus_matmul_kernels_overlap_their_bytes_with_their_flops():
 
 # ---- the same layers as a scan and as a Python loop ----
 
-D, F, TOKENS = 1024, 4096, 4096
-
-
-def _layer(remat: bool):
-  def layer(h, w):
-    return jax.nn.gelu(h @ w[0]) @ w[1]
-  return jax.checkpoint(layer) if remat else layer
-
-
-def _step(layers: int, scan: bool, remat: bool):
-  layer = _layer(remat)
-
-  def loss(ws, x):
-    if scan:
-      x = jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
-    else:
-      for i in range(layers):
-        x = layer(x, (ws[0][i], ws[1][i]))
-    return jnp.mean(x.astype(jnp.float32) ** 2)
-
-  def step(ws, x):
-    return jax.tree.map(lambda w, g: w - 0.01 * g, ws, jax.grad(loss)(ws, x))
-  return step
-
-
 def _cost(layers: int, scan: bool, remat: bool, devices=None, model: str = "a100"):
-  ws = (jax.ShapeDtypeStruct((layers, D, F), jnp.bfloat16),
-        jax.ShapeDtypeStruct((layers, F, D), jnp.bfloat16))
-  x = jax.ShapeDtypeStruct((TOKENS, D), jnp.bfloat16)
-  specs = fsdp_specs(ws, 8)
-  f = sharded_jit(_step(layers, scan, remat), in_parts=(specs, P(8, 1)), out_parts=specs,
-                  **({} if devices is None else {"devices": devices}))
-  return partitioner.cost(f.lower(ws, x).compile(), model)
+  """The scan vs loop section's MLP stack (benchmarks/scan_loop.py), smaller."""
+  return scan_loop.cost(jax, layers, scan, remat, devices, model, (1024, 4096, 4096))
 
 
 @pytest.mark.eight_devices
