@@ -552,7 +552,8 @@ def estimated_seconds(device, one, two, layers: int,
   at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
   network = at("network_bytes") * (2 * (slices - 1) / slices)
   link = at("collective_bytes") - at("network_bytes")
-  compute = device.compute_seconds(at("flops"), at("bytes_accessed"), at("f32_matmul_flops"),
+  compute = device.compute_seconds(at("flops") + at("narrow_flops"), at("bytes_accessed"),
+                                   at("f32_matmul_flops"),
                                    at("transposed_bytes"), at("attention_flops"),
                                    at("attention_kernel_flops"), one.attention_sequence,
                                    at("overlapped_bytes"))

@@ -298,3 +298,39 @@ def test_where_cudnn_s_attention_does_not_run_the_calibration_says_so_and_goes_o
                           attention={2048: 4e14, 8192: 5e14})
   found.save(tmp_path / "c.json")
   assert cal.load(tmp_path / "c.json").attention == {2048: 4e14, 8192: 5e14}
+
+
+@pytest.mark.eight_devices
+def test_it_measures_narrow_gemms_and_the_model_charges_them(measured):
+  """GEMMs of one narrow dimension, the widest last: the model holds each
+  one's rate over the widest's, and the file keeps them."""
+  found, path, lines = measured
+  assert sorted(found.narrow) == [32, 128, 512]
+  assert all(r > 0 for r in found.narrow.values())
+  factors = dict(found.model.matmul_dim_factors)
+  assert factors[512] == 1.0 and set(factors) == {32, 128, 512}
+  assert any(line.startswith("matmul float32 512 x 512 x 32") for line in lines)
+  assert cal.load(path).narrow == found.narrow
+  assert load_model(path).matmul_dim_factors == found.model.matmul_dim_factors
+
+
+def test_a_narrow_shards_matmul_costs_its_rate():
+  """Under a model whose narrow GEMMs run at a fraction of its rate, a
+  matmul whose smallest dimension is narrow costs its flops at that
+  fraction (``Cost.narrow_flops``), a wide one its flops."""
+  from partitioner._report.device_models import DeviceModel
+  base = partitioner.DEVICE_MODELS["h100"]
+  slow = dataclasses.replace(base, matmul_dim_factors=((64, 0.05), (4096, 1.0)))
+  assert slow.matmul_factor(512) == pytest.approx(0.525)  # (halfway in the logarithm)
+  narrow = jax.jit(lambda a, b: a @ b).lower(jnp.ones((512, 4096)), jnp.ones((4096, 4096)))
+  wide = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4096, 4096)), jnp.ones((4096, 4096)))
+  a, b = (partitioner.cost(p.compile(), slow) for p in (narrow, wide))
+  assert a.narrow_flops == pytest.approx(a.matmul_flops * (1 / 0.525 - 1))
+  assert b.narrow_flops == 0.0
+  plain = partitioner.cost(narrow.compile(), base)
+  assert plain.narrow_flops == 0.0
+  # (bound by its flops at the narrow rate, by its bytes at the full one)
+  assert a.seconds == pytest.approx(a.matmul_flops / (0.525 * base.flops_per_s), rel=0.05)
+  assert a.seconds > 1.5 * plain.seconds
+  with pytest.raises(ValueError, match=r"matmul_dim_factors=.*not positive"):
+    DeviceModel("x", 1.0, 1.0, 1.0, 1.0, 0.0, matmul_dim_factors=((0, 1.0),))

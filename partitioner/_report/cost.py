@@ -119,6 +119,12 @@ class Cost:
       its bytes' times: :func:`partitioner._report.traffic.overlapped_bytes`);
       0 under other models (a CPU's adds the two; a TPU's takes the larger
       over the whole program).
+    narrow_flops: what the matmuls cost more, in flops at the full rate,
+      for running below it at their shapes (each one at
+      :meth:`DeviceModel.matmul_factor` of its smallest dimension: a
+      narrow shard's GEMM); 0 under a model without
+      :attr:`DeviceModel.matmul_dim_factors`. Part of the time, not of
+      ``flops``.
   """
   flops: float
   bytes_accessed: float
@@ -139,6 +145,7 @@ class Cost:
   network_hidden_seconds: float = 0.0
   attention_sequence: int = 0
   overlapped_bytes: float = 0.0
+  narrow_flops: float = 0.0
 
   def hidden_for(self, device: DeviceModel, link_seconds: float,
                  network_seconds: float) -> tuple[float, float]:
@@ -421,8 +428,8 @@ def overlapped_bytes(hlo_text: str, device: DeviceModel, fused_attention: bool =
   values = (_values(_hlo.computations(hlo_text), _NO_SCOPE, _attention.score_shapes(hlo_text))
             if fused_attention else None)
   return float(sum(k.runs * min(k.bytes - (_scores(k, values) if values else 0.0),
-                                k.matmul_flops * ratio)
-                   for k in _traffic.kernels(hlo_text) if k.matmul_flops))
+                                sum(f / device.matmul_factor(d) for f, d in k.matmuls) * ratio)
+                   for k in _traffic.kernels(hlo_text) if k.matmuls))
 
 
 def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values) -> None:
@@ -578,8 +585,10 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
     attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
   sequence = _attention.sequence(hlo_text) if kernel else 0
   overlapped = overlapped_bytes(hlo_text, device, fused_attention)
-  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel, sequence,
-                                   overlapped)
+  narrow = (_traffic.narrow_flops(hlo_text, device.matmul_factor)
+            if device.matmul_dim_factors else 0.0)
+  compute = device.compute_seconds(flops + narrow, accessed, f32, transposed, attention, kernel,
+                                   sequence, overlapped)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
@@ -590,4 +599,5 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   own = cost.get("optimal_seconds")
   return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
               sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels, attention, kernel, network_hidden, sequence, overlapped)
+              hidden, remote, levels, attention, kernel, network_hidden, sequence, overlapped,
+              narrow)

@@ -232,6 +232,14 @@ class DeviceModel:
       the sequence (cuDNN's on an H200: 382 TFLOP/s at 2048 tokens, 521
       at 8192: factors 0.73 and 1). Empty: ``attention_flops_per_s`` at
       every length.
+    matmul_dim_factors: the matmul rate by the matmul's smallest dimension
+      on one device (of its rows, columns and contraction; a narrow
+      shard's GEMM runs below the rate of a wide one), as ``((dimension,
+      factor), ...)`` in increasing dimension, each factor a fraction of
+      ``flops_per_s``, interpolated as ``attention_length_factors`` are
+      (:meth:`matmul_factor`). Measured by :func:`partitioner.calibrate`
+      (GEMMs of one narrow dimension against the widest); empty: every
+      matmul at ``flops_per_s``.
   """
   name: str
   flops_per_s: float
@@ -250,31 +258,36 @@ class DeviceModel:
   network_level_latency_s: float = 0.0
   attention_flops_per_s: float | None = None
   attention_length_factors: tuple[tuple[int, float], ...] = ()
+  matmul_dim_factors: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     # (from a calibration file: lists; kept as tuples, the model hashable)
-    factors = tuple(sorted((int(n), float(f)) for n, f in self.attention_length_factors))
-    if any(n <= 0 or f <= 0 for n, f in factors):
-      raise ValueError(f"DeviceModel {self.name!r}: attention_length_factors="
-                       f"{self.attention_length_factors!r} holds a length or a factor that"
-                       " is not positive. Hint: give ((sequence length, fraction of"
-                       " attention_flops_per_s), ...).")
-    object.__setattr__(self, "attention_length_factors", factors)
+    for field, what in (("attention_length_factors", "sequence length, fraction of"
+                         " attention_flops_per_s"),
+                        ("matmul_dim_factors", "smallest dimension, fraction of flops_per_s")):
+      given = getattr(self, field)
+      factors = tuple(sorted((int(n), float(f)) for n, f in given))
+      if any(n <= 0 or f <= 0 for n, f in factors):
+        raise ValueError(f"DeviceModel {self.name!r}: {field}={given!r} holds a length or a"
+                         f" factor that is not positive. Hint: give (({what}), ...).")
+      object.__setattr__(self, field, factors)
 
   def attention_rate(self, sequence: int = 0) -> float | None:
     """The fused attention kernel's rate at ``sequence`` tokens (0: not
     known): :attr:`attention_flops_per_s` times its factor for that
     length (:attr:`attention_length_factors`, where the model holds
     some); None where the model has no such rate."""
-    rate, factors = self.attention_flops_per_s, self.attention_length_factors
-    if not rate or not factors or sequence <= 0:
+    rate = self.attention_flops_per_s
+    if not rate or sequence <= 0:
       return rate
-    if sequence <= factors[0][0]:
-      return rate * factors[0][1]
-    for (n0, f0), (n1, f1) in zip(factors, factors[1:]):
-      if sequence <= n1:
-        return rate * (f0 + math.log(sequence / n0) / math.log(n1 / n0) * (f1 - f0))
-    return rate * factors[-1][1]
+    return rate * _interpolated(self.attention_length_factors, sequence)
+
+  def matmul_factor(self, smallest: int) -> float:
+    """The fraction of :attr:`flops_per_s` a matmul runs at whose smallest
+    dimension (of its rows, columns and contraction on one device, its
+    batch aside) is ``smallest``: from :attr:`matmul_dim_factors` where
+    the model holds some, else 1."""
+    return _interpolated(self.matmul_dim_factors, smallest) if smallest > 0 else 1.0
 
   def usable_memory(self) -> float | None:
     """The bytes per device a program may use (the search's default
@@ -324,6 +337,20 @@ class DeviceModel:
     their ``network_levels`` at the latency of a level)."""
     return self.comm_seconds(0.0, network_collectives, network_bytes, network_collectives,
                              network_levels)
+
+
+def _interpolated(factors: tuple[tuple[int, float], ...], n: int) -> float:
+  """The factor for ``n`` from ``((n, factor), ...)`` in increasing ``n``:
+  interpolated in ``n``'s logarithm between two, the first's below them,
+  the last's above; 1 without any."""
+  if not factors:
+    return 1.0
+  if n <= factors[0][0]:
+    return factors[0][1]
+  for (n0, f0), (n1, f1) in zip(factors, factors[1:]):
+    if n <= n1:
+      return f0 + math.log(n / n0) / math.log(n1 / n0) * (f1 - f0)
+  return factors[-1][1]
 
 
 _JAX_GPU = 0.75  # jax preallocates 75% of a GPU's memory by default

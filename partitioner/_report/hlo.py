@@ -565,6 +565,45 @@ def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | Non
   return 2.0 * _elements(out.group(1)) * k
 
 
+_DOT_DIMS = {side: re.compile(side + r"_(batch|contracting)_dims=\{([\d,]*)\}")
+             for side in ("lhs", "rhs")}
+_GEMM_DIMS = {side: re.compile(side + r'_(batch|contracting)_dimensions\\?"?:\[([^\]]*)\]')
+              for side in ("lhs", "rhs")}
+
+
+def matmul_smallest(lines: list[str]) -> dict[str, int]:
+  """Each matmul line of one computation (a dot, a cuBLAS gemm): the
+  smallest of its rows, columns and contraction (its batch aside), for
+  the rate of a GEMM of that shape; lines whose shapes are unknown, and
+  convolutions, are left out."""
+  found = {}
+  for line, m, shapes in _defined(lines):
+    kind = m.group("kind")
+    if kind == "dot":
+      pattern = _DOT_DIMS
+    elif kind == "custom-call" and _GEMM.search(line):
+      pattern = _GEMM_DIMS
+    else:
+      continue
+    operands = _OPERAND_NAME.findall(m.group("args"))
+    sizes = []
+    for side, name in zip(("lhs", "rhs"), operands[:2]):
+      dims = _DIMS.search(shapes.get(name, ""))
+      if dims is None:
+        break
+      extent = [int(d) for d in dims.group(1).split(",") if d]
+      roles = {kind: [int(i) for i in re.findall(r"\d+", found_dims)]
+               for kind, found_dims in pattern[side].findall(line)}
+      taken = set(roles.get("batch", [])) | set(roles.get("contracting", []))
+      sizes.append(math.prod(e for i, e in enumerate(extent) if i not in taken))
+      if side == "lhs":
+        sizes.append(math.prod(extent[i] for i in roles.get("contracting", [])
+                               if i < len(extent)))
+    if len(sizes) == 3:
+      found[line] = min(sizes)
+  return found
+
+
 def _convolution_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
   """A convolution's flops: 2 x the output's batch and features x the
   kernel's input features x, per spatial dimension, the (output, window)

@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 
 from partitioner._report import hlo as _hlo
 
@@ -69,14 +70,21 @@ class Kernel:
   """One kernel of a program: the instruction that makes it (``name``, in
   ``computation``), how many times it runs per call, the bytes it writes
   and those it reads of each value (a fused elementwise input's under
-  that input's name), and its matmuls' flops (a dot, a cuBLAS gemm, a
-  convolution: its own, or those of the fusion it is)."""
+  that input's name), and its matmuls (a dot, a cuBLAS gemm, a
+  convolution: its own, or those of the fusion it is) as ``(flops, the
+  smallest of its rows, columns and contraction)`` pairs (0: not known,
+  a convolution's)."""
   computation: str
   name: str
   runs: int
   written: float
   reads: dict[str, float]
-  matmul_flops: float = 0.0
+  matmuls: tuple[tuple[float, int], ...] = ()
+
+  @property
+  def matmul_flops(self) -> float:
+    """The flops of one run's matmuls."""
+    return sum(f for f, _ in self.matmuls)
 
   @property
   def bytes(self) -> float:
@@ -101,36 +109,51 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
     if name not in comps:
       continue
     c = _Computation(comps[name], comps)
-    matmuls = {line: f for line, f in _hlo.line_flops(comps[name], matmuls_only=True)}
+    own = dict(_matmuls(comps[name], comps, nested=False))
     for value, d in c.defs.items():
       if c.is_kernel(value, d):
         written, reads = c.kernel(d)
         body = c.bodies.get(value)
-        flops = matmuls.get(d.string, 0.0) if body is None else _matmul_flops(body, comps)
-        found.append(Kernel(name, value, counts.get(name, 1), written, reads, flops))
+        found.append(Kernel(name, value, counts.get(name, 1), written, reads,
+                            ((own[d.string],) if d.string in own else
+                             tuple(m for _, m in _matmuls(body, comps)) if body else ())))
   return tuple(found)
 
 
-def overlapped_bytes(hlo_text: str, bytes_per_flop: float) -> float:
+def overlapped_bytes(hlo_text: str, bytes_per_flop: float,
+                     factor: Callable[[int], float] = lambda _: 1.0) -> float:
   """The bytes per call that matmul kernels move while their flops run:
   each one's bytes, or as many as its flops' time lets move at
-  ``bytes_per_flop`` (a device's memory rate over its matmul rate), if
-  fewer. A device that runs one kernel after another, each as long as
-  the larger of its flops' and its bytes' times (a GPU), spends on a
-  program its flops' time and its bytes' time less these."""
-  return float(sum(k.runs * min(k.bytes, k.matmul_flops * bytes_per_flop)
-                   for k in kernels(hlo_text) if k.matmul_flops))
+  ``bytes_per_flop`` (a device's memory rate over its matmul rate; each
+  matmul at ``factor(its smallest dimension)`` of that rate), if fewer. A
+  device that runs one kernel after another, each as long as the larger
+  of its flops' and its bytes' times (a GPU), spends on a program its
+  flops' time and its bytes' time less these."""
+  return float(sum(k.runs * min(k.bytes, sum(f / factor(d) for f, d in k.matmuls)
+                                * bytes_per_flop)
+                   for k in kernels(hlo_text) if k.matmuls))
 
 
-def _matmul_flops(body: list[str], comps: dict[str, list[str]], depth: int = 0) -> float:
-  """The matmul flops of a fusion's computation (and of the fusions
-  nested in it)."""
-  flops = sum(f for _, f in _hlo.line_flops(body, matmuls_only=True))
-  if depth < 4:
-    for line in body:
+def narrow_flops(hlo_text: str, factor: Callable[[int], float]) -> float:
+  """What the program's matmuls cost more, in flops at the full rate, for
+  running at ``factor(their smallest dimension)`` of it: each one's
+  flops times ``1 / factor - 1``, as often as it runs."""
+  return float(sum(k.runs * f * (1 / factor(d) - 1)
+                   for k in kernels(hlo_text) for f, d in k.matmuls if d))
+
+
+def _matmuls(lines: list[str], comps: dict[str, list[str]], nested: bool = True,
+             depth: int = 0) -> list[tuple[str, tuple[float, int]]]:
+  """Each matmul line of a computation (and, ``nested``, of the fusions in
+  it): ``(line, (flops, smallest dimension))``."""
+  smallest = _hlo.matmul_smallest(lines)
+  found = [(line, (f, smallest.get(line, 0)))
+           for line, f in _hlo.line_flops(lines, matmuls_only=True)]
+  if nested and depth < 4:
+    for line in lines:
       for inner in _FUSION_CALLS.findall(line) if " fusion(" in line else ():
-        flops += _matmul_flops(comps.get(inner, []), comps, depth + 1)
-  return flops
+        found += _matmuls(comps.get(inner, []), comps, True, depth + 1)
+  return found
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,7 +7,9 @@ the dispatch and the loop's entry cancel out. Each is the median of a few
 such pairs.
 
 - compute: chained square matmuls ``c = a @ c`` at a few sizes, in
-  bfloat16 and float32 (float32 only on a CPU);
+  bfloat16 and float32 (float32 only on a CPU), and GEMMs of one narrow
+  dimension (``a`` wide x wide, ``c`` wide x d, d from a quarter of the
+  width or less up to it: a narrow shard's GEMM runs slower);
 - on a GPU, a fused attention: ``jax.nn.dot_product_attention`` as cuDNN
   runs it (causal, bfloat16, heads of 128), its forward and backward
   pass, at three sequence lengths, on the kernel's own count of flops
@@ -23,7 +25,8 @@ such pairs.
 The model takes the largest matmul's rate in the accelerator's dtype
 (bfloat16; float32 on a CPU), the attention's rate at each sequence
 length (the longest's as ``attention_flops_per_s``, the others' as
-``attention_length_factors``), the
+``attention_length_factors``), the narrow GEMMs' rates over the widest's
+(``matmul_dim_factors``), the
 memory rate, and the line
 ``seconds = latency + weighted bytes / bandwidth`` fitted to every
 collective by least squares on the relative error.
@@ -76,6 +79,10 @@ class Calibration:
     attention: on a GPU, ``{sequence length: flop/s}`` of the fused
       attention kernel (:func:`measure_attention`); else empty, or where
       the kernel does not run there (the progress line says why).
+    narrow: ``{d: flop/s}`` of GEMMs of one narrow dimension ``d`` (a
+      ``wide x wide`` matrix times a ``wide x d`` one: :func:`measure_narrow`),
+      the widest last: the model's ``matmul_dim_factors`` are their rates
+      over the widest's.
   """
   model: DeviceModel
   matmul: dict[str, dict[int, float]]
@@ -86,6 +93,7 @@ class Calibration:
   steps: tuple[StepTime, ...] = ()
   across: dict[str, list[tuple[int, int, float]]] = dataclasses.field(default_factory=dict)
   attention: dict[int, float] = dataclasses.field(default_factory=dict)
+  narrow: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict[str, Any]:
     return {"model": dataclasses.asdict(self.model), "devices": self.devices,
@@ -95,7 +103,8 @@ class Calibration:
             "collectives": {k: [list(row) for row in rows] for k, rows in self.collectives.items()},
             "steps": [dataclasses.asdict(row) for row in self.steps],
             "across": {k: [list(row) for row in rows] for k, rows in self.across.items()},
-            "attention": {str(n): r for n, r in self.attention.items()}}
+            "attention": {str(n): r for n, r in self.attention.items()},
+            "narrow": {str(n): r for n, r in self.narrow.items()}}
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -139,7 +148,8 @@ def load(path: str | os.PathLike) -> Calibration:
                    for k, rows in data.get("collectives", {}).items()},
       steps=tuple(StepTime(**row) for row in data.get("steps", ())),
       across={k: [tuple(row) for row in rows] for k, rows in data.get("across", {}).items()},
-      attention={int(n): r for n, r in data.get("attention", {}).items()})
+      attention={int(n): r for n, r in data.get("attention", {}).items()},
+      narrow={int(n): r for n, r in data.get("narrow", {}).items()})
 
 
 def _per_iteration(build: Callable[[int], Callable], args: Sequence[Any], k: int,
@@ -214,6 +224,18 @@ def measure_matmul(devices: Sequence[Any], n: int, dtype: Any, target: float,
   c = rng.standard_normal((n, n)).astype(jnp.dtype(dtype))
   build, args = _on_all(devices, lambda fixed, c: fixed[0] @ c, a, c)
   return 2 * n ** 3 / _timed(build, args, target, repeats)
+
+
+def measure_narrow(devices: Sequence[Any], d: int, wide: int, dtype: Any, target: float,
+                   repeats: int) -> float:
+  """flop/s per device of ``c = a @ c`` for ``a`` wide x wide and ``c``
+  wide x d (a GEMM whose smallest dimension is ``d``), every device at
+  once."""
+  rng = np.random.default_rng(0)
+  a = (rng.standard_normal((wide, wide)) / np.sqrt(wide)).astype(jnp.dtype(dtype))
+  c = rng.standard_normal((wide, d)).astype(jnp.dtype(dtype))
+  build, args = _on_all(devices, lambda fixed, c: fixed[0] @ c, a, c)
+  return 2 * wide * wide * d / _timed(build, args, target, repeats)
 
 
 def measure_memory(devices: Sequence[Any], nbytes: int, target: float, repeats: int) -> float:
@@ -350,15 +372,16 @@ class _Plan:
   block_bytes: tuple[int, ...]
   target: float  # seconds per timed program
   attention: tuple[int, ...] = ()  # sequence lengths of the fused attention timed
+  narrow: tuple[int, ...] = ()  # the narrow dimensions of the GEMMs timed, the widest last
 
 
 def _plan(platform: str) -> _Plan:
   if platform == "cpu":
     return _Plan({"float32": (256, 512, 1024)}, 64 << 20,
-                 tuple(4 << (2 * i) for i in range(5, 10)), 0.02)
+                 tuple(4 << (2 * i) for i in range(5, 10)), 0.02, (), (32, 128, 512))
   return _Plan({"bfloat16": (1024, 4096, 8192), "float32": (1024, 4096, 8192)},
                1 << 30, tuple(4 << (2 * i) for i in range(5, 13)), 0.02,
-               ATTENTION_SEQUENCES if platform == "gpu" else ())
+               ATTENTION_SEQUENCES if platform == "gpu" else (), (256, 1024, 4096, 8192))
 
 
 def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike | None = None,
@@ -417,6 +440,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
     for n in sizes:
       matmul.setdefault(dtype, {})[n] = measure_matmul(devices, n, dtype, plan.target, repeats)
       say(f"matmul {dtype} {n}: {matmul[dtype][n] / 1e12:.3g} TFLOP/s")
+  narrow = _narrow_rows(devices, plan, repeats, say)
   memory = {plan.memory_bytes: measure_memory(devices, plan.memory_bytes, plan.target, repeats)}
   say(f"memory: {memory[plan.memory_bytes] / 1e9:.4g} GB/s")
   attention = _attention_rows(devices, plan, repeats, say)
@@ -427,6 +451,9 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
                              across=True)
             if everywhere else {})
   model = _fit(devices, matmul, memory, collectives, attention)
+  if len(narrow) > 1:  # (each GEMM's rate over the widest's)
+    model = dataclasses.replace(model, matmul_dim_factors=tuple(
+        (d, r / narrow[max(narrow)]) for d, r in sorted(narrow.items())))
   timed: tuple[StepTime, ...] = ()
   if steps or (steps is None and first.platform == "cpu"):
     model, timed = _fitted_to_steps(devices, model, say)
@@ -435,8 +462,21 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
                                 **_network(across))
   found = Calibration(model, matmul, memory, collectives,
                       f"{len(devices)} x {first.device_kind} ({first.platform})",
-                      _named(first), timed, across, attention)
+                      _named(first), timed, across, attention, narrow)
   return _shared(found, path, everywhere)
+
+
+def _narrow_rows(devices: Sequence[Any], plan: _Plan, repeats: int,
+                 say: Callable[[str], None]) -> dict[int, float]:
+  """The plan's GEMMs of one narrow dimension (in the accelerator's dtype),
+  each against the widest: ``{d: flop/s}``."""
+  dtype, wide = ("float32" if devices[0].platform == "cpu" else "bfloat16"), max(plan.narrow,
+                                                                                   default=0)
+  found = {}
+  for d in plan.narrow:
+    found[d] = measure_narrow(devices, d, wide, dtype, plan.target, repeats)
+    say(f"matmul {dtype} {wide} x {wide} x {d}: {found[d] / 1e12:.3g} TFLOP/s")
+  return found
 
 
 def _collective_rows(devices: Sequence[Any], kinds: Sequence[str], plan: _Plan, repeats: int,

@@ -246,8 +246,8 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   """``got`` with these totals (``counts``: the collectives, and of them
   those across hosts; and ``more`` fields), its time recomputed
   under ``device``; no XLA estimate (that was of the compiled program).
-  Its float32 matmuls and a fused attention's keep their share of the
-  matmuls, its large transposes and its matmuls' overlapped bytes theirs
+  Its float32 matmuls, a fused attention's and its narrow matmuls' extra
+  keep their share of the matmuls, its large transposes and its matmuls' overlapped bytes theirs
   of the bytes accessed, its hidden
   communication its share of the communication time (within hosts and
   across them, each of its own)."""
@@ -257,7 +257,8 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
   share_accessed = accessed / got.bytes_accessed if got.bytes_accessed else 0.0
   transposed = got.transposed_bytes * share_accessed
   overlapped = got.overlapped_bytes * share_accessed
-  compute = device.compute_seconds(flops, accessed, f32, transposed, attention, kernel,
+  narrow = got.narrow_flops * share
+  compute = device.compute_seconds(flops + narrow, accessed, f32, transposed, attention, kernel,
                                    got.attention_sequence, overlapped)
   count, remote = counts[0], min(counts[1], counts[0])
   # (the collectives across hosts keep their mix of group sizes)
@@ -274,6 +275,7 @@ def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, move
                              xla_seconds=None, f32_matmul_flops=f32,
                              attention_flops=attention, attention_kernel_flops=kernel,
                              transposed_bytes=transposed, overlapped_bytes=overlapped,
+                             narrow_flops=narrow,
                              hidden_seconds=hidden,
                              network_hidden_seconds=network_hidden, **more)
 
