@@ -10,6 +10,7 @@ import pytest
 
 import partitioner
 from benchmarks import scan_loop
+from partitioner import _compat
 from partitioner._report import traffic
 
 KIB = 1024
@@ -173,4 +174,13 @@ def test_scanned_layers_cost_what_the_unrolled_ones_do_through_xla_tpu():
   for layers in (4, 8):
     scan = _cost(layers, True, True, devices, "tpu-v5p")
     loop = _cost(layers, False, True, devices, "tpu-v5p")
+    assert scan.seconds == pytest.approx(loop.seconds, rel=0.1), layers
+
+
+@pytest.mark.skipif(not _compat.cuda_plugin_installed(),
+                    reason="jax's CUDA plugin not installed: pip install 'sharded-jit[cuda]'")
+def test_scanned_layers_cost_what_the_unrolled_ones_do_through_xla_gpu():
+  devices = partitioner.gpu_devices("a100:8")
+  for layers in (4, 8):
+    scan, loop = _cost(layers, True, True, devices), _cost(layers, False, True, devices)
     assert scan.seconds == pytest.approx(loop.seconds, rel=0.1), layers
