@@ -51,9 +51,11 @@ class Cost:
   Attributes:
     flops: per-device flops (XLA's cost analysis, a loop body's matmuls
       counted for every iteration).
-    bytes_accessed: per-device memory traffic (XLA's cost analysis; with
+    bytes_accessed: per-device memory traffic: what each kernel reads
+      and writes as an accelerator moves it, each loop body for every
+      iteration (:mod:`partitioner._report.traffic`); with
       ``attention="fused"``, less what jax attention's score matrices
-      move, which a fused kernel keeps on chip).
+      move, which a fused kernel keeps on chip.
     collectives: the number of collectives one call runs (an op inside a
       loop body once per iteration).
     collective_bytes: their bytes per device, weighted by algorithm and
