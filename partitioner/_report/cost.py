@@ -418,20 +418,17 @@ def _scores(k: _traffic.Kernel, values: _Values) -> float:
              if values.scores.get(v) and values.size(v))
 
 
-def overlapped_bytes(hlo_text: str, device: DeviceModel, fused_attention: bool = False) -> float:
+def overlapped_bytes(hlo_text: str, device: DeviceModel, scores: _Values | None = None) -> float:
   """:attr:`Cost.overlapped_bytes` of a program under ``device``: what its
   matmul kernels move while their flops run, under a GPU's model
-  (:func:`partitioner._report.traffic.overlapped_bytes`); with
-  ``fused_attention``, a kernel's bytes less the score matrices, which
-  the fused kernel keeps on chip."""
+  (:func:`partitioner._report.traffic.overlapped_bytes`); with ``scores``
+  (a fused attention's score matrices, :func:`_score_values`), a kernel's
+  bytes less those, which the fused kernel keeps on chip."""
   if device.platform != "gpu":
     return 0.0
-  ratio = device.memory_bytes_per_s / device.flops_per_s
-  values = (_values(_hlo.computations(hlo_text), _NO_SCOPE, _attention.score_shapes(hlo_text))
-            if fused_attention else None)
-  return float(sum(k.runs * min(k.bytes - (_scores(k, values) if values else 0.0),
-                                sum(f / device.matmul_factor(d) for f, d in k.matmuls) * ratio)
-                   for k in _traffic.kernels(hlo_text) if k.matmuls))
+  return _traffic.overlapped_bytes(
+      hlo_text, device.memory_bytes_per_s / device.flops_per_s, device.matmul_factor,
+      (lambda k: _scores(k, scores)) if scores is not None else (lambda _: 0.0))
 
 
 def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values) -> None:
@@ -442,17 +439,24 @@ def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values)
       parts.setdefault(p, Part()).accessed += size - scores
 
 
-def score_traffic(hlo_text: str) -> tuple[float, float]:
+def _score_values(hlo_text: str) -> _Values | None:
+  """The program's values with the bytes of jax attention's score matrices
+  among them, or None where it calls no jax attention."""
+  score = _attention.score_shapes(hlo_text)
+  return _values(_hlo.computations(hlo_text), _NO_SCOPE, score) if score else None
+
+
+def score_traffic(hlo_text: str, values: _Values | None = None) -> tuple[float, float]:
   """``(bytes accessed, bytes of large transposes)`` per call that the
   program's ``jax.nn.dot_product_attention`` moves in its score matrices
   (:mod:`partitioner._report.attention`), counted as :func:`scoped` counts
-  every kernel's bytes; (0, 0) where it calls none."""
-  score = _attention.score_shapes(hlo_text)
-  if not score:
+  every kernel's bytes; (0, 0) where it calls none. ``values``: the
+  program's :func:`_score_values`, where the caller has them."""
+  values = values or _score_values(hlo_text)
+  if values is None:
     return 0.0, 0.0
-  values = _values(_hlo.computations(hlo_text), _NO_SCOPE, score)
   moved = sum(scores for _, _, scores in _moved(hlo_text, values))
-  return moved, _attention.transposed_score_bytes(hlo_text, score)
+  return moved, _attention.transposed_score_bytes(hlo_text, _attention.score_shapes(hlo_text))
 
 
 def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
@@ -581,12 +585,13 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   flops += attention
   if attention:
     matmuls["cudnn"] = attention
+  values = _score_values(hlo_text) if fused_attention else None
   if fused_attention:
-    scores, transposed_scores = score_traffic(hlo_text)
+    scores, transposed_scores = score_traffic(hlo_text, values)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
     attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
   sequence = _attention.sequence(hlo_text) if kernel else 0
-  overlapped = overlapped_bytes(hlo_text, device, fused_attention)
+  overlapped = overlapped_bytes(hlo_text, device, values)
   narrow = (_traffic.narrow_flops(hlo_text, device.matmul_factor)
             if device.matmul_dim_factors else 0.0)
   compute = device.compute_seconds(flops + narrow, accessed, f32, transposed, attention, kernel,

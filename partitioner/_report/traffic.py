@@ -121,15 +121,17 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
 
 
 def overlapped_bytes(hlo_text: str, bytes_per_flop: float,
-                     factor: Callable[[int], float] = lambda _: 1.0) -> float:
+                     factor: Callable[[int], float] = lambda _: 1.0,
+                     held: Callable[[Kernel], float] = lambda _: 0.0) -> float:
   """The bytes per call that matmul kernels move while their flops run:
-  each one's bytes, or as many as its flops' time lets move at
-  ``bytes_per_flop`` (a device's memory rate over its matmul rate; each
-  matmul at ``factor(its smallest dimension)`` of that rate), if fewer. A
-  device that runs one kernel after another, each as long as the larger
-  of its flops' and its bytes' times (a GPU), spends on a program its
-  flops' time and its bytes' time less these."""
-  return float(sum(k.runs * min(k.bytes, sum(f / factor(d) for f, d in k.matmuls)
+  each one's bytes (less ``held(kernel)``, bytes that never leave the
+  chip), or as many as its flops' time lets move at ``bytes_per_flop`` (a
+  device's memory rate over its matmul rate; each matmul at
+  ``factor(its smallest dimension)`` of that rate), if fewer. A device
+  that runs one kernel after another, each as long as the larger of its
+  flops' and its bytes' times (a GPU), spends on a program its flops'
+  time and its bytes' time less these."""
+  return float(sum(k.runs * min(k.bytes - held(k), sum(f / factor(d) for f, d in k.matmuls)
                                 * bytes_per_flop)
                    for k in kernels(hlo_text) if k.matmuls))
 
@@ -186,11 +188,7 @@ class _Computation:
 
   def __init__(self, lines: list[str], comps: dict[str, list[str]]):
     self.comps = comps
-    self.defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, lines) if m}
-    self.readers: dict[str, list[re.Match]] = {}
-    for d in self.defs.values():
-      for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
-        self.readers.setdefault(v, []).append(d)
+    self.defs, self.readers = _definitions(lines)
     self.bodies = {n: _body(d, comps) for n, d in self.defs.items()}
     self.views = {n for n, d in self.defs.items() if self._is_view(d)}
     elementwise = {n for n, d in self.defs.items() if self._is_elementwise(d)}
@@ -292,6 +290,16 @@ class _Computation:
     return kind in _hlo.ELEMENTWISE and not d.group("shape").lstrip().startswith("(")
 
 
+def _definitions(lines: list[str]) -> tuple[dict[str, re.Match], dict[str, list[re.Match]]]:
+  """A computation's definitions by name, and each value's readers."""
+  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, lines) if m}
+  readers: dict[str, list[re.Match]] = {}
+  for d in defs.values():
+    for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
+      readers.setdefault(v, []).append(d)
+  return defs, readers
+
+
 def _body(d: re.Match, comps: dict[str, list[str]]) -> list[str] | None:
   """A fusion's computation's lines, else None."""
   if d.group("kind") != "fusion":
@@ -351,11 +359,7 @@ def _fusion_bytes(body: list[str], operands: list[dict[str, float]], result: flo
   in the fusion from ``made_here`` operands alone): ``operands`` what
   reading each operand whole reads (:meth:`_Computation.read`),
   ``result`` the bytes of its result, as the caller holds them."""
-  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, body) if m}
-  users: dict[str, list[re.Match]] = {}
-  for d in defs.values():
-    for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
-      users.setdefault(v, []).append(d)
+  defs, users = _definitions(body)
   root = next((m for line in body if line.lstrip().startswith("ROOT ")
                and (m := _hlo.DEFINITION.match(line))), None)
   if root is None:
