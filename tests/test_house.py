@@ -220,3 +220,73 @@ def test_the_scripts_a_reader_runs_keep_their_run_bit():
   modes = {line.split()[-1]: line.split()[0] for line in listed}
   assert modes and {name: mode for name, mode in modes.items()
                     if not name.endswith("_env.sh") and mode != "100755"} == {}
+
+
+def _script_extras(script: str) -> list[str]:
+  """The extras a scripts/ file installs (its ``EXTRAS=a,b`` line)."""
+  import re
+  with open(os.path.join(ROOT, "scripts", script)) as f:
+    found = re.search(r"^EXTRAS=([\w,]*) ", f.read(), re.M)
+  return found.group(1).split(",") if found and found.group(1) else []
+
+
+def _installed_with(extras: list[str]) -> set[str]:
+  """The distributions pip installs for the project with ``extras``: the
+  direct requirements and everything they require in turn (normalised)."""
+  import re
+  import tomllib
+  from importlib import metadata
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  wanted = list(project["dependencies"])
+  for extra in extras:
+    wanted += project["optional-dependencies"][extra]
+  norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+  name_of = lambda req: norm(re.match(r"[A-Za-z0-9_.-]+", req).group(0))  # noqa: E731
+  seen: set[str] = set()
+  todo = [name_of(r) for r in wanted]
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    try:
+      requires = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+      continue
+    todo += [name_of(r) for r in requires if "extra ==" not in r]
+  return seen
+
+
+def _third_party_imports(path: str) -> set[str]:
+  """Top-level modules a file imports that are neither stdlib nor ours."""
+  import sys
+  with open(path) as f:
+    tree = ast.parse(f.read())
+  names = {alias.name.split(".")[0] for node in ast.walk(tree)
+           if isinstance(node, ast.Import) for alias in node.names}
+  names |= {node.module.split(".")[0] for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+  return names - set(sys.stdlib_module_names) - set(PACKAGES) - {"__future__"}
+
+
+def test_the_launch_lines_in_the_docs_install_what_their_examples_import():
+  # README's "scripts/launch ... examples/multiprocess_train.py" once set
+  # up .venv with the mpi extra only: every rank died on "import optax".
+  import glob
+  import re
+  from importlib import metadata
+  docs = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+  lines = []
+  for doc in docs:
+    with open(doc) as f:
+      lines += re.finditer(r"scripts/(\w+) [^\n]*?(examples/\w+\.py)", f.read())
+  assert lines, "no scripts/... examples/... line found in the docs"
+  provides = metadata.packages_distributions()
+  for line in lines:
+    script, example = line.groups()
+    installed = _installed_with(_script_extras(script))
+    missing = {module for module in _third_party_imports(os.path.join(ROOT, example))
+               if not {d.lower().replace("_", "-") for d in provides.get(module, [module])}
+               & installed}
+    assert missing == set(), f"scripts/{script} runs {example} without {sorted(missing)}"
