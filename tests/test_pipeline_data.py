@@ -107,6 +107,43 @@ def test_the_report_names_the_data_reduction_apart_from_the_stages():
           " in 1 reduction(s) after the loop") in text
 
 
+def _free(microbatches):
+  """A step whose pipeline reads its stages from in_parts (no stages=)."""
+  def loss(ws, x):
+    return (partitioner.pipeline(_layer, ws, x, microbatches=microbatches) ** 2).sum()
+
+  def step(ws, x):
+    value, grads = jax.value_and_grad(loss)(ws, x)
+    return ws - 0.1 * grads, value
+  return step
+
+
+@pytest.mark.parametrize("w_spec, data", [
+    (P(2, 1, 1), 4),                                      # 2 stages, 4 devices each
+    (P(2, 1, 2, grid=(2, 2, 2), axes=(0, None, 1)), 2),   # tensor on the middle axis
+    (None, 8),                                            # one stage: a microbatch loop
+])
+def test_stages_read_from_in_parts_split_the_batch_over_the_axes_the_weights_leave(
+    w_spec, data):
+  """The devices that hold the same stage weights split each microbatch
+  instead of all running it: each does 1 / data of the stage's matmuls,
+  and the weight gradients are reduced over them once, after the loop."""
+  f = sharded_jit(_free(4), in_parts=(w_spec, None), out_parts=(w_spec, None))
+  ws, x = _inputs(64)
+  compiled = f.lower(ws, x).compile()
+  (pipe,) = compiled.explain().pipelines
+  stages, tensor = (1, 1) if w_spec is None else (w_spec[0], w_spec[2])
+  # (a tensor split keeps its own reduction every tick)
+  assert pipe.data_reductions == 1 and _looped(compiled.explain()) == (tensor > 1)
+  matmuls = 3 * 2 * L * 64 * W * W / (stages * data * tensor)
+  ticks = (4 + stages - 1) / 4
+  assert matmuls * ticks <= partitioner.cost(compiled).matmul_flops <= 1.05 * matmuls * ticks
+  new_ws, value = f(ws, x)
+  want_ws, want = jax.jit(_free(4))(ws, x)
+  np.testing.assert_allclose(np.asarray(new_ws), np.asarray(want_ws), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+
+
 # A pipeline planned for an accelerator's devices from a host that has one
 # CPU device: the stages count the program's devices (a compile-only
 # topology's), not the host's.

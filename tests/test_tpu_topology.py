@@ -375,8 +375,8 @@ def _piped_transformer(layers: int, microbatches: int):
 @needs_libtpu
 def test_a_pipelines_counted_memory_against_xla_tpus():
   """A pipeline's memory counted for the accelerator (planned on simulated
-  CPU devices for the v5p model): each stage count, tensor parallel
-  inside too, within 0.85-1.3x of XLA:TPU's own peak of the same layout
+  CPU devices for the v5p model): each stage count, tensor parallel or
+  data parallel inside too, within 0.85-1.3x of XLA:TPU's own peak of the same layout
   on 8 v5p chips. The loop keeps each iteration's values, the fill and
   drain's too: without that bubble the count fell to 0.4-0.75x."""
   train, params, x = _piped_transformer(8, 4)
@@ -385,5 +385,6 @@ def test_a_pipelines_counted_memory_against_xla_tpus():
   chips = partitioner.tpu_devices("v5p:2x2x2")
   ratios = {c.family: c.peak_memory / found.choose(c).sharded_jit(devices=chips).lower(
       params, x).compile().cost().peak_memory for c in found.candidates if c.stages > 1}
-  assert set(ratios) == {"pipeline 8", "pipeline 4 x TP 2", "pipeline 2 x TP 4"}, ratios
+  assert set(ratios) >= {"pipeline 8", "pipeline 4 x TP 2", "pipeline 2 x TP 4"}, ratios
+  assert any(" x data " in family for family in ratios), ratios
   assert all(0.85 <= r <= 1.3 for r in ratios.values()), ratios

@@ -208,6 +208,7 @@ class PipelineCall:
       ``layer_params`` that are inputs as they are (empty when none is).
     free: whether the stage count came from the inputs' specs (not from
       ``stages=`` or ``param_parts=``): ``partitioner.search`` chooses it.
+    batch: the rows of x (its dimension 0), M microbatches of them.
   """
   site: str
   stages: int
@@ -216,6 +217,7 @@ class PipelineCall:
   layers: int
   inputs: tuple[int, ...] = ()
   free: bool = False
+  batch: int = 0
 
   @property
   def ticks(self) -> int:

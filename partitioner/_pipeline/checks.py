@@ -122,6 +122,41 @@ def from_inputs(tracing: Any, leaves: list) -> list | None:
           for w, (_, spec) in zip(leaves, found)]
 
 
+def data_split(param_specs: list, ndim: int, mb: int, n: int) -> PartitionSpec | None:
+  """For a pipeline whose stages are read from ``in_parts``: x's spec that
+  splits the batch over the grid axes every stacked leaf leaves whole (the
+  data axes of a grid like ``(stages, data, model)``), so the devices of
+  those axes each run their own rows instead of all running the same
+  microbatch. None when the leaves use every axis, their grids cut across
+  each other, or the product does not divide the microbatch ``mb``; ``n``:
+  the program's devices."""
+  grid: _layout.Layout | None = None
+  for spec in param_specs:
+    layout = spec.layout if spec.layout is not None else (
+        _layout.row_major(spec.counts, n) if n % spec.total == 0 else None)
+    if layout is None or layout.total != n:
+      return None
+    if grid is None:
+      grid = _layout.Layout(layout.sizes, (tuple(a for d in layout.dims for a in d),))
+      continue
+    common = _common_grid(grid, layout)
+    if common is None:
+      return None
+    sizes, (used,), dims = common
+    grid = _layout.Layout(sizes, (tuple(sorted({*used, *(a for d in dims for a in d)})),))
+  if grid is None:
+    return None
+  free = tuple(a for a in range(len(grid.sizes)) if a not in grid.dims[0])
+  blocks = math.prod(grid.sizes[a] for a in free)
+  if blocks == 1 or mb % blocks:
+    return None
+  layout = _layout.canonical(grid.sizes, [free] + [()] * (ndim - 1))
+  ids = {sp.device_ids for sp in param_specs if sp.device_ids is not None}
+  return with_layout((blocks,) + (1,) * (ndim - 1),
+                     None if _layout.is_row_major(layout) else layout,
+                     ids.pop() if len(ids) == 1 else None)
+
+
 def batch(x: jax.Array, m: int) -> None:
   """M divides the batch (dimension 0 of ``x``)."""
   if x.ndim < 1 or x.shape[0] % m:

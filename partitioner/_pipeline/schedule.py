@@ -96,7 +96,10 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
       ``sharded_jit``'s ``in_parts`` gives ``layer_params`` (when its
       leaves are inputs of the function as they are; a layer dimension
       it leaves whole is one stage: a loop over the microbatches; outside
-      a sharded_jit function, 1: the plain loop).
+      a sharded_jit function, 1: the plain loop). Read from ``in_parts``,
+      the devices that hold the same stage weights (the grid axes no
+      stacked leaf's spec uses) split each microbatch, as ``x_parts``
+      would, where their count divides it.
     repeats: R, the circular schedule: each stage holds R chunks of
       L / (S R) layers, and each microbatch goes round the stages R times,
       which shrinks the bubble from (S - 1) / (M + S - 1) to
@@ -150,13 +153,16 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   s = schedule.stages
   checks.batch(x, m)
   checks.circular(r, m, s)
+  if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
+    x_parts = checks.data_split(param_specs, x.ndim, x.shape[0] // m, tracing.num_devices
+                                or len(jax.devices()))
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, x.shape[0] // m)
   if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
     param_specs, state_spec = None, state_spec if x_spec is not None else None
   if tracing is not None:
-    _record(tracing, site, schedule, num_layers, leaves, free)
+    _record(tracing, site, schedule, (num_layers, x.shape[0]), leaves, free)
   place = Placement(state_spec, x_spec, f"{site}, partitioner.pipeline(stages={s})")
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
@@ -167,14 +173,15 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   return realign_outputs(carry, outs, x.shape, loop)
 
 
-def _record(tracing: Any, site: str, schedule: Schedule, num_layers: int, leaves: list,
-            free: bool) -> None:
-  """Notes the call on the enclosing trace, for explain()'s report."""
+def _record(tracing: Any, site: str, schedule: Schedule, sizes: tuple[int, int],
+            leaves: list, free: bool) -> None:
+  """Notes the call on the enclosing trace, for explain()'s report and the
+  search (``sizes``: the layers and the batch's rows)."""
   call = _trace.PipelineCall(
       site=site, stages=schedule.stages, microbatches=schedule.microbatches,
-      repeats=schedule.repeats, layers=num_layers,
+      repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=free)
+      free=free, batch=sizes[1])
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 

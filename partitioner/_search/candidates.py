@@ -127,7 +127,8 @@ class Candidate:
     n, replicas = data * fsdp * model, self.replicas
     tp = self.model and model > 1
     if self.stages > 1:
-      return f"pipeline {self.stages}" + (f" x TP {model}" if tp else "")
+      return (f"pipeline {self.stages}" + (f" x data {replicas}" if replicas > 1 else "")
+              + (f" x TP {model}" if tp else ""))
     if self.zero:  # the optimizer state split over fsdp, the weights whole there
       head = f"data {data} x ZeRO-1 {fsdp}" if data > 1 else f"ZeRO-1 {fsdp}"
       return (head + (f" x TP {model}" if tp else "")

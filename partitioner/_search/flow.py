@@ -550,7 +550,7 @@ def _space(f: _inputs.Function, closed: Any, request: _Request, pipelines: list,
   staged = [(dataclasses.replace(c, microbatches=microbatches), dims, est) for c, dims, est in
             _stage_axis.candidates(pipelines, n, rows, program, shapes, device)]
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  keys += [("stages", c.stages, c.model) for c, _, _ in staged]
+  keys += [("stages", c.stages, c.grid, c.model) for c, _, _ in staged]
   return _Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
                 staged=list(range(len(rows) - len(staged), len(rows))),
                 bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)

@@ -11,6 +11,13 @@ size. Every stage count that divides the devices and the layers (times the
 repeats) is one candidate, and every one is compiled and scored: the cheap
 model reads the jaxpr traced as one stage, so its estimate for S stages is
 only that of the layers spread over S groups, the bubble added.
+
+Stages x data (x tensor), the layout of large GPU clusters (tensor inside
+a host, stages and data across hosts): inside each stage a ``data`` axis
+splits each microbatch (the pipeline reads it from the grid axes the
+stacked weights leave whole, see ``partitioner.pipeline``). Of the splits
+that divide a microbatch, the one the cheap model ranks best for each
+stage count is compiled too.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner._report.device_models import DeviceModel
-from partitioner._search.candidates import MODEL, Candidate, leaf_dims
+from partitioner._search.candidates import DATA, MODEL, Candidate, leaf_dims
 from partitioner._search.estimate import Estimate, OpTable
 
 
@@ -54,28 +61,56 @@ def candidates(calls: Sequence[Any], n: int, rows: Sequence[tuple], program: OpT
   stage count; ``rows`` are the other candidates with their estimates,
   ``program`` the function's axes, roles and state, ``shapes`` its flat
   inputs'."""
-  r, in_axes, state = program.r, program.axes.in_axes, program.state
   stacked = {i for c in calls for i in c.inputs}
-  layer_roles = {r.of_axis.get(in_axes[i][0]) for i in stacked if in_axes[i]} - {None}
+  in_axes = program.axes.in_axes
+  layer_roles = {program.r.of_axis.get(in_axes[i][0]) for i in stacked if in_axes[i]} - {None}
+  batch = _batch_role(rows)
   out = []
   for s in stage_counts(n, calls):
-    m = n // s
-    inner = _tensor_roles(rows, m, layer_roles)
-    c = Candidate((1, 1, m), None, False, inner, stages=s)
-    dims, flat = [], []
-    for i, (axes, shape, st) in enumerate(zip(in_axes, shapes, state)):
-      d = list(leaf_dims(c, r, axes, shape, st))
-      if i in stacked and d:
-        d[0] = ()  # the layer dimension: on the stages, not on model
-      flat.append(tuple(d))
-      d = list(c.on_layout(d))
-      if i in stacked and d:
-        d[0] = (0,)
-      dims.append(tuple(d))
     bubble = bubble_of(calls, s)
-    out.append((c, dims, _spread(program.estimate(dataclasses.replace(c, stages=1), flat,
-                                                  device), s, bubble, device)))
+    per_stage = n // s
+    tensor = Candidate((1, 1, per_stage), None, False,
+                       _tensor_roles(rows, per_stage, layer_roles), stages=s)
+    out.append(_staged(tensor, stacked, program, shapes, device, bubble))
+    if batch is None:
+      continue
+    data = [_staged(Candidate((d, 1, per_stage // d), batch, False,
+                              _tensor_roles(rows, per_stage // d, layer_roles), stages=s),
+                    stacked, program, shapes, device, bubble)
+            for d in range(2, per_stage + 1)
+            if per_stage % d == 0 and all((c.batch // c.microbatches) % d == 0 for c in calls)]
+    if data:
+      out.append(min(data, key=lambda row: row[2].seconds))
   return out
+
+
+def _staged(c: Candidate, stacked: set[int], program: OpTable,
+            shapes: Sequence[tuple[int, ...]], device: DeviceModel,
+            bubble: float) -> tuple[Candidate, list, Estimate]:
+  """(``c``, each leaf's dims on its layout grid, its estimate): the
+  ``stacked`` leaves' layer dimension on the stage axis, the rest as
+  ``c``'s grid puts it inside each stage."""
+  r, in_axes, state = program.r, program.axes.in_axes, program.state
+  dims, flat = [], []
+  for i, (axes, shape, st) in enumerate(zip(in_axes, shapes, state)):
+    d = list(leaf_dims(c, r, axes, shape, st))
+    if i in stacked and d:
+      d[0] = ()  # the layer dimension: on the stages, not on model
+    flat.append(tuple(d))
+    d = list(c.on_layout(d))
+    if i in stacked and d:
+      d[0] = (0,)
+    dims.append(tuple(d))
+  one = program.estimate(dataclasses.replace(c, stages=1), flat, device)
+  return c, dims, _spread(one, c.stages, bubble, device)
+
+
+def _batch_role(rows: Sequence[tuple]) -> int | None:
+  """The batch role of the best-estimated data-parallel candidate (no
+  FSDP, no tensor split): the one a stage's data axis splits."""
+  plain = [(est.seconds, i, c.batch) for i, (c, _, est) in enumerate(rows)
+           if c.batch is not None and c.grid[DATA] > 1 and not c.fsdp and c.stages == 1]
+  return min(plain)[2] if plain else None
 
 
 def bubble_of(calls: Sequence[Any], s: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from partitioner._report.text import size
+from partitioner._search.select import LEAN_FLOPS
 
 
 def _time(seconds: float | None) -> str:
@@ -172,9 +173,24 @@ def why(found: Any) -> str:
   if not others:
     return text
   runner = min(others.values(), key=lambda x: x.seconds)
-  if runner.seconds < best.seconds:  # (a layout found.choose put in the winner's place)
-    return text + (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
-                   f" takes {runner.seconds / best.seconds:.2f}x its time.")
+  if runner.seconds < best.seconds:  # (found.choose's, or a plan for hosts' close call)
+    text += (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
+             f" takes {runner.seconds / best.seconds:.2f}x its time")
+    # (select.plan_order: within the model's error, the layout that does no
+    # more work and spends the least time on the network leads)
+    reasons = []
+    if runner.flops > LEAN_FLOPS * best.flops:
+      reasons.append(f"it does {runner.flops / max(best.flops, 1):.2f}x the flops"
+                     + (" (its pipeline's fill and drain)" if runner.stages > 1 else ""))
+    if best.network_bytes < runner.network_bytes or (
+        best.network_collectives < runner.network_collectives):
+      reasons.append(f"this one sends {size(best.network_bytes)} across hosts in"
+                     f" {best.network_collectives} collective(s) against"
+                     f" {size(runner.network_bytes)} in {runner.network_collectives}")
+    if who == "Winner" and reasons:
+      return text + (", within the device model's error, where " + " and ".join(reasons)
+                     + ": the network is where a cluster's estimates err most.")
+    return text + "."
   parts = []
   if best.collective_bytes < runner.collective_bytes:
     parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
