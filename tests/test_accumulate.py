@@ -173,11 +173,11 @@ def test_a_count_is_tried_only_with_layouts_whose_split_divides_a_microbatch():
 
 def test_the_rule_keeps_a_split_only_where_it_divides_every_microbatch():
   from partitioner._pipeline.accumulate import AccumulateCall
-  from partitioner._search.flow import _splits_microbatches
+  from partitioner._search.space import splits_microbatches
   call = AccumulateCall("here", 1, 16, free=True, inputs=(2,))
   data_8 = [((), ()), ((), ()), ((0,), ())]  # (the batch leaf, input 2: dim 0 on data)
-  assert _splits_microbatches([call], 2, data_8, (8, 1, 1))  # 8 rows over 8
-  assert not _splits_microbatches([call], 4, data_8, (8, 1, 1))  # 4 rows over 8
-  assert _splits_microbatches([call], 4, data_8, (4, 1, 2))  # 4 rows over 4
+  assert splits_microbatches([call], 2, data_8, (8, 1, 1))  # 8 rows over 8
+  assert not splits_microbatches([call], 4, data_8, (8, 1, 1))  # 4 rows over 8
+  assert splits_microbatches([call], 4, data_8, (4, 1, 2))  # 4 rows over 4
   whole = [((), ()), ((), ()), ((), ())]
-  assert _splits_microbatches([call], 16, whole, (8, 1, 1))
+  assert splits_microbatches([call], 16, whole, (8, 1, 1))

@@ -305,15 +305,15 @@ def test_a_search_of_cudnn_s_attention_on_cpu_devices_says_where_it_compiles():
 
 
 def test_the_gpu_only_hint_names_an_op_with_no_lowering_on_the_devices_searched():
-  from partitioner._search.flow import _gpu_only_hint
-  said = _gpu_only_hint("NotImplementedError: MLIR translation rule for primitive"
+  from partitioner._search.compiling import gpu_only_hint
+  said = gpu_only_hint("NotImplementedError: MLIR translation rule for primitive"
                         " 'dot_product_attention_fwd' not found for platform cpu")
   assert said.startswith(" Hint: 'dot_product_attention_fwd' has no cpu lowering")
   assert "attention=\"fused\"" in said
-  other = _gpu_only_hint("MLIR translation rule for primitive 'triton_call' not found for"
+  other = gpu_only_hint("MLIR translation rule for primitive 'triton_call' not found for"
                          " platform cpu")
   assert "'triton_call' has no cpu lowering" in other and "fused" not in other
-  assert _gpu_only_hint("TypeError: unsupported operand") is None
+  assert gpu_only_hint("TypeError: unsupported operand") is None
 
 
 def test_the_attention_rate_benchmark_runs_xla_s_attention_on_a_cpu(capsys):

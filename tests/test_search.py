@@ -71,9 +71,9 @@ def test_search_is_deterministic_and_cached(tmp_path):
     from_disk = partitioner.search(mlp_step, *abstract, max_compiles=3)
     assert from_disk.search_seconds == first.search_seconds
     partitioner.clear_caches()
-    from partitioner._search import flow as _flow
+    from partitioner._search import cache_key as _cache_key
     # newer rules (their sources changed): search again
-    with mock.patch.object(_flow, "RULES_DIGEST", _flow.RULES_DIGEST + "-newer"):
+    with mock.patch.object(_cache_key, "RULES_DIGEST", _cache_key.RULES_DIGEST + "-newer"):
       newer = partitioner.search(mlp_step, *abstract, max_compiles=3)
     assert newer.search_seconds != first.search_seconds and len(os.listdir(tmp_path)) == 2
   partitioner.clear_caches()

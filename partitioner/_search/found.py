@@ -131,7 +131,7 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
   """The search's answer as JSON (cached, shared between ranks); ``where``:
   the hosts it planned for and its devices' ids, in order; ``accumulate``:
   the function leaves its microbatch count to the search; ``stand_in``: an
-  accelerator planned from XLA:CPU's programs (``flow._stand_in``)."""
+  accelerator planned from XLA:CPU's programs (``request.stand_in``)."""
   hosts, devices = where
   rows = []
   for x in results:

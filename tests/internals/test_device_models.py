@@ -10,7 +10,7 @@ import pytest
 from partitioner import DEVICE_MODELS, DeviceModel
 from partitioner._report import cost, hlo
 from partitioner._report.device_models import default_model
-from partitioner._search.flow import default_budget
+from partitioner._search.request import default_budget
 
 
 @pytest.mark.parametrize("kind, platform, model", [

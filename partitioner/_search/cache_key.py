@@ -1,0 +1,53 @@
+"""The key a search's answer is kept under, in memory and in the persistent
+cache: the program, the settings, and a digest of the rules' sources."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner._config import config
+from partitioner._report import attention as _attention_rule
+from partitioner._report import cost as _cost
+from partitioner._report import device_models as _device_models
+from partitioner._report import hlo as _hlo
+from partitioner._report import schedule as _schedule
+from partitioner._search.request import Request
+from partitioner._version import __version__
+
+
+def _rules_digest() -> str:
+  """A digest of the sources of the search's rules (candidates, shortlist,
+  scoring): this folder's modules and the report modules whose answers it
+  keeps (the compiled cost, the device models, the HLO reading, the
+  schedule's overlap, a fused attention's traffic)."""
+  root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
+  files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
+  files += [pathlib.Path(m.__file__ or "")
+            for m in (_attention_rule, _cost, _device_models, _hlo, _schedule)]
+  digest = hashlib.sha256()
+  for path in files:
+    digest.update(f"{path.relative_to(root)}\n".encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
+# In the cache key, so that a persistent cache never answers with an older
+# rule's choice: any change to those sources searches again.
+RULES_DIGEST = _rules_digest()
+
+
+def cache_key(request: Request, closed: Any, static_reprs: list[str],
+         counts: Sequence[int] = ()) -> str:
+  """The answer's key in the caches: the program, the settings, the
+  static arguments, the microbatch counts it may try, the versions of the
+  toolkit and of the rules."""
+  devices = request.devices
+  settings = (len(devices), request.hosts, request.device, request.budget, request.measure,
+              request.max_compiles, request.attention, config.partitioner,
+              tuple(d.device_kind for d in devices[:1]), __version__, RULES_DIGEST)
+  return hashlib.sha256(  # (a program's key hashes other text: no clash)
+      ("partitioner.search " + str(closed) + repr(settings)
+       + repr(static_reprs) + repr(list(counts))).encode()).hexdigest()

@@ -1,0 +1,211 @@
+"""The candidate space: every distinct layout of the function with the cheap
+model's estimate, per microbatch count, and the shortlist compiled first."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner._report.device_models import DeviceModel
+from partitioner._search import inputs as _inputs
+from partitioner._search import select as _select
+from partitioner._search import stage_axis as _stage_axis
+from partitioner._search import target as _target
+from partitioner._search.axes import logical_axes
+from partitioner._search.candidates import (
+  BATCH_LIKE,
+  OPTIMIZER,
+  WEIGHT,
+  enumerate_candidates,
+  leaf_dims,
+  roles,
+  spec_of,
+)
+from partitioner._search.estimate import OpTable
+from partitioner._search.memory import Liveness
+from partitioner._search.request import Request, accounted
+from partitioner._search.target import Target
+from partitioner._search.weights import feeds_matmul
+
+# The microbatch counts tried for partitioner.accumulate(microbatches=None):
+# in turn, up to the one after the first where a layout fits (by estimate).
+MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
+
+
+def any_fits(space: Space, budget: float | None) -> bool:
+  """Whether any of the space's layouts fits the budget by its estimate."""
+  return budget is None or any(est.memory <= budget for _, _, est in space.rows)
+
+
+def microbatch_counts(calls: Sequence[Any]) -> list[int]:
+  """The counts of ``MICROBATCH_COUNTS`` that divide every free accumulate
+  call's batch (none without such calls)."""
+  if not calls:
+    return []
+  return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
+
+
+@dataclasses.dataclass
+class Space:
+  """What the search chooses among: every distinct layout with its
+  estimate (``rows``: candidate, each leaf's dims, estimate), the first
+  ones to compile, and how the program is compiled (``target``).
+
+  With free ``partitioner.accumulate`` calls, each microbatch count is a
+  space of its own (its trace, account and estimates: ``parts``), its rows
+  added to the first's. Where memory is counted for an accelerator, a
+  count's layout is compiled as the whole batch's (``base_of``: its row
+  there), its time corrected by the cheap model's difference and its
+  peak counted: the accumulation loop holds all the layers in one body,
+  which the short proxy cannot shorten."""
+  r: Any
+  out_state: list
+  target: _target.Target | None
+  rows: list
+  keys: list  # each row's specs (a staged row's: its stage count and tensor roles)
+  liveness: Liveness | None = None
+  proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
+  microbatches: int = 1
+  staged: list = dataclasses.field(default_factory=list)  # rows every search compiles
+  bubbles: dict = dataclasses.field(default_factory=dict)  # stage count -> its loop's bubble
+  parts: dict = dataclasses.field(default_factory=dict)  # count -> its Space
+  base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
+  chosen: list = dataclasses.field(default_factory=list)
+  refine: int = 0
+
+  def part(self, c: Any) -> Space:
+    """The space of ``c``'s microbatch count."""
+    return self.parts.get(c.microbatches, self)
+
+  def add(self, other: Space) -> None:
+    """Another count's rows; where memory is counted, only the layouts the
+    whole batch has too (they compile as it)."""
+    where = {k: i for i, k in enumerate(self.keys)}
+    for j, (row, key) in enumerate(zip(other.rows, other.keys)):
+      if self.liveness is not None:
+        if key not in where:
+          continue
+        self.base_of[len(self.rows)] = where[key]
+      if j in other.staged:
+        self.staged.append(len(self.rows))
+      self.rows.append(row)
+      self.keys.append(key)
+    self.parts[other.microbatches] = other
+
+  def choose(self, request: Request) -> None:
+    """The shortlist to compile first (and every stage count)."""
+    self.refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
+    assert self.target is not None
+    chosen = shortlist_rows(self.rows, request, self.refine, self.liveness is not None,
+                        self.target.settles)
+    picked = {k for k, *_ in chosen}
+    self.chosen = chosen + [(i, *self.rows[i]) for i in self.staged if i not in picked]
+
+
+def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
+           microbatches: int = 1, accumulations: Sequence[Any] = ()) -> Space:
+  """The function's logical axes and roles, its candidate layouts (one
+  per distinct set of specs) with the cheap model's estimates, the
+  candidates' free accumulate calls (``accumulations``) running
+  ``microbatches``: only layouts whose batch split divides a microbatch
+  (each device keeps its rows)."""
+  n, hosts, device = len(request.devices), request.hosts, request.device
+  names = _inputs.leaf_names(f.fun, list(f.args), f.static)
+  axes = logical_axes(closed)
+  shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
+  out_state = _inputs.matching_inputs(axes.in_axes, axes.out_axes, shapes,
+                                     [tuple(v.aval.shape) for v in closed.jaxpr.outvars])
+  state = _inputs.state_leaves(axes.in_axes, axes.out_axes, out_state)
+  # State that feeds no matmul is optimizer state (Adam's moments): ZeRO-1 splits only it.
+  kinds = [(WEIGHT if w else OPTIMIZER) if st else BATCH_LIKE
+           for st, w in zip(state, feeds_matmul(closed))]
+  r = roles(axes.in_axes, shapes, names, state)
+  program = OpTable(axes, r, state)
+  by_layout: dict = {}  # rules that give the same specs are one layout
+  for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):
+    c = dataclasses.replace(c, microbatches=microbatches)
+    dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
+    if pipelines and _stage_axis.splits_layers(pipelines, dims):
+      continue
+    if not splits_microbatches(accumulations, microbatches, dims, c.grid):
+      continue
+    key = tuple(spec_of(d, c.layout_grid) for d in dims)
+    if key not in by_layout or _select.plainer(c, by_layout[key][0]):
+      by_layout[key] = (c, dims)
+  # Planning accelerators from simulated CPU devices: their memory is
+  # counted from the jaxpr (XLA:CPU's buffer assignment is no GPU's).
+  # On a GPU, a proxy's peak scaled by the cheap model's ratio overstated
+  # the whole's (one H200: 1.6-2.7x); the count came to 0.90-1.01x XLA:GPU's.
+  # (On a TPU slice both fall short of XLA:TPU's, the count further: the
+  # scaled peak stays there.)
+  proxied_gpu = not pipelines and request.devices[0].platform == "gpu"
+  # (a count of microbatches where memory is counted compiles as the whole batch's)
+  # (compiled whole: its layers run inside the accumulation loop, where the
+  # proxy's cut of repeated top-level ops finds only the update's, and its
+  # scaled costs fell short of the whole program's: 0.84x the flops)
+  target = None if accounted(request) and microbatches > 1 else Target(
+      f, closed, axes, r, state, request.place, proxy=not pipelines and microbatches == 1,
+      out_state=out_state)
+  proxied_gpu = proxied_gpu and target is not None and target.proxy is not None
+  counts = (Liveness(program, state, attention=request.attention, returns=out_state)
+            if accounted(request) or proxied_gpu else None)
+  liveness = counts if accounted(request) else None
+  proxy_counts = None if accounted(request) else counts
+  rows = [(c, list(dims), estimate_row(program, liveness, c, list(dims), device, hosts))
+          for c, dims in by_layout.values()]
+  keys: list = list(by_layout)
+  staged = [(dataclasses.replace(c, microbatches=microbatches), dims, est) for c, dims, est in
+            _stage_axis.candidates(pipelines, n, rows, program, shapes, device)]
+  rows += staged  # every stage count is compiled: the cheap model sees one stage
+  keys += [("stages", c.stages, c.grid, c.model) for c, _, _ in staged]
+  return Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
+                staged=list(range(len(rows) - len(staged), len(rows))),
+                bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
+                         for c, _, _ in staged})
+
+
+# Configurations whose smallest candidate is compiled on such a target.
+SETTLE_SMALLEST = 3
+
+
+def shortlist_rows(rows: list, request: Request, refine: int, counted: bool,
+               settles: bool = False) -> list:
+  """The first candidates to compile; with memory counted for the
+  accelerator, only among those that fit (the count is the verdict: no
+  compile would correct it)."""
+  k, budget = request.max_compiles - refine, request.budget
+  if not counted or budget is None:
+    # (where every compile is XLA:TPU's and the winner is compiled whole
+    # anyway, the few smallest configurations, not each one's smallest)
+    few = SETTLE_SMALLEST if settles else None
+    return _select.shortlist(rows, k, budget is not None, few)
+  eligible = [i for i, row in enumerate(rows) if row[2].memory <= budget]
+  if not eligible:
+    smallest = min(row[2].memory for row in rows)
+    raise _select.budget_error(request.who, smallest, budget)
+  picked = _select.shortlist([rows[i] for i in eligible], k, False)
+  return [(eligible[j], *rest) for j, *rest in picked]
+
+
+def splits_microbatches(calls: Sequence[Any], m: int, dims: Sequence[tuple],
+                         grid: Sequence[int]) -> bool:
+  """Whether each batch leaf of the accumulate ``calls`` splits its
+  leading dimension into parts that divide a microbatch (B / ``m``): a
+  split that does not would move rows between devices every microbatch."""
+  for call in calls:
+    for i in call.inputs:
+      parts = math.prod(grid[a] for a in dims[i][0]) if dims[i] else 1
+      if (call.batch // m) % parts:
+        return False
+  return True
+
+
+def estimate_row(program: OpTable, liveness: Liveness | None, c: Any, dims: list,
+              device: DeviceModel, hosts: int) -> Any:
+  """The cheap model's estimate, its memory the account's where there is one."""
+  est = program.estimate(c, dims, device, hosts)
+  if liveness is None:
+    return est
+  return dataclasses.replace(est, memory=liveness.account(c, dims).peak)
