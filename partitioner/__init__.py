@@ -2,7 +2,10 @@
 
 from partitioner import _compat
 
-_compat.forget_absent_tpu()  # (libtpu installed for planning, on a machine without TPUs)
+# The one change to jax at import, and why it must come first: with libtpu
+# installed (for planning TPU slices) on a machine without TPU chips, jax's
+# first jax.devices() would start libtpu, which prints that it finds none.
+_compat.forget_absent_tpu()
 
 
 from partitioner._compile.cache import CacheStore as CacheStore
@@ -43,20 +46,49 @@ from partitioner._search.calibrate import Calibration as Calibration
 from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
-__all__ = ["DEVICE_MODELS", "CacheStore", "Calibration", "CandidateResult", "Checkpointer",
-           "Compiled",
-           "Config", "Cost",
-           "DeviceModel", "DiskStore", "Explanation", "FoundLayout",
-           "Lowered", "MemoryStore", "PartitionerMismatchError", "PeerError",
-           "PmapFunction", "ShardedJitFunction", "World", "accumulate", "clear_caches",
-           "calibrate", "compilation_stats", "config", "cost", "explain", "gpu_devices",
-           "initialize", "pipeline",
-           "pipeline_order",
-           "pmap", "search", "sharded_jit", "to_global", "to_local", "tpu_devices"]
+__all__ = [
+  "DEVICE_MODELS",
+  "CacheStore",
+  "Calibration",
+  "CandidateResult",
+  "Checkpointer",
+  "Compiled",
+  "Config",
+  "Cost",
+  "DeviceModel",
+  "DiskStore",
+  "Explanation",
+  "FoundLayout",
+  "Lowered",
+  "MemoryStore",
+  "PartitionerMismatchError",
+  "PeerError",
+  "PmapFunction",
+  "ShardedJitFunction",
+  "World",
+  "accumulate",
+  "calibrate",
+  "clear_caches",
+  "compilation_stats",
+  "config",
+  "cost",
+  "explain",
+  "gpu_devices",
+  "initialize",
+  "pipeline",
+  "pipeline_order",
+  "pmap",
+  "search",
+  "sharded_jit",
+  "to_global",
+  "to_local",
+  "tpu_devices",
+]
 
 # Public classes show their public module path.
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
-             Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer):
+             Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer, FoundLayout,
+             CandidateResult):
   _cls.__module__ = "partitioner"
 del _cls

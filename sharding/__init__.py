@@ -20,6 +20,7 @@ from sharding._tiling import Tiling as Tiling
 from sharding._tiling import tiling as tiling
 
 P = PartitionSpec
+Tiling.__module__ = "sharding"
 
 __all__ = ["AUTO", "P", "PartitionSpec", "Tiling", "broadcast_specs", "from_named", "fsdp_specs",
            "fsdp_tp_specs", "global_shape",

@@ -290,3 +290,16 @@ def test_the_launch_lines_in_the_docs_install_what_their_examples_import():
                if not {d.lower().replace("_", "-") for d in provides.get(module, [module])}
                & installed}
     assert missing == set(), f"scripts/{script} runs {example} without {sorted(missing)}"
+
+
+def test_every_public_class_names_a_public_module():
+  # (help(), reprs and pickles show __module__: "partitioner._search.found"
+  # sends a reader to a private module)
+  import inspect
+
+  import partitioner
+  import sharding
+  private = [f"{pkg.__name__}.{name}: {obj.__module__}" for pkg in (partitioner, sharding)
+             for name in pkg.__all__ if inspect.isclass(obj := getattr(pkg, name))
+             and any(part.startswith("_") for part in obj.__module__.split("."))]
+  assert private == []
