@@ -32,9 +32,10 @@ from partitioner._lower.plan import Placement
 from partitioner._lower.trace import TracedProgram
 from partitioner._report import collect as _collect
 from partitioner._report.collect import Description
-from partitioner._report.cost import Cost, device_hosts, fused_attention, score
+from partitioner._report.cost import Cost, fused_attention, score
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
+from partitioner._report.hosts import device_hosts
 from sharding._partition_spec import PartitionSpec
 
 

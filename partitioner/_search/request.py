@@ -8,9 +8,9 @@ from typing import Any
 
 from partitioner import _compat
 from partitioner._lower.devices import check_devices_argument, choose_devices
-from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report.device_models import DeviceModel, resolve
+from partitioner._report.hosts import device_hosts
 from partitioner._search import inputs as _inputs
 from partitioner._search import target as _target
 from sharding._checks import positive_count
@@ -62,7 +62,7 @@ def make_request(who: str, world: Any, num_devices: Any, device_model: Any,
     devices = tuple(choose_devices(n // world.size, given, world.size, who))
   device = resolve(device_model, devices[0].device_kind, devices[0].platform)
   # (hosts=None: where they are; the devices are each host's in turn)
-  count = len(set(_cost.device_hosts(devices, hosts, who, world.process_hosts)))
+  count = len(set(device_hosts(devices, hosts, who, world.process_hosts)))
   return Request(who, devices, count, device)
 
 

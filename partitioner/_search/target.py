@@ -30,8 +30,9 @@ from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report import cost as _cost
-from partitioner._report.cost import Cost, hosts_of, score
+from partitioner._report.cost import Cost, score
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.hosts import hosts_of
 from partitioner._search import measure as _measure
 from partitioner._search import proxy as _proxy
 from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of

@@ -99,7 +99,7 @@ def _dev(process, platform="gpu", **more):
 
 
 def test_hosts_are_hostnames_for_gpus_and_slices_for_tpus():
-  from partitioner._report.cost import device_hosts
+  from partitioner._report.hosts import device_hosts
   # One process per GPU, 4 on each of two hosts: NVLink inside each host.
   gpus = [_dev(p) for p in range(8)]
   hostnames = ["a"] * 4 + ["b"] * 4
