@@ -96,9 +96,11 @@ Sections (one module each):
             model's, and the layout its estimate picks per model
             (``python -m benchmarks.calibrate`` prints it, with the fit).
 
-Unless --no-write, results go to benchmarks/results.json, the tables into
-BENCHMARKS.md (between its "generated" markers) and, when matplotlib is
-installed, plots to benchmarks/*.png (see ``benchmarks.report``).
+Unless --no-write, results go to benchmarks/results.json (each summary
+figure's last runs kept), the summary and the tables into BENCHMARKS.md
+(between its "generated" markers) and, when matplotlib is installed, plots
+to benchmarks/*.png (see ``benchmarks.report``; ``python -m
+benchmarks.report`` rewrites BENCHMARKS.md from results.json alone).
 
 This package is run from the repo root and is not installed. Importing it
 imports nothing else: the startup children time their own process start.
