@@ -207,7 +207,7 @@ def test_plan_check_runs_on_the_device_at_hand(tmp_path):
 
 
 def test_the_named_h100_against_steps_measured_on_an_h100():
-  """docs/search.md's figures: the whole steps timed on one H100 (their
+  """docs/scoring.md's figures: the whole steps timed on one H100 (their
   cost terms recorded; flops taken as the matmuls' where XLA's count,
   which left out cuBLAS calls, was lower) against the named model: its
   sum of compute and memory time, float32 matmuls at the TF32 rate."""

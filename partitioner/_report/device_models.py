@@ -50,7 +50,7 @@ measurement; the cpu's are measured:
   SXM 80 GB datasheet: 156 TFLOP/s TF32, 2.0 TB/s HBM2e, 200 Gb/s
   InfiniBand per GPU (25 GB/s); inside a host, the
   all-reduce bus bandwidth nccl-tests measures on 8 A100 SXM4 over NVLink 3
-  at large sizes, 230-250 GB/s (published: docs/search.md cites it; the
+  at large sizes, 230-250 GB/s (published: docs/planning.md cites it; the
   datasheet's 600 GB/s counts both directions of every link);
 - ``h100``: measured on one H100 80 GB HBM3 (2026-11-26, jax 0.11.2,
   ``docs/measured/h100-calibration.json``): 650 TFLOP/s of bf16 matmul
@@ -58,7 +58,7 @@ measurement; the cpu's are measured:
   TF32 (the datasheet's 494), 3.0 TB/s of memory
   read and written (the datasheet's 3.35); inside a host, nccl-tests'
   all-reduce bus bandwidth on 8 H100 SXM5 over NVLink 4 at large sizes,
-  460-480 GB/s (published, cited in docs/search.md; the datasheet's 900
+  460-480 GB/s (published, cited in docs/planning.md; the datasheet's 900
   GB/s counts both directions); NVIDIA H100 SXM datasheet: 80 GB, 400
   Gb/s InfiniBand per GPU (50 GB/s, not a measurement);
 - ``h200``: measured on one H200 (two runs, ``docs/measured``): 670-694

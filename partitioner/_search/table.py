@@ -105,7 +105,7 @@ def own_compiler_hint(stand_in: dict) -> str:
             else "the cuda extra: pip install 'sharded-jit[cuda]', about 5.5 GB")
     return ("Planned from XLA:CPU's programs on simulated devices: their times count"
             " XLA:CPU's memory traffic, several times XLA:GPU's on the published GPU"
-            " families (docs/search.md, \"Planning for GPUs, with XLA:GPU\"). For"
+            " families (docs/planning.md, \"Planning for GPUs, with XLA:GPU\"). For"
             f" XLA:GPU's own: devices=partitioner.gpu_devices({spec}) ({have}).")
   chip = key.removeprefix("tpu-") if key else "<chip>"
   slices = f", num_slices={hosts}" if hosts > 1 else ""
