@@ -56,10 +56,10 @@ def score_shapes(hlo_text: str) -> tuple[tuple[int, int], ...]:
     name = _OP_NAME.search(line)
     if name is None or not any(e in name.group(1) for e in EINSUMS):
       continue
-    m = _hlo.DEFINITION.match(line)  # (a dot, or the fusion XLA made around one)
+    m = _hlo.definition(line)  # (a dot, or the fusion XLA made around one)
     if m is None:
       continue
-    for _, found in _hlo.ARRAY.findall(m.group("shape")):  # (a multi-output fusion's each)
+    for _, found in _hlo.array_shapes(m.group("shape")):  # (a multi-output fusion's each)
       dims = [int(d) for d in found.split(",") if d]
       if dims and math.prod(dims) > largest.get(m.group("name"), (0, 0))[0]:
         largest[m.group("name")] = (math.prod(dims), dims[-1])
@@ -82,7 +82,7 @@ def is_score(shape: str, scores: tuple[tuple[int, int], ...]) -> bool:
   ``scores``, :func:`score_shapes`'): as many elements, the keys' length
   among its dimensions (XLA:CPU merges or splits the others: ``[B, K, G
   x T, S]``, ``[B, K, G, T, S]``)."""
-  found = _hlo.ARRAY.findall(shape)
+  found = _hlo.array_shapes(shape)
   if len(found) != 1:
     return False
   dims = [int(d) for d in found[0][1].split(",") if d]
@@ -93,7 +93,7 @@ def score_bytes(shape: str, scores: tuple[tuple[int, int], ...]) -> int:
   """The bytes of the score matrices in a value of ``shape``: the whole
   array where it is one (:func:`is_score`), those of a tuple's arrays
   that are (a multi-output fusion's results), else 0."""
-  found = _hlo.ARRAY.findall(shape)
+  found = _hlo.array_shapes(shape)
   return sum(_hlo.array_bytes(t, d) for t, d in found
              if is_score(f"{t}[{d}]", scores))
 
@@ -133,15 +133,15 @@ def flops(hlo_text: str) -> tuple[float, float]:
     if not name:
       continue
     shapes = {m.group("name"): m.group("shape") for line in lines
-              if (m := _hlo.DEFINITION.match(line))}
+              if (m := _hlo.definition(line))}
     for line, f in _hlo.line_flops(lines, matmuls_only=True):
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       op = _OP_NAME.search(line)
       if m is None or (op and not any(e in op.group(1) for e in EINSUMS)):
         continue  # (named for something else, whatever its shapes)
       makes = is_score(m.group("shape"), score)
       reads = any(is_score(shapes.get(v, ""), score)
-                  for v in _hlo.OPERAND.findall(m.group("args")))
+                  for v in _hlo.operand_names(m.group("args")))
       if makes or reads:
         f *= counts.get(name, 1)
         found += f
@@ -174,9 +174,9 @@ def cudnn_flops(hlo_text: str) -> tuple[float, float]:
     if not name:
       continue
     for line in lines:
-      if not _CUDNN.search(line) or (m := _hlo.DEFINITION.match(line)) is None:
+      if not _CUDNN.search(line) or (m := _hlo.definition(line)) is None:
         continue
-      scores, arrays = _SCORES.search(line), _hlo.ARRAY.findall(m.group("shape"))
+      scores, arrays = _SCORES.search(line), _hlo.array_shapes(m.group("shape"))
       if scores is None or not arrays:
         continue
       # (the first result: the output forward, the queries' gradient backward)

@@ -311,21 +311,21 @@ def _values(comps: dict[str, list[str]], scope: re.Pattern,
     if not name:
       continue
     for line in lines:
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       if m is None:
         continue
-      size = sum(_hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(m.group("shape")))
+      size = sum(_hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(m.group("shape")))
       # A fusion XLA made without a name (a CPU library's) is its operands'
       # scope; a fused computation's lines, their caller's. (Not a copy: a
       # proxy's outputs copy its last repetition's values, once.)
       where = _scope_of(line, scope)
       if m.group("kind") == "fusion" and not _OP_NAME.search(line):
-        where = next((values.scope(v) for v in _hlo.OPERAND.findall(m.group("args"))
+        where = next((values.scope(v) for v in _hlo.operand_names(m.group("args"))
                       if values.scope(v)), None)
       values.made[m.group("name")] = (size, where)
       if score is not None and (held := _attention.score_bytes(m.group("shape"), score)):
         values.scores[m.group("name")] = held
-      values.caller.update(dict.fromkeys(_hlo.CALLED.findall(line), where))
+      values.caller.update(dict.fromkeys(_hlo.callees(line), where))
       values.defined.append((name, m, where))
   return values
 
@@ -425,9 +425,9 @@ def _shares(line: str, values: _Values, scope: re.Pattern) -> list[tuple[float, 
   """Whom a collective serves: ``(share, scope)`` pairs. One operand: the
   collective's own name says; several: XLA combined them, under one name,
   so each operand's maker says, by its share of the bytes."""
-  m = _hlo.DEFINITION.match(line)
+  m = _hlo.definition(line)
   own = values.scope(m.group("name")) if m else _scope_of(line, scope)
-  operands = [values.made.get(v, (0, None)) for v in _hlo.OPERAND.findall(m.group("args") if m else "")]
+  operands = [values.made.get(v, (0, None)) for v in _hlo.operand_names(m.group("args") if m else "")]
   total = sum(size for size, _ in operands)
   if total and len(operands) > 1:
     return [(size / total, where) for size, where in operands]

@@ -34,6 +34,9 @@ _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
+# Whether a line may be a collective (a cheap search before the others).
+_NAMES_A_COLLECTIVE = re.compile(
+    "|".join((*COLLECTIVE_KINDS, "_xla_megascale_transfer_type")))
 # XLA:TPU's collectives across the slices of a multi-slice program: a send
 # to the host's megascale runtime over the data-centre network, its kind
 # and its slices in attributes (``_xla_megascale_target="{1,2}x{0:255}"``:
@@ -92,15 +95,17 @@ def instructions(hlo_text: str, every: bool = False) -> list[Instruction]:
   holds)."""
   frames = stack_frames(hlo_text)
   lines = hlo_text.splitlines()
-  called = set() if not every else {m for line in lines for m in CALLED.findall(line)}
+  called = set() if not every else {m for line in lines for m in callees(line)}
   pattern = _ANY if every else _COLLECTIVE
   counts = runs(hlo_text)
   found, skip, times, chains = [], False, 1, set()
   for line in lines:
-    if c := _COMPUTATION.match(line):
+    if line.rstrip().endswith("{") and (c := _COMPUTATION.match(line)):
       skip = every and c.group("name") in called
       times = counts.get(c.group("name"), 1)
       continue
+    if not every and _NAMES_A_COLLECTIVE.search(line) is None:
+      continue  # (cheap: most lines name no collective)
     across = None if every else _megascale(line)
     if across is not None:  # (a collective among TPU slices)
       kind, shape, size, slices = across
@@ -149,7 +154,7 @@ def _megascale(line: str) -> tuple[str, str, int, int] | None:
   g = max(len([x for x in slices.group(1).split(",") if x]) if slices else 2, 2)
   kind, result = _MEGASCALE_KINDS.get(m.group("kind"), ("collective-permute", lambda g: 1))
   operand = tuple_elements(m.group("shape"))[0]
-  size = round(sum(array_bytes(t, d) for t, d in ARRAY.findall(operand)) * result(g))
+  size = round(sum(array_bytes(t, d) for t, d in array_shapes(operand)) * result(g))
   return kind, operand, size, g
 
 
@@ -169,7 +174,7 @@ def result_bytes(kind: str, shape: str, start: bool = False) -> int:
   if start and kind != "all-reduce":
     elements = tuple_elements(shape)
     shape = elements[1] if len(elements) > 1 else shape
-  return sum(array_bytes(t, d) for t, d in ARRAY.findall(shape))
+  return sum(array_bytes(t, d) for t, d in array_shapes(shape))
 
 
 def tuple_elements(shape: str) -> list[str]:
@@ -298,6 +303,37 @@ DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.
                          r"(?P<kind>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 OPERAND = re.compile(r"%([\w.\-]+)")  # a value an instruction reads
+
+
+# The passes that read a program (its cost, its kernels' traffic, the
+# schedule's replay, attention's scores) each walk the same lines: a line,
+# a shape or an operand list is parsed once and kept (bounded: a search
+# reads many programs).
+_PARSED = 1 << 17
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def definition(line: str) -> re.Match | None:
+  """The line's instruction (:data:`DEFINITION`'s groups), or None."""
+  return DEFINITION.match(line)
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def array_shapes(shape: str) -> tuple[tuple[str, str], ...]:
+  """``(dtype, dims)`` of each array of a shape (a tuple's each)."""
+  return tuple(ARRAY.findall(shape))
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def operand_names(args: str) -> tuple[str, ...]:
+  """The values an instruction's arguments name, in order."""
+  return tuple(OPERAND.findall(args))
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def callees(line: str) -> tuple[str, ...]:
+  """The computations a line calls (``calls=``, ``to_apply=``)."""
+  return tuple(CALLED.findall(line))
 # Ops XLA's cost analysis counts one flop per result element (transcendentals
 # included, as it counts them apart).
 ELEMENTWISE = frozenset({
@@ -315,7 +351,7 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
   found: dict[str, list[str]] = {}
   current = None
   for line in hlo_text.splitlines():
-    m = _COMPUTATION.match(line)
+    m = _COMPUTATION.match(line) if line.rstrip().endswith("{") else None
     if m:
       current = found.setdefault(m.group("name"), [])
       if m.group("entry"):
@@ -418,16 +454,16 @@ def _step(body: list[str], index: int) -> int:
   the constant of ``add(get-tuple-element(index), constant)`` that its
   root tuple passes on there; 1 where the body says otherwise (jax's
   loops count by 1)."""
-  defs = {m.group("name"): m for m in map(DEFINITION.match, body) if m}
+  defs = {m.group("name"): m for m in map(definition, body) if m}
   root = next((m for line in body if line.lstrip().startswith("ROOT ")
-               and (m := DEFINITION.match(line))), None)
+               and (m := definition(line))), None)
   if root is None or root.group("kind") != "tuple":
     return 1
-  operands = OPERAND.findall(root.group("args"))
+  operands = operand_names(root.group("args"))
   update = defs.get(operands[index]) if index < len(operands) else None
   if update is None or update.group("kind") != "add":
     return 1
-  parts = [_uncopied(defs, defs.get(name)) for name in OPERAND.findall(update.group("args"))]
+  parts = [_uncopied(defs, defs.get(name)) for name in operand_names(update.group("args"))]
   constants = [int(p.group("args")) for p in parts if p is not None and p.group("kind") == "constant"
                and re.fullmatch(r"-?\d+", p.group("args"))]
   counters = [p for p in parts if p is not None and p.group("kind") == "get-tuple-element"
@@ -441,7 +477,7 @@ def _uncopied(defs: dict[str, re.Match], value: re.Match | None) -> re.Match | N
   for _ in range(8):
     if value is None or value.group("kind") != "copy":
       break
-    value = defs.get(next(iter(OPERAND.findall(value.group("args"))), ""))
+    value = defs.get(next(iter(operand_names(value.group("args"))), ""))
   return value
 
 
@@ -452,10 +488,10 @@ def _first_value(comps: dict[str, list[str]], init: str, index: int) -> int | No
   tuple_ = _definition(comps, init)
   if tuple_ is None or tuple_.group("kind") != "tuple":
     return None
-  operands = OPERAND.findall(tuple_.group("args"))
+  operands = operand_names(tuple_.group("args"))
   value = _definition(comps, operands[index]) if index < len(operands) else None
   while value is not None and value.group("kind") == "copy":
-    value = _definition(comps, next(iter(OPERAND.findall(value.group("args"))), ""))
+    value = _definition(comps, next(iter(operand_names(value.group("args"))), ""))
   if value is None or value.group("kind") != "constant":
     return None
   return int(value.group("args")) if re.fullmatch(r"-?\d+", value.group("args")) else None
@@ -467,7 +503,7 @@ def _definition(comps: dict[str, list[str]], name: str) -> re.Match | None:
   needle = f"%{name} = "
   for lines in comps.values():
     for line in lines:
-      if needle in line and (m := DEFINITION.match(line)) and m.group("name") == name:
+      if needle in line and (m := definition(line)) and m.group("name") == name:
         return m
   return None
 
@@ -513,20 +549,57 @@ def _elements(dims: str) -> int:
   return math.prod(int(d) for d in dims.split(",") if d)
 
 
+# line_flops' answers by the identity of the computation's line list (which
+# the entry holds, so the id stays its own): the cost, the traffic and the
+# schedule's replay each read the flops of the same computations.
+_FLOPS_OF: collections.OrderedDict[int, tuple[list[str], list, list]] = (
+    collections.OrderedDict())
+_FLOPS_KEPT = 1 << 14
+
+
+_DEFS_OF: collections.OrderedDict[int, tuple[list[str], dict[str, re.Match]]] = (
+    collections.OrderedDict())
+
+
+def defs_of(lines: list[str]) -> dict[str, re.Match]:
+  """A computation's instructions by the name they define (kept by the
+  list's identity, as :func:`line_flops`'s; shared: do not change it)."""
+  kept = _DEFS_OF.get(id(lines))
+  if kept is None or kept[0] is not lines:
+    kept = (lines, {m.group("name"): m for m in map(definition, lines) if m})
+    _DEFS_OF[id(lines)] = kept
+    if len(_DEFS_OF) > _FLOPS_KEPT:
+      _DEFS_OF.popitem(last=False)
+  return kept[1]
+
+
 def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
   """``(line, flops)`` of each line of one computation that does any (as
-  :func:`flops` counts them)."""
+  :func:`flops` counts them); the list is shared: do not change it."""
+  kept = _FLOPS_OF.get(id(lines))
+  if kept is None or kept[0] is not lines:
+    every = _line_flops(lines)
+    kept = (lines, [(line, f) for line, f, _ in every],
+            [(line, f) for line, f, matmul in every if matmul])
+    _FLOPS_OF[id(lines)] = kept
+    if len(_FLOPS_OF) > _FLOPS_KEPT:
+      _FLOPS_OF.popitem(last=False)
+  return kept[2] if matmuls_only else kept[1]
+
+
+def _line_flops(lines: list[str]) -> list[tuple[str, float, bool]]:
+  """``(line, flops, whether a matmul's)`` of each line that does any."""
   found = []
   for line, m, shapes in _defined(lines):
     kind = m.group("kind")
-    if not matmuls_only and (kind in ELEMENTWISE or kind == "reduce"):
+    if kind in ELEMENTWISE or kind == "reduce":
       arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
                              shapes.get(_first_operand(m.group("args")), ""))
-      found.append((line, float(sum(_elements(a) for a in arrays[:1]))))
+      found.append((line, float(sum(_elements(a) for a in arrays[:1])), False))
       continue
     f = _matmul_flops(m, line, shapes)
     if f is not None:
-      found.append((line, f))
+      found.append((line, f, True))
   return found
 
 
@@ -536,7 +609,7 @@ def _defined(lines: list[str]) -> Iterator[tuple[str, re.Match, dict[str, str]]]
   included."""
   shapes: dict[str, str] = {}
   for line in lines:
-    m = DEFINITION.match(line)
+    m = definition(line)
     if m is not None:
       shapes[m.group("name")] = m.group("shape")
       yield line, m, shapes
@@ -715,7 +788,7 @@ def _element_types(lines: list[str]) -> dict[str, str]:
   """Each value a computation defines: its element type (``"f32"``)."""
   out = {}
   for line in lines:
-    d = DEFINITION.match(line)
+    d = definition(line)
     t = re.match(r"\s*\(?([a-z]+\d*)\[", d.group("shape")) if d else None
     if d is not None and t is not None:
       out[d.group("name")] = t.group(1)
@@ -725,7 +798,7 @@ def _element_types(lines: list[str]) -> dict[str, str]:
 def _operand_type(line: str, types: dict[str, str]) -> str:
   """The element type of ``line``'s first operand, as printed with it or
   as its computation defines it (``types``); "" where unknown."""
-  m = DEFINITION.match(line)
+  m = definition(line)
   if m is None:
     return ""
   printed = re.match(r"\s*([a-z]+\d*)\[", m.group("args"))

@@ -137,10 +137,10 @@ class _Replay:
     self.chains: dict[tuple[str, str], float] = {}
     for name, lines in self.comps.items():
       for line in lines if name else ():
-        m = _hlo.DEFINITION.match(line)
+        m = _hlo.definition(line)
         if m is not None:
           self.sizes[m.group("name")] = sum(
-              _hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(m.group("shape")))
+              _hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(m.group("shape")))
         key = _hlo.chain(line)
         if key is not None:
           self.chains[key] = max(self.chains.get(key, 0.0), self.comm_of(line))
@@ -150,7 +150,7 @@ class _Replay:
     if name not in self.flops_of:
       lines = self.comps.get(name, [])
       self.flops_of[name] = _hlo.flops(lines) + sum(
-          self._flops(c) for line in lines for c in _hlo.CALLED.findall(line))
+          self._flops(c) for line in lines for c in _hlo.callees(line))
     return self.flops_of[name]
 
   def _called_comm(self, name: str) -> tuple[float, tuple[str, str] | None]:
@@ -164,7 +164,7 @@ class _Replay:
           chain = key
           continue
         comm += self.comm_of(line)
-        for callee in _hlo.CALLED.findall(line):
+        for callee in _hlo.callees(line):
           more, inner = self._called_comm(callee)
           comm, chain = comm + more, chain or inner
       self.comm_in[name] = (comm, chain)
@@ -176,9 +176,9 @@ class _Replay:
     kind = m.group("kind")
     if kind in _hlo.NOT_COMPUTED or kind in ("while", "send", "send-done", "recv", "recv-done"):
       return 0.0
-    flops = own.get(line, 0.0) + sum(self._flops(c) for c in _hlo.CALLED.findall(line))
+    flops = own.get(line, 0.0) + sum(self._flops(c) for c in _hlo.callees(line))
     moved = self.sizes.get(m.group("name"), 0) + sum(
-        self.sizes.get(v, 0) for v in _hlo.OPERAND.findall(m.group("args")))
+        self.sizes.get(v, 0) for v in _hlo.operand_names(m.group("args")))
     return self.device.compute_seconds(flops, 0.0 if kind.endswith("-done") else moved)
 
   def _loop(self, line: str) -> tuple[list[str], int] | None:
@@ -190,7 +190,7 @@ class _Replay:
     """A computation's unscaled compute seconds, loop bodies each iteration."""
     total, own = 0.0, dict(_hlo.line_flops(lines))
     for line in lines:
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       if m is None:
         continue
       loop = self._loop(line)
@@ -204,7 +204,7 @@ class _Replay:
     starts, waits, early = self._early_plan(lines) if self.early else ({}, {}, {})
     clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)
     for i, line in enumerate(lines):
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       if m is None:
         continue
       for k in waits.get(i, ()):
@@ -235,10 +235,10 @@ class _Replay:
     starts: dict[int, list[int]] = {}
     seconds: dict[int, float] = {}
     for i, line in enumerate(lines):
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       if m is None:
         continue
-      operands = _hlo.OPERAND.findall(m.group("args"))
+      operands = _hlo.operand_names(m.group("args"))
       if m.group("kind") == "get-tuple-element" and operands and (
           operands[0] in collectives or operands[0] in forwarded):
         forwarded[m.group("name")] = forwarded.get(operands[0]) or operands[0]
@@ -263,7 +263,7 @@ class _Replay:
     found: dict[tuple[str, str], list[int]] = {}
     for i, line in enumerate(lines):
       if " fusion(" in line:
-        for callee in _hlo.CALLED.findall(line):
+        for callee in _hlo.callees(line):
           chain = self._called_comm(callee)[1]
           if chain is not None:
             found.setdefault(chain, []).append(i)
@@ -274,7 +274,7 @@ class _Replay:
     """How one instruction uses the link: ``(role, key, seconds)``, role
     "sync", "start", "done" or "" (compute only)."""
     kind, name = m.group("kind"), m.group("name")
-    operands = _hlo.OPERAND.findall(m.group("args"))
+    operands = _hlo.operand_names(m.group("args"))
     if kind in _DONES or kind == "async-update":
       return ("done" if kind != "async-update" else "update"), operands[0] if operands else None, 0.0
     if kind in _STARTS:
@@ -289,7 +289,7 @@ class _Replay:
         return "done", self.received[operands[0]], 0.0
       return "", None, 0.0
     comm, chain = 0.0, None
-    for callee in _hlo.CALLED.findall(line):
+    for callee in _hlo.callees(line):
       more, inner = self._called_comm(callee)
       comm, chain = comm + more, chain or inner
     if kind == "async-start":

@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from partitioner._report import hlo as _hlo
 
@@ -173,7 +173,7 @@ def _kernel_computations(hlo_text: str) -> tuple[str, ...]:
       continue
     found.append(name)
     for line in comps.get(name, ()):
-      m = _hlo.DEFINITION.match(line)
+      m = _hlo.definition(line)
       if m is None or m.group("kind") not in ("while", "conditional", "call"):
         continue
       for one, branches in _CONTROL.findall(line):
@@ -222,7 +222,7 @@ class _Computation:
       return float(_array_bytes(shape))  # (a tuple: each array as it is)
     return _elements(shape) * self.width[name]
 
-  def read(self, names: list[str]) -> dict[str, float]:
+  def read(self, names: Sequence[str]) -> dict[str, float]:
     """What reading the values ``names`` reads: each one's bytes, or, for
     a fused elementwise result, what its kernel reads (each array once)."""
     found: dict[str, float] = {}
@@ -233,7 +233,7 @@ class _Computation:
         continue
       if v in self.fused:
         found[v] = 0.0
-        todo += _hlo.OPERAND.findall(self.defs[v].group("args"))
+        todo += _hlo.operand_names(self.defs[v].group("args"))
       else:
         found[v] = self.size(v)
     return found
@@ -241,7 +241,7 @@ class _Computation:
   def kernel(self, m: re.Match) -> tuple[float, dict[str, float]]:
     """What one kernel writes, and reads of each value."""
     kind, name = m.group("kind"), m.group("name")
-    args = _hlo.OPERAND.findall(m.group("args"))
+    args = _hlo.operand_names(m.group("args"))
     if kind in _IN_PLACE:  # (the update: operand 1 of a dynamic-update-slice, 2 of a scatter)
       update = args[2 if kind == "scatter" else 1] if len(args) > 2 else ""
       if self._made_here(update):
@@ -270,7 +270,7 @@ class _Computation:
 
   def _source(self, d: re.Match) -> str | None:
     """The array a view reads (its first operand)."""
-    args = _hlo.OPERAND.findall(d.group("args"))
+    args = _hlo.operand_names(d.group("args"))
     return args[0] if args else None
 
   def _is_view(self, d: re.Match) -> bool:
@@ -292,10 +292,10 @@ class _Computation:
 
 def _definitions(lines: list[str]) -> tuple[dict[str, re.Match], dict[str, list[re.Match]]]:
   """A computation's definitions by name, and each value's readers."""
-  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, lines) if m}
+  defs = _hlo.defs_of(lines)
   readers: dict[str, list[re.Match]] = {}
   for d in defs.values():
-    for v in dict.fromkeys(_hlo.OPERAND.findall(d.group("args"))):
+    for v in dict.fromkeys(_hlo.operand_names(d.group("args"))):
       readers.setdefault(v, []).append(d)
   return defs, readers
 
@@ -312,7 +312,7 @@ def _only(body: list[str], allowed, arrays: int | None = None) -> bool:
   """Whether every instruction of a fusion's ``body`` is ``allowed(match,
   defs)`` (scalar ones aside: index arithmetic), with ``arrays`` array
   parameters if given."""
-  defs = {m.group("name"): m for m in map(_hlo.DEFINITION.match, body) if m}
+  defs = _hlo.defs_of(body)
   params = [m for m in defs.values() if m.group("kind") == "parameter"
             and _elements(m.group("shape")) > 1]
   if arrays is not None and len(params) != arrays:
@@ -325,14 +325,14 @@ def _is_view_op(d: re.Match, defs: dict[str, re.Match]) -> bool:
   kind = d.group("kind")
   if kind in _SLICES:
     return True
-  if kind not in _CONVERSIONS or len(_hlo.OPERAND.findall(d.group("args"))) != 1:
+  if kind not in _CONVERSIONS or len(_hlo.operand_names(d.group("args"))) != 1:
     return False
   return kind != "copy" or _keeps_layout(d, defs)
 
 
 def _keeps_layout(d: re.Match, defs: dict[str, re.Match]) -> bool:
   """Whether a copy keeps its operand's layout (else it is a transpose)."""
-  args = _hlo.OPERAND.findall(d.group("args"))
+  args = _hlo.operand_names(d.group("args"))
   source = defs.get(args[0]) if args else None
   return source is not None and _layout(source.group("shape")) == _layout(d.group("shape"))
 
@@ -361,11 +361,11 @@ def _fusion_bytes(body: list[str], operands: list[dict[str, float]], result: flo
   ``result`` the bytes of its result, as the caller holds them."""
   defs, users = _definitions(body)
   root = next((m for line in body if line.lstrip().startswith("ROOT ")
-               and (m := _hlo.DEFINITION.match(line))), None)
+               and (m := _hlo.definition(line))), None)
   if root is None:
     return 0.0, {}
   several = root.group("kind") == "tuple"
-  outputs = ([defs[v] for v in _hlo.OPERAND.findall(root.group("args")) if v in defs]
+  outputs = ([defs[v] for v in _hlo.operand_names(root.group("args")) if v in defs]
              if several else [root])
   written, updated, stored = 0.0, set(), 0
   for out in outputs:
@@ -408,7 +408,7 @@ def _parameters_of(name: str, defs: dict[str, re.Match]) -> set[int]:
       if _elements(d.group("shape")) > 1:
         found.add(int(d.group("args")))
     else:
-      todo += _hlo.OPERAND.findall(d.group("args"))
+      todo += _hlo.operand_names(d.group("args"))
   return found
 
 
@@ -419,7 +419,7 @@ def _update_in_place(out: re.Match, defs: dict[str, re.Match]) -> tuple[str, str
   d = _through(out, defs)
   if d is None or d.group("kind") not in _IN_PLACE:
     return None
-  args = _hlo.OPERAND.findall(d.group("args"))
+  args = _hlo.operand_names(d.group("args"))
   buffer = _through(defs.get(args[0]), defs) if args else None
   if buffer is None or buffer.group("kind") != "parameter":
     return None
@@ -435,7 +435,7 @@ def _through(d: re.Match | None, defs: dict[str, re.Match]) -> re.Match | None:
   for _ in range(16):
     if d is None or d.group("kind") not in _CONVERSIONS:
       break
-    args = _hlo.OPERAND.findall(d.group("args"))
+    args = _hlo.operand_names(d.group("args"))
     d = defs.get(args[0]) if len(args) == 1 else None
   return d
 
@@ -446,7 +446,7 @@ def _sliced_elements(name: str, users: dict[str, list[re.Match]], depth: int = 0
   total = 0
   for u in users.get(name, ()):
     kind = u.group("kind")
-    args = _hlo.OPERAND.findall(u.group("args"))
+    args = _hlo.operand_names(u.group("args"))
     if (kind in _SLICES or kind == "gather") and args and args[0] == name:
       total += _elements(u.group("shape"))
     elif kind in _CONVERSIONS and depth < 16:
@@ -459,12 +459,14 @@ def _sliced_elements(name: str, users: dict[str, list[re.Match]], depth: int = 0
   return total
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _array_bytes(shape: str) -> int:
-  return sum(_hlo.array_bytes(t, d) for t, d in _hlo.ARRAY.findall(shape))
+  return sum(_hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(shape))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _elements(shape: str) -> int:
-  return sum(math.prod(int(x) for x in d.split(",") if x) for _, d in _hlo.ARRAY.findall(shape))
+  return sum(math.prod(int(x) for x in d.split(",") if x) for _, d in _hlo.array_shapes(shape))
 
 
 def _element_bytes(shape: str) -> float:
