@@ -83,7 +83,7 @@ def rewrite_lowered(lowered: jax.stages.Lowered, rewrite: Any) -> None:
   the executable it compiled from it, to every ``lower()`` of the same
   function and signature. So a rewrite applied before the first
   ``compile()`` is in every executable; ``rewrite`` must be idempotent.
-  tests/test_data_model.py checks that the compiled program shows it.
+  tests/test_pmap.py checks that the compiled program shows it.
   """
   computation = lowered._lowering  # pylint: disable=protected-access
   if getattr(computation, "_executable", None) is not None:

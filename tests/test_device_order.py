@@ -54,7 +54,6 @@ def same_slices(array, ns):
 
 
 def test_every_named_sharding_is_a_spec_with_the_same_slices():
-  assert len(CASES) > 60
   for ns in CASES:
     spec = from_named(ns, 2)
     t = tiling(spec, D, 2)

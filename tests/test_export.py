@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as NP
 import partitioner
 from sharding import PartitionSpec as P
 from sharding import from_named, tiling, to_named
-from tests.test_search import mlp, mlp_step
+from tests.search.test_search import mlp, mlp_step
 
 _COLLECTIVE = re.compile(
     r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")

@@ -19,7 +19,7 @@ import partitioner
 from partitioner import _compat, sharded_jit
 from partitioner._lower import gpu_topology
 from sharding import PartitionSpec as P
-from tests.test_search import mlp_step
+from tests.search.test_search import mlp_step
 from tests.test_tpu_topology import _mlp_step
 
 needs_cuda = pytest.mark.skipif(

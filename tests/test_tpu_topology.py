@@ -21,7 +21,7 @@ from partitioner import _compat, sharded_jit
 from partitioner._compile.partition import _lowering_platform
 from sharding import PartitionSpec as P
 from sharding import from_named
-from tests.test_search import _deep_step, mlp_step
+from tests.search.test_search import _deep_step, mlp_step
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -229,7 +229,7 @@ def test_devices_of_another_platform_lower_for_it():
 
 
 def _abstract_mlp(d, h, b):
-  """Shapes only: the weights of ``tests.test_search.mlp`` and a batch."""
+  """Shapes only: the weights of ``tests.search.test_search.mlp`` and a batch."""
   s = jax.ShapeDtypeStruct
   return {"w1": s((d, h), jnp.float32), "w2": s((h, d), jnp.float32)}, s((b, d), jnp.float32)
 

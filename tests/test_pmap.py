@@ -208,7 +208,7 @@ def test_errors_under_transformations():
   with pytest.raises(ValueError, match=r"partitions into 4 but is called inside jax.pmap.*Hint: use partitioner.pmap"):
     jax.pmap(lambda x: F(x, W))(np.stack([X, X]))
   mesh = Mesh(np.array(D[:8]), ("a",))
-  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_data_model.py:\d+.*PartitionSpec\(3, 1\).*8 devices"):
+  with pytest.raises(ValueError, match=r"with_sharding_constraint at .*test_pmap.py:\d+.*PartitionSpec\(3, 1\).*8 devices"):
     jax.jit(lambda x: wsc(x, P(3, 1)), in_shardings=NamedSharding(mesh, JP("a")))(
         np.ones((24, 2), np.float32))
 

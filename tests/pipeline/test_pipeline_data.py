@@ -154,7 +154,7 @@ import jax, jax.numpy as jnp
 import partitioner
 from partitioner import sharded_jit
 from sharding import PartitionSpec as P
-from tests.test_pipeline_data import _step
+from tests.pipeline.test_pipeline_data import _step
 kind = sys.argv[1]
 devices = (partitioner.tpu_devices("v5p:2x2x2") if kind == "tpu"
            else partitioner.gpu_devices("a100:8"))
@@ -183,7 +183,7 @@ def test_a_pipeline_for_compile_only_devices_counts_their_stages_not_the_hosts(k
     pytest.skip("libtpu not installed: pip install 'sharded-jit[tpu]'")
   if kind == "gpu" and not _compat.cuda_plugin_installed():
     pytest.skip("jax's CUDA plugin not installed: pip install 'sharded-jit[cuda]'")
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(__file__).resolve().parent.parent.parent
   out = subprocess.run([sys.executable, "-c", _PLANNED, kind], cwd=root, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
