@@ -8,6 +8,8 @@ from partitioner import _compat
 _compat.forget_absent_tpu()
 
 
+from partitioner._calibrate.calibrate import Calibration as Calibration
+from partitioner._calibrate.calibrate import calibrate as calibrate
 from partitioner._compile.cache import CacheStore as CacheStore
 from partitioner._compile.cache import DiskStore as DiskStore
 from partitioner._compile.cache import MemoryStore as MemoryStore
@@ -42,8 +44,6 @@ from partitioner._report.explanation import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
 from partitioner._search import FoundLayout as FoundLayout
 from partitioner._search import search as search
-from partitioner._search.calibrate import Calibration as Calibration
-from partitioner._search.calibrate import calibrate as calibrate
 from partitioner._version import __version__ as __version__
 
 __all__ = [

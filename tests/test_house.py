@@ -120,7 +120,8 @@ def test_examples_benchmarks_and_scripts_use_the_public_api(path):
 
 
 # The folders of partitioner/, lowest first: each imports only those before it.
-LAYERS = ("_report", "_lower", "_distributed", "_compile", "_front", "_pipeline", "_search")
+LAYERS = ("_report", "_lower", "_distributed", "_calibrate", "_compile", "_front", "_pipeline",
+          "_search")
 BASE = ("partitioner._compat", "partitioner._config", "partitioner._version")
 
 

@@ -32,7 +32,7 @@ NOT_COMPUTED = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", 
                           "after-all", "partition-id", "replica-id", "opt-barrier"})
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    rf"(?P<kind>{'|'.join(COLLECTIVE_KINDS)})"
     r"(?P<start>-start)?\(")
 # Whether a line may be a collective (a cheap search before the others).
 _NAMES_A_COLLECTIVE = re.compile(

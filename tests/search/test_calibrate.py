@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import partitioner
+from partitioner._calibrate import calibrate as cal
+from partitioner._calibrate import steps as steps_lib
+from partitioner._calibrate import timing
 from partitioner._report.device_models import load_model
-from partitioner._search import calibrate as cal
-from partitioner._search import calibrate_steps as steps_lib
 from tests.search.test_search import mlp_step
 
 
@@ -289,9 +290,9 @@ def test_the_attention_rate_is_the_fused_kernel_s_count_over_the_time():
     timed.append(real(build, args, target, repeats, agree))
     return timed[-1]
 
-  real = cal._timed
-  with mock.patch.object(cal, "_timed", seconds):
-    rate = cal.measure_attention(devices, 256, 0.01, 1, implementation=None, heads=2,
+  real = timing._timed
+  with mock.patch.object(timing, "_timed", seconds):
+    rate = timing.measure_attention(devices, 256, 0.01, 1, implementation=None, heads=2,
                                  head_size=32, tokens=512)
   # 512 tokens of 256: 2 sequences; forward 4 x 2 x 256^2 x 2 x 32, backward 2.5x, causal half
   count = 3.5 * 4 * 2 * 256 ** 2 * 2 * 32 / 2

@@ -1,0 +1,1 @@
+"""Device models measured on the devices at hand: ``partitioner.calibrate``."""
