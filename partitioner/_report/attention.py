@@ -26,6 +26,7 @@ import math
 import re
 
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 
 # The einsums of jax's attention as XLA runs it (jax/_src/nn/functions.py,
 # _dot_product_attention_core): the logits, and the probabilities times
@@ -102,8 +103,8 @@ def transposed_score_bytes(hlo_text: str, scores: tuple[tuple[int, int], ...]) -
   """The bytes of the program's large transposes
   (:func:`partitioner._report.hlo.transposed_bytes`) that make score
   matrices (``scores``: :func:`score_shapes`')."""
-  others = _hlo.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, scores))
-  return _hlo.transposed_bytes(hlo_text) - others
+  others = _hlo_flops.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, scores))
+  return _hlo_flops.transposed_bytes(hlo_text) - others
 
 
 def flops(hlo_text: str) -> tuple[float, float]:
@@ -134,7 +135,7 @@ def flops(hlo_text: str) -> tuple[float, float]:
       continue
     shapes = {m.group("name"): m.group("shape") for line in lines
               if (m := _hlo.definition(line))}
-    for line, f in _hlo.line_flops(lines, matmuls_only=True):
+    for line, f in _hlo_flops.line_flops(lines, matmuls_only=True):
       m = _hlo.definition(line)
       op = _OP_NAME.search(line)
       if m is None or (op and not any(e in op.group(1) for e in EINSUMS)):

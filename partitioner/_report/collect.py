@@ -18,6 +18,7 @@ import numpy as np
 
 from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report.explanation import (
   LARGEST_TEMPORARIES,
   Collective,
@@ -160,5 +161,5 @@ def explanation(described: Description, hlo_text: str, cost_analysis: dict,
       temporaries=temporaries(hlo_text),
       # (cuDNN's attention calls, which XLA's analyses count nothing for, as
       # partitioner.cost counts them)
-      flops=_hlo.program_flops(hlo_text, cost_analysis) + _attention.cudnn_flops(hlo_text)[0],
+      flops=_hlo_flops.program_flops(hlo_text, cost_analysis) + _attention.cudnn_flops(hlo_text)[0],
       memory=memory(memory_stats), guards=tuple(d.guards), replicas=d.replicas)

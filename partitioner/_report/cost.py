@@ -29,6 +29,7 @@ import numpy as np
 
 from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report import schedule as _schedule
 from partitioner._report import traffic as _traffic
 from partitioner._report.device_models import DeviceModel
@@ -337,12 +338,12 @@ def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
   for name, lines in comps.items():
     if not name:
       continue
-    for line, f in _hlo.line_flops(lines):
+    for line, f in _hlo_flops.line_flops(lines):
       where = _scope_of(line, scope) or values.caller.get(name)
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.flops += counts.get(name, 1) * f
-        part.matmul_flops += counts.get(name, 1) * f if _hlo.is_matmul(line) else 0.0
+        part.matmul_flops += counts.get(name, 1) * f if _hlo_flops.is_matmul(line) else 0.0
 
 
 def _moved(hlo_text: str, values: _Values) -> Iterator[tuple[str | None, float, float]]:
@@ -512,16 +513,16 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
                                           level)
       if hosts > 1:
         across_lines.add(op.line)
-  flops = _hlo.program_flops(hlo_text, cost)
+  flops = _hlo_flops.program_flops(hlo_text, cost)
   accessed = _traffic.bytes_moved(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
-  matmuls = _hlo.matmul_flops_by_type(hlo_text)
-  gpu = _hlo.compiled_for_gpu(hlo_text)
+  matmuls = _hlo_flops.matmul_flops_by_type(hlo_text)
+  gpu = _hlo_flops.compiled_for_gpu(hlo_text)
   f32 = matmuls.get("f32", 0.0) if gpu else 0.0
-  transposed = _hlo.transposed_bytes(hlo_text)
+  transposed = _hlo_flops.transposed_bytes(hlo_text)
   # cuDNN's attention in XLA:GPU's program: a custom call, which XLA's
   # analyses count nothing for
   attention, kernel = _attention.cudnn_flops(hlo_text) if gpu else (0.0, 0.0)

@@ -39,6 +39,7 @@ import re
 from collections.abc import Callable
 
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report.device_models import DeviceModel
 
 # Text a program with an async collective holds; without any, nothing is
@@ -149,7 +150,7 @@ class _Replay:
     """The flops of a called computation (fusion body), nested ones included."""
     if name not in self.flops_of:
       lines = self.comps.get(name, [])
-      self.flops_of[name] = _hlo.flops(lines) + sum(
+      self.flops_of[name] = _hlo_flops.flops(lines) + sum(
           self._flops(c) for line in lines for c in _hlo.callees(line))
     return self.flops_of[name]
 
@@ -188,7 +189,7 @@ class _Replay:
 
   def raw_total(self, lines: list[str]) -> float:
     """A computation's unscaled compute seconds, loop bodies each iteration."""
-    total, own = 0.0, dict(_hlo.line_flops(lines))
+    total, own = 0.0, dict(_hlo_flops.line_flops(lines))
     for line in lines:
       m = _hlo.definition(line)
       if m is None:
@@ -199,7 +200,7 @@ class _Replay:
 
   def run(self, lines: list[str]) -> tuple[float, float]:
     """``(replayed seconds, seconds one after another)`` of one computation."""
-    members, own = self._chain_members(lines), dict(_hlo.line_flops(lines))
+    members, own = self._chain_members(lines), dict(_hlo_flops.line_flops(lines))
     clock = _Clock()
     starts, waits, early = self._early_plan(lines) if self.early else ({}, {}, {})
     clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)

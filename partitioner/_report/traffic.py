@@ -45,6 +45,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 
 # Ops that move no data of their own (a loop's or call's body is counted
 # where it runs; an async op's ``-done`` is its ``-start``'s; a send or a
@@ -148,9 +149,9 @@ def _matmuls(lines: list[str], comps: dict[str, list[str]], nested: bool = True,
              depth: int = 0) -> list[tuple[str, tuple[float, int]]]:
   """Each matmul line of a computation (and, ``nested``, of the fusions in
   it): ``(line, (flops, smallest dimension))``."""
-  smallest = _hlo.matmul_smallest(lines)
+  smallest = _hlo_flops.matmul_smallest(lines)
   found = [(line, (f, smallest.get(line, 0)))
-           for line, f in _hlo.line_flops(lines, matmuls_only=True)]
+           for line, f in _hlo_flops.line_flops(lines, matmuls_only=True)]
   if nested and depth < 4:
     for line in lines:
       for inner in _FUSION_CALLS.findall(line) if " fusion(" in line else ():

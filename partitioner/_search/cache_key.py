@@ -9,24 +9,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner._config import config
-from partitioner._report import attention as _attention_rule
-from partitioner._report import cost as _cost
-from partitioner._report import device_models as _device_models
-from partitioner._report import hlo as _hlo
-from partitioner._report import schedule as _schedule
 from partitioner._search.request import Request
 from partitioner._version import __version__
 
 
 def _rules_digest() -> str:
   """A digest of the sources of the search's rules (candidates, shortlist,
-  scoring): this folder's modules and the report modules whose answers it
-  keeps (the compiled cost, the device models, the HLO reading, the
-  schedule's overlap, a fused attention's traffic)."""
-  root = pathlib.Path(_cost.__file__).parent.parent  # partitioner/
+  scoring): this folder's modules and every module of ``_report/`` (the
+  compiled cost, the kernels' traffic, the device models, the HLO
+  reading, the schedule's overlap, a fused attention's traffic)."""
+  root = pathlib.Path(__file__).parent.parent  # partitioner/
   files = sorted(pathlib.Path(__file__).parent.glob("*.py"))
-  files += [pathlib.Path(m.__file__ or "")
-            for m in (_attention_rule, _cost, _device_models, _hlo, _schedule)]
+  files += sorted((root / "_report").glob("*.py"))
   digest = hashlib.sha256()
   for path in files:
     digest.update(f"{path.relative_to(root)}\n".encode())

@@ -10,6 +10,7 @@ from partitioner._report import collect as _collect
 from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
+from partitioner._report import hlo_flops as _hlo_flops
 
 # ---- async collectives: a start's bytes are its results' ----
 
@@ -200,17 +201,17 @@ _PLAIN = 2.0 * (8 * 64) * 16
 
 def test_cublas_gemms_are_matmuls():
   comps = _hlo.computations(_GPU)
-  assert _hlo.flops(comps["body"], matmuls_only=True) == _BATCHED
-  assert _hlo.flops(comps["main"], matmuls_only=True) == _PLAIN  # not the convolution
-  assert _hlo.is_matmul(comps["body"][4]) and not _hlo.is_matmul(comps["main"][7])
+  assert _hlo_flops.flops(comps["body"], matmuls_only=True) == _BATCHED
+  assert _hlo_flops.flops(comps["main"], matmuls_only=True) == _PLAIN  # not the convolution
+  assert _hlo_flops.is_matmul(comps["body"][4]) and not _hlo_flops.is_matmul(comps["main"][7])
 
 
 def test_a_gemm_in_a_loop_counts_every_iteration():
   assert _hlo.runs(_GPU)["body"] == 6
-  assert _hlo.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
+  assert _hlo_flops.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
   # XLA's cost analysis counts a loop body once: the 5 other iterations
   # (and the condition's compare, tested 7 times, 6 more).
-  assert _hlo.repeated_flops(_GPU) == 5 * _BATCHED + 6
+  assert _hlo_flops.repeated_flops(_GPU) == 5 * _BATCHED + 6
   part = _cost.scoped(_GPU, [0], re.compile(r"(layer)"))["layer"]
   assert part.matmul_flops == 6 * _BATCHED
 
@@ -220,8 +221,8 @@ def test_dots_are_counted_as_before():
            "  %y = f32[16,4]{1,0} parameter(1)",
            "  ROOT %d = f32[8,4]{1,0} dot(f32[8,16]{1,0} %x, f32[16,4]{1,0} %y),"
            " lhs_contracting_dims={1}, rhs_contracting_dims={0}"]
-  assert _hlo.flops(lines, matmuls_only=True) == 2.0 * 8 * 4 * 16
-  assert _hlo.flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
+  assert _hlo_flops.flops(lines, matmuls_only=True) == 2.0 * 8 * 4 * 16
+  assert _hlo_flops.flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
                      .replace("f32[16,4]{1,0} %y", "%y")]) == 2.0 * 8 * 4 * 16
 
 
@@ -255,29 +256,29 @@ def test_xla_convolutions_are_matmuls_with_their_flops():
   dot = 2.0 * 512 * 512 * 1024
   conv = 2.0 * 6 * 2 * 22 * 22  # 22 of the 8 x 3 positions per dimension off the padding
   dilated = 2.0 * 4 * 3 * 2 * 17  # one of each output's 8 window positions
-  assert _hlo.flops(lines, matmuls_only=True) == dot + conv + dilated
-  assert _hlo.is_matmul(lines[-1])
-  assert _hlo.matmul_flops(_TPU) == dot + conv + dilated
+  assert _hlo_flops.flops(lines, matmuls_only=True) == dot + conv + dilated
+  assert _hlo_flops.is_matmul(lines[-1])
+  assert _hlo_flops.matmul_flops(_TPU) == dot + conv + dilated
 
 
 def test_gemms_a_gpu_cost_analysis_left_out_are_added():
   # jax's cost_analysis() on a GPU counts no cuBLAS call (an H100, jax
   # 0.11.2): the program's flops add them, the loop's once per iteration.
-  main_only = _hlo.uncounted_gemm_flops(_GPU, counted=6.0)
+  main_only = _hlo_flops.uncounted_gemm_flops(_GPU, counted=6.0)
   assert main_only == _BATCHED + _PLAIN
-  assert _hlo.program_flops(_GPU, {"flops": 6.0}) == 6 + 6 * _BATCHED + _PLAIN + 6
+  assert _hlo_flops.program_flops(_GPU, {"flops": 6.0}) == 6 + 6 * _BATCHED + _PLAIN + 6
   # Where the analysis counted them (its flops reach the program's own
   # count), nothing is added twice.
   counted = _BATCHED + _PLAIN + 6
-  assert _hlo.uncounted_gemm_flops(_GPU, counted) == 0.0
-  assert _hlo.program_flops(_GPU, {"flops": counted}) == counted + 5 * _BATCHED + 6
+  assert _hlo_flops.uncounted_gemm_flops(_GPU, counted) == 0.0
+  assert _hlo_flops.program_flops(_GPU, {"flops": counted}) == counted + 5 * _BATCHED + 6
 
 
 def test_float32_matmuls_are_counted_apart():
   # (a GPU runs them as TF32, about half its bfloat16 rate)
-  assert _hlo.matmul_flops_by_type(_GPU) == {"f32": 6 * _BATCHED + _PLAIN}
+  assert _hlo_flops.matmul_flops_by_type(_GPU) == {"f32": 6 * _BATCHED + _PLAIN}
   bf16 = _GPU.replace("f32[", "bf16[")
-  assert _hlo.matmul_flops_by_type(bf16).get("f32", 0.0) == 0.0 and _hlo.matmul_flops(bf16) > 0
+  assert _hlo_flops.matmul_flops_by_type(bf16).get("f32", 0.0) == 0.0 and _hlo_flops.matmul_flops(bf16) > 0
 
 
 def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
