@@ -538,8 +538,14 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   overlapped = overlapped_bytes(hlo_text, device, values)
   narrow = (_traffic.narrow_flops(hlo_text, device.matmul_factor)
             if device.matmul_dim_factors else 0.0)
-  compute = device.compute_seconds(flops + narrow, accessed, f32, transposed, attention, kernel,
-                                   sequence, overlapped)
+  own = cost.get("optimal_seconds")
+  got = Cost(flops=flops, bytes_accessed=accessed, collectives=count, collective_bytes=weighted,
+             network_bytes=network, peak_memory=int(peak), seconds=0.0,
+             matmul_flops=sum(matmuls.values()), xla_seconds=float(own) if own and own > 0 else None,
+             f32_matmul_flops=f32, transposed_bytes=transposed, network_collectives=remote,
+             network_levels=levels, attention_flops=attention, attention_kernel_flops=kernel,
+             attention_sequence=sequence, overlapped_bytes=overlapped, narrow_flops=narrow)
+  compute = device.step_compute_seconds(got)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
   hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
@@ -547,8 +553,5 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
   network_hidden = min(_schedule.hidden_seconds(
       hlo_text, lambda line: once.get(line, 0.0) if line in across_lines else 0.0, compute,
       device), hidden) if hidden and across_lines else 0.0
-  own = cost.get("optimal_seconds")
-  return Cost(flops, accessed, count, weighted, network, int(peak), compute + comm - hidden,
-              sum(matmuls.values()), float(own) if own and own > 0 else None, f32, transposed,
-              hidden, remote, levels, attention, kernel, network_hidden, sequence, overlapped,
-              narrow)
+  return dataclasses.replace(got, seconds=compute + comm - hidden, hidden_seconds=hidden,
+                             network_hidden_seconds=network_hidden)

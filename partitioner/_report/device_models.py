@@ -318,6 +318,14 @@ class DeviceModel:
       flop_s += attention_kernel_flops / rate - attention_flops / self.flops_per_s
     return max(flop_s, memory_s) if self.overlap else flop_s + memory_s
 
+  def step_compute_seconds(self, cost: Any) -> float:
+    """:meth:`compute_seconds` of a :class:`~partitioner.Cost` passed whole
+    (its narrow matmuls' surcharge added to its flops)."""
+    return self.compute_seconds(
+        cost.flops + cost.narrow_flops, cost.bytes_accessed, cost.f32_matmul_flops,
+        cost.transposed_bytes, cost.attention_flops, cost.attention_kernel_flops,
+        cost.attention_sequence, cost.overlapped_bytes)
+
   def comm_seconds(self, weighted_bytes: float, collectives: float,
                    network_bytes: float = 0.0, network_collectives: float = 0.0,
                    network_levels: float = 0.0) -> float:
@@ -364,13 +372,15 @@ _ACROSS_HOSTS_LATENCY = 50e-6
 _LEVEL_LATENCY = 10e-6
 
 
-def _gpu(name: str, flops: float, memory: float, link: float, network: float, latency: float,
+def _gpu(name: str, rates: tuple[float, float, float, float], latency: float,
          capacity: float, f32_flops: float, **more: Any) -> DeviceModel:
   """A GPU's model: compute and memory time added (kernels run one after
   another), float32 matmuls at ``f32_flops`` (TF32), jax's share of the
   memory, a collective across hosts at ``_ACROSS_HOSTS_LATENCY`` and
   ``_LEVEL_LATENCY`` more each time its hosts double beyond two; ``more``:
-  other fields (a fused attention's rate, where one is known)."""
+  other fields (a fused attention's rate, where one is known); ``rates``:
+  flop/s, memory, link and network bytes/s."""
+  flops, memory, link, network = rates
   return DeviceModel(name, flops, memory, link, network, latency, overlap=False,
                      memory_bytes=capacity, usable_fraction=_JAX_GPU, platform="gpu",
                      f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
@@ -384,13 +394,13 @@ _HOPPER_ATTENTION = ((2048, 382 / 521), (4096, 466 / 521), (8192, 1.0))
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
-    "a100": _gpu("NVIDIA A100 SXM 80GB", 271e12, 2.0e12, 240e9, 25e9, 10e-6, 80e9, 156e12),
-    "h100": _gpu("NVIDIA H100 SXM 80GB", 650e12, 3.0e12, 470e9, 50e9, 8e-6, 80e9, 336e12,
+    "a100": _gpu("NVIDIA A100 SXM 80GB", (271e12, 2.0e12, 240e9, 25e9), 10e-6, 80e9, 156e12),
+    "h100": _gpu("NVIDIA H100 SXM 80GB", (650e12, 3.0e12, 470e9, 50e9), 8e-6, 80e9, 336e12,
                  attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
-    "h200": _gpu("NVIDIA H200 SXM", 680e12, 4.25e12, 470e9, 50e9, 8e-6, 141e9, 356e12,
+    "h200": _gpu("NVIDIA H200 SXM", (680e12, 4.25e12, 470e9, 50e9), 8e-6, 141e9, 356e12,
                  attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
-    "gh200": _gpu("NVIDIA GH200", 829e12, 4.0e12, 470e9, 50e9, 8e-6, 96e9, 494e12),
-    "b200": _gpu("NVIDIA B200", 1745e12, 7.7e12, 1800e9, 50e9, 8e-6, 180e9, 1125e12,
+    "gh200": _gpu("NVIDIA GH200", (829e12, 4.0e12, 470e9, 50e9), 8e-6, 96e9, 494e12),
+    "b200": _gpu("NVIDIA B200", (1745e12, 7.7e12, 1800e9, 50e9), 8e-6, 180e9, 1125e12,
                  attention_flops_per_s=998e12),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),

@@ -41,13 +41,14 @@ def accumulated(got: Any, est: Any, whole: Any, device: DeviceModel) -> Any:
   more = lambda a, b, c: max(0.0, a + b - c)
   moved = more(got.collective_bytes, est.collective_bytes, whole.collective_bytes)
   return _target.rescored(
-      got, device, more(got.flops, est.flops, whole.flops),
-      more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed), moved,
-      min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes)),
-      (max(0, round(got.collectives + est.collectives - whole.collectives)),
-       max(0, round(got.network_collectives + est.network_collectives
-                    - whole.network_collectives))),
-      more(got.matmul_flops, est.flops, whole.flops))
+      got, device, flops=more(got.flops, est.flops, whole.flops),
+      bytes_accessed=more(got.bytes_accessed, est.bytes_accessed, whole.bytes_accessed),
+      collective_bytes=moved,
+      network_bytes=min(moved, more(got.network_bytes, est.network_bytes, whole.network_bytes)),
+      collectives=max(0, round(got.collectives + est.collectives - whole.collectives)),
+      network_collectives=max(0, round(got.network_collectives + est.network_collectives
+                                       - whole.network_collectives)),
+      matmul_flops=more(got.matmul_flops, est.flops, whole.flops))
 
 
 class Compiler:

@@ -264,12 +264,12 @@ def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
   rest = sorted((x for x in compiler.results if x not in fits),
                 key=lambda x: (x.failed, 0.0 if x.failed else x.score.seconds, x.index))
   r = space.r
-  return _found.to_json(fits + rest, request.device, request.budget, len(space.rows),
-                        time.perf_counter() - start,
-                        (request.hosts, [d.id for d in request.devices]),
-                        [(r.names[k], m) for k, m in sorted(r.repeats.items())],
-                        space.target.describe(), accumulate=bool(counts),
-                        stand_in=stand_in(request))
+  return _found.to_json(fits + rest, request.device, request.budget, {
+      "estimated": len(space.rows), "search_seconds": time.perf_counter() - start,
+      "hosts": request.hosts, "devices": [d.id for d in request.devices],
+      "grouped": [[r.names[k], m] for k, m in sorted(r.repeats.items())],
+      "proxy": space.target.describe() or {}, "accumulate": bool(counts),
+      "stand_in": stand_in(request) or {}})
 
 
 

@@ -123,16 +123,15 @@ class CandidateResult:
   network_levels: float = 0.0
 
 
-def to_json(  # noqa: PLR0913 (the parts of the answer)
-    results: Sequence[Result], device: DeviceModel, budget: float | None,
-    estimated: int, seconds: float, where: tuple[int, Sequence[int]] = (1, ()),
-    grouped: Sequence[tuple[str, int]] = (), proxy: dict | None = None,
-    accumulate: bool = False, stand_in: dict | None = None) -> bytes:
-  """The search's answer as JSON (cached, shared between ranks); ``where``:
-  the hosts it planned for and its devices' ids, in order; ``accumulate``:
-  the function leaves its microbatch count to the search; ``stand_in``: an
-  accelerator planned from XLA:CPU's programs (``request.stand_in``)."""
-  hosts, devices = where
+def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None,
+            about: dict) -> bytes:
+  """The search's answer as JSON (cached, shared between ranks): each
+  result's row, and ``about`` the search: ``estimated`` (layouts ranked),
+  ``search_seconds``, ``hosts`` it planned for and its ``devices``' ids in
+  order, ``grouped`` (role, count), ``proxy`` (what compiled in the
+  program's place), ``accumulate`` (the function leaves its microbatch
+  count to the search), ``stand_in`` (an accelerator planned from
+  XLA:CPU's programs: ``request.stand_in``)."""
   rows = []
   for x in results:
     s = None if x.failed else x.score
@@ -153,12 +152,9 @@ def to_json(  # noqa: PLR0913 (the parts of the answer)
         "network_levels": s.network_levels if s else 0.0,
         "in": [encode_spec(p) for p in x.in_specs],
         "out": [encode_spec(p) for p in x.out_specs]})
-  return json.dumps({"device_model": device.name, "budget": budget, "estimated": estimated,
-                     "search_seconds": seconds, "hosts": hosts,
-                     "grouped": [list(g) for g in grouped], "proxy": proxy or {},
-                     "devices": list(devices), "accumulate": accumulate,
-                     "stand_in": stand_in or {},
-                     "candidates": rows}).encode()
+  return json.dumps({"device_model": device.name, "budget": budget, "grouped": [],
+                     "proxy": {}, "devices": [], "hosts": 1, "accumulate": False,
+                     "stand_in": {}, **about, "candidates": rows}).encode()
 
 
 class FoundLayout:

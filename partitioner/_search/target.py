@@ -210,8 +210,9 @@ def extrapolate(got: Cost, whole: Estimate, part: Estimate, device: DeviceModel)
   count = round(got.collectives * ratio(whole.collectives, part.collectives))
   remote = round(got.network_collectives
                  * ratio(whole.network_collectives, part.network_collectives))
-  return rescored(got, device, flops, accessed, moved, network, (count, remote),
-                  got.matmul_flops * ratio(whole.flops, part.flops),
+  return rescored(got, device, flops=flops, bytes_accessed=accessed, collective_bytes=moved,
+                  network_bytes=network, collectives=count, network_collectives=remote,
+                  matmul_flops=got.matmul_flops * ratio(whole.flops, part.flops),
                   peak_memory=int(got.peak_memory * ratio(whole.memory, part.memory)))
 
 
@@ -237,48 +238,43 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
   count = max(0, round(got.collectives + more("collectives")))
   remote = max(0, round(got.network_collectives + more("network_collectives")))
   peak = int(got.peak_memory * (whole.memory / part.memory if part.memory > 0 else 1.0))
-  return rescored(got, device, flops, accessed, moved, network, (count, remote),
-                  got.matmul_flops + more("matmul_flops"), peak_memory=peak)
+  return rescored(got, device, flops=flops, bytes_accessed=accessed, collective_bytes=moved,
+                  network_bytes=network, collectives=count, network_collectives=remote,
+                  matmul_flops=got.matmul_flops + more("matmul_flops"), peak_memory=peak)
 
 
-def rescored(got: Cost, device: DeviceModel, flops: float, accessed: float, moved: float,
-             network: float, counts: tuple[int, int], matmul_flops: float,
-             **more: Any) -> Cost:
-  """``got`` with these totals (``counts``: the collectives, and of them
-  those across hosts; and ``more`` fields), its time recomputed
-  under ``device``; no XLA estimate (that was of the compiled program).
-  Its float32 matmuls, a fused attention's and its narrow matmuls' extra
-  keep their share of the matmuls, its large transposes and its matmuls' overlapped bytes theirs
-  of the bytes accessed, its hidden
-  communication its share of the communication time (within hosts and
-  across them, each of its own)."""
-  share = matmul_flops / got.matmul_flops if got.matmul_flops else 0.0
-  f32 = got.f32_matmul_flops * share
-  attention, kernel = got.attention_flops * share, got.attention_kernel_flops * share
-  share_accessed = accessed / got.bytes_accessed if got.bytes_accessed else 0.0
-  transposed = got.transposed_bytes * share_accessed
-  overlapped = got.overlapped_bytes * share_accessed
-  narrow = got.narrow_flops * share
-  compute = device.compute_seconds(flops + narrow, accessed, f32, transposed, attention, kernel,
-                                   got.attention_sequence, overlapped)
-  count, remote = counts[0], min(counts[1], counts[0])
+def rescored(got: Cost, device: DeviceModel, **totals: Any) -> Cost:
+  """``got`` with these totals (:class:`Cost`'s fields by name: its flops,
+  bytes accessed, collective and network bytes, collectives, those across
+  hosts, matmul flops, and any other), its time recomputed under
+  ``device``; no XLA estimate (that was of the compiled program). Its
+  float32 matmuls, a fused attention's and its narrow matmuls' extra keep
+  their share of the matmuls, its large transposes and its matmuls'
+  overlapped bytes theirs of the bytes accessed, its hidden communication
+  its share of the communication time (within hosts and across them, each
+  of its own)."""
+  new = dataclasses.replace(got, **totals)
+  share = new.matmul_flops / got.matmul_flops if got.matmul_flops else 0.0
+  share_accessed = new.bytes_accessed / got.bytes_accessed if got.bytes_accessed else 0.0
+  remote = min(new.network_collectives, new.collectives)
   # (the collectives across hosts keep their mix of group sizes)
   levels = got.network_levels * remote / got.network_collectives if got.network_collectives else 0.0
-  comm = device.comm_seconds(moved - network, count, network, remote, levels)
-  across = device.network_seconds(network, remote, levels)
+  new = dataclasses.replace(
+      new, network_collectives=remote, network_levels=levels, xla_seconds=None,
+      f32_matmul_flops=got.f32_matmul_flops * share,
+      attention_flops=got.attention_flops * share,
+      attention_kernel_flops=got.attention_kernel_flops * share,
+      narrow_flops=got.narrow_flops * share,
+      transposed_bytes=got.transposed_bytes * share_accessed,
+      overlapped_bytes=got.overlapped_bytes * share_accessed)
+  compute = device.step_compute_seconds(new)
+  comm = device.comm_seconds(new.collective_bytes - new.network_bytes, new.collectives,
+                             new.network_bytes, remote, levels)
+  across = device.network_seconds(new.network_bytes, remote, levels)
   hidden, network_hidden = got.hidden_for(device, comm - across, across)
   hidden = min(hidden, compute)
-  network_hidden = min(network_hidden, hidden)
-  return dataclasses.replace(got, flops=flops, bytes_accessed=accessed, collectives=count,
-                             network_collectives=remote, network_levels=levels,
-                             matmul_flops=matmul_flops, collective_bytes=moved,
-                             network_bytes=network, seconds=compute + comm - hidden,
-                             xla_seconds=None, f32_matmul_flops=f32,
-                             attention_flops=attention, attention_kernel_flops=kernel,
-                             transposed_bytes=transposed, overlapped_bytes=overlapped,
-                             narrow_flops=narrow,
-                             hidden_seconds=hidden,
-                             network_hidden_seconds=network_hidden, **more)
+  return dataclasses.replace(new, seconds=compute + comm - hidden, hidden_seconds=hidden,
+                             network_hidden_seconds=min(network_hidden, hidden))
 
 
 def whole_program(platform: str) -> str:
