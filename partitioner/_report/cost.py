@@ -491,14 +491,11 @@ def collective_weight(opcode: str, group: int) -> float:
   return _WEIGHT[opcode](group)
 
 
-def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
-          device: DeviceModel, fused_attention: bool = False) -> Cost:
-  """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
-  HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
-  each device of the assignment; ``fused_attention``: the device runs
-  ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
-  score matrices move in this program are not accessed there, and its
-  matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
+def _collectives(hlo_text: str, processes: Sequence[int], device: DeviceModel) -> tuple:
+  """The program's collectives: how many run, of them across hosts, their
+  weighted bytes, of them across hosts, the doublings of the hosts their
+  groups span; each one's seconds for one run (by its line, for the
+  schedule's replay), and the lines of those that cross hosts."""
   count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
   across_lines = set()
   for op in _hlo.instructions(hlo_text):
@@ -513,6 +510,19 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
                                           level)
       if hosts > 1:
         across_lines.add(op.line)
+  return count, remote, weighted, network, levels, once, across_lines
+
+
+def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
+          device: DeviceModel, fused_attention: bool = False) -> Cost:
+  """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
+  HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
+  each device of the assignment; ``fused_attention``: the device runs
+  ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
+  score matrices move in this program are not accessed there, and its
+  matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
+  count, remote, weighted, network, levels, once, across_lines = _collectives(
+      hlo_text, processes, device)
   flops = _hlo_flops.program_flops(hlo_text, cost)
   accessed = _traffic.bytes_moved(hlo_text)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -174,23 +174,7 @@ def why(found: Any) -> str:
     return text
   runner = min(others.values(), key=lambda x: x.seconds)
   if runner.seconds < best.seconds:  # (found.choose's, or a plan for hosts' close call)
-    text += (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
-             f" takes {runner.seconds / best.seconds:.2f}x its time")
-    # (select.plan_order: within the model's error, the layout that does no
-    # more work and spends the least time on the network leads)
-    reasons = []
-    if runner.flops > LEAN_FLOPS * best.flops:
-      reasons.append(f"it does {runner.flops / max(best.flops, 1):.2f}x the flops"
-                     + (" (its pipeline's fill and drain)" if runner.stages > 1 else ""))
-    if best.network_bytes < runner.network_bytes or (
-        best.network_collectives < runner.network_collectives):
-      reasons.append(f"this one sends {size(best.network_bytes)} across hosts in"
-                     f" {best.network_collectives} collective(s) against"
-                     f" {size(runner.network_bytes)} in {runner.network_collectives}")
-    if who == "Winner" and reasons:
-      return text + (", within the device model's error, where " + " and ".join(reasons)
-                     + ": the network is where a cluster's estimates err most.")
-    return text + "."
+    return text + _not_the_fastest(best, runner, who == "Winner")
   parts = []
   if best.collective_bytes < runner.collective_bytes:
     parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
@@ -205,3 +189,25 @@ def why(found: Any) -> str:
            + (", ".join(parts) or "is faster under the device model")
            + (f" ({', '.join(cost)})" if cost else "") + ".")
   return text
+
+
+def _not_the_fastest(best: Any, runner: Any, won: bool) -> str:
+  """Why ``best`` leads though ``runner``'s estimate is faster: a plan for
+  hosts' close call (``won``), else found.choose's choice."""
+  text = (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
+          f" takes {runner.seconds / best.seconds:.2f}x its time")
+  # (select.plan_order: within the model's error, the layout that does no
+  # more work and spends the least time on the network leads)
+  reasons = []
+  if runner.flops > LEAN_FLOPS * best.flops:
+    reasons.append(f"it does {runner.flops / max(best.flops, 1):.2f}x the flops"
+                   + (" (its pipeline's fill and drain)" if runner.stages > 1 else ""))
+  if best.network_bytes < runner.network_bytes or (
+      best.network_collectives < runner.network_collectives):
+    reasons.append(f"this one sends {size(best.network_bytes)} across hosts in"
+                   f" {best.network_collectives} collective(s) against"
+                   f" {size(runner.network_bytes)} in {runner.network_collectives}")
+  if won and reasons:
+    return text + (", within the device model's error, where " + " and ".join(reasons)
+                   + ": the network is where a cluster's estimates err most.")
+  return text + "."
