@@ -552,11 +552,9 @@ def estimated_seconds(device, one, two, layers: int,
   at = lambda field: getattr(one, field) + (layers - 1) * (getattr(two, field) - getattr(one, field))
   network = at("network_bytes") * (2 * (slices - 1) / slices)
   link = at("collective_bytes") - at("network_bytes")
-  compute = device.compute_seconds(at("flops") + at("narrow_flops"), at("bytes_accessed"),
-                                   at("f32_matmul_flops"),
-                                   at("transposed_bytes"), at("attention_flops"),
-                                   at("attention_kernel_flops"), one.attention_sequence,
-                                   at("overlapped_bytes"))
+  compute = device.step_compute_seconds(dataclasses.replace(one, **{f: at(f) for f in (
+      "flops", "narrow_flops", "bytes_accessed", "f32_matmul_flops", "transposed_bytes",
+      "attention_flops", "attention_kernel_flops", "overlapped_bytes")}))
   remote = at("network_collectives")  # (each at the network's latency)
   # (each over all k: a level more each time k doubles beyond the compiled 2)
   levels = remote * max(0.0, math.log2(slices) - 1)
