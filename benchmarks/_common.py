@@ -33,15 +33,6 @@ def setup_jax(devices: int):
   return jax
 
 
-def cuda_plugin_installed() -> bool:
-  """Whether jax's CUDA plugin is installed (the ``cuda`` extra), for
-  ``partitioner.gpu_devices``: the sections that compile by XLA:GPU."""
-  import importlib.util
-  return (importlib.util.find_spec("jax_plugins") is not None
-          and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
-                  for v in (12, 13)))
-
-
 def child_rows(module: str, *argv: str, timeout: float) -> list[dict]:
   """The rows a section's child process prints as JSON on its last line of
   output: ``python -m module *argv`` with this environment but for

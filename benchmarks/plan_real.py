@@ -37,13 +37,15 @@ import json
 import sys
 import time
 
-from benchmarks._common import child_rows, cuda_plugin_installed, setup_jax
+from benchmarks._common import child_rows, setup_jax
 
 TIMEOUT = 1200
 
 
 def run(args) -> list[dict]:
   import importlib.util
+
+  import partitioner
   rows = child_rows("benchmarks.plan_real", "8b", timeout=TIMEOUT)
   rows += child_rows("benchmarks.plan_real", "3b", timeout=TIMEOUT)
   rows += child_rows("benchmarks.plan_real", "8b64", timeout=TIMEOUT)
@@ -56,7 +58,7 @@ def run(args) -> list[dict]:
       rows += child_rows("benchmarks.plan_real", "tpu256", timeout=TIMEOUT)
     else:
       print("(libtpu is not installed: no comparison with XLA:TPU; pip install -e .[tpu])")
-    if cuda_plugin_installed():
+    if partitioner.cuda_plugin_installed():
       rows += child_rows("benchmarks.plan_real", "gpu8b", timeout=TIMEOUT)
     else:
       print("(jax's CUDA plugin is not installed: no plan through XLA:GPU;"

@@ -113,7 +113,7 @@ import math
 import sys
 from typing import Any
 
-from benchmarks._common import child_rows, cuda_plugin_installed, setup_jax
+from benchmarks._common import child_rows, setup_jax
 
 SLICES = 2  # each pod's program is compiled for 2 of them
 # A3 High's network (Google Cloud's GPU network docs: 1,000 Gbps a VM of 8
@@ -446,12 +446,13 @@ def maxtext_flops(shape) -> float:
 def run(args) -> list[dict]:
   """The published section: the H100 and A100 families, and with ``--full`` (libtpu
   installed) the v5e, v5p and v4 ones."""
+  import partitioner
   families = {n: f for n, f in _families().items() if n != "v6e"}
   compiled_by_xla_gpu = [n for n, f in families.items()
                          if any(t.startswith("gpu:") for t in f.pods.values())]
   names = [n for n, f in families.items()
            if not f.model.startswith("tpu-") and n not in compiled_by_xla_gpu]
-  if cuda_plugin_installed():
+  if partitioner.cuda_plugin_installed():
     names += compiled_by_xla_gpu
   else:
     print("(jax's CUDA plugin is not installed: the GPU families are compiled by XLA:CPU"

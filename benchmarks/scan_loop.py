@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from benchmarks._common import Row, cuda_plugin_installed, setup_jax
+from benchmarks._common import Row, setup_jax
 
 WIDTH, HIDDEN, TOKENS = 2048, 8192, 8192
 LAYERS = (4, 16, 32)
@@ -76,7 +76,7 @@ def run(args) -> list[dict]:
     compilers.append(("XLA:TPU", partitioner.tpu_devices("v5p:2x2x2"), "tpu-v5p"))
   else:
     print("(scan_loop: libtpu is not installed: XLA:TPU's rows left out; pip install -e .[tpu])")
-  if cuda_plugin_installed():
+  if partitioner.cuda_plugin_installed():
     compilers.append(("XLA:GPU", partitioner.gpu_devices("a100:8"), "a100"))
   rows = []
   for name, devices, model in compilers:

@@ -15,6 +15,7 @@ from partitioner._compile.cache import DiskStore as DiskStore
 from partitioner._compile.cache import MemoryStore as MemoryStore
 from partitioner._compile.cache import clear_caches as clear_caches
 from partitioner._compile.check import PartitionerMismatchError as PartitionerMismatchError
+from partitioner._compile.check import check_tolerance as check_tolerance
 from partitioner._compile.stages import Compiled as Compiled
 from partitioner._compile.stages import Lowered as Lowered
 from partitioner._compile.stats import compilation_stats as compilation_stats
@@ -32,6 +33,7 @@ from partitioner._front.pmap import PmapFunction as PmapFunction
 from partitioner._front.pmap import pmap as pmap
 from partitioner._front.sharded_jit import ShardedJitFunction as ShardedJitFunction
 from partitioner._front.sharded_jit import sharded_jit as sharded_jit
+from partitioner._lower.gpu_topology import cuda_plugin_installed as cuda_plugin_installed
 from partitioner._lower.gpu_topology import gpu_devices as gpu_devices
 from partitioner._lower.topology import tpu_devices as tpu_devices
 from partitioner._pipeline.accumulate import accumulate as accumulate
@@ -68,10 +70,12 @@ __all__ = [
   "World",
   "accumulate",
   "calibrate",
+  "check_tolerance",
   "clear_caches",
   "compilation_stats",
   "config",
   "cost",
+  "cuda_plugin_installed",
   "explain",
   "gpu_devices",
   "initialize",

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import partitioner
@@ -18,7 +17,6 @@ from benchmarks.accelerator_check import command as ac_command
 from benchmarks.accelerator_check import layouts as ac_layouts
 from benchmarks.accelerator_check import machine as ac_machine
 from benchmarks.accelerator_check import records as ac_records
-from partitioner._compile.check import tolerance as check_mode_tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "accelerator-check")
@@ -59,14 +57,6 @@ def test_ratio(devices, make):
   (ratio,) = out.ratios
   assert ratio.unit == "steps/s" and ratio.ours > 0 and ratio.jax > 0
   assert ratio.case.endswith("8 cpu devices") and "ratio" in out.detail
-
-
-@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
-@pytest.mark.parametrize("precision", [None, "default", "bfloat16", "tensorfloat32", "float32",
-                                       "highest", "HIGHEST", "fp32", "tensorfloat32_off"])
-def test_the_tolerance_is_check_modes(platform, precision):
-  want = check_mode_tolerance(np.dtype(np.float32), platform, precision)
-  assert ac_records.tolerance(platform, precision) == want
 
 
 # ---- records and the report ----

@@ -29,6 +29,7 @@ needs_cuda = pytest.mark.skipif(
 
 def test_without_the_plugin_the_error_says_how_to_get_it(monkeypatch):
   monkeypatch.setattr(_compat, "cuda_plugin_installed", lambda: False)
+  assert partitioner.cuda_plugin_installed() is False
   with pytest.raises(ModuleNotFoundError,
                      match=r"'h100:8'\) needs jax's CUDA plugin.*sharded-jit\[cuda\]"):
     partitioner.gpu_devices("h100:8")

@@ -15,7 +15,8 @@ Then it runs the checks, each recorded pass, fail or skip with its time:
   (``partitioner.pipeline``): three SGD steps of a ``sharded_jit`` train
   step on every device found, against ``jax.jit`` with ``NamedSharding``s
   of the same layout, at matmul precision "highest": the losses and
-  weights agree within check mode's float32 tolerance for the platform,
+  weights agree within check mode's float32 tolerance for the platform
+  (``partitioner.check_tolerance``),
   and the weights come back in the same layout;
 - donation: the donated weights are deleted by the call (the first call
   and a call-cache hit), the batch is not;
@@ -52,9 +53,9 @@ Every check that uses a device runs in a child process, one at a time
 that child's checks, not the run, and a TPU, which one process holds at a
 time, is free for the next child.
 
-The package, by concern: ``records`` (what each check found, check mode's
-tolerance), ``layouts`` (the train steps checked and timed), ``children``
-(what each child process runs), ``machine`` (finding the accelerators and
-jax's plugin), ``checks`` (each check, in a child), ``command`` (the
-report and ``main``).
+The package, by concern: ``records`` (what each check found, how far
+results differ), ``layouts`` (the train steps checked and timed),
+``children`` (what each child process runs), ``machine`` (finding the
+accelerators and jax's plugin), ``checks`` (each check, in a child),
+``command`` (the report and ``main``).
 """

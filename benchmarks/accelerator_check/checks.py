@@ -34,7 +34,6 @@ from benchmarks.accelerator_check.records import (
   Result,
   Skipped,
   largest_difference,
-  tolerance,
 )
 
 
@@ -194,6 +193,9 @@ def check_two_processes(machine: Machine, steps: int = 3) -> str:
   process computes under jax.jit."""
   if importlib.util.find_spec("mpi4py") is None:
     raise Skipped("mpi4py is not installed (pip install 'sharded-jit[mpi]')")
+  import numpy as np
+
+  from partitioner import check_tolerance
   per, env, where = _processes_env(machine)
   env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
   if hasattr(os, "geteuid") and os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
@@ -214,7 +216,7 @@ def check_two_processes(machine: Machine, steps: int = 3) -> str:
   ranks = json.loads(lines[-1][len("RESULT "):])
   cpu_env = child_env(Machine(platform="cpu"), JAX_DEFAULT_MATMUL_PRECISION="highest")
   want = _json_child("reference_child", cpu_env, 300, 4 + steps)["loss"]
-  tol = tolerance(env["JAX_PLATFORMS"], "highest")
+  tol = check_tolerance(np.float32, env["JAX_PLATFORMS"], "highest")
   losses = [r["loss"] for r in ranks]
   if len(ranks) != 2 or largest_difference(losses, [want] * len(ranks)) > tol:
     raise AssertionError(f"ranks' losses {losses}, one process's {want} (tolerance {tol:g})")

@@ -8,13 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.accelerator_check.records import (
-  LAYOUTS,
-  Outcome,
-  Ratio,
-  largest_difference,
-  tolerance,
-)
+from benchmarks.accelerator_check.records import LAYOUTS, Outcome, Ratio, largest_difference
 
 
 @dataclass(frozen=True)
@@ -194,11 +188,15 @@ def _train(fn: Callable, params, x, steps: int):
 def check_layout(layout: Layout, devices, steps: int = 3) -> str:
   """``steps`` SGD steps of ``layout`` by sharded_jit and by jax.jit, at
   matmul precision "highest": the same losses and weights (within
-  :func:`tolerance`) and the weights in the same layout."""
+  check mode's ``partitioner.check_tolerance``) and the weights in the
+  same layout."""
   import jax
+  import numpy as np
+
+  from partitioner import check_tolerance
   sides = pair(layout, devices)
   with jax.default_matmul_precision("highest"):
-    tol = tolerance(devices[0].platform, jax.config.jax_default_matmul_precision)
+    tol = check_tolerance(np.float32, devices[0].platform)
     ours, ours_losses = _train(sides.ours, *sides.place(layout), steps)
     theirs, theirs_losses = _train(sides.theirs, *sides.place(layout), steps)
   diff = max(largest_difference(ours_losses, theirs_losses), largest_difference(ours, theirs))
@@ -252,6 +250,9 @@ def measure_ratio(layout: Layout, devices, rounds: int, per_round: int) -> Outco
   timing ``per_round`` steps, the sides alternating. The final losses
   must agree (the same steps ran on both)."""
   import jax
+  import numpy as np
+
+  from partitioner import check_tolerance
   sides = pair(layout, devices)
   fns = {"ours": sides.ours, "jax": sides.theirs}
   state = {side: sides.place(layout) for side in fns}
@@ -274,7 +275,7 @@ def measure_ratio(layout: Layout, devices, rounds: int, per_round: int) -> Outco
       start = time.perf_counter()
       losses[side] = steps(side, per_round)
       rates[side].append(per_round / (time.perf_counter() - start))
-  tol = tolerance(devices[0].platform, jax.config.jax_default_matmul_precision)
+  tol = check_tolerance(np.float32, devices[0].platform)
   diff = largest_difference(losses["ours"], losses["jax"])
   if diff > tol:
     raise AssertionError(f"the final losses differ by {diff:.2e}: {losses}")

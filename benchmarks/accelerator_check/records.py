@@ -1,4 +1,4 @@
-"""What each check found: the records, their outcomes, and check mode's tolerance."""
+"""What each check found: the records, their outcomes, and how far results differ."""
 
 from __future__ import annotations
 
@@ -119,25 +119,10 @@ def _first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
 
 
-# The values of check mode's rule (partitioner/_compile/check.py `tolerance`)
-# for float32, which tests/test_accelerator_check.py holds equal to it:
-# 1e-3 on CPU or at full matmul precision; at jax's default precision
-# matmuls run as TF32 on GPUs (2e-2) and as one bfloat16 pass on TPUs (5e-2).
-_FULL_PRECISION = ("highest", "float32", "fp32", "tensorfloat32_off")
-
-
-def tolerance(platform_name: str, precision: str | None) -> float:
-  """The relative difference a split may make to a float32 result on
-  ``platform_name`` at matmul ``precision`` (jax's
-  ``jax_default_matmul_precision``; None: the platform's default)."""
-  if platform_name == "cpu" or (precision or "").lower() in _FULL_PRECISION:
-    return 1e-3
-  return 5e-2 if platform_name == "tpu" else 2e-2
-
-
 def largest_difference(got: Any, want: Any) -> float:
   """The largest difference between two pytrees of arrays, relative to
-  each leaf's largest magnitude (as check mode scales its tolerance)."""
+  each leaf's largest magnitude (as check mode scales its tolerance,
+  ``partitioner.check_tolerance``)."""
   import jax
   import numpy as np
   worst = 0.0

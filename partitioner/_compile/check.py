@@ -56,7 +56,7 @@ def reference(fun: Callable[..., Any], args: Sequence[Any],
 def compare(name: str, out_names: Sequence[str], got: Sequence[Any],
             want: Sequence[np.ndarray], platform: str = "cpu") -> None:
   """Raises :class:`PartitionerMismatchError` for the first output that
-  differs (within :func:`tolerance` on ``platform``)."""
+  differs (within :func:`check_tolerance` on ``platform``)."""
   for out_name, g, w in zip(out_names, got, want):
     g = np.asarray(g)
     if g.shape == w.shape and _close(g, w, platform):
@@ -83,11 +83,37 @@ def compare(name: str, out_names: Sequence[str], got: Sequence[Any],
 _FULL_PRECISION = ("highest", "float32", "fp32", "tensorfloat32_off")
 
 
-def tolerance(dtype: np.dtype, platform: str, precision: str | None = None) -> float:
-  """The relative difference a split may make to a result of ``dtype`` on
-  ``platform`` (sums reordered): half precision 5e-2; float32 1e-3, or
-  on GPU and TPU at jax's default matmul ``precision`` (None: the
-  config's), where matmuls run in reduced precision, 2e-2 and 5e-2."""
+def check_tolerance(dtype: Any, platform: str, precision: str | None = None) -> float:
+  """The relative difference check mode (``config.check_unsharded``)
+  allows between a sharded result and the same function's unsharded one.
+
+  A split reorders sums, so the two differ by rounding: half precision by
+  5e-2, float32 by 1e-3; on GPUs and TPUs at jax's default matmul
+  precision, where float32 matmuls run as TF32 and as one bfloat16 pass,
+  by 2e-2 and 5e-2. Check mode compares each output ``got`` with the
+  unsharded ``want`` as ``numpy.allclose(got, want, rtol=tol, atol=tol *
+  max(abs(want).max(), 1))``; integer and bool outputs must be equal.
+
+  Args:
+    dtype: the results' dtype (anything ``numpy.dtype`` takes, e.g.
+      ``jnp.float32``).
+    platform: the platform of the devices they were computed on
+      (``device.platform``: ``"cpu"``, ``"gpu"``, ``"tpu"``).
+    precision: jax's matmul precision they were computed at
+      (``jax_default_matmul_precision``: ``"highest"``, ``"float32"``,
+      ``"tensorfloat32"``, ...); None: the config's as it stands now.
+
+  Returns:
+    The relative tolerance (also the absolute one, scaled by the largest
+    magnitude of the unsharded result).
+
+  Example:
+    >>> import numpy as np, partitioner
+    >>> partitioner.check_tolerance(np.float32, "gpu", "highest")
+    0.001
+    >>> partitioner.check_tolerance(np.float32, "gpu", "default")
+    0.02
+  """
   if np.dtype(dtype).itemsize <= 2:
     return 5e-2
   precision = _compat.default_matmul_precision() if precision is None else precision
@@ -99,6 +125,6 @@ def tolerance(dtype: np.dtype, platform: str, precision: str | None = None) -> f
 def _close(got: np.ndarray, want: np.ndarray, platform: str) -> bool:
   if not np.issubdtype(want.dtype, np.inexact):
     return bool(np.array_equal(got, want))
-  tol = tolerance(want.dtype, platform)
+  tol = check_tolerance(want.dtype, platform)
   scale = float(np.max(np.abs(want), initial=1.0)) if want.size else 1.0
   return bool(np.allclose(got, want, rtol=tol, atol=tol * scale, equal_nan=True))

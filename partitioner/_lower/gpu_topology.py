@@ -80,6 +80,26 @@ device_description_str: "{name}"
 """
 
 
+def cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA plugin (XLA:GPU's compiler, the ``cuda`` extra),
+  which :func:`gpu_devices` needs, is installed.
+
+  It only looks for the plugin's package: it neither starts the plugin nor
+  needs a GPU.
+
+  Returns:
+    True when jax's CUDA plugin (``jax_plugins.xla_cuda12`` or
+    ``xla_cuda13``) is installed; False when :func:`gpu_devices` would
+    raise ``ModuleNotFoundError``.
+
+  Example:
+    >>> import partitioner
+    >>> if partitioner.cuda_plugin_installed():
+    ...   devices = partitioner.gpu_devices("h100:8")
+  """
+  return _compat.cuda_plugin_installed()
+
+
 def gpu_devices(topology: str, num_hosts: int = 1) -> tuple[_compat.Device, ...]:
   """The compile-only devices of ``num_hosts`` hosts of NVIDIA GPUs, in
   jax's order (host by host).

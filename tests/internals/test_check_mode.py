@@ -69,6 +69,12 @@ def test_check_mode_under_a_jax_transformation_is_an_error_not_skipped():
     ("float32", "gpu", "highest", 1e-3),
     ("float32", "tpu", None, 5e-2),       # one bfloat16 pass
     ("float32", "tpu", "float32", 1e-3),
+    ("float32", "gpu", "HIGHEST", 1e-3),  # (any case)
+    ("float32", "gpu", "fp32", 1e-3),
+    ("float32", "tpu", "tensorfloat32_off", 1e-3),
+    ("float32", "gpu", "tensorfloat32", 2e-2),
+    ("float32", "tpu", "bfloat16", 5e-2),
+    ("float32", "cpu", "default", 1e-3),
     ("bfloat16", "cpu", None, 5e-2),
     ("float16", "gpu", "highest", 5e-2),
 ])
@@ -76,5 +82,5 @@ def test_the_tolerance_follows_the_matmul_precision_in_effect(dtype, platform, p
                                                               expected):
   import jax.numpy as jnp
 
-  from partitioner._compile import check
-  assert check.tolerance(jnp.dtype(dtype), platform, precision) == expected
+  import partitioner
+  assert partitioner.check_tolerance(jnp.dtype(dtype), platform, precision) == expected
