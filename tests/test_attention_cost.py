@@ -22,6 +22,7 @@ import partitioner
 from benchmarks import _llama
 from partitioner._report import attention as _attention
 from partitioner._report import cost as _cost
+from partitioner._report.program import parse
 
 B, T, N, H = 8, 512, 4, 32
 
@@ -76,7 +77,7 @@ def test_the_score_matrices_are_found_under_grouped_heads_and_remat():
       NamedSharding(mesh, P("data")))).lower(params, opt, tokens).compile()
   text = compiled.as_text()
   per_device = (shape.batch // 8) * shape.heads * shape.seq * shape.seq
-  assert _attention.score_shape(text) == (per_device, shape.seq)
+  assert _attention.score_shape(parse(text)) == (per_device, shape.seq)
   moved, transposed = _cost.score_traffic(text)
   assert moved >= 2 * shape.layers * per_device * 4
   assert 0 <= transposed <= moved
@@ -99,13 +100,13 @@ def _scanned(layers):
 
 def test_inside_a_scan_the_score_matrices_move_every_iteration():
   two, four = _scanned(2), _scanned(4)
-  assert _attention.score_shape(two) == (2 * 4 * 256 * 256, 256)
+  assert _attention.score_shape(parse(two)) == (2 * 4 * 256 * 256, 256)
   assert _cost.score_traffic(four)[0] == pytest.approx(
       2 * _cost.score_traffic(two)[0], rel=0.05)
 
 
 def test_a_program_without_jax_attention_has_no_score_matrices():
-  assert _attention.score_shape(_compiled(_by_hand).as_text()) is None
+  assert _attention.score_shape(parse(_compiled(_by_hand).as_text())) is None
 
 
 def _plain(q, k, v):
@@ -127,10 +128,10 @@ def test_a_fused_kernel_recomputes_the_logits_and_skips_a_causal_half(attend, ke
   """jax's train step runs the forward's 2 matmuls and the backward's 4;
   a flash kernel's backward runs 5 (the logits again), and under jax's
   causal mask half of every product."""
-  found, fused = _attention.flops(_compiled(attend).as_text())
+  found, fused = _attention.flops(parse(_compiled(attend).as_text()))
   assert found == pytest.approx(3 * _FORWARD)
   assert fused == pytest.approx(kernel * _FORWARD)
-  assert _attention.flops(_compiled(_by_hand).as_text()) == (0.0, 0.0)
+  assert _attention.flops(parse(_compiled(_by_hand).as_text())) == (0.0, 0.0)
 
 
 @pytest.mark.eight_devices
@@ -177,8 +178,8 @@ def test_a_program_xla_gpu_compiled_runs_the_attention_its_hlo_holds():
   text = _compiled(_attend).as_text()
   with pytest.raises(ValueError, match=r"compiled for gpu devices.*hint: a program XLA:GPU"
                                        r" compiled runs the attention its HLO holds"):
-    _cost.fused_attention("cost", "fused", text, "gpu", partitioner.DEVICE_MODELS["h100"])
-  assert _cost.fused_attention("cost", "fused", text, "tpu", partitioner.DEVICE_MODELS["tpu-v5e"])
+    _cost.fused_attention("cost", "fused", parse(text), "gpu", partitioner.DEVICE_MODELS["h100"])
+  assert _cost.fused_attention("cost", "fused", parse(text), "tpu", partitioner.DEVICE_MODELS["tpu-v5e"])
 
 
 @pytest.mark.eight_devices
@@ -222,7 +223,7 @@ def test_a_program_xla_tpu_compiled_is_scored_fused_its_chunks_each_time_they_ru
     compiled = program(chunk)
     xla_ops, fused = (partitioner.cost(compiled, "tpu-v5e", attention=a)
                       for a in (None, "fused"))
-    keys = _attention.score_shape(compiled.as_text())
+    keys = _attention.score_shape(parse(compiled.as_text()))
     assert keys == ((chunk or shape.seq) * shape.seq * shape.heads, shape.seq)
     # (the logits and their gradient at least, each chunk every iteration)
     assert xla_ops.bytes_accessed - fused.bytes_accessed >= 2 * shape.seq ** 2 * shape.heads * 2
@@ -275,7 +276,7 @@ def test_a_score_matrix_among_a_fusions_results_moves_nothing():
   """A fusion of several results (XLA:TPU's: the logits and their row
   maximum) holds a score matrix: the shape is found in it, and its bytes,
   written and then read, leave the traffic; the maximum's stay."""
-  assert _attention.score_shape(_TWO_RESULTS) == (4 * 16 * 16, 16)
+  assert _attention.score_shape(parse(_TWO_RESULTS)) == (4 * 16 * 16, 16)
   assert _attention.score_bytes("(f32[4,16]{1,0}, f32[4,16,16]{2,1,0})", ((1024, 16),)) == 4096
   moved, _ = _cost.score_traffic(_TWO_RESULTS)
   # written by the first fusion, read by the second, and the second's own
@@ -358,6 +359,6 @@ def test_the_keys_length_of_cudnn_s_attention_is_read_from_its_call():
           ' custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend'
           '_config":{"intermediate_tensor_shape":{"element_type":"BF16","dimensions":'
           '["2","32","8192","8192"]},"mask_type":"CAUSAL"}}')
-  assert _attention.sequence(f"ENTRY %main {{\n{call}\n}}") == 8192
-  assert _attention.sequence(_compiled(_attend).as_text()) == T
-  assert _attention.sequence(_compiled(_by_hand).as_text()) == 0
+  assert _attention.sequence(parse(f"ENTRY %main {{\n{call}\n}}")) == 8192
+  assert _attention.sequence(parse(_compiled(_attend).as_text())) == T
+  assert _attention.sequence(parse(_compiled(_by_hand).as_text())) == 0

@@ -12,6 +12,7 @@ import partitioner
 from benchmarks import scan_loop
 from partitioner import _compat
 from partitioner._report import traffic
+from partitioner._report.program import parse
 
 KIB = 1024
 
@@ -92,7 +93,7 @@ ENTRY %main (x: bf16[16,64], stack: f32[4,64,64], out: f32[4,16,64], v: bf16[64,
 
 
 def _kernels() -> dict[str, traffic.Kernel]:
-  return {k.name: k for k in traffic.kernels(_LOOP)}
+  return {k.name: k for k in traffic.kernels(parse(_LOOP))}
 
 
 def test_a_loop_body_reads_its_layers_slice_every_iteration():
@@ -121,7 +122,7 @@ def test_conversions_are_read_at_the_narrower_type_and_collectives_move_no_memor
   found = _kernels()
   assert "xf" not in found and "vf" not in found and "g" not in found
   assert found["h"].reads == {"xf": 2 * KIB, "vf": 8 * KIB}
-  total = traffic.bytes_moved(_LOOP)
+  total = traffic.bytes_moved(parse(_LOOP))
   assert total == sum(k.runs * k.bytes for k in found.values())
   # (and the counter: its add 4 times, its compare 5)
   assert total == (2 + 8 + 4) * KIB + 4 * ((16 + 4 + 4) * KIB + 4 + 8 * KIB) + 4 * 12 + 5 * 9
@@ -131,8 +132,8 @@ def test_a_gpus_matmul_kernels_overlap_their_bytes_with_their_flops():
   # bytes per flop of 1: each matmul kernel hides up to its flops in bytes
   flops = 2 * 16 * 64 * 64
   bytes_h, bytes_y = (2 + 8 + 4) * KIB, (16 + 4 + 4) * KIB + 4
-  assert traffic.overlapped_bytes(_LOOP, 1.0) == min(bytes_h, flops) + 4 * min(bytes_y, flops)
-  assert traffic.overlapped_bytes(_LOOP, 1e-9) == pytest.approx(5 * flops * 1e-9)
+  assert traffic.overlapped_bytes(parse(_LOOP), 1.0) == min(bytes_h, flops) + 4 * min(bytes_y, flops)
+  assert traffic.overlapped_bytes(parse(_LOOP), 1e-9) == pytest.approx(5 * flops * 1e-9)
 
 
 # ---- the same layers as a scan and as a Python loop ----

@@ -36,6 +36,7 @@ from partitioner._report.cost import Cost, fused_attention, score
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
 from partitioner._report.hosts import device_hosts
+from partitioner._report.program import parse
 from sharding._partition_spec import PartitionSpec
 
 
@@ -227,9 +228,9 @@ class CompiledProgram(abc.ABC):
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
     where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
-    text = self.as_text()
-    fused = fused_attention("cost", attention, text, devices[0].platform, model)
-    return score(text, self.cost_analysis(), self.memory_analysis(), where, model, fused)
+    program = parse(self.as_text())
+    fused = fused_attention("cost", attention, program, devices[0].platform, model)
+    return score(program, self.cost_analysis(), self.memory_analysis(), where, model, fused)
 
   def explain(self) -> Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.

@@ -27,6 +27,7 @@ import re
 
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
+from partitioner._report.program import Program
 
 # The einsums of jax's attention as XLA runs it (jax/_src/nn/functions.py,
 # _dot_product_attention_core): the logits, and the probabilities times
@@ -41,7 +42,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CAUSAL = re.compile(r'op_name="[^"]*vmap\([^"]*jit\(tril\)')
 
 
-def score_shapes(hlo_text: str) -> tuple[tuple[int, int], ...]:
+def score_shapes(program: Program) -> tuple[tuple[int, int], ...]:
   """The score matrices of the program's jax attention per device, as
   ``(elements, keys)`` pairs, the largest first: the largest result of
   the ops of its matmuls (the logits, or the gradient of the
@@ -51,19 +52,23 @@ def score_shapes(hlo_text: str) -> tuple[tuple[int, int], ...]:
   of at least an eighth of those elements with the same keys' length
   (layers split otherwise: a search's proxy may split the heads of one of
   its repetitions and not the other's); () where the program calls
-  none."""
+  none (made once per program)."""
+  return program.kept("attention scores", lambda: _score_shapes(program))
+
+
+def _score_shapes(program: Program) -> tuple[tuple[int, int], ...]:
+  if not any(e in program.text for e in EINSUMS):
+    return ()
   largest: dict[str, tuple[int, int]] = {}
-  for line in hlo_text.splitlines():
-    name = _OP_NAME.search(line)
-    if name is None or not any(e in name.group(1) for e in EINSUMS):
-      continue
-    m = _hlo.definition(line)  # (a dot, or the fusion XLA made around one)
-    if m is None:
-      continue
-    for _, found in _hlo.array_shapes(m.group("shape")):  # (a multi-output fusion's each)
-      dims = [int(d) for d in found.split(",") if d]
-      if dims and math.prod(dims) > largest.get(m.group("name"), (0, 0))[0]:
-        largest[m.group("name")] = (math.prod(dims), dims[-1])
+  for ops in program.computations.values():
+    for op in ops:  # (a dot, or the fusion XLA made around one)
+      name = _OP_NAME.search(op.line) if "op_name=" in op.line else None
+      if name is None or not any(e in name.group(1) for e in EINSUMS):
+        continue
+      for _, found in _hlo.array_shapes(op.shape):  # (a multi-output fusion's each)
+        dims = [int(d) for d in found.split(",") if d]
+        if dims and math.prod(dims) > largest.get(op.name, (0, 0))[0]:
+          largest[op.name] = (math.prod(dims), dims[-1])
   if not largest:
     return ()
   best = max(largest.values())
@@ -71,10 +76,10 @@ def score_shapes(hlo_text: str) -> tuple[tuple[int, int], ...]:
                        if s[1] == best[1] and 8 * s[0] >= best[0]}, reverse=True))
 
 
-def score_shape(hlo_text: str) -> tuple[int, int] | None:
+def score_shape(program: Program) -> tuple[int, int] | None:
   """The largest of :func:`score_shapes`, or None where the program calls
   no jax attention."""
-  shapes = score_shapes(hlo_text)
+  shapes = score_shapes(program)
   return shapes[0] if shapes else None
 
 
@@ -99,15 +104,15 @@ def score_bytes(shape: str, scores: tuple[tuple[int, int], ...]) -> int:
              if is_score(f"{t}[{d}]", scores))
 
 
-def transposed_score_bytes(hlo_text: str, scores: tuple[tuple[int, int], ...]) -> float:
+def transposed_score_bytes(program: Program, scores: tuple[tuple[int, int], ...]) -> float:
   """The bytes of the program's large transposes
   (:func:`partitioner._report.hlo.transposed_bytes`) that make score
   matrices (``scores``: :func:`score_shapes`')."""
-  others = _hlo_flops.transposed_bytes(hlo_text, keep=lambda shape: not is_score(shape, scores))
-  return _hlo_flops.transposed_bytes(hlo_text) - others
+  others = _hlo_flops.transposed_bytes(program, keep=lambda shape: not is_score(shape, scores))
+  return _hlo_flops.transposed_bytes(program) - others
 
 
-def flops(hlo_text: str) -> tuple[float, float]:
+def flops(program: Program) -> tuple[float, float]:
   """``(flops, kernel flops)`` per call of the program's jax attention
   matmuls, each as often as it runs: as XLA runs them, and what a fused
   kernel does in their place; (0, 0) where the program calls no jax
@@ -125,29 +130,24 @@ def flops(hlo_text: str) -> tuple[float, float]:
   plus the logits again. So the kernel does half the flops of those that
   make score matrices and 1.5 times those that read them, and half of it
   all under jax's causal mask."""
-  score = score_shapes(hlo_text)
+  score = score_shapes(program)
   if not score:
     return 0.0, 0.0
-  counts, comps = _hlo.runs(hlo_text), _hlo.computations(hlo_text)
+  counts = program.runs
   found = kernel = 0.0
-  for name, lines in comps.items():
-    if not name:
-      continue
-    shapes = {m.group("name"): m.group("shape") for line in lines
-              if (m := _hlo.definition(line))}
-    for line, f in _hlo_flops.line_flops(lines, matmuls_only=True):
-      m = _hlo.definition(line)
-      op = _OP_NAME.search(line)
-      if m is None or (op and not any(e in op.group(1) for e in EINSUMS)):
+  for name in program.computations:
+    defs = program.defs(name)
+    for m, f in _hlo_flops.of(program, name, matmuls_only=True):
+      op = _OP_NAME.search(m.line)
+      if op and not any(e in op.group(1) for e in EINSUMS):
         continue  # (named for something else, whatever its shapes)
-      makes = is_score(m.group("shape"), score)
-      reads = any(is_score(shapes.get(v, ""), score)
-                  for v in _hlo.operand_names(m.group("args")))
+      makes = is_score(m.shape, score)
+      reads = any(v in defs and is_score(defs[v].shape, score) for v in m.operands)
       if makes or reads:
         f *= counts.get(name, 1)
         found += f
         kernel += f / 2 if makes else 1.5 * f
-  return found, kernel / 2 if _CAUSAL.search(hlo_text) else kernel
+  return found, kernel / 2 if _CAUSAL.search(program.text) else kernel
 
 
 # cuDNN's fused attention in a program XLA:GPU compiled
@@ -159,7 +159,7 @@ _SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\
 _MASK = re.compile(r'"mask_type":\s*"(\w+)"')
 
 
-def cudnn_flops(hlo_text: str) -> tuple[float, float]:
+def cudnn_flops(program: Program) -> tuple[float, float]:
   """``(flops, kernel flops)`` per call of the program's cuDNN attention
   calls, each as often as it runs: what XLA's own attention would compute
   in their place (forward ``4 x batch x heads x queries x keys x head
@@ -167,17 +167,16 @@ def cudnn_flops(hlo_text: str) -> tuple[float, float]:
   leaves out every custom call, and what the kernel computes (its backward
   2.5 times its forward, the logits recomputed; half of both under a
   causal mask: :func:`flops`'s count). (0, 0) where there are none."""
-  if "__cudnn$fmha" not in hlo_text:
+  if "__cudnn$fmha" not in program.text:
     return 0.0, 0.0
-  counts = _hlo.runs(hlo_text)
+  counts = program.runs
   found = kernel = 0.0
-  for name, lines in _hlo.computations(hlo_text).items():
-    if not name:
-      continue
-    for line in lines:
-      if not _CUDNN.search(line) or (m := _hlo.definition(line)) is None:
+  for name, ops in program.computations.items():
+    for op in ops:
+      line = op.line
+      if not _CUDNN.search(line):
         continue
-      scores, arrays = _SCORES.search(line), _hlo.array_shapes(m.group("shape"))
+      scores, arrays = _SCORES.search(line), _hlo.array_shapes(op.shape)
       if scores is None or not arrays:
         continue
       # (the first result: the output forward, the queries' gradient backward)
@@ -192,17 +191,17 @@ def cudnn_flops(hlo_text: str) -> tuple[float, float]:
   return found, kernel
 
 
-def sequence(hlo_text: str) -> int:
+def sequence(program: Program) -> int:
   """The keys' length of the program's attention (what a fused kernel's
   rate depends on, :meth:`DeviceModel.attention_rate`): its cuDNN calls'
   (their score matrices' last dimension, from the backend config), else
   jax attention's (:func:`score_shape`); with several lengths, the
   longest; 0 where it calls none."""
-  if "__cudnn$fmha" in hlo_text:
+  if "__cudnn$fmha" in program.text:
     lengths = [int(found.group(1).split(",")[-1].strip('" '))
-               for line in hlo_text.splitlines()
-               if _CUDNN.search(line) and (found := _SCORES.search(line))]
+               for ops in program.computations.values() for op in ops
+               if _CUDNN.search(op.line) and (found := _SCORES.search(op.line))]
     if lengths:
       return max(lengths)
-  score = score_shape(hlo_text)
+  score = score_shape(program)
   return score[1] if score else 0

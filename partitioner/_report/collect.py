@@ -26,6 +26,7 @@ from partitioner._report.explanation import (
   PipelineReport,
   ValueLayout,
 )
+from partitioner._report.program import Program, parse
 from sharding._partition_spec import PartitionSpec
 from sharding._picture import picture
 from sharding._tiling import Tiling
@@ -64,17 +65,17 @@ def memory(stats: Any) -> dict[str, int]:
   return out
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective op in XLA's partitioned HLO text."""
+def collectives(program: Program | str) -> list[Collective]:
+  """Every collective op in XLA's partitioned HLO (text, or parsed)."""
   return [Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes, op_name=op.op_name,
                      source=op.source, via=op.via, runs=op.runs)
-          for op in _hlo.instructions(hlo_text) if op.opcode in _hlo.COLLECTIVE_KINDS]
+          for op in parse(program).instructions() if op.opcode in _hlo.COLLECTIVE_KINDS]
 
 
-def temporaries(hlo_text: str, n: int = LARGEST_TEMPORARIES) -> tuple[Collective, ...]:
+def temporaries(program: Program | str, n: int = LARGEST_TEMPORARIES) -> tuple[Collective, ...]:
   """The ``n`` largest values the program computes per device (not its
   parameters), largest first: what XLA's temporaries hold at some point."""
-  ops = [op for op in _hlo.instructions(hlo_text, every=True)
+  ops = [op for op in parse(program).instructions(every=True)
          if op.opcode not in _hlo.NOT_COMPUTED and not op.root]
   ops.sort(key=lambda op: -op.bytes)
   return tuple(Collective(kind=op.opcode, shape=op.shape, bytes=op.bytes,
@@ -150,7 +151,8 @@ def explanation(described: Description, hlo_text: str, cost_analysis: dict,
                 memory_stats: Any) -> Explanation:
   """The report of ``explain()``: the program as ``described``, and what
   XLA's partitioned HLO, cost analysis and memory statistics say of it."""
-  found = tuple(collectives(hlo_text))
+  program = parse(hlo_text)
+  found = tuple(collectives(program))
   d = described
   return Explanation(
       name=d.name, partitioner=d.partitioner, num_partitions=d.num_partitions,
@@ -158,8 +160,8 @@ def explanation(described: Description, hlo_text: str, cost_analysis: dict,
       arguments=tuple(_value_layout(*a) for a in d.arguments),
       outputs=tuple(_value_layout(*o) for o in d.outputs),
       collectives=found, pipelines=pipelines(d.pipelines, found),
-      temporaries=temporaries(hlo_text),
+      temporaries=temporaries(program),
       # (cuDNN's attention calls, which XLA's analyses count nothing for, as
       # partitioner.cost counts them)
-      flops=_hlo_flops.program_flops(hlo_text, cost_analysis) + _attention.cudnn_flops(hlo_text)[0],
+      flops=_hlo_flops.program_flops(program, cost_analysis) + _attention.cudnn_flops(program)[0],
       memory=memory(memory_stats), guards=tuple(d.guards), replicas=d.replicas)

@@ -33,6 +33,7 @@ from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report import schedule as _schedule
 from partitioner._report import traffic as _traffic
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.program import Program, collector_paused, parse
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -260,7 +261,7 @@ class Part:
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _NO_SCOPE = re.compile(r"(?!)")  # (matches nothing: every op unscoped)
-def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
+def scoped(program: Program | str, processes: Sequence[int], scope: re.Pattern,
            fused_attention: bool = False) -> dict[str | None, Part]:
   """The program's costs by the named scope its ops were traced under
   (``scope``'s first group, searched in each op's ``op_name``); the key
@@ -270,13 +271,14 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
   one), each operand's share going to the scope of the op that made it.
   ``fused_attention``: the bytes accessed leave out jax attention's score
   matrices (see :func:`score`)."""
+  program = parse(program)
   parts: dict[str | None, Part] = {None: Part()}
-  counts = _hlo.runs(hlo_text)
-  comps = _hlo.computations(hlo_text)
-  values = _values(comps, scope, _attention.score_shapes(hlo_text) if fused_attention else None)
-  _add_flops(parts, comps, counts, values, scope)
-  _add_accessed(parts, hlo_text, values)
-  _add_collectives(parts, hlo_text, processes, values, scope)
+  with collector_paused():
+    values = _values(program, scope,
+                     _attention.score_shapes(program) if fused_attention else None)
+    _add_flops(parts, program, values, scope)
+    _add_accessed(parts, program, values)
+    _add_collectives(parts, program, processes, values, scope)
   return parts
 
 
@@ -284,13 +286,11 @@ def scoped(hlo_text: str, processes: Sequence[int], scope: re.Pattern,
 class _Values:
   """What :func:`scoped` reads of each value of the program once: the
   bytes and scope of the op that made it, the scope of the op that calls
-  each computation, every definition ``(computation, match, scope)``, and
-  the bytes of each value that are score matrices of a fused attention (no
+  each computation, and the bytes of each value that are score matrices of a fused attention (no
   traffic): the whole value, or the score matrices among the results of
   a fusion XLA made with several (XLA:TPU's: a reduction beside them)."""
   made: dict[str, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
   caller: dict[str, str | None] = dataclasses.field(default_factory=dict)
-  defined: list[tuple[str, re.Match, str | None]] = dataclasses.field(default_factory=list)
   scores: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def scope(self, value: str) -> str | None:
@@ -302,55 +302,47 @@ class _Values:
     return self.made.get(value, (0, None))[0]
 
 
-def _values(comps: dict[str, list[str]], scope: re.Pattern,
+def _values(program: Program, scope: re.Pattern,
             score: tuple[tuple[int, int], ...] | None = None) -> _Values:
   """Every value's bytes and scope, in program order; with ``score`` (a
   fused attention's score matrices, :func:`partitioner._report.attention.
   score_shapes`), the values shaped as them."""
   values = _Values()
-  for name, lines in comps.items():
-    if not name:
-      continue
-    for line in lines:
-      m = _hlo.definition(line)
-      if m is None:
-        continue
-      size = sum(_hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(m.group("shape")))
+  for ops in program.computations.values():
+    for m in ops:
+      line = m.line
       # A fusion XLA made without a name (a CPU library's) is its operands'
       # scope; a fused computation's lines, their caller's. (Not a copy: a
       # proxy's outputs copy its last repetition's values, once.)
       where = _scope_of(line, scope)
-      if m.group("kind") == "fusion" and not _OP_NAME.search(line):
-        where = next((values.scope(v) for v in _hlo.operand_names(m.group("args"))
-                      if values.scope(v)), None)
-      values.made[m.group("name")] = (size, where)
-      if score is not None and (held := _attention.score_bytes(m.group("shape"), score)):
-        values.scores[m.group("name")] = held
-      values.caller.update(dict.fromkeys(_hlo.callees(line), where))
-      values.defined.append((name, m, where))
+      if m.kind == "fusion" and not _OP_NAME.search(line):
+        where = next((values.scope(v) for v in m.operands if values.scope(v)), None)
+      values.made[m.name] = (m.bytes, where)
+      if score is not None and (held := _attention.score_bytes(m.shape, score)):
+        values.scores[m.name] = held
+      values.caller.update(dict.fromkeys(m.callees, where))
   return values
 
 
-def _add_flops(parts: dict[str | None, Part], comps: dict[str, list[str]],
-               counts: dict[str, int], values: _Values, scope: re.Pattern) -> None:
+def _add_flops(parts: dict[str | None, Part], program: Program, values: _Values,
+               scope: re.Pattern) -> None:
   """Each line's flops (fusion bodies included), as often as it runs, to
   its scope (or its caller's) and the whole program's."""
-  for name, lines in comps.items():
-    if not name:
-      continue
-    for line, f in _hlo_flops.line_flops(lines):
-      where = _scope_of(line, scope) or values.caller.get(name)
+  counts = program.runs
+  for name in program.computations:
+    for op, f in _hlo_flops.of(program, name):
+      where = _scope_of(op.line, scope) or values.caller.get(name)
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.flops += counts.get(name, 1) * f
-        part.matmul_flops += counts.get(name, 1) * f if _hlo_flops.is_matmul(line) else 0.0
+        part.matmul_flops += counts.get(name, 1) * f if _hlo_flops.is_matmul(op.line) else 0.0
 
 
-def _moved(hlo_text: str, values: _Values) -> Iterator[tuple[str | None, float, float]]:
+def _moved(program: Program, values: _Values) -> Iterator[tuple[str | None, float, float]]:
   """Each kernel's ``(scope, bytes, of them a fused attention's score
   matrices)`` per call (:func:`partitioner._report.traffic.kernels`: what
   it reads and writes, as often as it runs)."""
-  for k in _traffic.kernels(hlo_text):
+  for k in _traffic.kernels(program):
     yield values.scope(k.name), k.runs * k.bytes, k.runs * _scores(k, values)
 
 
@@ -362,7 +354,7 @@ def _scores(k: _traffic.Kernel, values: _Values) -> float:
              if values.scores.get(v) and values.size(v))
 
 
-def overlapped_bytes(hlo_text: str, device: DeviceModel, scores: _Values | None = None) -> float:
+def overlapped_bytes(program: Program, device: DeviceModel, scores: _Values | None = None) -> float:
   """:attr:`Cost.overlapped_bytes` of a program under ``device``: what its
   matmul kernels move while their flops run, under a GPU's model
   (:func:`partitioner._report.traffic.overlapped_bytes`); with ``scores``
@@ -371,48 +363,49 @@ def overlapped_bytes(hlo_text: str, device: DeviceModel, scores: _Values | None 
   if device.platform != "gpu":
     return 0.0
   return _traffic.overlapped_bytes(
-      hlo_text, device.memory_bytes_per_s / device.flops_per_s, device.matmul_factor,
+      program, device.memory_bytes_per_s / device.flops_per_s, device.matmul_factor,
       (lambda k: _scores(k, scores)) if scores is not None else (lambda _: 0.0))
 
 
-def _add_accessed(parts: dict[str | None, Part], hlo_text: str, values: _Values) -> None:
+def _add_accessed(parts: dict[str | None, Part], program: Program, values: _Values) -> None:
   """Each kernel's bytes (:func:`_moved`) to its scope and the whole
   program's, less a fused attention's score matrices."""
-  for where, size, scores in _moved(hlo_text, values):
+  for where, size, scores in _moved(program, values):
     for p in {None, where}:
       parts.setdefault(p, Part()).accessed += size - scores
 
 
-def _score_values(hlo_text: str) -> _Values | None:
+def _score_values(program: Program) -> _Values | None:
   """The program's values with the bytes of jax attention's score matrices
   among them, or None where it calls no jax attention."""
-  score = _attention.score_shapes(hlo_text)
-  return _values(_hlo.computations(hlo_text), _NO_SCOPE, score) if score else None
+  score = _attention.score_shapes(program)
+  return _values(program, _NO_SCOPE, score) if score else None
 
 
-def score_traffic(hlo_text: str, values: _Values | None = None) -> tuple[float, float]:
+def score_traffic(program: Program | str, values: _Values | None = None) -> tuple[float, float]:
   """``(bytes accessed, bytes of large transposes)`` per call that the
   program's ``jax.nn.dot_product_attention`` moves in its score matrices
   (:mod:`partitioner._report.attention`), counted as :func:`scoped` counts
   every kernel's bytes; (0, 0) where it calls none. ``values``: the
   program's :func:`_score_values`, where the caller has them."""
-  values = values or _score_values(hlo_text)
+  program = parse(program)
+  values = values or _score_values(program)
   if values is None:
     return 0.0, 0.0
-  moved = sum(scores for _, _, scores in _moved(hlo_text, values))
-  return moved, _attention.transposed_score_bytes(hlo_text, _attention.score_shapes(hlo_text))
+  moved = sum(scores for _, _, scores in _moved(program, values))
+  return moved, _attention.transposed_score_bytes(program, _attention.score_shapes(program))
 
 
-def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Sequence[int],
+def _add_collectives(parts: dict[str | None, Part], program: Program, processes: Sequence[int],
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
-  for op in _hlo.instructions(hlo_text):
+  for op in program.instructions(sources=False):
     k, sent, hosts = _collective(op, processes)
     if not k:
       continue
     across = sent if hosts > 1 else 0.0
     levels = network_levels(op.opcode, hosts)
-    for share, where in _shares(op.line, values, scope):
+    for share, where in _shares(op, values):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.collectives += k * share
@@ -422,13 +415,12 @@ def _add_collectives(parts: dict[str | None, Part], hlo_text: str, processes: Se
         part.network_bytes += across * share
 
 
-def _shares(line: str, values: _Values, scope: re.Pattern) -> list[tuple[float, str | None]]:
+def _shares(op: _hlo.Instruction, values: _Values) -> list[tuple[float, str | None]]:
   """Whom a collective serves: ``(share, scope)`` pairs. One operand: the
   collective's own name says; several: XLA combined them, under one name,
   so each operand's maker says, by its share of the bytes."""
-  m = _hlo.definition(line)
-  own = values.scope(m.group("name")) if m else _scope_of(line, scope)
-  operands = [values.made.get(v, (0, None)) for v in _hlo.operand_names(m.group("args") if m else "")]
+  own = values.scope(op.name)
+  operands = [values.made.get(v, (0, None)) for v in op.operands]
   total = sum(size for size, _ in operands)
   if total and len(operands) > 1:
     return [(size / total, where) for size, where in operands]
@@ -450,7 +442,7 @@ _WEIGHT = {
 }
 
 
-def fused_attention(who: str, attention: object, hlo_text: str, platform: str,
+def fused_attention(who: str, attention: object, program: Program, platform: str,
                     device: DeviceModel) -> bool:
   """Whether to score ``jax.nn.dot_product_attention`` as one fused kernel
   (``attention="fused"``): only under an accelerator's model, for a program
@@ -477,7 +469,7 @@ def fused_attention(who: str, attention: object, hlo_text: str, platform: str,
         " its HLO holds; the setting is for an accelerator's device model, and a program"
         " compiled for simulated CPU devices (a plan for GPUs) or by XLA:TPU (jax's"
         " attention standing in for a flash kernel)")
-  if _attention.score_shape(hlo_text) is None:
+  if _attention.score_shape(program) is None:
     raise ValueError(
         f"{who}: attention=\"fused\" scores jax.nn.dot_product_attention as one fused"
         " kernel, and this program calls none; hint: an attention of its own is scored as"
@@ -491,14 +483,14 @@ def collective_weight(opcode: str, group: int) -> float:
   return _WEIGHT[opcode](group)
 
 
-def _collectives(hlo_text: str, processes: Sequence[int], device: DeviceModel) -> tuple:
+def _collectives(program: Program, processes: Sequence[int], device: DeviceModel) -> tuple:
   """The program's collectives: how many run, of them across hosts, their
   weighted bytes, of them across hosts, the doublings of the hosts their
   groups span; each one's seconds for one run (by its line, for the
   schedule's replay), and the lines of those that cross hosts."""
   count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
   across_lines = set()
-  for op in _hlo.instructions(hlo_text):
+  for op in program.instructions(sources=False):
     k, sent, hosts = _collective(op, processes)
     across = sent if hosts > 1 else 0.0
     count, weighted, network = count + k, weighted + sent, network + across
@@ -513,40 +505,47 @@ def _collectives(hlo_text: str, processes: Sequence[int], device: DeviceModel) -
   return count, remote, weighted, network, levels, once, across_lines
 
 
-def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
+def score(program: Program | str, cost: dict, memory: Any, processes: Sequence[int],
           device: DeviceModel, fused_attention: bool = False) -> Cost:
-  """The :class:`Cost` of a compiled program: ``hlo_text`` its partitioned
-  HLO, ``cost``/``memory`` XLA's analyses, ``processes`` the process of
-  each device of the assignment; ``fused_attention``: the device runs
+  """The :class:`Cost` of a compiled program: ``program`` its partitioned
+  HLO (its text, or parsed once by the caller), ``cost``/``memory``
+  XLA's analyses, ``processes`` the process of each device of the
+  assignment; ``fused_attention``: the device runs
   ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
   score matrices move in this program are not accessed there, and its
   matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
+  with collector_paused():
+    return _score(parse(program), cost, memory, processes, device, fused_attention)
+
+
+def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
+           device: DeviceModel, fused_attention: bool) -> Cost:
   count, remote, weighted, network, levels, once, across_lines = _collectives(
-      hlo_text, processes, device)
-  flops = _hlo_flops.program_flops(hlo_text, cost)
-  accessed = _traffic.bytes_moved(hlo_text)
+      program, processes, device)
+  flops = _hlo_flops.program_flops(program, cost)
+  accessed = _traffic.bytes_moved(program)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
     peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
-  matmuls = _hlo_flops.matmul_flops_by_type(hlo_text)
-  gpu = _hlo_flops.compiled_for_gpu(hlo_text)
+  matmuls = _hlo_flops.matmul_flops_by_type(program)
+  gpu = _hlo_flops.compiled_for_gpu(program)
   f32 = matmuls.get("f32", 0.0) if gpu else 0.0
-  transposed = _hlo_flops.transposed_bytes(hlo_text)
+  transposed = _hlo_flops.transposed_bytes(program)
   # cuDNN's attention in XLA:GPU's program: a custom call, which XLA's
   # analyses count nothing for
-  attention, kernel = _attention.cudnn_flops(hlo_text) if gpu else (0.0, 0.0)
+  attention, kernel = _attention.cudnn_flops(program) if gpu else (0.0, 0.0)
   flops += attention
   if attention:
     matmuls["cudnn"] = attention
-  values = _score_values(hlo_text) if fused_attention else None
+  values = _score_values(program) if fused_attention else None
   if fused_attention:
-    scores, transposed_scores = score_traffic(hlo_text, values)
+    scores, transposed_scores = score_traffic(program, values)
     accessed, transposed = max(accessed - scores, 0.0), max(transposed - transposed_scores, 0.0)
-    attention, kernel = _attention.flops(hlo_text)  # (never XLA:GPU's: refused there)
-  sequence = _attention.sequence(hlo_text) if kernel else 0
-  overlapped = overlapped_bytes(hlo_text, device, values)
-  narrow = (_traffic.narrow_flops(hlo_text, device.matmul_factor)
+    attention, kernel = _attention.flops(program)  # (never XLA:GPU's: refused there)
+  sequence = _attention.sequence(program) if kernel else 0
+  overlapped = overlapped_bytes(program, device, values)
+  narrow = (_traffic.narrow_flops(program, device.matmul_factor)
             if device.matmul_dim_factors else 0.0)
   own = cost.get("optimal_seconds")
   got = Cost(flops=flops, bytes_accessed=accessed, collectives=count, collective_bytes=weighted,
@@ -557,11 +556,11 @@ def score(hlo_text: str, cost: dict, memory: Any, processes: Sequence[int],
              attention_sequence=sequence, overlapped_bytes=overlapped, narrow_flops=narrow)
   compute = device.step_compute_seconds(got)
   comm = device.comm_seconds(weighted - network, count, network, remote, levels)
-  hidden = min(_schedule.hidden_seconds(hlo_text, lambda line: once.get(line, 0.0), compute,
+  hidden = min(_schedule.hidden_seconds(program, lambda line: once.get(line, 0.0), compute,
                                         device), compute, comm)
   # (the network's collectives alone: what of their time the schedule hides)
   network_hidden = min(_schedule.hidden_seconds(
-      hlo_text, lambda line: once.get(line, 0.0) if line in across_lines else 0.0, compute,
+      program, lambda line: once.get(line, 0.0) if line in across_lines else 0.0, compute,
       device), hidden) if hidden and across_lines else 0.0
   return dataclasses.replace(got, seconds=compute + comm - hidden, hidden_seconds=hidden,
                              network_hidden_seconds=network_hidden)

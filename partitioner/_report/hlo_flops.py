@@ -4,28 +4,12 @@ smallest dimension, the flops a loop repeats, and the large transposes."""
 
 from __future__ import annotations
 
-import collections
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from partitioner._report.hlo import (
-    _DIMS,
-    ELEMENTWISE,
-    computations,
-    definition,
-    result_bytes,
-    runs,
-)
-
-
-def flops(lines: list[str], matmuls_only: bool = False) -> float:
-  """The flops of one computation's lines: a matmul's (a dot or a cuBLAS
-  gemm) 2 x the result's elements x the contracted size of the left
-  operand, an elementwise op's (or a reduction's) one per element (not
-  with ``matmuls_only``)."""
-  return sum(f for _, f in line_flops(lines, matmuls_only))
-
+from partitioner._report.hlo import _DIMS, ELEMENTWISE, result_bytes
+from partitioner._report.program import Op, Program
 
 # On GPU, XLA rewrites most dots into cuBLAS calls (``__cublas$gemm``,
 # ``__cublas$lt$matmul`` and its fp8 form), their dimension numbers in the
@@ -68,73 +52,56 @@ def _elements(dims: str) -> int:
   return math.prod(int(d) for d in dims.split(",") if d)
 
 
-# line_flops' answers by the identity of the computation's line list (which
-# the entry holds, so the id stays its own): the cost, the traffic and the
-# schedule's replay each read the flops of the same computations.
-_FLOPS_OF: collections.OrderedDict[int, tuple[list[str], list, list]] = (
-    collections.OrderedDict())
+def of(program: Program, name: str, matmuls_only: bool = False) -> list[tuple[Op, float]]:
+  """``(op, flops)`` of each instruction of the computation ``name`` that
+  does any (:func:`line_flops`; made once per program)."""
+  every = program.kept(("flops", name), lambda: line_flops(program.ops(name), program.defs(name)))
+  if matmuls_only:
+    return program.kept(("matmul flops", name), lambda: [(op, f) for op, f, m in every if m])
+  return program.kept(("all flops", name), lambda: [(op, f) for op, f, _ in every])
 
 
-_FLOPS_KEPT = 1 << 14
+def computation_flops(program: Program, name: str, matmuls_only: bool = False) -> float:
+  """The flops of one run of the computation's own instructions."""
+  return sum(f for _, f in of(program, name, matmuls_only))
 
 
-def line_flops(lines: list[str], matmuls_only: bool = False) -> list[tuple[str, float]]:
-  """``(line, flops)`` of each line of one computation that does any (as
-  :func:`flops` counts them); the list is shared: do not change it."""
-  kept = _FLOPS_OF.get(id(lines))
-  if kept is None or kept[0] is not lines:
-    every = _line_flops(lines)
-    kept = (lines, [(line, f) for line, f, _ in every],
-            [(line, f) for line, f, matmul in every if matmul])
-    _FLOPS_OF[id(lines)] = kept
-    if len(_FLOPS_OF) > _FLOPS_KEPT:
-      _FLOPS_OF.popitem(last=False)
-  return kept[2] if matmuls_only else kept[1]
-
-
-def _line_flops(lines: list[str]) -> list[tuple[str, float, bool]]:
-  """``(line, flops, whether a matmul's)`` of each line that does any."""
+def line_flops(ops: list[Op], defs: dict[str, Op] | None = None) -> list[tuple[Op, float, bool]]:
+  """``(op, flops, whether a matmul's)`` of each instruction of one
+  computation that does any (``defs``: its instructions by name, where
+  the caller has them): a matmul's (a dot or a cuBLAS gemm) 2 x the
+  result's elements x the contracted size of the left operand, an
+  elementwise op's (or a reduction's) one per element."""
+  known = {op.name: op for op in ops} if defs is None else defs
+  shape = lambda v: known[v].shape if v in known else ""  # noqa: E731
   found = []
-  for line, m, shapes in _defined(lines):
-    kind = m.group("kind")
+  for op in ops:
+    kind = op.kind
     if kind in ELEMENTWISE or kind == "reduce":
-      arrays = _DIMS.findall(m.group("shape") if kind != "reduce" else
-                             shapes.get(_first_operand(m.group("args")), ""))
-      found.append((line, float(sum(_elements(a) for a in arrays[:1])), False))
+      arrays = _DIMS.findall(op.shape if kind != "reduce" else shape(_first_operand(op.args)))
+      found.append((op, float(sum(_elements(a) for a in arrays[:1])), False))
       continue
-    f = _matmul_flops(m, line, shapes)
+    f = _matmul_flops(op, shape)
     if f is not None:
-      found.append((line, f, True))
+      found.append((op, f, True))
   return found
 
 
-def _defined(lines: list[str]) -> Iterator[tuple[str, re.Match, dict[str, str]]]:
-  """Each definition among one computation's lines: ``(line, match,
-  shapes)``, ``shapes`` the shape of every value defined so far, its own
-  included."""
-  shapes: dict[str, str] = {}
-  for line in lines:
-    m = definition(line)
-    if m is not None:
-      shapes[m.group("name")] = m.group("shape")
-      yield line, m, shapes
-
-
-def _matmul_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
+def _matmul_flops(op: Op, shape: Callable[[str], str]) -> float | None:
   """A dot's or a cuBLAS gemm's flops: 2 x the result's elements (a gemm's
   result is its tuple's first array; the second is its workspace) x the
   contracted size of the left operand; None for any other op, or where the
   shapes are unknown."""
-  if m.group("kind") == "convolution":
-    return _convolution_flops(m, line, shapes)
-  if m.group("kind") == "dot":
-    contracting = _DOT_CONTRACTING.search(line)
-  elif m.group("kind") == "custom-call" and _GEMM.search(line):
-    contracting = _GEMM_CONTRACTING.search(line)
+  if op.kind == "convolution":
+    return _convolution_flops(op, shape)
+  if op.kind == "dot":
+    contracting = _DOT_CONTRACTING.search(op.line)
+  elif op.kind == "custom-call" and _GEMM.search(op.line):
+    contracting = _GEMM_CONTRACTING.search(op.line)
   else:
     return None
-  out = _DIMS.search(m.group("shape"))
-  lhs = _DIMS.search(shapes.get(_first_operand(m.group("args")), ""))
+  out = _DIMS.search(op.shape)
+  lhs = _DIMS.search(shape(_first_operand(op.args)))
   if out is None or lhs is None:
     return None
   dims = [int(d) for d in lhs.group(1).split(",") if d]
@@ -151,52 +118,48 @@ _GEMM_DIMS = {side: re.compile(side + r'_(batch|contracting)_dimensions\\?"?:\[(
               for side in ("lhs", "rhs")}
 
 
-def matmul_smallest(lines: list[str]) -> dict[str, int]:
-  """Each matmul line of one computation (a dot, a cuBLAS gemm): the
-  smallest of its rows, columns and contraction (its batch aside), for
-  the rate of a GEMM of that shape; lines whose shapes are unknown, and
-  convolutions, are left out."""
-  found = {}
-  for line, m, shapes in _defined(lines):
-    kind = m.group("kind")
-    if kind == "dot":
-      pattern = _DOT_DIMS
-    elif kind == "custom-call" and _GEMM.search(line):
-      pattern = _GEMM_DIMS
-    else:
-      continue
-    operands = _OPERAND_NAME.findall(m.group("args"))
-    sizes = []
-    for side, name in zip(("lhs", "rhs"), operands[:2]):
-      dims = _DIMS.search(shapes.get(name, ""))
-      if dims is None:
-        break
-      extent = [int(d) for d in dims.group(1).split(",") if d]
-      roles = {kind: [int(i) for i in re.findall(r"\d+", found_dims)]
-               for kind, found_dims in pattern[side].findall(line)}
-      taken = set(roles.get("batch", [])) | set(roles.get("contracting", []))
-      sizes.append(math.prod(e for i, e in enumerate(extent) if i not in taken))
-      if side == "lhs":
-        sizes.append(math.prod(extent[i] for i in roles.get("contracting", [])
-                               if i < len(extent)))
-    if len(sizes) == 3:
-      found[line] = min(sizes)
-  return found
+def matmul_smallest(op: Op, defs: dict[str, Op]) -> int:
+  """The smallest of a matmul's (a dot's, a cuBLAS gemm's) rows, columns
+  and contraction (its batch aside), for the rate of a GEMM of that
+  shape; 0 where its shapes are unknown, or for another op (a
+  convolution). ``defs``: its computation's instructions by name."""
+  line = op.line
+  if op.kind == "dot":
+    pattern = _DOT_DIMS
+  elif op.kind == "custom-call" and _GEMM.search(line):
+    pattern = _GEMM_DIMS
+  else:
+    return 0
+  operands = _OPERAND_NAME.findall(op.args)
+  sizes: list[int] = []
+  for side, name in zip(("lhs", "rhs"), operands[:2]):
+    dims = _DIMS.search(defs[name].shape if name in defs else "")
+    if dims is None:
+      break
+    extent = [int(d) for d in dims.group(1).split(",") if d]
+    roles = {kind: [int(i) for i in re.findall(r"\d+", found_dims)]
+             for kind, found_dims in pattern[side].findall(line)}
+    taken = set(roles.get("batch", [])) | set(roles.get("contracting", []))
+    sizes.append(math.prod(e for i, e in enumerate(extent) if i not in taken))
+    if side == "lhs":
+      sizes.append(math.prod(extent[i] for i in roles.get("contracting", [])
+                             if i < len(extent)))
+  return min(sizes) if len(sizes) == 3 else 0
 
 
-def _convolution_flops(m: re.Match, line: str, shapes: dict[str, str]) -> float | None:
+def _convolution_flops(op: Op, shape: Callable[[str], str]) -> float | None:
   """A convolution's flops: 2 x the output's batch and features x the
   kernel's input features x, per spatial dimension, the (output, window)
   pairs that land on an input element (not on padding, nor between the
   elements a dilated input spreads apart: XLA:TPU rewrites some
   transposed dots as such convolutions); None where a shape or the labels
   are unknown."""
+  line = op.line
   labels = _CONV_LABELS.search(line)
-  operands = _OPERAND_NAME.findall(m.group("args"))
+  operands = _OPERAND_NAME.findall(op.args)
   if labels is None or len(operands) < 2:
     return None
-  shaped = [_DIMS.search(s) for s in (shapes.get(operands[0], ""),
-                                       shapes.get(operands[1], ""), m.group("shape"))]
+  shaped = [_DIMS.search(s) for s in (shape(operands[0]), shape(operands[1]), op.shape)]
   if any(x is None for x in shaped):
     return None
   lhs, rhs, out = ([int(d) for d in x.group(1).split(",") if d] for x in shaped)  # type: ignore[union-attr]
@@ -232,84 +195,74 @@ def _valid_pairs(size: int, outputs: int, window: int, stride: int, low: int,
              if 0 <= (p := o * stride + w * window_dilate - low) <= last and p % dilate == 0)
 
 
-def repeated_flops(hlo_text: str) -> float:
+def repeated_flops(program: Program) -> float:
   """The flops ``cost_analysis()`` leaves out: a loop body's counted for
   every iteration after the first."""
-  counts = runs(hlo_text)
-  return sum((counts[name] - 1) * flops(lines)
-             for name, lines in computations(hlo_text).items()
-             if name and counts.get(name, 1) > 1)
+  counts = program.runs
+  return sum((counts[name] - 1) * computation_flops(program, name)
+             for name in program.computations if counts.get(name, 1) > 1)
 
 
-def program_flops(hlo_text: str, cost: dict) -> float:
+def program_flops(program: Program, cost: dict) -> float:
   """A program's flops, each loop iteration and each gemm counted: XLA's
   ``cost_analysis()`` (``cost``) of it with what that leaves out."""
   counted = float(cost.get("flops", 0.0))
-  return counted + uncounted_gemm_flops(hlo_text, counted) + repeated_flops(hlo_text)
+  return counted + uncounted_gemm_flops(program, counted) + repeated_flops(program)
 
 
-def uncounted_gemm_flops(hlo_text: str, counted: float) -> float:
+def uncounted_gemm_flops(program: Program, counted: float) -> float:
   """The flops of the program's cuBLAS gemm calls (each computation once:
   :func:`repeated_flops` adds a loop's other iterations) where a cost
   analysis that found ``counted`` flops evidently left them out, else 0.
   jax's ``cost_analysis()`` on a GPU counts no custom call: measured on
   an H100 (jax 0.11.2), a float32 MLP step whose gemms do 10.7 GFLOP was
   counted as 19 MFLOP, its elementwise ops alone."""
-  if "__cublas$" not in hlo_text:  # (no GPU gemm: nothing to add, no pass over the program)
+  if "__cublas$" not in program.text:  # (no GPU gemm: nothing to add, no pass over the program)
     return 0.0
-  comps = [lines for name, lines in computations(hlo_text).items() if name]
-  gemms = sum(f for lines in comps for line, f in line_flops(lines, matmuls_only=True)
-              if _GEMM.search(line))
-  own = sum(flops(lines) for lines in comps)
+  gemms = sum(f for name in program.computations
+              for op, f in of(program, name, matmuls_only=True) if _GEMM.search(op.line))
+  own = sum(computation_flops(program, name) for name in program.computations)
   return gemms if counted < own - gemms / 2 else 0.0
 
 
-def compiled_for_gpu(hlo_text: str) -> bool:
+def compiled_for_gpu(program: Program) -> bool:
   """Whether XLA:GPU compiled the program (its matmuls are cuBLAS or
   Triton calls, its attention cuDNN's; XLA:CPU's are dots, bfloat16 ones
   computed in float32)."""
-  return any(mark in hlo_text for mark in ("__cublas$", "__triton", "__cudnn$"))
+  return any(mark in program.text for mark in ("__cublas$", "__triton", "__cudnn$"))
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(program: Program) -> float:
   """The flops of every matmul of the program (dots, cuBLAS gemms), each
   as often as it runs."""
-  return sum(matmul_flops_by_type(hlo_text).values())
+  return sum(matmul_flops_by_type(program).values())
 
 
-def matmul_flops_by_type(hlo_text: str) -> dict[str, float]:
+def matmul_flops_by_type(program: Program) -> dict[str, float]:
   """:func:`matmul_flops` by the element type of each matmul's left
   operand (``{"f32": ..., "bf16": ...}``; "" where unknown), in one pass."""
-  counts = runs(hlo_text)
+  counts = program.runs
   out: dict[str, float] = {}
-  for name, lines in computations(hlo_text).items():
-    found = line_flops(lines, matmuls_only=True) if name else []
-    types = _element_types(lines) if found else {}
-    for line, f in found:
-      kind = _operand_type(line, types)
+  for name in program.computations:
+    defs = program.defs(name)
+    for op, f in of(program, name, matmuls_only=True):
+      kind = _operand_type(op, defs)
       out[kind] = out.get(kind, 0.0) + counts.get(name, 1) * f
   return out
 
 
-def _element_types(lines: list[str]) -> dict[str, str]:
-  """Each value a computation defines: its element type (``"f32"``)."""
-  out = {}
-  for line in lines:
-    d = definition(line)
-    t = re.match(r"\s*\(?([a-z]+\d*)\[", d.group("shape")) if d else None
-    if d is not None and t is not None:
-      out[d.group("name")] = t.group(1)
-  return out
+_ELEMENT_TYPE = re.compile(r"\s*\(?([a-z]+\d*)\[")
 
 
-def _operand_type(line: str, types: dict[str, str]) -> str:
-  """The element type of ``line``'s first operand, as printed with it or
-  as its computation defines it (``types``); "" where unknown."""
-  m = definition(line)
-  if m is None:
-    return ""
-  printed = re.match(r"\s*([a-z]+\d*)\[", m.group("args"))
-  return printed.group(1) if printed else types.get(_first_operand(m.group("args")), "")
+def _operand_type(op: Op, defs: dict[str, Op]) -> str:
+  """The element type of ``op``'s first operand, as printed with it or
+  as its computation defines it (``defs``); "" where unknown."""
+  printed = re.match(r"\s*([a-z]+\d*)\[", op.args)
+  if printed:
+    return printed.group(1)
+  source = defs.get(_first_operand(op.args))
+  t = _ELEMENT_TYPE.match(source.shape) if source is not None else None
+  return t.group(1) if t else ""
 
 
 # A transpose of at least this many bytes leaves the caches of a CPU core
@@ -337,7 +290,7 @@ def _physical_order(shape: str, permutation: list[int] | None = None) -> list[in
   return [permutation[d] if permutation else d for d in order if dims[d] > 1]
 
 
-def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES,
+def transposed_bytes(program: Program, minimum: int = LARGE_TRANSPOSE_BYTES,
                      keep: Callable[[str], bool] | None = None) -> float:
   """The bytes per call of the physical transposes of ``minimum`` bytes or
   more: a ``copy`` or ``transpose`` (at top level or inside a fusion)
@@ -346,25 +299,26 @@ def transposed_bytes(hlo_text: str, minimum: int = LARGE_TRANSPOSE_BYTES,
   transpose XLA makes a bitcast (a layout change alone) moves nothing and
   is not counted, nor a copy that only moves dimensions of one; nor, with
   ``keep``, one whose result's shape it refuses."""
-  counts = runs(hlo_text)
+  counts = program.runs
   total = 0.0
-  for name, lines in computations(hlo_text).items():
-    if not name:
-      continue
-    for line, m, shapes in _defined(lines):
-      kind = m.group("kind")
+  for name, ops in program.computations.items():
+    defs = None
+    for op in ops:
+      kind = op.kind
       if kind not in ("copy", "transpose"):
         continue
-      operand = shapes.get(_first_operand(m.group("args")), "")
-      p = _PERMUTATION.search(line) if kind == "transpose" else None
+      defs = defs or program.defs(name)
+      source_op = defs.get(_first_operand(op.args))
+      operand = source_op.shape if source_op is not None else ""
+      p = _PERMUTATION.search(op.line) if kind == "transpose" else None
       if kind == "transpose" and p is None:
         continue
       permutation = [int(x) for x in p.group(1).split(",") if x] if p else None
-      result, source = _physical_order(m.group("shape"), permutation), _physical_order(operand)
-      size = result_bytes(kind, m.group("shape"))
-      if result is None or source is None or result == source or size < minimum:
+      result, source = _physical_order(op.shape, permutation), _physical_order(operand)
+      if result is None or source is None or result == source:
         continue
-      if keep is not None and not keep(m.group("shape")):
+      size = result_bytes(kind, op.shape)
+      if size < minimum or (keep is not None and not keep(op.shape)):
         continue
       total += counts.get(name, 1) * size
   return total

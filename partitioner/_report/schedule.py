@@ -41,6 +41,7 @@ from collections.abc import Callable
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.program import Op, Program
 
 # Text a program with an async collective holds; without any, nothing is
 # hidden and the schedule is not read.
@@ -55,18 +56,18 @@ _DONES = frozenset({"all-reduce-done", "all-gather-done", "collective-permute-do
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
 
 
-def has_async(hlo_text: str) -> bool:
+def has_async(program: Program) -> bool:
   """Whether the program holds a collective XLA runs asynchronously."""
-  return any(marker in hlo_text for marker in _ASYNC)
+  return any(marker in program.text for marker in _ASYNC)
 
 
-def hidden_seconds(hlo_text: str, comm_of: Callable[[str], float], compute_seconds: float,
+def hidden_seconds(program: Program, comm_of: Callable[[str], float], compute_seconds: float,
                    device: DeviceModel) -> float:
   """The seconds of communication per call that the schedule overlaps
   with compute.
 
   Args:
-    hlo_text: the compiled (scheduled) program.
+    program: the compiled (scheduled) program.
     comm_of: one run's seconds of a collective, given its line (the first
       copy of an XLA:TPU async collective fusion's; see
       :func:`partitioner._report.hlo.chain`); 0 for any other line.
@@ -74,16 +75,15 @@ def hidden_seconds(hlo_text: str, comm_of: Callable[[str], float], compute_secon
       among its instructions by their flops and bytes.
     device: whose flop and memory rates weigh each instruction.
   """
-  early = device.platform == "gpu" and not has_async(hlo_text)
-  if not (early or has_async(hlo_text)) or compute_seconds <= 0:
+  early = device.platform == "gpu" and not has_async(program)
+  if not (early or has_async(program)) or compute_seconds <= 0:
     return 0.0
-  replay = _Replay(_hlo.computations(hlo_text), comm_of, device, early=early)
-  entry = replay.comps.get("", [])
-  raw = replay.raw_total(entry)
+  replay = _Replay(program, comm_of, device, early=early)
+  raw = replay.raw_total(program.entry)
   if raw <= 0:
     return 0.0
   replay.scale = compute_seconds / raw
-  took, serial = replay.run(entry)
+  took, serial = replay.run(program.entry)
   return max(0.0, serial - took)
 
 
@@ -124,34 +124,30 @@ class _Clock:
 @dataclasses.dataclass
 class _Replay:
   """The two-stream replay of one program (see the module's docstring)."""
-  comps: dict[str, list[str]]
+  program: Program
   comm_of: Callable[[str], float]
   device: DeviceModel
   early: bool = False  # synchronous collectives run as XLA:GPU's async ones
   scale: float = 1.0
 
   def __post_init__(self) -> None:
-    self.sizes: dict[str, int] = {}
     self.flops_of: dict[str, float] = {}
+    self.raw_of: dict[str, float] = {}  # (each instruction's, unscaled: raw_total's)
     self.comm_in: dict[str, tuple[float, tuple[str, str] | None]] = {}
     self.received: dict[str, str] = {}  # a megascale recv -> its rendezvous
     self.chains: dict[tuple[str, str], float] = {}
-    for name, lines in self.comps.items():
-      for line in lines if name else ():
-        m = _hlo.definition(line)
-        if m is not None:
-          self.sizes[m.group("name")] = sum(
-              _hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(m.group("shape")))
-        key = _hlo.chain(line)
-        if key is not None:
-          self.chains[key] = max(self.chains.get(key, 0.0), self.comm_of(line))
+    if 'chain_id="' in self.program.text:
+      for ops in self.program.computations.values():
+        for op in ops:
+          key = _hlo.chain(op.line)
+          if key is not None:
+            self.chains[key] = max(self.chains.get(key, 0.0), self.comm_of(op.line))
 
   def _flops(self, name: str) -> float:
     """The flops of a called computation (fusion body), nested ones included."""
     if name not in self.flops_of:
-      lines = self.comps.get(name, [])
-      self.flops_of[name] = _hlo_flops.flops(lines) + sum(
-          self._flops(c) for line in lines for c in _hlo.callees(line))
+      self.flops_of[name] = _hlo_flops.computation_flops(self.program, name) + sum(
+          self._flops(c) for op in self.program.ops(name) for c in op.callees)
     return self.flops_of[name]
 
   def _called_comm(self, name: str) -> tuple[float, tuple[str, str] | None]:
@@ -159,123 +155,127 @@ class _Replay:
     async collective fusion's chain it carries, if any."""
     if name not in self.comm_in:
       comm, chain = 0.0, None
-      for line in self.comps.get(name, []):
-        key = _hlo.chain(line)
+      for op in self.program.ops(name):
+        key = _hlo.chain(op.line)
         if key is not None:
           chain = key
           continue
-        comm += self.comm_of(line)
-        for callee in _hlo.callees(line):
+        comm += self.comm_of(op.line)
+        for callee in op.callees:
           more, inner = self._called_comm(callee)
           comm, chain = comm + more, chain or inner
       self.comm_in[name] = (comm, chain)
     return self.comm_in[name]
 
-  def _raw(self, m: re.Match, line: str, own: dict[str, float]) -> float:
+  def _raw(self, op: Op, own: dict[str, float]) -> float:
     """One instruction's compute seconds by the device's rates, unscaled
-    (``own``: the flops of its computation's lines)."""
-    kind = m.group("kind")
+    (``own``: the flops of its computation's instructions by name)."""
+    kind = op.kind
     if kind in _hlo.NOT_COMPUTED or kind in ("while", "send", "send-done", "recv", "recv-done"):
       return 0.0
-    flops = own.get(line, 0.0) + sum(self._flops(c) for c in _hlo.callees(line))
-    moved = self.sizes.get(m.group("name"), 0) + sum(
-        self.sizes.get(v, 0) for v in _hlo.operand_names(m.group("args")))
-    return self.device.compute_seconds(flops, 0.0 if kind.endswith("-done") else moved)
+    flops = own.get(op.name, 0.0) + sum(self._flops(c) for c in op.callees)
+    if kind.endswith("-done"):
+      return self.device.compute_seconds(flops, 0.0)
+    defined = self.program.defined
+    moved = op.bytes + sum(defined[v].bytes for v in op.operands if v in defined)
+    return self.device.compute_seconds(flops, moved)
 
-  def _loop(self, line: str) -> tuple[list[str], int] | None:
-    """A while loop's body lines and trip count (1 where unknown)."""
-    found = _hlo.loop(line, self.comps) if " while(" in line else None
-    return None if found is None else (self.comps.get(found[0], []), 1 if found[1] is None else found[1])
+  def _loop(self, op: Op) -> tuple[str, int] | None:
+    """A while loop's body and trip count (1 where unknown)."""
+    found = self.program.loop(op) if op.kind == "while" else None
+    return None if found is None else (found[0], 1 if found[1] is None else found[1])
 
-  def raw_total(self, lines: list[str]) -> float:
-    """A computation's unscaled compute seconds, loop bodies each iteration."""
-    total, own = 0.0, dict(_hlo_flops.line_flops(lines))
-    for line in lines:
-      m = _hlo.definition(line)
-      if m is None:
-        continue
-      loop = self._loop(line)
-      total += self.raw_total(loop[0]) * loop[1] if loop else self._raw(m, line, own)
+  def _own(self, name: str) -> dict[str, float]:
+    return {op.name: f for op, f in _hlo_flops.of(self.program, name)}
+
+  def raw_total(self, name: str) -> float:
+    """A computation's unscaled compute seconds, loop bodies each iteration
+    (each instruction's kept in ``raw_of`` for :meth:`run`)."""
+    total, own = 0.0, self._own(name)
+    for op in self.program.ops(name):
+      loop = self._loop(op)
+      if loop:
+        total += self.raw_total(loop[0]) * loop[1]
+      else:
+        self.raw_of[op.name] = raw = self._raw(op, own)
+        total += raw
     return total
 
-  def run(self, lines: list[str]) -> tuple[float, float]:
+  def run(self, name: str) -> tuple[float, float]:
     """``(replayed seconds, seconds one after another)`` of one computation."""
-    members, own = self._chain_members(lines), dict(_hlo_flops.line_flops(lines))
+    ops = self.program.ops(name)
+    members = self._chain_members(ops)
     clock = _Clock()
-    starts, waits, early = self._early_plan(lines) if self.early else ({}, {}, {})
+    starts, waits, early = self._early_plan(ops) if self.early else ({}, {}, {})
     clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)
-    for i, line in enumerate(lines):
-      m = _hlo.definition(line)
-      if m is None:
-        continue
+    for i, op in enumerate(ops):
       for k in waits.get(i, ()):
         clock.now = max(clock.now, clock.pending.pop(k, clock.now))
-      loop = self._loop(line)
+      loop = self._loop(op)
       if loop is not None:
         took, alone = self.run(loop[0])
         clock.now = clock.free = max(clock.now, clock.free) + took * loop[1]
         clock.serial += alone * loop[1]
       else:
-        role, key, comm = self._role(m, line, i, members)
+        role, key, comm = self._role(op, i, members)
         if i in early:  # (queued where its operands were made)
           role, comm = "", 0.0
           clock.serial += early[i]
-        clock.step(role, key, comm, self._raw(m, line, own) * self.scale, m.group("name"))
+        clock.step(role, key, comm, self.raw_of[op.name] * self.scale, op.name)
       clock.queue(starts.get(i, ()), early)
     return max([clock.now, clock.free, *clock.pending.values()]), clock.serial
 
-  def _early_plan(self, lines: list[str]) -> tuple[dict, dict, dict]:
-    """For a computation's synchronous collectives (lines ``k``): after
-    which line each is queued (-1: at once, on arguments), before which
-    it is waited for, and its seconds: ``({line: [k...]}, {line: [k...]},
-    {k: seconds})``."""
+  def _early_plan(self, ops: list[Op]) -> tuple[dict, dict, dict]:
+    """For a computation's synchronous collectives (instructions ``k``):
+    after which instruction each is queued (-1: at once, on arguments),
+    before which it is waited for, and its seconds: ``({i: [k...]}, {i:
+    [k...]}, {k: seconds})``."""
     made: dict[str, int] = {}
     first_use: dict[str, int] = {}
     forwarded: dict[str, str] = {}  # a get-tuple-element -> the collective it reads
     collectives: dict[str, int] = {}
     starts: dict[int, list[int]] = {}
     seconds: dict[int, float] = {}
-    for i, line in enumerate(lines):
-      m = _hlo.definition(line)
-      if m is None:
-        continue
-      operands = _hlo.operand_names(m.group("args"))
-      if m.group("kind") == "get-tuple-element" and operands and (
+    for i, op in enumerate(ops):
+      operands = op.operands
+      if op.kind == "get-tuple-element" and operands and (
           operands[0] in collectives or operands[0] in forwarded):
-        forwarded[m.group("name")] = forwarded.get(operands[0]) or operands[0]
+        forwarded[op.name] = forwarded.get(operands[0]) or operands[0]
       else:
         for v in operands:
           source = forwarded.get(v, v)
           if source in collectives:
             first_use.setdefault(source, i)
-      comm = self.comm_of(line) if m.group("kind") in _hlo.COLLECTIVE_KINDS else 0.0
+      comm = self.comm_of(op.line) if op.kind in _hlo.COLLECTIVE_KINDS else 0.0
       if comm > 0:  # (no async markers in the program: every collective is synchronous)
-        collectives[m.group("name")] = i
+        collectives[op.name] = i
         seconds[i] = comm
         starts.setdefault(max((made.get(v, -1) for v in operands), default=-1), []).append(i)
-      made[m.group("name")] = i
+      made[op.name] = i
     waits: dict[int, list[int]] = {}
     for name, k in collectives.items():
-      waits.setdefault(first_use.get(name, len(lines)), []).append(k)
+      waits.setdefault(first_use.get(name, len(ops)), []).append(k)
     return starts, waits, seconds
 
-  def _chain_members(self, lines: list[str]) -> dict[tuple[str, str], list[int]]:
-    """Each async collective fusion's chain -> its fusions' line indices."""
+  def _chain_members(self, ops: list[Op]) -> dict[tuple[str, str], list[int]]:
+    """Each async collective fusion's chain -> its fusions' indices."""
     found: dict[tuple[str, str], list[int]] = {}
-    for i, line in enumerate(lines):
-      if " fusion(" in line:
-        for callee in _hlo.callees(line):
+    if not self.chains:
+      return found
+    for i, op in enumerate(ops):
+      if op.kind == "fusion":
+        for callee in op.callees:
           chain = self._called_comm(callee)[1]
           if chain is not None:
             found.setdefault(chain, []).append(i)
     return found
 
-  def _role(self, m: re.Match, line: str, i: int,
+  def _role(self, op: Op, i: int,
             members: dict[tuple[str, str], list[int]]) -> tuple[str, object, float]:
     """How one instruction uses the link: ``(role, key, seconds)``, role
     "sync", "start", "done" or "" (compute only)."""
-    kind, name = m.group("kind"), m.group("name")
-    operands = _hlo.operand_names(m.group("args"))
+    kind, name, line = op.kind, op.name, op.line
+    operands = op.operands
     if kind in _DONES or kind == "async-update":
       return ("done" if kind != "async-update" else "update"), operands[0] if operands else None, 0.0
     if kind in _STARTS:
@@ -290,7 +290,7 @@ class _Replay:
         return "done", self.received[operands[0]], 0.0
       return "", None, 0.0
     comm, chain = 0.0, None
-    for callee in _hlo.callees(line):
+    for callee in op.callees:
       more, inner = self._called_comm(callee)
       comm, chain = comm + more, chain or inner
     if kind == "async-start":

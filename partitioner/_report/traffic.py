@@ -39,13 +39,12 @@ same layers unrolled, more the deeper the model.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import re
 from collections.abc import Callable, Sequence
 
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
+from partitioner._report.program import Op, Program
 
 # Ops that move no data of their own (a loop's or call's body is counted
 # where it runs; an async op's ``-done`` is its ``-start``'s; a send or a
@@ -93,35 +92,38 @@ class Kernel:
     return self.written + sum(self.reads.values())
 
 
-def bytes_moved(hlo_text: str) -> float:
+def bytes_moved(program: Program) -> float:
   """The bytes the program's kernels read and write per call, each as
   often as it runs (see the module's docstring)."""
-  return float(sum(k.runs * k.bytes for k in kernels(hlo_text)))
+  return float(sum(k.runs * k.bytes for k in kernels(program)))
 
 
-@functools.lru_cache(maxsize=4)  # (a score reads one text's kernels a few times)
-def kernels(hlo_text: str) -> tuple[Kernel, ...]:
+def kernels(program: Program) -> tuple[Kernel, ...]:
   """The program's kernels (see the module's docstring), in program
-  order."""
-  comps = _hlo.computations(hlo_text)
-  counts = _hlo.runs(hlo_text)
+  order (made once per program)."""
+  return program.kept("kernels", lambda: _kernels(program))
+
+
+def _kernels(program: Program) -> tuple[Kernel, ...]:
+  counts = program.runs
   found = []
-  for name in _kernel_computations(hlo_text):
-    if name not in comps:
+  for name in _kernel_computations(program):
+    if name not in program.computations:
       continue
-    c = _Computation(comps[name], comps)
-    own = dict(_matmuls(comps[name], comps, nested=False))
-    for value, d in c.defs.items():
-      if c.is_kernel(value, d):
-        written, reads = c.kernel(d)
-        body = c.bodies.get(value)
-        found.append(Kernel(name, value, counts.get(name, 1), written, reads,
-                            ((own[d.string],) if d.string in own else
-                             tuple(m for _, m in _matmuls(body, comps)) if body else ())))
+    c = _Computation(program, name)
+    defs = program.defs(name)
+    own = {op.name: f for op, f in _hlo_flops.of(program, name, matmuls_only=True)}
+    for op in program.ops(name):
+      if c.is_kernel(op):
+        written, reads = c.kernel(op)
+        body = c.bodies.get(op.name)
+        found.append(Kernel(name, op.name, counts.get(name, 1), written, reads,
+                            ((own[op.name], _hlo_flops.matmul_smallest(op, defs)),)
+                            if op.name in own else tuple(_matmuls(program, body)) if body else ()))
   return tuple(found)
 
 
-def overlapped_bytes(hlo_text: str, bytes_per_flop: float,
+def overlapped_bytes(program: Program, bytes_per_flop: float,
                      factor: Callable[[int], float] = lambda _: 1.0,
                      held: Callable[[Kernel], float] = lambda _: 0.0) -> float:
   """The bytes per call that matmul kernels move while their flops run:
@@ -134,51 +136,45 @@ def overlapped_bytes(hlo_text: str, bytes_per_flop: float,
   time and its bytes' time less these."""
   return float(sum(k.runs * min(k.bytes - held(k), sum(f / factor(d) for f, d in k.matmuls)
                                 * bytes_per_flop)
-                   for k in kernels(hlo_text) if k.matmuls))
+                   for k in kernels(program) if k.matmuls))
 
 
-def narrow_flops(hlo_text: str, factor: Callable[[int], float]) -> float:
+def narrow_flops(program: Program, factor: Callable[[int], float]) -> float:
   """What the program's matmuls cost more, in flops at the full rate, for
   running at ``factor(their smallest dimension)`` of it: each one's
   flops times ``1 / factor - 1``, as often as it runs."""
   return float(sum(k.runs * f * (1 / factor(d) - 1)
-                   for k in kernels(hlo_text) for f, d in k.matmuls if d))
+                   for k in kernels(program) for f, d in k.matmuls if d))
 
 
-def _matmuls(lines: list[str], comps: dict[str, list[str]], nested: bool = True,
-             depth: int = 0) -> list[tuple[str, tuple[float, int]]]:
-  """Each matmul line of a computation (and, ``nested``, of the fusions in
-  it): ``(line, (flops, smallest dimension))``."""
-  smallest = _hlo_flops.matmul_smallest(lines)
-  found = [(line, (f, smallest.get(line, 0)))
-           for line, f in _hlo_flops.line_flops(lines, matmuls_only=True)]
-  if nested and depth < 4:
-    for line in lines:
-      for inner in _FUSION_CALLS.findall(line) if " fusion(" in line else ():
-        found += _matmuls(comps.get(inner, []), comps, True, depth + 1)
+def _matmuls(program: Program, name: str, depth: int = 0) -> list[tuple[float, int]]:
+  """Each matmul of a fusion's computation ``name`` and of the fusions in
+  it: ``(flops, smallest dimension)``."""
+  defs = program.defs(name)
+  found = [(f, _hlo_flops.matmul_smallest(op, defs))
+           for op, f in _hlo_flops.of(program, name, matmuls_only=True)]
+  if depth < 4:
+    for op in program.ops(name):
+      for inner in _FUSION_CALLS.findall(op.line) if op.kind == "fusion" else ():
+        found += _matmuls(program, inner, depth + 1)
   return found
 
 
-@functools.lru_cache(maxsize=4)
-def _kernel_computations(hlo_text: str) -> tuple[str, ...]:
+def _kernel_computations(program: Program) -> tuple[str, ...]:
   """The computations whose instructions are kernels: the entry and what
   it runs through control flow (loop bodies and conditions, a
   conditional's branches, a call's computation), not fusions' bodies nor
   reductions' computations."""
-  comps = _hlo.computations(hlo_text)
-  entry = next((n for n, lines in comps.items() if n and lines is comps.get("")), None)
-  found, todo = [], [entry] if entry else []
+  found, todo = [], [program.entry] if program.entry else []
   while todo:
     name = todo.pop()
     if name in found:
       continue
     found.append(name)
-    for line in comps.get(name, ()):
-      m = _hlo.definition(line)
-      if m is None or m.group("kind") not in ("while", "conditional", "call"):
-        continue
-      for one, branches in _CONTROL.findall(line):
-        todo += [c.strip().lstrip("%") for c in (one or branches).split(",") if c.strip()]
+    for op in program.ops(name):
+      if op.kind in ("while", "conditional", "call"):
+        for one, branches in _CONTROL.findall(op.line):
+          todo += [c.strip().lstrip("%") for c in (one or branches).split(",") if c.strip()]
   return tuple(found)
 
 
@@ -187,30 +183,30 @@ class _Computation:
   definition, its readers, its sort (view, fused elementwise, kernel) and
   its bytes as an accelerator holds it."""
 
-  def __init__(self, lines: list[str], comps: dict[str, list[str]]):
-    self.comps = comps
-    self.defs, self.readers = _definitions(lines)
-    self.bodies = {n: _body(d, comps) for n, d in self.defs.items()}
+  def __init__(self, program: Program, name: str):
+    self.program = program
+    self.defs, self.readers = program.defs(name), program.readers(name)
+    self.bodies = {n: b for n, d in self.defs.items()
+                   if (b := _body(d)) and b in program.computations}
     self.views = {n for n, d in self.defs.items() if self._is_view(d)}
     elementwise = {n for n, d in self.defs.items() if self._is_elementwise(d)}
     self.fused = {n for n in elementwise
-                  if self.readers.get(n) and all(r.group("name") in elementwise
+                  if self.readers.get(n) and all(r.name in elementwise
                                                  for r in self.readers[n])}
     self.width: dict[str, float] = {}
     for n, d in self.defs.items():  # (program order: a view's source comes first)
-      width = _element_bytes(d.group("shape"))
+      width = _element_bytes(d.shape)
       readers = self.readers.get(n, [])
-      if readers and all(r.group("name") in self.views for r in readers):
-        width = min(width, max(_element_bytes(r.group("shape")) for r in readers))
-      if n in self.views and (source := self._source(d)):
-        width = min(width, self.width.get(source, width))
+      if readers and all(r.name in self.views for r in readers):
+        width = min(width, max(_element_bytes(r.shape) for r in readers))
+      if n in self.views and d.operands:
+        width = min(width, self.width.get(d.operands[0], width))
       self.width[n] = width
 
-  def is_kernel(self, name: str, d: re.Match) -> bool:
-    """Whether the instruction ``d`` making ``name`` is a kernel."""
-    kind = d.group("kind")
-    return (name not in self.views and name not in self.fused and kind not in _NO_TRAFFIC
-            and kind not in _COLLECTIVES)
+  def is_kernel(self, op: Op) -> bool:
+    """Whether the instruction ``op`` is a kernel."""
+    return (op.name not in self.views and op.name not in self.fused
+            and op.kind not in _NO_TRAFFIC and op.kind not in _COLLECTIVES)
 
   def size(self, name: str) -> float:
     """The bytes of the value ``name`` as the device holds it (0 where
@@ -218,10 +214,9 @@ class _Computation:
     d = self.defs.get(name)
     if d is None:
       return 0.0
-    shape = d.group("shape").strip()
-    if shape.startswith("("):
-      return float(_array_bytes(shape))  # (a tuple: each array as it is)
-    return _elements(shape) * self.width[name]
+    if d.shape.lstrip().startswith("("):
+      return float(d.bytes)  # (a tuple: each array as it is)
+    return d.elements * self.width[name]
 
   def read(self, names: Sequence[str]) -> dict[str, float]:
     """What reading the values ``names`` reads: each one's bytes, or, for
@@ -234,28 +229,27 @@ class _Computation:
         continue
       if v in self.fused:
         found[v] = 0.0
-        todo += _hlo.operand_names(self.defs[v].group("args"))
+        todo += self.defs[v].operands
       else:
         found[v] = self.size(v)
     return found
 
-  def kernel(self, m: re.Match) -> tuple[float, dict[str, float]]:
+  def kernel(self, op: Op) -> tuple[float, dict[str, float]]:
     """What one kernel writes, and reads of each value."""
-    kind, name = m.group("kind"), m.group("name")
-    args = _hlo.operand_names(m.group("args"))
+    kind, args = op.kind, op.operands
     if kind in _IN_PLACE:  # (the update: operand 1 of a dynamic-update-slice, 2 of a scatter)
       update = args[2 if kind == "scatter" else 1] if len(args) > 2 else ""
       if self._made_here(update):
         return 0.0, {}
       reads = self.read([update])
       return sum(reads.values()), reads
-    body = self.bodies.get(name)
+    body = self.bodies.get(op.name)
     if body is not None:
-      return _fusion_bytes(body, [self.read([v]) for v in args], self.size(name),
-                           [self._made_here(v) for v in args])
-    written = self.size(name)
+      return _fusion_bytes(self.program, body, [self.read([v]) for v in args],
+                           self.size(op.name), [self._made_here(v) for v in args])
+    written = self.size(op.name)
     if kind == "custom-call":
-      written = float(_call_result_bytes(m.group("shape")))
+      written = float(_call_result_bytes(op.shape))
     return written, self.read(args)
 
   def _made_here(self, name: str) -> bool:
@@ -263,79 +257,63 @@ class _Computation:
     computation, not passed in (a parameter, a loop's carried value)."""
     d = self.defs.get(name)
     for _ in range(16):
-      if d is None or d.group("name") not in self.views:
+      if d is None or d.name not in self.views:
         break
-      source = self._source(d)
-      d = self.defs.get(source) if source else None
-    return d is not None and d.group("kind") not in _hlo.NOT_COMPUTED
+      d = self.defs.get(d.operands[0]) if d.operands else None
+    return d is not None and d.kind not in _hlo.NOT_COMPUTED
 
-  def _source(self, d: re.Match) -> str | None:
-    """The array a view reads (its first operand)."""
-    args = _hlo.operand_names(d.group("args"))
-    return args[0] if args else None
-
-  def _is_view(self, d: re.Match) -> bool:
-    kind = d.group("kind")
-    if kind == "fusion":
-      body = self.bodies.get(d.group("name"))
-      return body is not None and _only(body, lambda m, defs: _is_view_op(m, defs), arrays=1)
+  def _is_view(self, d: Op) -> bool:
+    if d.kind == "fusion":
+      body = self.bodies.get(d.name)
+      return body is not None and _only(self.program, body, _is_view_op, arrays=1)
     return _is_view_op(d, self.defs)
 
-  def _is_elementwise(self, d: re.Match) -> bool:
-    kind = d.group("kind")
-    if kind == "fusion":
-      body = self.bodies.get(d.group("name"))
-      return body is not None and "kind=kLoop" in d.string and _only(
-          body, lambda m, defs: m.group("kind") in _ELEMENTWISE_FUSED and (
-              m.group("kind") != "copy" or _keeps_layout(m, defs)))
-    return kind in _hlo.ELEMENTWISE and not d.group("shape").lstrip().startswith("(")
+  def _is_elementwise(self, d: Op) -> bool:
+    if d.kind == "fusion":
+      body = self.bodies.get(d.name)
+      return body is not None and "kind=kLoop" in d.line and _only(
+          self.program, body, lambda m, defs: m.kind in _ELEMENTWISE_FUSED and (
+              m.kind != "copy" or _keeps_layout(m, defs)))
+    return d.kind in _hlo.ELEMENTWISE and not d.shape.lstrip().startswith("(")
 
 
-def _definitions(lines: list[str]) -> tuple[dict[str, re.Match], dict[str, list[re.Match]]]:
-  """A computation's definitions by name, and each value's readers."""
-  defs = _hlo.defs_of(lines)
-  readers: dict[str, list[re.Match]] = {}
-  for d in defs.values():
-    for v in dict.fromkeys(_hlo.operand_names(d.group("args"))):
-      readers.setdefault(v, []).append(d)
-  return defs, readers
-
-
-def _body(d: re.Match, comps: dict[str, list[str]]) -> list[str] | None:
-  """A fusion's computation's lines, else None."""
-  if d.group("kind") != "fusion":
+def _body(d: Op) -> str | None:
+  """A fusion's computation's name, else None."""
+  if d.kind != "fusion":
     return None
-  called = _FUSION_CALLS.search(d.string)
-  return comps.get(called.group(1)) if called else None
+  called = _FUSION_CALLS.search(d.line)
+  return called.group(1) if called else None
 
 
-def _only(body: list[str], allowed, arrays: int | None = None) -> bool:
-  """Whether every instruction of a fusion's ``body`` is ``allowed(match,
-  defs)`` (scalar ones aside: index arithmetic), with ``arrays`` array
-  parameters if given."""
-  defs = _hlo.defs_of(body)
-  params = [m for m in defs.values() if m.group("kind") == "parameter"
-            and _elements(m.group("shape")) > 1]
-  if arrays is not None and len(params) != arrays:
+def _only(program: Program, body: str, allowed: Callable[[Op, dict[str, Op]], bool],
+          arrays: int | None = None) -> bool:
+  """Whether every instruction of a fusion's computation ``body`` is
+  ``allowed(op, defs)`` (scalar ones aside: index arithmetic), with
+  ``arrays`` array parameters if given (False where there is no such
+  computation)."""
+  if body not in program.computations:
     return False
-  return all(m.group("kind") == "parameter" or _elements(m.group("shape")) <= 1
-             or allowed(m, defs) for m in defs.values())
+  defs = program.defs(body)
+  if arrays is not None and sum(1 for m in defs.values()
+                                if m.kind == "parameter" and m.elements > 1) != arrays:
+    return False
+  return all(m.kind == "parameter" or m.elements <= 1 or allowed(m, defs)
+             for m in defs.values())
 
 
-def _is_view_op(d: re.Match, defs: dict[str, re.Match]) -> bool:
-  kind = d.group("kind")
+def _is_view_op(d: Op, defs: dict[str, Op]) -> bool:
+  kind = d.kind
   if kind in _SLICES:
     return True
-  if kind not in _CONVERSIONS or len(_hlo.operand_names(d.group("args"))) != 1:
+  if kind not in _CONVERSIONS or len(d.operands) != 1:
     return False
   return kind != "copy" or _keeps_layout(d, defs)
 
 
-def _keeps_layout(d: re.Match, defs: dict[str, re.Match]) -> bool:
+def _keeps_layout(d: Op, defs: dict[str, Op]) -> bool:
   """Whether a copy keeps its operand's layout (else it is a transpose)."""
-  args = _hlo.operand_names(d.group("args"))
-  source = defs.get(args[0]) if args else None
-  return source is not None and _layout(source.group("shape")) == _layout(d.group("shape"))
+  source = defs.get(d.operands[0]) if d.operands else None
+  return source is not None and _layout(source.shape) == _layout(d.shape)
 
 
 def _layout(shape: str) -> str:
@@ -352,25 +330,24 @@ def _call_result_bytes(shape: str) -> int:
   return sum(_array_bytes(e) for e in elements)
 
 
-def _fusion_bytes(body: list[str], operands: list[dict[str, float]], result: float,
+def _fusion_bytes(program: Program, body: str, operands: list[dict[str, float]], result: float,
                   made_here: list[bool]) -> tuple[float, dict[str, float]]:
   """What a fusion reads (each parameter whole, or the slices it takes of
   it; nothing of a buffer it updates in place) and writes (each result
   whole, or an update in place's update, nothing where the update is made
-  in the fusion from ``made_here`` operands alone): ``operands`` what
-  reading each operand whole reads (:meth:`_Computation.read`),
-  ``result`` the bytes of its result, as the caller holds them."""
-  defs, users = _definitions(body)
-  root = next((m for line in body if line.lstrip().startswith("ROOT ")
-               and (m := _hlo.definition(line))), None)
+  in the fusion from ``made_here`` operands alone): ``body`` its
+  computation, ``operands`` what reading each operand whole reads
+  (:meth:`_Computation.read`), ``result`` the bytes of its result, as the
+  caller holds them."""
+  defs, users = program.defs(body), program.readers(body)
+  root = next((op for op in program.ops(body) if op.root), None)
   if root is None:
     return 0.0, {}
-  several = root.group("kind") == "tuple"
-  outputs = ([defs[v] for v in _hlo.operand_names(root.group("args")) if v in defs]
-             if several else [root])
+  several = root.kind == "tuple"
+  outputs = [defs[v] for v in root.operands if v in defs] if several else [root]
   written, updated, stored = 0.0, set(), 0
   for out in outputs:
-    whole = float(_array_bytes(out.group("shape"))) if several else result
+    whole = float(out.bytes) if several else result
     update = _update_in_place(out, defs)
     if update is None:
       written += whole
@@ -380,22 +357,22 @@ def _fusion_bytes(body: list[str], operands: list[dict[str, float]], result: flo
     if all(made_here[i] for i in _parameters_of(source, defs)):
       stored += 1  # (written where it was made)
     else:
-      written += size * whole / max(_elements(out.group("shape")), 1)
+      written += size * whole / max(out.elements, 1)
   if outputs and stored == len(outputs):
     return 0.0, {}
   reads: dict[str, float] = {}
   for d in defs.values():
-    index = int(d.group("args")) if d.group("kind") == "parameter" else len(operands)
-    if index >= len(operands) or d.group("name") in updated:
+    index = int(d.args) if d.kind == "parameter" else len(operands)
+    if index >= len(operands) or d.name in updated:
       continue
-    sliced = _sliced_elements(d.group("name"), users)
-    share = 1.0 if sliced is None else min(1.0, sliced / max(_elements(d.group("shape")), 1))
+    sliced = _sliced_elements(d.name, users)
+    share = 1.0 if sliced is None else min(1.0, sliced / max(d.elements, 1))
     for value, size in operands[index].items():
       reads[value] = max(reads.get(value, 0.0), size * share)
   return written, reads
 
 
-def _parameters_of(name: str, defs: dict[str, re.Match]) -> set[int]:
+def _parameters_of(name: str, defs: dict[str, Op]) -> set[int]:
   """The indices of the fusion's array parameters the value ``name`` is
   computed from."""
   found, todo, seen = set(), [name], set()
@@ -405,53 +382,51 @@ def _parameters_of(name: str, defs: dict[str, re.Match]) -> set[int]:
     if d is None or v in seen:
       continue
     seen.add(v)
-    if d.group("kind") == "parameter":
-      if _elements(d.group("shape")) > 1:
-        found.add(int(d.group("args")))
+    if d.kind == "parameter":
+      if d.elements > 1:
+        found.add(int(d.args))
     else:
-      todo += _hlo.operand_names(d.group("args"))
+      todo += d.operands
   return found
 
 
-def _update_in_place(out: re.Match, defs: dict[str, re.Match]) -> tuple[str, str, int] | None:
+def _update_in_place(out: Op, defs: dict[str, Op]) -> tuple[str, str, int] | None:
   """``(the parameter it updates, the update's value, the update's
   elements)`` where a fusion's result is an update in place of one of its
   parameters (through conversions), else None."""
   d = _through(out, defs)
-  if d is None or d.group("kind") not in _IN_PLACE:
+  if d is None or d.kind not in _IN_PLACE:
     return None
-  args = _hlo.operand_names(d.group("args"))
+  args = d.operands
   buffer = _through(defs.get(args[0]), defs) if args else None
-  if buffer is None or buffer.group("kind") != "parameter":
+  if buffer is None or buffer.kind != "parameter":
     return None
-  update = defs.get(args[2 if d.group("kind") == "scatter" else 1]) if len(args) > 2 else None
+  update = defs.get(args[2 if d.kind == "scatter" else 1]) if len(args) > 2 else None
   if update is None:
     return None
-  return buffer.group("name"), update.group("name"), _elements(update.group("shape"))
+  return buffer.name, update.name, update.elements
 
 
-def _through(d: re.Match | None, defs: dict[str, re.Match]) -> re.Match | None:
+def _through(d: Op | None, defs: dict[str, Op]) -> Op | None:
   """The first definition at or below ``d`` (toward its operands) that is
   not a conversion of one operand."""
   for _ in range(16):
-    if d is None or d.group("kind") not in _CONVERSIONS:
+    if d is None or d.kind not in _CONVERSIONS:
       break
-    args = _hlo.operand_names(d.group("args"))
-    d = defs.get(args[0]) if len(args) == 1 else None
+    d = defs.get(d.operands[0]) if len(d.operands) == 1 else None
   return d
 
 
-def _sliced_elements(name: str, users: dict[str, list[re.Match]], depth: int = 0) -> int | None:
+def _sliced_elements(name: str, users: dict[str, list[Op]], depth: int = 0) -> int | None:
   """The elements a fusion reads of the value ``name`` where every use of
   it (through conversions) is a slice of it, else None."""
   total = 0
   for u in users.get(name, ()):
-    kind = u.group("kind")
-    args = _hlo.operand_names(u.group("args"))
-    if (kind in _SLICES or kind == "gather") and args and args[0] == name:
-      total += _elements(u.group("shape"))
+    kind = u.kind
+    if (kind in _SLICES or kind == "gather") and u.operands and u.operands[0] == name:
+      total += u.elements
     elif kind in _CONVERSIONS and depth < 16:
-      inner = _sliced_elements(u.group("name"), users, depth + 1)
+      inner = _sliced_elements(u.name, users, depth + 1)
       if inner is None:
         return None
       total += inner
@@ -460,14 +435,8 @@ def _sliced_elements(name: str, users: dict[str, list[re.Match]], depth: int = 0
   return total
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _array_bytes(shape: str) -> int:
   return sum(_hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(shape))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _elements(shape: str) -> int:
-  return sum(math.prod(int(x) for x in d.split(",") if x) for _, d in _hlo.array_shapes(shape))
 
 
 def _element_bytes(shape: str) -> float:

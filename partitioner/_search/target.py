@@ -33,6 +33,7 @@ from partitioner._report import cost as _cost
 from partitioner._report.cost import Cost, score
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.hosts import hosts_of
+from partitioner._report.program import Program, parse
 from partitioner._search import measure as _measure
 from partitioner._search import proxy as _proxy
 from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of
@@ -119,11 +120,11 @@ class Target:
     proxy's peak takes instead of its scaled one (never below the proxy's
     own: the whole holds more)."""
     fused = self.place.fused_attention
-    got, digest, text = scored(program, loaded, self.hosts, self.device, fused)
+    got, digest, parsed = scored(program, loaded, self.hosts, self.device, fused)
     if self.part is None or self.proxy is None:
       return got, 0.0, digest, got.peak_memory
     part = self.part.estimate(c, dims, self.device, self.hosts)
-    parts = _cost.scoped(text, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused)
+    parts = _cost.scoped(parsed, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused)
     if len(parts) > 1:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
@@ -283,10 +284,10 @@ def whole_program(platform: str) -> str:
 
 
 def compiled_score(f: Function, in_specs: list, out_specs: list,
-                   place: Place) -> tuple[Cost, str, str]:
+                   place: Place) -> tuple[Cost, str, Program]:
   """Partitions and compiles one layout through our pipeline (not run, not
   cached) and scores the program on ``place``: its cost, a digest of its
-  text, the text."""
+  text, the program parsed."""
   program = lower(f, in_specs, out_specs, place.devices)
   return scored(program, compile_program(program), place.hosts, place.device,
                 place.fused_attention)
@@ -315,14 +316,15 @@ def compile_program(program: Any) -> Any:
 
 
 def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
-           fused_attention: bool = False) -> tuple[Cost, str, str]:
+           fused_attention: bool = False) -> tuple[Cost, str, Program]:
   """The compiled program's cost, its devices ``hosts`` hosts of
   consecutive ones (``fused_attention``: see :class:`Place`); a digest of
-  its text; the text."""
+  its text; the text parsed (which a proxy's scoped cost reads again)."""
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
-  cost = score(text, _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats(),
+  parsed = parse(text)
+  cost = score(parsed, _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats(),
                hosts_of(len(program.devices), hosts), device, fused_attention)
-  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), text
+  return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), parsed
 
 
 _METADATA = re.compile(r", metadata=\{[^}]*\}|, stack_frame_id=\d+")

@@ -10,6 +10,7 @@ import pytest
 from partitioner import DEVICE_MODELS, DeviceModel
 from partitioner._report import cost, hlo_flops
 from partitioner._report.device_models import default_model
+from partitioner._report.program import parse
 from partitioner._search.request import default_budget
 
 
@@ -140,17 +141,17 @@ def test_transposed_bytes_count_the_copies_that_reorder_memory():
   transpose; the same update untransposed, a transpose of a vector (a
   dimension of one moved) and one below the threshold move none."""
   big = (1024, 4096)
-  assert hlo_flops.transposed_bytes(_compiled_text(lambda w, g: w - 0.01 * g.T, big, big[::-1])) \
+  assert hlo_flops.transposed_bytes(parse(_compiled_text(lambda w, g: w - 0.01 * g.T, big, big[::-1]))) \
       == 1024 * 4096 * 4
-  assert hlo_flops.transposed_bytes(_compiled_text(lambda w, g: w - 0.01 * g, big, big)) == 0
-  assert hlo_flops.transposed_bytes(_compiled_text(lambda w, g: w - g.T, (4096, 1), (1, 4096))) == 0
+  assert hlo_flops.transposed_bytes(parse(_compiled_text(lambda w, g: w - 0.01 * g, big, big))) == 0
+  assert hlo_flops.transposed_bytes(parse(_compiled_text(lambda w, g: w - g.T, (4096, 1), (1, 4096)))) == 0
   small = (256, 512)
   text = _compiled_text(lambda w, g: w - 0.01 * g.T, small, small[::-1])
-  assert hlo_flops.transposed_bytes(text) == 0 and hlo_flops.transposed_bytes(text, minimum=0) == 256 * 512 * 4
+  assert hlo_flops.transposed_bytes(parse(text)) == 0 and hlo_flops.transposed_bytes(parse(text), minimum=0) == 256 * 512 * 4
   # Inside a loop, as often as it runs (XLA adds a layout change either side).
   def looped(n):
-    return hlo_flops.transposed_bytes(_compiled_text(
-        lambda w: jax.lax.fori_loop(0, n, lambda i, w: jnp.tanh(w.T), w), (2048, 2048)))
+    return hlo_flops.transposed_bytes(parse(_compiled_text(
+        lambda w: jax.lax.fori_loop(0, n, lambda i, w: jnp.tanh(w.T), w), (2048, 2048))))
   assert looped(6) - looped(3) == 3 * 2048 * 2048 * 4
 
 

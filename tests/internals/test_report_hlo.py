@@ -11,6 +11,7 @@ from partitioner._report import cost as _cost
 from partitioner._report import device_models as _device_models
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
+from partitioner._report.program import parse
 
 # ---- async collectives: a start's bytes are its results' ----
 
@@ -51,7 +52,7 @@ _KIB = 1024
 
 
 def test_combined_starts_count_every_result():
-  ops = _hlo.instructions(_ASYNC)
+  ops = parse(_ASYNC).instructions()
   assert [(o.opcode, o.bytes) for o in ops] == [
       ("all-reduce", 4 * _KIB + 256 * _KIB),   # both results, not the largest
       ("all-reduce", 4 * _KIB),                # one: unchanged
@@ -200,18 +201,20 @@ _PLAIN = 2.0 * (8 * 64) * 16
 
 
 def test_cublas_gemms_are_matmuls():
-  comps = _hlo.computations(_GPU)
-  assert _hlo_flops.flops(comps["body"], matmuls_only=True) == _BATCHED
-  assert _hlo_flops.flops(comps["main"], matmuls_only=True) == _PLAIN  # not the convolution
-  assert _hlo_flops.is_matmul(comps["body"][4]) and not _hlo_flops.is_matmul(comps["main"][7])
+  program = parse(_GPU)
+  assert _hlo_flops.computation_flops(program, "body", matmuls_only=True) == _BATCHED
+  assert _hlo_flops.computation_flops(program, "main", matmuls_only=True) == _PLAIN  # not the convolution
+  comps = program.computations
+  assert _hlo_flops.is_matmul(comps["body"][4].line)
+  assert not _hlo_flops.is_matmul(comps["main"][7].line)
 
 
 def test_a_gemm_in_a_loop_counts_every_iteration():
-  assert _hlo.runs(_GPU)["body"] == 6
-  assert _hlo_flops.matmul_flops(_GPU) == 6 * _BATCHED + _PLAIN
+  assert parse(_GPU).runs["body"] == 6
+  assert _hlo_flops.matmul_flops(parse(_GPU)) == 6 * _BATCHED + _PLAIN
   # XLA's cost analysis counts a loop body once: the 5 other iterations
   # (and the condition's compare, tested 7 times, 6 more).
-  assert _hlo_flops.repeated_flops(_GPU) == 5 * _BATCHED + 6
+  assert _hlo_flops.repeated_flops(parse(_GPU)) == 5 * _BATCHED + 6
   part = _cost.scoped(_GPU, [0], re.compile(r"(layer)"))["layer"]
   assert part.matmul_flops == 6 * _BATCHED
 
@@ -221,9 +224,12 @@ def test_dots_are_counted_as_before():
            "  %y = f32[16,4]{1,0} parameter(1)",
            "  ROOT %d = f32[8,4]{1,0} dot(f32[8,16]{1,0} %x, f32[16,4]{1,0} %y),"
            " lhs_contracting_dims={1}, rhs_contracting_dims={0}"]
-  assert _hlo_flops.flops(lines, matmuls_only=True) == 2.0 * 8 * 4 * 16
-  assert _hlo_flops.flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
-                     .replace("f32[16,4]{1,0} %y", "%y")]) == 2.0 * 8 * 4 * 16
+  def flops(lines):
+    return _hlo_flops.computation_flops(parse("ENTRY %main {\n" + "\n".join(lines) + "\n}\n"),
+                                        "main")
+  assert flops(lines) == 2.0 * 8 * 4 * 16
+  assert flops([lines[0], lines[1], lines[2].replace("f32[8,16]{1,0} %x", "%x")
+                .replace("f32[16,4]{1,0} %y", "%y")]) == 2.0 * 8 * 4 * 16
 
 
 # ---- XLA's convolutions: XLA:TPU's form of every dot ----
@@ -252,33 +258,33 @@ ENTRY %main (x: bf16[512,1024], w: bf16[1024,512], i: f32[1,8,8,4], k: f32[3,3,2
 
 
 def test_xla_convolutions_are_matmuls_with_their_flops():
-  lines = _hlo.computations(_TPU)["main"]
+  program = parse(_TPU)
   dot = 2.0 * 512 * 512 * 1024
   conv = 2.0 * 6 * 2 * 22 * 22  # 22 of the 8 x 3 positions per dimension off the padding
   dilated = 2.0 * 4 * 3 * 2 * 17  # one of each output's 8 window positions
-  assert _hlo_flops.flops(lines, matmuls_only=True) == dot + conv + dilated
-  assert _hlo_flops.is_matmul(lines[-1])
-  assert _hlo_flops.matmul_flops(_TPU) == dot + conv + dilated
+  assert _hlo_flops.computation_flops(program, "main", matmuls_only=True) == dot + conv + dilated
+  assert _hlo_flops.is_matmul(program.computations["main"][-1].line)
+  assert _hlo_flops.matmul_flops(parse(_TPU)) == dot + conv + dilated
 
 
 def test_gemms_a_gpu_cost_analysis_left_out_are_added():
   # jax's cost_analysis() on a GPU counts no cuBLAS call (an H100, jax
   # 0.11.2): the program's flops add them, the loop's once per iteration.
-  main_only = _hlo_flops.uncounted_gemm_flops(_GPU, counted=6.0)
+  main_only = _hlo_flops.uncounted_gemm_flops(parse(_GPU), counted=6.0)
   assert main_only == _BATCHED + _PLAIN
-  assert _hlo_flops.program_flops(_GPU, {"flops": 6.0}) == 6 + 6 * _BATCHED + _PLAIN + 6
+  assert _hlo_flops.program_flops(parse(_GPU), {"flops": 6.0}) == 6 + 6 * _BATCHED + _PLAIN + 6
   # Where the analysis counted them (its flops reach the program's own
   # count), nothing is added twice.
   counted = _BATCHED + _PLAIN + 6
-  assert _hlo_flops.uncounted_gemm_flops(_GPU, counted) == 0.0
-  assert _hlo_flops.program_flops(_GPU, {"flops": counted}) == counted + 5 * _BATCHED + 6
+  assert _hlo_flops.uncounted_gemm_flops(parse(_GPU), counted) == 0.0
+  assert _hlo_flops.program_flops(parse(_GPU), {"flops": counted}) == counted + 5 * _BATCHED + 6
 
 
 def test_float32_matmuls_are_counted_apart():
   # (a GPU runs them as TF32, about half its bfloat16 rate)
-  assert _hlo_flops.matmul_flops_by_type(_GPU) == {"f32": 6 * _BATCHED + _PLAIN}
+  assert _hlo_flops.matmul_flops_by_type(parse(_GPU)) == {"f32": 6 * _BATCHED + _PLAIN}
   bf16 = _GPU.replace("f32[", "bf16[")
-  assert _hlo_flops.matmul_flops_by_type(bf16).get("f32", 0.0) == 0.0 and _hlo_flops.matmul_flops(bf16) > 0
+  assert _hlo_flops.matmul_flops_by_type(parse(bf16)).get("f32", 0.0) == 0.0 and _hlo_flops.matmul_flops(parse(bf16)) > 0
 
 
 def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
@@ -287,24 +293,24 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
   form, or a first value known only at run time, leaves it unknown (1)."""
   tpu = _SLICES.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
   assert "known_trip_count" not in tpu
-  assert _hlo.runs(tpu) == _hlo.runs(_SLICES)
-  assert _hlo.runs(tpu)["body"] == 3
-  line = next(l for l in tpu.splitlines() if " while(" in l)
-  assert _hlo.loop(line, _hlo.computations(tpu)) == ("body", 3)
-  assert _hlo.loop(line) == ("body", None)  # (no computations: nothing to read)
+  assert parse(tpu).runs == parse(_SLICES).runs
+  assert parse(tpu).runs["body"] == 3
+  program = parse(tpu)
+  loop = next(op for op in program.computations["main"] if op.kind == "while")
+  assert program.loop(loop) == ("body", 3)
   unknown = tpu.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
-  assert _hlo.runs(unknown)["body"] == 1
+  assert parse(unknown).runs["body"] == 1
   # The counter's first value, through copies (as XLA:TPU passes it): a
   # constant is subtracted; one known only at run time (a fori_loop from
   # an argument, 20 - lo) leaves the count unknown, not 3 or 0.
   copied = tpu.replace("tuple(%z, %w)", "tuple(%c, %w)").replace(
       "  %init =", "  %c = s32[] copy(%z)\n  %init =")
-  assert _hlo.runs(copied)["body"] == 3
-  assert _hlo.runs(copied.replace("constant(0)", "constant(1)"))["body"] == 2
-  assert _hlo.runs(copied.replace("constant(0)", "constant(5)"))["body"] == 0
+  assert parse(copied).runs["body"] == 3
+  assert parse(copied.replace("constant(0)", "constant(1)")).runs["body"] == 2
+  assert parse(copied.replace("constant(0)", "constant(5)")).runs["body"] == 0
   late = copied.replace("%c = s32[] copy(%z)", "%c = s32[] copy(%lo)").replace(
       "  %z = s32[] constant(0)", "  %lo = s32[] parameter(2)")
-  assert _hlo.runs(late)["body"] == 1
+  assert parse(late).runs["body"] == 1
 
 
 def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
@@ -318,7 +324,43 @@ def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
       "%two = u32[] constant(2)\n  %next = u32[] add(%i, %two)\n"
       "  ROOT %r = (u32[], f32[64,1024]{1,0}) tuple(%next, %w)")
   assert "add(%i, %two)" in stepped
-  assert _hlo.runs(stepped.replace("constant(3)", "constant(4)"))["body"] == 2
-  assert _hlo.runs(stepped.replace("constant(3)", "constant(5)"))["body"] == 3
+  assert parse(stepped.replace("constant(3)", "constant(4)")).runs["body"] == 2
+  assert parse(stepped.replace("constant(3)", "constant(5)")).runs["body"] == 3
   unknown = stepped.replace("%two = u32[] constant(2)", "%two = u32[] partition-id()")
-  assert _hlo.runs(unknown.replace("constant(3)", "constant(4)"))["body"] == 4
+  assert parse(unknown.replace("constant(3)", "constant(4)")).runs["body"] == 4
+
+
+# ---- one parse per program ----
+
+
+def test_a_compiled_program_is_parsed_once_per_cost_and_per_explain(monkeypatch):
+  """partitioner.cost and explain() each read the HLO text once: every
+  pass (flops, kernels' traffic, collectives, the schedule's replay)
+  reads the one parsed program."""
+  import jax
+  import jax.numpy as jnp
+
+  import partitioner
+  from partitioner._report import program as _program
+  from sharding import PartitionSpec as P
+
+  made = []
+  real = _program.Program.__init__
+
+  def counted(self, text):
+    made.append(len(text))
+    real(self, text)
+
+  monkeypatch.setattr(_program.Program, "__init__", counted)
+
+  def step(w, x):
+    def loss(w):
+      return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)[0].sum()
+    return w - 0.1 * jax.grad(loss)(w)
+
+  f = partitioner.sharded_jit(step, in_parts=(P(1, 8), P(8, 1)), out_parts=P(1, 8))
+  compiled = f.lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile()
+  cost = partitioner.cost(compiled, "h100", hosts=2)
+  assert cost.collectives > 0 and len(made) == 1
+  compiled.explain()
+  assert len(made) == 2

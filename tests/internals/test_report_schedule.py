@@ -7,8 +7,8 @@ fusion copies of one async collective counted once."""
 import pytest
 
 from partitioner._report import cost as _cost
-from partitioner._report import hlo as _hlo
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.program import parse
 
 _MEMORY = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
                          "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
@@ -138,7 +138,7 @@ ENTRY %main (x: f32[64,64], w: f32[8,64]) -> f32[64,64] {{
 
 
 def test_xla_tpus_async_collective_fusion_is_one_collective():
-  found = _hlo.instructions(_CHAIN)
+  found = parse(_CHAIN).instructions()
   assert [(op.opcode, op.bytes) for op in found] == [("all-gather", 64 * 64 * 4)]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from partitioner import accumulate, search, sharded_jit
 from partitioner._report import traffic
+from partitioner._report.program import parse
 from sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.eight_devices
@@ -146,7 +147,7 @@ def test_a_loop_of_matmuls_counts_its_bytes_every_iteration():
       x = jnp.tanh(x @ ws[i])
     return x
   args = jnp.ones((10, 256, 256)), jnp.ones((8, 256))
-  scan, loop = (traffic.bytes_moved(jax.jit(f).lower(*args).compile().as_text())
+  scan, loop = (traffic.bytes_moved(parse(jax.jit(f).lower(*args).compile().as_text()))
                 for f in (scanned, unrolled))
   assert scan > 10 * 256 * 256 * 4  # (each iteration reads its layer's weights)
   assert scan < 2 * 10 * 256 * 256 * 4  # (and not the stack)
