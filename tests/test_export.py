@@ -130,3 +130,44 @@ def test_choose_puts_another_candidate_in_the_winners_place():
     found.choose(99)
   with pytest.raises(ValueError, match=r"not one of this answer's candidates"):
     found.choose(dataclasses.replace(other))
+
+
+@pytest.mark.slow  # a search compiles a few layouts
+def test_an_nnx_graphdef_as_a_static_argument_exports_to_jax_jit():
+  """docs/fsdp.md's nnx pattern: the graphdef a static argument. The
+  shardings leave its slot out, as jax.jit(static_argnums=...) wants, and
+  jax.jit then trains as found.sharded_jit() does."""
+  nnx = pytest.importorskip("flax.nnx")
+  optax = pytest.importorskip("optax")
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(64, 256, rngs=rngs)
+      self.down = nnx.Linear(256, 64, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(nnx.gelu(self.up(x)))
+
+  graphdef, params = nnx.split(MLP(nnx.Rngs(0)))
+  optimizer = optax.adamw(1e-3)
+
+  def step(graphdef, params, opt_state, x):
+    def loss(p):
+      return jnp.mean((nnx.merge(graphdef, p)(x) - x) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  x = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+  opt_state = optimizer.init(params)
+  found = partitioner.search(step, graphdef, params, opt_state, x, static_argnums=(0,),
+                             max_compiles=3, measure=0)
+  mesh, ins, outs = found.named_shardings()
+  assert found.static == (0,) and len(ins) == 3
+  theirs = jax.jit(step, static_argnums=found.static, in_shardings=ins, out_shardings=outs)
+  ours = found.sharded_jit()
+  a = b = (params, opt_state)
+  for _ in range(2):
+    *a, ref = theirs(graphdef, *a, x)
+    *b, loss = ours(graphdef, *b, x)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)

@@ -164,6 +164,7 @@ class FoundLayout:
     in_parts: a spec tree per positional argument (None for static ones),
       for ``sharded_jit(fun, in_parts=..., out_parts=...)``.
     out_parts: the outputs' spec tree.
+    static: the positions of the static arguments (``static_argnums``).
     candidates: every layout it compiled and scored, best first (then
       those over the budget, then those that failed).
     best: ``candidates[0]`` (in a :meth:`choose` result, the one chosen).
@@ -307,10 +308,12 @@ class FoundLayout:
     """The winner for ``jax.jit``: ``(mesh, in_shardings, out_shardings)``,
     each spec as a ``NamedSharding`` over :meth:`mesh` (``sharding.to_named``)
     that lays its argument out as ``sharded_jit`` does, in the arguments'
-    and outputs' tree structures (None for static arguments)::
+    and outputs' tree structures; static arguments are left out, as
+    ``jax.jit(..., static_argnums=...)`` wants::
 
       mesh, ins, outs = found.named_shardings()
-      step = jax.jit(fun, in_shardings=ins, out_shardings=outs)
+      step = jax.jit(fun, static_argnums=found.static, in_shardings=ins,
+                     out_shardings=outs)
 
     Raises:
       ValueError: a spec that no PartitionSpec of the mesh's axes lays out.
@@ -321,8 +324,8 @@ class FoundLayout:
     named = lambda spec: replicated if spec is None else to_named(
         spec, mesh, ndim=len(spec), devices=devices)  # (jax pads a short spec, as "..." does)
     is_spec = lambda x: x is None or isinstance(x, PartitionSpec)
-    ins = tuple(None if i in self.static else jax.tree_util.tree_map(named, p, is_leaf=is_spec)
-                for i, p in enumerate(self.in_parts))
+    ins = tuple(jax.tree_util.tree_map(named, p, is_leaf=is_spec)
+                for i, p in enumerate(self.in_parts) if i not in self.static)
     return mesh, ins, jax.tree_util.tree_map(named, self.out_parts, is_leaf=is_spec)
 
   def explain(self, *args) -> Any:
