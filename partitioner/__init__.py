@@ -2,10 +2,13 @@
 
 from partitioner import _compat
 
-# The one change to jax at import, and why it must come first: with libtpu
-# installed (for planning TPU slices) on a machine without TPU chips, jax's
-# first jax.devices() would start libtpu, which prints that it finds none.
+# The two changes to jax at import, and why they must come first: with libtpu
+# (for planning TPU slices) or the CUDA plugin (for GPU clusters) installed on
+# a machine without TPU chips or an NVIDIA GPU, jax's first jax.devices()
+# would start libtpu, which prints that it finds none, and check the CUDA
+# driver, which prints a traceback.
 _compat.forget_absent_tpu()
+_compat.quiet_absent_gpu()
 
 
 from partitioner._calibrate.calibrate import Calibration as Calibration

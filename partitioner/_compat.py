@@ -326,6 +326,13 @@ def gpu_topology_devices(target_config: str, hosts: int, per_host: int
     return tuple(make().devices)
 
 
+def platform_chosen() -> bool:
+  """Whether the user chose jax's platforms (``JAX_PLATFORMS``, or the
+  ``jax_platforms`` config)."""
+  import os
+  return bool(os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None))
+
+
 def forget_absent_tpu() -> None:
   """With libtpu installed on a machine without TPU chips, turns jax's TPU
   backend into one that finds no TPU before it starts, so jax does not try
@@ -334,11 +341,9 @@ def forget_absent_tpu() -> None:
   back to the other backends). Only when jax's own check finds no TPU chip
   and no platform was chosen (``JAX_PLATFORMS``); compile-only topologies
   start libtpu themselves."""
-  import os
 
   from jax._src import hardware_utils, xla_bridge
-  if (os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None)
-      or xla_bridge.backends_are_initialized()
+  if (platform_chosen() or xla_bridge.backends_are_initialized()
       or "tpu" not in xla_bridge._backend_factories or not libtpu_installed()
       or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
     return
@@ -346,6 +351,27 @@ def forget_absent_tpu() -> None:
   factories = xla_bridge._backend_factories
   # (the name stays registered: jax registers TPU lowering rules under it)
   factories["tpu"] = dataclasses.replace(factories["tpu"], factory=lambda: None)
+
+
+# Where a machine with NVIDIA's driver shows its GPUs (Linux; WSL's).
+_NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/gpus", "/dev/dxg")
+
+
+def quiet_absent_gpu() -> bool:
+  """With jax's CUDA plugin installed (for planning GPU clusters) on a
+  machine without an NVIDIA GPU, skips the plugin's check of the CUDA
+  driver at jax's first ``jax.devices()`` (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``,
+  jax's own switch), which fails there and prints a 10-line traceback;
+  jax then runs on its other backends as before. Only when no platform was
+  chosen (``JAX_PLATFORMS``: asking for ``cuda`` still fails loudly) and
+  jax has not started its backends. Whether it did."""
+  import os
+  if (platform_chosen() or "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ
+      or backends_are_initialized()
+      or any(os.path.exists(p) for p in _NVIDIA_DEVICE_FILES) or not cuda_plugin_installed()):
+    return False
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  return True
 
 
 def backends_are_initialized() -> bool:

@@ -8,6 +8,10 @@ scheduled collectives. The tests that need the plugin skip without it
 it).
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +37,38 @@ def test_without_the_plugin_the_error_says_how_to_get_it(monkeypatch):
   with pytest.raises(ModuleNotFoundError,
                      match=r"'h100:8'\) needs jax's CUDA plugin.*sharded-jit\[cuda\]"):
     partitioner.gpu_devices("h100:8")
+
+
+def test_without_a_gpu_the_cuda_plugin_s_check_is_skipped_unless_asked_for(monkeypatch):
+  # (the plugin's driver check fails on a machine without an NVIDIA GPU and
+  # prints a traceback at jax's first jax.devices())
+  monkeypatch.setattr(_compat, "cuda_plugin_installed", lambda: True)
+  monkeypatch.setattr(_compat, "backends_are_initialized", lambda: False)
+  monkeypatch.setattr(_compat, "platform_chosen", lambda: False)
+  monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)
+  monkeypatch.setattr(_compat, "_NVIDIA_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+  assert _compat.quiet_absent_gpu()
+  assert os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1"
+  monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  monkeypatch.setattr(_compat, "platform_chosen", lambda: True)  # (JAX_PLATFORMS=cuda: kept)
+  assert not _compat.quiet_absent_gpu()
+  monkeypatch.setattr(_compat, "platform_chosen", lambda: False)
+  monkeypatch.setattr(_compat, "_NVIDIA_DEVICE_FILES", (os.devnull,))  # a GPU's driver here
+  assert not _compat.quiet_absent_gpu()
+  assert "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ
+
+
+@needs_cuda
+def test_with_the_plugin_and_no_gpu_jax_starts_quietly():
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  code = ("import partitioner, jax; print(jax.devices()[0].platform);"
+          " print(len(partitioner.gpu_devices('a100:8')))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=True)
+  if any(os.path.exists(p) for p in _compat._NVIDIA_DEVICE_FILES):
+    pytest.skip("this machine has an NVIDIA GPU")
+  assert out.stdout.split() == ["cpu", "8"]
+  assert "Jax plugin configuration error" not in out.stderr and "cuInit" not in out.stderr
 
 
 @pytest.mark.parametrize("topology, num_hosts, match", [
