@@ -8,6 +8,7 @@ peak; jax's attention on a GPU holds its matmuls' operands and results
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,44 @@ def test_simulated_cpu_plans_for_the_cpu_keep_xla_s_numbers():
                              jax.ShapeDtypeStruct((8, 16, 64), jnp.float32),
                              progress=False, max_compiles=2, measure=0)
   assert found.best.memory is None
+
+
+def _deep_mlp_step(remat: bool):
+  """A step whose activations outweigh its weights 16:1 (8 tanh layers of
+  a 65536-row batch), each layer under jax.checkpoint with ``remat``."""
+  def layer(h, w):
+    return jnp.tanh(h @ w)
+  layer = jax.checkpoint(layer) if remat else layer
+
+  def step(ws, x):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = layer(h, w)
+      return jnp.mean(h * h)
+    value, grads = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * g for w, g in zip(ws, grads)], value
+
+  ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32) for _ in range(8)]
+  return step, ws, jax.ShapeDtypeStruct((65536, 512), jnp.float32)
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_no_fit_error_names_the_layout_what_fills_it_and_the_fix(remat):
+  step, ws, x = _deep_mlp_step(remat)
+  with pytest.raises(ValueError) as e:
+    partitioner.search(step, ws, x, device_model="h100", memory_budget_bytes=8e6,
+                       max_compiles=2, measure=0, progress=False)
+  message = str(e.value)
+  assert re.search(r"no layout fits memory_budget_bytes=8,000,000 \(7\.6 MiB\): the smallest"
+                   r" peak per device found is [\d.]+ MiB \([\d.]+x the budget\), with"
+                   r" (data parallel|FSDP) 8: the arguments \(weights, optimizer state, batch\)"
+                   r" [\d.]+ MiB, values kept for later \(activations, gradients\) [\d.]+ MiB",
+                   message), message
+  hint = message.split("Hint, in the order of what it saves: ")[1]
+  if remat:
+    assert hint.startswith("accumulate gradients") and "rematerialize" not in hint
+  else:
+    assert hint.startswith("rematerialize each layer (jax.checkpoint, nnx.remat")
+    assert "the step rematerializes nothing now; accumulate gradients" in hint

@@ -466,3 +466,14 @@ def _used_outside(jaxpr: Any, inside: list[bool]) -> set:
     if not kernel:
       used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
   return used
+
+
+# jax.checkpoint's primitive (nnx.remat and flax.linen.remat call it).
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def rematerializes(jaxpr: Any) -> bool:
+  """Whether a step recomputes any activations (a ``jax.checkpoint``
+  anywhere in its jaxpr, loop bodies included)."""
+  return any(eqn.primitive.name in _REMAT or any(rematerializes(sub) for sub in _sub_jaxprs(eqn))
+             for eqn in jaxpr.eqns)

@@ -60,7 +60,7 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
     if compiled:
       bar.update(EXACT_COMPILES - left)
     if not x.failed:
-      peaks.append(x.score.peak_memory)
+      peaks.append(x)
       if budget is None or x.score.peak_memory <= budget:
         winner = x
         break
@@ -72,7 +72,8 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
     if budget is None or not peaks:  # (XLA refused every one it compiled whole)
       raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
                        f"{next(x.error for x in order if x.failed)}")
-    raise _select.budget_error(who, min(peaks), budget)
+    least = min(peaks, key=lambda x: x.score.peak_memory)
+    raise _select.budget_error(who, least.score.peak_memory, budget, least.family)
   rest = sorted((x for x in compiler.fitting() if x is not winner),
                 key=lambda x: (x.score.seconds, x.index))
   return [winner] + rest
@@ -109,7 +110,8 @@ def ranked_results(compiler: Compiler, space: Space, request: Request) -> list[_
   who, devices, device = request.who, request.devices, request.device
   scored, fits = compiled_results(compiler, who), compiler.fitting()
   if not fits and request.budget is not None:
-    raise _select.budget_error(who, min(x.score.peak_memory for x in scored), request.budget)
+    least = min(scored, key=lambda x: x.score.peak_memory)
+    raise _select.budget_error(who, least.score.peak_memory, request.budget, least.family)
   fits.sort(key=lambda x: (x.score.seconds, x.index))
   own = is_own(device, devices[0]) and not _compat.is_compile_only(devices[0])
   processes = len({d.process_index for d in devices})

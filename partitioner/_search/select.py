@@ -4,8 +4,10 @@ memory budget, and which of two rule sets with the same specs to keep."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.text import size
 from partitioner._search.candidates import Candidate
 
 
@@ -130,11 +132,30 @@ def plan_order(fits: list, device: DeviceModel) -> list:
   return [lead] + [x for x in fits if x is not lead]
 
 
-def budget_error(who: str, smallest: float, budget: float) -> ValueError:
-  """The error when no compiled layout's peak fits the budget."""
-  return ValueError(
-      f"{who}: no layout fits memory_budget_bytes={budget:,.0f}: the smallest peak"
-      f" per device found is {smallest:,.0f} bytes ({smallest / max(budget, 1):.2f}x"
-      " the budget). Hint: raise the budget, use more devices, shrink the batch, or"
-      " accumulate gradients over microbatches (partitioner.accumulate, whose count"
-      " the search chooses).")
+def budget_error(who: str, smallest: float, budget: float, layout: str = "",
+                 account: Any = None, remat: bool | None = None) -> ValueError:
+  """The error when no layout's peak fits the budget: the smallest peak
+  found and its ``layout``; with its ``account`` (a ``MemoryAccount``,
+  counted from the jaxpr) what fills it, and the fixes in the order of
+  what they would save (``remat``: whether the step recomputes any
+  activations already)."""
+  head = (f"{who}: no layout fits memory_budget_bytes={budget:,.0f} ({size(budget)}): the"
+          f" smallest peak per device found is {size(smallest)}"
+          f" ({smallest / max(budget, 1):.2f}x the budget)"
+          + (f", with {layout}" if layout else ""))
+  fixes = ["accumulate gradients over microbatches (partitioner.accumulate, whose count"
+           " the search chooses)", "use more devices", "raise the budget or shrink the batch"]
+  if account is None:
+    return ValueError(f"{head}. Hint: {'; '.join(fixes)}.")
+  head += (f": the arguments (weights, optimizer state, batch) {size(account.arguments)},"
+           f" values kept for later (activations, gradients) {size(account.kept)}, the op"
+           f" at the peak {size(account.working)}" + (f" ({account.at})" if account.at else ""))
+  if account.kept + account.working > account.arguments:  # (activations dominate)
+    remat_fix = ("rematerialize each layer (jax.checkpoint, nnx.remat or flax.linen.remat"
+                 " around a block), so the backward pass recomputes its activations"
+                 " instead of keeping them")
+    if not remat:
+      fixes.insert(0, remat_fix + "; the step rematerializes nothing now")
+  else:  # (the arguments dominate: splitting them further is what saves)
+    fixes = [fixes[1], fixes[0], fixes[2]]
+  return ValueError(f"{head}. Hint, in the order of what it saves: {'; '.join(fixes)}.")

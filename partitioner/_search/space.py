@@ -24,7 +24,7 @@ from partitioner._search.candidates import (
   spec_of,
 )
 from partitioner._search.estimate import OpTable
-from partitioner._search.memory import Liveness
+from partitioner._search.memory import Liveness, rematerializes
 from partitioner._search.request import Request, accounted
 from partitioner._search.target import Target
 from partitioner._search.weights import feeds_matmul
@@ -74,6 +74,7 @@ class Space:
   base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
   chosen: list = dataclasses.field(default_factory=list)
   refine: int = 0
+  remat: bool = False  # (the step recomputes activations: jax.checkpoint somewhere)
 
   def part(self, c: Any) -> Space:
     """The space of ``c``'s microbatch count."""
@@ -98,6 +99,13 @@ class Space:
     """The shortlist to compile first (and every stage count)."""
     self.refine = min(_select.REFINE, max(0, request.max_compiles - _select.REFINE))
     assert self.target is not None
+    budget = request.budget
+    if self.liveness is not None and budget is not None and all(
+        row[2].memory > budget for row in self.rows):  # (counted: nothing compiled would fit)
+      c, dims, est = min(self.rows, key=lambda row: row[2].memory)
+      liveness = self.part(c).liveness or self.liveness
+      raise _select.budget_error(request.who, est.memory, budget, c.family(),
+                                 liveness.account(c, dims), self.remat)
     chosen = shortlist_rows(self.rows, request, self.refine, self.liveness is not None,
                         self.target.settles)
     picked = {k for k, *_ in chosen}
@@ -163,7 +171,7 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   return Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
                 staged=list(range(len(rows) - len(staged), len(rows))),
                 bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
-                         for c, _, _ in staged})
+                         for c, _, _ in staged}, remat=rematerializes(closed.jaxpr))
 
 
 # Configurations whose smallest candidate is compiled on such a target.
