@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,11 +34,18 @@ def _rules_digest() -> str:
 RULES_DIGEST = _rules_digest()
 
 
+# An object's address in a repr (``<function dot_general at 0x7f...>``, as
+# an nnx GraphDef prints its modules' functions): another in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def cache_key(request: Request, closed: Any, static_reprs: list[str],
          counts: Sequence[int] = ()) -> str:
   """The answer's key in the caches: the program, the settings, the
-  static arguments, the microbatch counts it may try, the versions of the
-  toolkit and of the rules."""
+  static arguments (their reprs without objects' addresses: the traced
+  program says what they do), the microbatch counts it may try, the
+  versions of the toolkit and of the rules."""
+  static_reprs = [_ADDRESS.sub("", r) for r in static_reprs]
   devices = request.devices
   settings = (len(devices), request.hosts, request.device, request.budget, request.measure,
               request.max_compiles, request.attention, config.partitioner,

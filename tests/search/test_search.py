@@ -60,6 +60,33 @@ def test_a_wide_mlp_with_a_small_batch_splits_the_weights():
   assert dp and found.best.collective_bytes < dp[0].collective_bytes
 
 
+def test_a_static_argument_printed_with_its_address_hits_the_cache(tmp_path):
+  """A static argument's repr may hold an object's address (an nnx
+  GraphDef prints its modules' functions so): another in every process,
+  yet the same program; the cache still answers."""
+  def activation():
+    def act(h):
+      return jnp.tanh(h)
+    return act
+
+  def step(act, params, x):
+    def loss(p):
+      return jnp.mean((act(x @ p["w1"]) @ p["w2"] - x) ** 2)
+    value, g = jax.value_and_grad(loss)(params)
+    return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+
+  params, x = mlp(64, 256, 32)
+  first_act, second_act = activation(), activation()
+  assert repr(first_act) != repr(second_act)  # (two addresses)
+  with partitioner.config.override(cache_dir=str(tmp_path)):
+    first = partitioner.search(step, first_act, params, x, static_argnums=0, max_compiles=2,
+                               measure=0)
+    partitioner.clear_caches()  # (a fresh process: only the disk's answer left)
+    again = partitioner.search(step, second_act, params, x, static_argnums=0, max_compiles=2,
+                               measure=0)
+  assert again.search_seconds == first.search_seconds and len(os.listdir(tmp_path)) == 1
+
+
 def test_search_is_deterministic_and_cached(tmp_path):
   params, x = mlp(64, 256, 32)
   abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
