@@ -105,3 +105,9 @@ benchmarks.report`` rewrites BENCHMARKS.md from results.json alone).
 This package is run from the repo root and is not installed. Importing it
 imports nothing else: the startup children time their own process start.
 """
+import os
+
+# Every search is timed from scratch: no answer from an earlier run's
+# directory of answers (partitioner.config.search_cache_dir); the children
+# inherit it.
+os.environ.setdefault("SHARDED_JIT_SEARCH_CACHE_DIR", "off")

@@ -46,6 +46,18 @@ def _check_optional_dir(value: Any) -> str | None:
   return os.path.expanduser(os.fspath(value))
 
 
+def _parse_optional_dir(text: str) -> str | None:
+  """A directory, or None for ``off`` (also ``none``, ``0``, ``false``)."""
+  return None if text.strip().lower() in ("off", "none", "0", "false") else text
+
+
+def _user_cache_dir(*parts: str) -> str:
+  """``parts`` under the user's cache directory (``$XDG_CACHE_HOME``, else
+  ``~/.cache``), where jax keeps its own caches too."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "sharded_jit", *parts)
+
+
 def _whole(minimum: int) -> Callable[[Any], int]:
   """A whole number >= ``minimum`` (2.0 is accepted as 2; 1.5, inf are not)."""
   def check(value: Any) -> int:
@@ -99,6 +111,11 @@ _SETTINGS: dict[str, _Setting] = {
     "cache_dir": _Setting(
         "SHARDED_JIT_CACHE_DIR", None, str, _check_optional_dir,
         "Directory of the persistent compilation cache; None disables it."),
+    "search_cache_dir": _Setting(
+        "SHARDED_JIT_SEARCH_CACHE_DIR", _user_cache_dir("search"), _parse_optional_dir,
+        _check_optional_dir,
+        "Directory where partitioner.search keeps its answers when cache_dir is unset"
+        " (a repeated search answers from it); None (env: off) disables it."),
     "cache_max_bytes": _Setting(
         "SHARDED_JIT_CACHE_MAX_BYTES", 2 ** 31, int, _whole(0),
         "Size limit of the cache directory; least recently used entries go"
@@ -163,6 +180,11 @@ class Config:
       Env: ``SHARDED_JIT_PARTITIONER``.
     cache_dir: persistent compilation cache directory, or None (off).
       Env: ``SHARDED_JIT_CACHE_DIR``.
+    search_cache_dir: where :func:`partitioner.search` keeps its answers
+      when ``cache_dir`` is unset (default ``~/.cache/sharded_jit/search``,
+      under ``$XDG_CACHE_HOME`` where set), so a repeated search in a new
+      process answers at once; None turns it off. Env:
+      ``SHARDED_JIT_SEARCH_CACHE_DIR`` (``off`` for None).
     cache_max_bytes: LRU size limit of the cache directory (default 2 GiB;
       0 = unlimited). Env: ``SHARDED_JIT_CACHE_MAX_BYTES``.
     cache_min_compile_secs: do not write programs that compiled faster.
@@ -202,6 +224,7 @@ class Config:
   # The attributes __init__ sets (one per entry of _SETTINGS, then the rest).
   partitioner: str
   cache_dir: str | None
+  search_cache_dir: str | None
   cache_max_bytes: int
   cache_min_compile_secs: float
   cache_min_entry_bytes: int

@@ -8,7 +8,11 @@ that needs the 8 simulated CPU devices then skips, saying so.
 import os
 import re
 
-from partitioner.launch import with_cpu_device_count
+# A search's answers are not kept in the user's cache directory between runs
+# (a test that searches must search; the tests of that cache set their own).
+os.environ.setdefault("SHARDED_JIT_SEARCH_CACHE_DIR", "off")
+
+from partitioner.launch import with_cpu_device_count  # noqa: E402
 
 PLATFORM = os.environ.get("SHARDED_JIT_TEST_PLATFORM", "cpu")
 if PLATFORM == "cpu":

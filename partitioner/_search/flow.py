@@ -176,7 +176,7 @@ def search(  # noqa: PLR0913 (the search's keywords)
   f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
   blob = _answers.get(key)
   if blob is None:
-    store = compilation_cache.store()
+    store = compilation_cache.search_store()
     blob = store.get(key) if store is not None else None
     if blob is None:
       run = lambda: _run(f, closed, request, pipelines, counts, example_args)

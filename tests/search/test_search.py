@@ -87,6 +87,28 @@ def test_a_static_argument_printed_with_its_address_hits_the_cache(tmp_path):
   assert again.search_seconds == first.search_seconds and len(os.listdir(tmp_path)) == 1
 
 
+def test_a_repeated_search_answers_from_the_user_s_cache_directory(tmp_path):
+  """Without a persistent cache of programs, the answers are kept in
+  config.search_cache_dir (the user's cache directory by default): a new
+  process's search of the same step answers from there."""
+  params, x = mlp(64, 256, 32)
+  answers = tmp_path / "answers"
+  with partitioner.config.override(cache_dir=None, search_cache_dir=str(answers)):
+    first = partitioner.search(mlp_step, params, x, max_compiles=2, measure=0)
+    assert len(os.listdir(answers)) == 1 and (os.stat(answers).st_mode & 0o777) == 0o700
+    partitioner.clear_caches()  # (as a new process: only the directory's answer left)
+    again = partitioner.search(mlp_step, params, x, max_compiles=2, measure=0)
+    assert again.search_seconds == first.search_seconds
+  partitioner.clear_caches()
+  with partitioner.config.override(cache_dir=None, search_cache_dir=None):  # off: searches
+    fresh = partitioner.search(mlp_step, params, x, max_compiles=2, measure=0)
+  assert fresh.search_seconds != first.search_seconds
+  default = partitioner._config.Config({})  # (the default: under the user's cache directory)
+  assert default.search_cache_dir.endswith(os.path.join("sharded_jit", "search"))
+  assert partitioner._config.Config(
+      {"SHARDED_JIT_SEARCH_CACHE_DIR": "off"}).search_cache_dir is None
+
+
 def test_search_is_deterministic_and_cached(tmp_path):
   params, x = mlp(64, 256, 32)
   abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))

@@ -33,6 +33,9 @@ from partitioner._config import config
 
 logger = logging.getLogger(__name__)
 
+# The size limit of the search's own answers directory (config.search_cache_dir).
+SEARCH_CACHE_BYTES = 64 << 20
+
 @dataclasses.dataclass(frozen=True)
 class _Binary:
   """A loaded executable and, when known, the bytes it was loaded from.
@@ -54,8 +57,8 @@ class CompilationCache:
   def __init__(self):
     self._memory: collections.OrderedDict[str, _Binary] = collections.OrderedDict()
     self._lock = threading.Lock()
-    self._disk: DiskStore | None = None
-    self._unusable: tuple[str, int] | None = None  # a cache_dir that failed
+    self._disks: dict[str, DiskStore] = {}  # "programs", "answers" (a search's)
+    self._unusable: dict[str, tuple[str, int]] = {}  # a directory that failed, each
     self._refused: set[str] = set()  # every cache_dir warned about
 
   def clear(self) -> None:
@@ -76,39 +79,59 @@ class CompilationCache:
       return config.cache_store
     if not config.cache_dir:
       return None
-    wanted = (config.cache_dir, config.cache_max_bytes)
-    if self._unusable == wanted:
+    return self._opened("programs", config.cache_dir, config.cache_max_bytes)
+
+  def search_store(self) -> CacheStore | None:
+    """Where :func:`partitioner.search` keeps its answers: the persistent
+    store of programs where the settings ask for one, else
+    ``config.search_cache_dir`` (the user's cache directory by default;
+    answers are a few KB each: at most ``SEARCH_CACHE_BYTES`` there), or
+    None where that is off or cannot be used (one warning, as for
+    programs)."""
+    store = self.store()
+    if store is not None or not config.search_cache_dir:
+      return store
+    return self._opened("answers", config.search_cache_dir, SEARCH_CACHE_BYTES)
+
+  def _opened(self, what: str, directory: str, max_bytes: int) -> DiskStore | None:
+    """The disk store of ``what`` at ``directory``, its directory checked
+    again at every use; None where it cannot be used."""
+    wanted = (directory, max_bytes)
+    if self._unusable.get(what) == wanted:
       return None
-    disk = self._disk
+    disk = self._disks.get(what)
     try:
       if disk is None or (disk.directory, disk.max_bytes) != wanted:
         disk = DiskStore(*wanted)
       else:
         disk.check_directory()  # a few stats: as ssh does, at every use
     except OSError as e:
-      self._disk, self._unusable = None, wanted
-      self._refuse(config.cache_dir, e)
+      self._disks.pop(what, None)
+      self._unusable[what] = wanted
+      self._refuse(directory, e, what)
       return None
-    self._disk = disk
+    self._disks[what] = disk
     return disk
 
-  def _refuse(self, directory: str, error: OSError) -> None:
+  def _refuse(self, directory: str, error: OSError, what: str = "programs") -> None:
     """Warns that ``directory`` is not used: once per directory and process
     (a directory tried again after another one was set is not repeated)."""
     with self._lock:
       first = directory not in self._refused
       self._refused.add(directory)
+    cache, setting, env = (
+        ("Persistent compilation cache", "cache_dir", "SHARDED_JIT_CACHE_DIR")
+        if what == "programs" else
+        ("The search's cache of answers", "search_cache_dir", "SHARDED_JIT_SEARCH_CACHE_DIR"))
     if not first:
-      logger.debug("Still not using cache_dir %r: %s", directory, error)
+      logger.debug("Still not using %s %r: %s", setting, directory, error)
     elif isinstance(error, UntrustedCacheError):
-      logger.warning("Persistent compilation cache disabled, compiling without"
-                     " it: %s", error)
+      logger.warning("%s disabled, going on without it: %s", cache, error)
     else:
       logger.warning(
-          "Persistent compilation cache disabled: cannot use cache_dir %r"
-          " (%s: %s); compiling without it. Hint: point"
-          " partitioner.config.cache_dir (SHARDED_JIT_CACHE_DIR) at a"
-          " writable directory.", directory, type(error).__name__, error)
+          "%s disabled: cannot use %s %r (%s: %s); going on without it. Hint: point"
+          " partitioner.config.%s (%s) at a writable directory.", cache, setting,
+          directory, type(error).__name__, error, setting, env)
 
   def key(self, program: Program) -> tuple[str, str, _compat.CompileOptions, str]:
     """(program key, cache key, compile options, compression) under the
