@@ -32,7 +32,7 @@ METRICS = (Metric("first_call", "first call, slowest rank (trace + compile + run
 
 def run(args) -> list[dict]:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   # The ranks run `-m benchmarks.multiprocess_child`, which is not installed.
   env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   ranks = {}

@@ -22,7 +22,7 @@ ROWS = {"compile_part": "compile or load from cache",
 
 def run(args) -> list[dict]:
   def child(which: str, cache_dir: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_") or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
     cmd = [sys.executable, "-m", "benchmarks.startup_child", "--which", which,
            "--cache-dir", cache_dir, "--devices", str(args.devices),
            "--started", str(time.time())]

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(*cmd, timeout=300):
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

@@ -67,7 +67,7 @@ def _checked(code: str) -> str:
 
 def _env() -> dict:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+         if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
 

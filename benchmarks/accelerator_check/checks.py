@@ -42,7 +42,7 @@ def child_env(machine: Machine, **extra: str) -> dict[str, str]:
   left as it was: "gpu" would also ask for ROCm where only CUDA is
   installed), or 8 simulated CPU devices; the repo on the path; the
   caller's SHARDED_JIT_ settings left out."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_") or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   if not machine.accelerator:
     env["JAX_PLATFORMS"] = "cpu"

@@ -176,13 +176,11 @@ def search(  # noqa: PLR0913 (the search's keywords)
   f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
   blob = _answers.get(key)
   if blob is None:
-    store = compilation_cache.search_store()
-    blob = store.get(key) if store is not None else None
-    if blob is None:
-      run = lambda: _run(f, closed, request, pipelines, counts, example_args)
-      blob = world.bcast(run() if world.rank == 0 else None) if world.size > 1 else run()
-      if store is not None and world.rank == 0:
-        store.put(key, blob)
+    # (rank 0's cache decides for every rank: another host's directory may
+    # hold another answer, or none)
+    answer = lambda: _answer(key, lambda: _run(f, closed, request, pipelines, counts,
+                                               example_args))
+    blob = world.bcast(answer() if world.rank == 0 else None) if world.size > 1 else answer()
     _answers.put(key, blob)
   found = _found.FoundLayout.from_json(blob, fun, static, f.in_tree, f.out_tree, len(args), who)
   found.devices = request.devices
@@ -233,6 +231,17 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
 
 
 
+
+
+def _answer(key: str, run: Callable[[], bytes]) -> bytes:
+  """The answer kept on disk under ``key``, else ``run()``'s, kept there."""
+  store = compilation_cache.search_store()
+  blob = store.get(key) if store is not None else None
+  if blob is None:
+    blob = run()
+    if store is not None:
+      store.put(key, blob)
+  return blob
 
 
 def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,

@@ -63,4 +63,19 @@ assert acc.microbatches is not None, acc.microbatches
 _, loss = acc.sharded_jit()(params, x)
 np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
 print(f"rank {rank}: accumulate found {acc.microbatches}: {acc.best.family}", flush=True)
+
+# Each rank's own directory of answers (hosts do not share one): rank 0
+# writes the answer to its own, rank 1's stays empty; rank 0's decides for
+# both (rank 1 waiting for a search rank 0 answered from its disk would hang).
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+with partitioner.config.override(cache_dir=None, search_cache_dir=tempfile.mkdtemp()):
+  first = partitioner.search(step, params, x, max_compiles=2, measure=0)
+  assert len(os.listdir(partitioner.config.search_cache_dir)) == (rank == 0), rank
+  partitioner.clear_caches()
+  before = len(compiles)
+  again = partitioner.search(step, params, x, max_compiles=2, measure=0)
+  assert len(compiles) == before, (rank, len(compiles) - before)  # (nobody searched again)
+  assert again.search_seconds == first.search_seconds
 print(f"rank {rank}: search ok", flush=True)

@@ -22,7 +22,7 @@ def launch(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT, cwd=ROOT,
   ``--devices-per-process devices`` unless None); returns
   (CompletedProcess, seconds)."""
   full_env = {k: v for k, v in os.environ.items()
-              if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS"))}
+              if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   full_env.update(env or {})
   devices_flag = [] if devices is None else ["--devices-per-process", str(devices)]
   cmd = [sys.executable, "-m", "partitioner.launch", "-n", str(n), *devices_flag,
@@ -48,7 +48,7 @@ def srun(script, *args, n=2, devices=2, env=None, timeout=TIMEOUT):
   (no PMI) at all. Returns (per-task CompletedProcess-like list, seconds);
   a task still running at ``timeout`` is killed (return code 124)."""
   base = {k: v for k, v in os.environ.items()
-          if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS", "PMI_", "OMPI_", "SLURM_"))}
+          if not k.startswith(("SHARDED_JIT_", "XLA_FLAGS", "PMI_", "OMPI_", "SLURM_")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   base.update(env or {})
   base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   job = str(os.getpid() * 10 + next(_job_ids))

@@ -159,7 +159,7 @@ def test_without_launcher_cleanup_the_heartbeat_ends_the_survivors():
   """Launchers that do not kill the job when a rank dies: jax's heartbeat
   timeout (config.heartbeat_timeout_secs, 3 s here, 10 by default) must end
   it (a hang raises subprocess.TimeoutExpired after TIMEOUT seconds)."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_")}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_") or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   env.update(DIE_CODE="3", XLA_FLAGS="--xla_force_host_platform_device_count=2",
              SHARDED_JIT_HEARTBEAT_TIMEOUT_SECS="3")
   mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")

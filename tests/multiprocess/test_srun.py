@@ -57,7 +57,7 @@ def test_under_plain_srun_tasks_that_finish_apart_end_together():
 def test_a_task_whose_peers_never_come_is_an_error_not_a_run_alone():
   # srun said 2 tasks; only one starts: it must not train alone.
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SHARDED_JIT_", "PMI_", "OMPI_", "SLURM_"))}
+         if not k.startswith(("SHARDED_JIT_", "PMI_", "OMPI_", "SLURM_")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   env.update(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="0",
              SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
              SHARDED_JIT_COLLECTIVE_TIMEOUT_SECS="5",
@@ -75,7 +75,7 @@ def test_an_mpi_launch_mpi4py_cannot_join_is_a_clear_error_not_a_crash():
   # in C (a PMIx launch it cannot speak). Checked before, and said plainly.
   pytest.importorskip("mpi4py", reason="needs the mpi extra")
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SHARDED_JIT_", "PMI_", "OMPI_", "SLURM_"))}
+         if not k.startswith(("SHARDED_JIT_", "PMI_", "OMPI_", "SLURM_")) or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
   env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2",
              OMPI_COMM_WORLD_LOCAL_RANK="0", OMPI_COMM_WORLD_LOCAL_SIZE="2")
   proc = subprocess.run([sys.executable, "-c", "import partitioner; partitioner.initialize()"],
