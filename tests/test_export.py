@@ -116,7 +116,8 @@ def test_choose_puts_another_candidate_in_the_winners_place():
   assert _collectives(theirs.lower(params, x).compile()) == _collectives(
       step.lower(params, x).compile())
   report = chosen.report()
-  assert f"Chosen (found.choose): {other.family}, {other.layout}" in report
+  row = next(k for k, x in enumerate(chosen.candidates) if x is chosen.best) + 1
+  assert f"Chosen (found.choose): {other.family} (#{row})" in " ".join(report.split())
   assert "  (chosen)" in report and "Winner:" not in report
   # The search's winner is among the others it is set against, faster.
   lost = report.split("Each other family's best: ")[1]

@@ -21,6 +21,7 @@ dim 1`` and ``blocks/1/wq dim 1``, or ``['layers']['0']`` and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -190,7 +191,9 @@ def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
       by_key[key] = len(members)
       members.append([])
     of_axis[a] = by_key[key]
-    members[by_key[key]].append(min(where[a], key=lambda w: (w[0], len(w[1]), w[1]))[1])
+    # (this axis's leaves, in the key's order: each layer's alike in place)
+    members[by_key[key]].append([(n.rsplit(" dim ", 1)[0], t[1])
+                                 for _, n, t in sorted(where[a], key=lambda w: w[2])])
   batch, weights = set(), set()
   for axes, is_state, shape in zip(in_axes, state, shapes):
     for d, a in enumerate(axes):
@@ -198,18 +201,65 @@ def roles(in_axes: Sequence[tuple[int, ...]], shapes: Sequence[tuple[int, ...]],
         (weights if is_state else batch).add(of_axis[a])
   leaf_roles = {frozenset(of_axis[a] for a in axes if a in of_axis)
                 for axes, is_state in zip(in_axes, state) if is_state}
-  return Roles(of_axis, tuple(map(_common_name, members)), tuple(sorted(batch)),
+  axes_of = collections.Counter(of_axis.values())
+  return Roles(of_axis, tuple(_listed(_across_layers(m)) for m in members), tuple(sorted(batch)),
                tuple(sorted(weights - batch)), tuple(sorted(leaf_roles, key=sorted)),
-               {k: len(m) for k, m in enumerate(members) if len(m) > 1})
+               {k: n for k, n in axes_of.items() if n > 1})
+
+
+def _across_layers(axes: Sequence[Sequence[tuple[str, int]]]) -> list[tuple[str, int]]:
+  """A role's leaf dimensions, one per place: each layer's leaves in the
+  same order, their names with ``*`` for the numbers that differ between
+  the layers."""
+  return [(_common_name([leaves[j][0] for leaves in axes]), axes[0][j][1])
+          for j in range(len(axes[0]))]
 
 
 def _common_name(names: Sequence[str]) -> str:
-  """One name for a role's axes: their names, with ``*`` for the numbers
+  """One name for the same leaf of several layers: ``*`` for the numbers
   that differ between them (the layer)."""
   parts = [_NUMBER_SPLIT.split(n) for n in names]
   if len(parts) == 1 or any(len(p) != len(parts[0]) for p in parts):
     return names[0]
   return "".join(tokens[0] if len(set(tokens)) == 1 else "*" for tokens in zip(*parts))
+
+
+_KEY = re.compile(r"\['([^']*)'\]|\[\"([^\"]*)\"\]|\.(\w+)")
+
+
+def _readable(path: str) -> str:
+  """A leaf's path as dotted keys (``params['blocks'][*]['up']['kernel'].value``
+  reads ``params.blocks[*].up.kernel``: nnx's ``.value`` left out)."""
+  path = path.removesuffix(".value")
+  return _KEY.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
+
+
+def _listed(leaves: Sequence[tuple[str, int]]) -> str:
+  """A role's name: every leaf dimension it is (layers' numbers as ``*``),
+  those that differ in one key only grouped (``blocks[*].{gate,up}.kernel
+  dim 1``), in order; an optimizer's moments of a weight listed
+  (``opt_state[0].mu.blocks[*].up.kernel`` of ``params.blocks[*].up.kernel``)
+  left out."""
+  paths = {(_readable(path), d) for path, d in leaves}
+  tails = {(p.split(".", 1)[1], d) for p, d in paths if "." in p}
+  by_shape: dict[tuple[int, int], list[list[str]]] = {}
+  for path, d in sorted(paths):
+    keys = path.split(".")
+    if any((".".join(keys[i:]), d) in tails for i in range(2, len(keys))):
+      continue  # (an optimizer's moment of a weight listed: it follows the weight)
+    by_shape.setdefault((len(keys), d), []).append(keys)
+  out = []
+  for (n, d), paths in by_shape.items():
+    for i in reversed(range(n)):  # (the last key that differs: up, gate; not the layer)
+      rest = {tuple(p[:i] + p[i + 1:]) for p in paths}
+      if len(paths) > 1 and len(rest) == 1:
+        names = sorted({p[i] for p in paths})
+        out.append(".".join(paths[0][:i] + ["{" + ",".join(names) + "}"] + paths[0][i + 1:])
+                   + f" dim {d}")
+        break
+    else:
+      out += [".".join(p) + f" dim {d}" for p in paths]
+  return ", ".join(out)
 
 
 def grids(n: int, hosts: int = 1) -> list[tuple[tuple[int, int, int], bool]]:

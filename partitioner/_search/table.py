@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from partitioner._report.text import size
+from partitioner._search.measure import TIE
 from partitioner._search.select import LEAN_FLOPS
+
+# The report's width: a terminal's, an 80-100 column editor's.
+WIDTH = 100
 
 
 def _time(seconds: float | None) -> str:
   if seconds is None:
     return "-"
   return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
+def _flops(n: float) -> str:
+  """``n`` flops in MFLOP, GFLOP, TFLOP or PFLOP (three digits)."""
+  for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n / 1e6:.3g} MFLOP"
+
+
+def _wrapped(text: str, indent: str = "", more: str = "  ") -> str:
+  """``text`` in lines of at most :data:`WIDTH` columns."""
+  return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + more,
+                       break_long_words=False, break_on_hyphens=False)
 
 
 def table(found: Any, rows: int) -> str:
@@ -27,45 +46,43 @@ def table(found: Any, rows: int) -> str:
     head += f"; {found.hosts} hosts"
   if found.budget is not None:
     head += f"; memory budget {size(found.budget)}"
-  lines = [head]
+  lines = [_wrapped(head)]
   if found.grouped:
     counts = sorted({n for _, n in found.grouped})
-    lines.append(f"Repeated across layers, one decision each: {len(found.grouped)} axes"
-                 f" (x{'/'.join(map(str, counts))}), e.g. {found.grouped[0][0]}")
+    lines.append(_wrapped(f"Repeated across layers, one decision each: {len(found.grouped)}"
+                          f" axes (x{'/'.join(map(str, counts))}), e.g. {found.grouped[0][0]}"))
   if found.proxy:
     p = found.proxy
-    lines.append(f"Compiled as a proxy of {p['proxy_ops']} of its {p['ops']} top-level ops"
-                 f" (each repeated block kept {p['kept']} of up to"
-                 f" {max(reps for _, reps in p['runs'])} times), costs scaled to the whole")
+    lines.append(_wrapped(
+        f"Compiled as a proxy of {p['proxy_ops']} of its {p['ops']} top-level ops (each"
+        f" repeated block kept {p['kept']} of up to {max(reps for _, reps in p['runs'])}"
+        " times), costs scaled to the whole"))
   hosts = found.hosts > 1
-  lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>10}  {'coll. bytes':>11}"
+  lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>11}  {'coll. bytes':>11}"
                 + (f"  {'across hosts (ops)':>18}" if hosts else "")
-                + f"  {'peak mem':>9}  {'family':<31} layout"]
+                + f"  {'peak mem':>9}  family", "      layout"]
   for k, x in enumerate(c[:rows]):
     if x.error:
-      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>10}  {'':>11}  {'':>9}  {x.family:<31}"
-                   f" {x.layout}: {x.error[:80]}")
+      lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>11}  {'':>11}"
+                   + (f"  {'':>18}" if hosts else "") + f"  {'':>9}  {x.family}")
+      lines.append(_wrapped(f"{x.layout}: {x.error[:160]}", " " * 6))
       continue
     mark = ("" if x.fits else "  (over budget)") + (
         "  (chosen)" if k and x is found.best else "")
-    timed = f" measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
-    lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {x.flops / 1e9:>8.3g} G"
+    timed = f"; measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
+    lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {_flops(x.flops):>11}"
                  f"  {size(x.collective_bytes):>11}"
                  + (f"  {f'{size(x.network_bytes)} ({x.network_collectives})':>18}"
                     if hosts else "")
-                 + f"  {size(x.peak_memory):>9}  {x.family:<31} {x.layout}{timed}{mark}")
+                 + f"  {size(x.peak_memory):>9}  {x.family}{mark}")
+    lines.append(_wrapped(x.layout + timed, " " * 6))
   if len(c) > rows:
     lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
-  lines += ["", why(found)]
-  memory = where_memory_goes(found.best)
-  if memory:
-    lines.append(memory)
-  compiler = own_compiler_hint(found.stand_in)
-  if compiler:
-    lines.append(compiler)
-  lost = families_that_lost(found)
-  if lost:
-    lines.append(lost)
+  lines += ["", _wrapped(why(found))]
+  for more in (where_memory_goes(found.best), own_compiler_hint(found.stand_in),
+               families_that_lost(found)):
+    if more:
+      lines.append(_wrapped(more))
   return "\n".join(lines)
 
 
@@ -154,9 +171,10 @@ def why(found: Any) -> str:
     if not x.error and x.fits and x.family != best.family:
       others.setdefault(x.family, x)
   who = "Winner" if best is found.candidates[0] else "Chosen (found.choose)"
-  text = (f"{who}: {best.family}, {best.layout}: estimated {_time(best.seconds)} a call,"
-          f" {best.flops / 1e9:.3g} GFLOP and {size(best.collective_bytes)} of collectives"
-          f" per device, peak {size(best.peak_memory)}.")
+  row = next(k for k, x in enumerate(found.candidates) if x is best) + 1
+  text = (f"{who}: {best.family} (#{row}): estimated {_time(best.seconds)} a call,"
+          f" {_flops(best.flops)} and {size(best.collective_bytes)} of collectives per"
+          f" device, peak {size(best.peak_memory)}.")
   if best.hidden_seconds:  # (collectives the compiled schedule overlaps)
     text += (f" {_time(best.hidden_seconds)} of its communication runs behind compute"
              " in the compiled schedule (not counted).")
@@ -165,9 +183,13 @@ def why(found: Any) -> str:
   timed = [x for x in _others(found) if x.measured_seconds]
   if best.measured_seconds and timed:  # a close call, decided on the devices
     rival = min(timed, key=lambda x: x.measured_seconds)
-    return text + (f" A close call, timed on the devices: {_time(best.measured_seconds)} a"
-                   f" step against {_time(rival.measured_seconds)} for {rival.family}"
-                   f" ({len(timed) + 1} timed).")
+    text += (f" A close call, timed on the devices ({len(timed) + 1} timed):"
+             f" {_time(best.measured_seconds)} a step against {_time(rival.measured_seconds)}"
+             f" for {rival.family}")
+    if best.measured_seconds <= rival.measured_seconds:
+      return text + ": the fastest measured wins."
+    return text + (f": within {TIE:.0%} of each other, a tie within the timing's noise,"
+                   " which the estimate breaks (the faster estimate wins).")
   if best.measured_seconds:
     text += f" Measured {_time(best.measured_seconds)} a call."
   if not others:

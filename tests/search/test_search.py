@@ -156,9 +156,14 @@ def test_the_report_and_the_candidates():
   params, x = mlp(64, 256, 32)
   found = partitioner.search(mlp_step, params, x, max_compiles=4, device_model="h100")
   text = found.report()
-  assert text.startswith("search(mlp_step): ") and "layouts compiled of" in text
-  assert "device model: NVIDIA H100 SXM" in text and "\nWinner: " in text
-  assert len(text.splitlines()) <= 25
+  flat = " ".join(text.split())  # (its lines wrap at 100 columns)
+  assert text.startswith("search(mlp_step): ") and "layouts compiled of" in flat
+  assert "device model: NVIDIA H100 SXM" in flat and "\nWinner: " in text
+  assert len(text.splitlines()) <= 30 and max(map(len, text.splitlines())) <= 100
+  # Each layout names every weight it splits: Megatron's pair, both matrices.
+  tensor = [c for c in found.candidates if c.family == "tensor parallel 8"]
+  assert tensor and tensor[0].layout == "model 8: params.w1 dim 1, params.w2 dim 0", tensor
+  assert "GFLOP" in flat or "MFLOP" in flat
   ok = [c for c in found.candidates if not c.error]
   assert [c.seconds for c in ok] == sorted(c.seconds for c in ok)
   assert found.best is found.candidates[0] and found.best.flops > 0
@@ -340,8 +345,9 @@ def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   assert across and all(0 < c.network_collectives <= c.collectives for c in across)
   report = found.report()  # (each row: its bytes across hosts and in how many collectives)
   assert "across hosts (ops)" in report
-  assert any(f"({c.network_collectives})" in line and c.layout in line
-             for line in report.splitlines() for c in across)
+  rows = re.split(r"\n(?=  [ \d]\d  )", report)  # (a row, its layout on the lines below)
+  assert any(f"({c.network_collectives})" in row and c.family in row
+             and c.layout in " ".join(row.split()) for row in rows for c in across)
   by_family = {c.family: c for c in found.candidates if not c.error}
   for family in ("data parallel 8", "data x model 2 x 4"):
     if family in by_family:
@@ -444,8 +450,31 @@ def test_a_plan_from_xla_cpus_programs_names_the_accelerators_own_compiler():
   params, x = mlp(64, 256, 32)
   gpu = partitioner.search(mlp_step, params, x, device_model="h100", hosts=2, max_compiles=2)
   assert gpu.stand_in == {"platform": "gpu", "model": "h100", "devices": 8, "hosts": 2}
-  assert 'devices=partitioner.gpu_devices("h100:4", num_hosts=2)' in gpu.report()
+  flat = lambda found: " ".join(found.report().split())  # (its lines wrap at 100 columns)
+  assert 'devices=partitioner.gpu_devices("h100:4", num_hosts=2)' in flat(gpu)
   tpu = partitioner.search(mlp_step, params, x, device_model="tpu-v5p", max_compiles=2)
-  assert 'partitioner.tpu_devices("v5p:<a topology of 8 chips>")' in tpu.report()
+  assert 'partitioner.tpu_devices("v5p:<a topology of 8 chips>")' in flat(tpu)
   own = partitioner.search(mlp_step, params, x, max_compiles=2, measure=0)
   assert own.stand_in == {} and "XLA:CPU's programs" not in own.report()
+
+
+def test_a_tie_on_the_devices_says_the_estimate_broke_it():
+  """The winner measured slower than the runner-up, within the timing's
+  noise: the report says it was a tie that the estimate broke."""
+  import types
+
+  from partitioner._search import table
+
+  def result(family, seconds, measured):
+    return types.SimpleNamespace(
+        family=family, layout=f"{family}: x dim 0", seconds=seconds, measured_seconds=measured,
+        flops=1e9, collective_bytes=1e6, peak_memory=1e6, hidden_seconds=0.0,
+        xla_seconds=None, error="", fits=True, stages=1, network_bytes=0.0,
+        network_collectives=0)
+  best, rival = result("data parallel 8", 0.010, 0.943), result("data x model 4 x 2", 0.011, 0.936)
+  found = types.SimpleNamespace(best=best, candidates=[best, rival])
+  text = table.why(found)
+  assert "A close call, timed on the devices (2 timed): 943 ms a step against 936 ms" in text
+  assert "within 2% of each other, a tie within the timing's noise, which the estimate" in text
+  rival.measured_seconds = 0.99
+  assert table.why(found).endswith(": the fastest measured wins.")
