@@ -37,7 +37,8 @@ Sections (one module each):
             parameter bytes per device, steps/s.
   search    the layout partitioner.search finds against every hand-written
             layout, on two transformers, two MLPs and a recommender; also planned for 2
-            hosts x 4 against the hand-written layouts' bytes across hosts.
+            hosts x 4 against the hand-written layouts' bytes across hosts; and a
+            repeated search in a fresh process (``benchmarks.search_repeat``).
   search_models  the search on a third-party decoder (transformers'
             FlaxGemmaForCausalLM, bf16, one key/value head) at 2 and 24
             layers, each depth a ``python -m benchmarks.search_models LAYERS ...``

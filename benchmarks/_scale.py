@@ -28,6 +28,7 @@ class Scale:
     long a final lasts at least. model_layers: the decoder's depths
     (search_models). cluster: the 64-device plan of Gemma 2B's size.
     calibrate_rounds: the calibrate section's interleaved rounds.
+    checkpoint_rounds: the checkpoint section's interleaved rounds per case.
   """
   calls: int
   first_calls: int
@@ -41,6 +42,7 @@ class Scale:
   model_layers: tuple[int, ...]
   cluster: bool
   calibrate_rounds: int
+  checkpoint_rounds: int
 
 
 FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
@@ -49,7 +51,7 @@ FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
                             "MLP wide, batch 16", "MLP narrow, batch 4096",
                             "embedding bag + MLP, batch 4096"),
              floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
-             cluster=True, calibrate_rounds=5)
+             cluster=True, calibrate_rounds=5, checkpoint_rounds=15)
 
 # The default: every section, without the models that hold GBs (the
 # recommender's field holds 10 GB, the 24-layer decoder's 21 GB) or take
@@ -58,8 +60,8 @@ DEFAULT = Scale(calls=10000, first_calls=5, startup_runs=2, steps=12,
                 fsdp_sizes=("transformer d_model 128",),
                 search_models=("transformer d_model 256", "MLP wide, batch 16",
                                "MLP narrow, batch 4096"),
-                floor=False, search_rounds=(2, 6), final_seconds=15.0, model_layers=(2,),
-                cluster=False, calibrate_rounds=3)
+                floor=False, search_rounds=(2, 6), final_seconds=8.0, model_layers=(2,),
+                cluster=False, calibrate_rounds=2, checkpoint_rounds=4)
 
 
 def apply(args) -> None:

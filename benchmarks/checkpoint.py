@@ -98,7 +98,7 @@ def run(args) -> list[dict]:
   # larger batches show the cost against steps of a real job's length)
   for batch in (BATCH,) if on_cpu else ACCELERATOR_BATCHES:
     for every, finish_within in CASES:
-      times = _rounds(every, finish_within, max(5, args.steps // 2), batch)
+      times = _rounds(every, finish_within, args.checkpoint_rounds, batch)
       seconds = {k: statistics.median(v) / (2 * every) for k, v in times.items()}
       paired = per_round(times, "checkpointed", "plain")
       lost = every + finish_within - 1

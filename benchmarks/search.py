@@ -342,7 +342,8 @@ def run(args) -> list[dict]:
     start = time.perf_counter()
     rows += model_rows(jax, args, name, MODELS[name](jax))
     print(f"(search, {name}: {time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-  return rows
+  from benchmarks import search_repeat
+  return rows + search_repeat.rows()
 
 
 @dataclass(frozen=True)

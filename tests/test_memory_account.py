@@ -46,7 +46,7 @@ def test_a_plan_for_an_accelerator_counts_its_memory_by_layout():
   assert fsdp.peak_memory < dp.peak_memory
   assert fsdp.peak_memory == pytest.approx(sum(
       fsdp.memory[k] for k in ("arguments", "kept", "working")), rel=1e-6)
-  report = found.report()
+  report = " ".join(found.report().split())  # (its lines wrap at 100 columns)
   assert "Memory per device at the peak (counted for the accelerator" in report
   assert "Each other family's best:" in report
 

@@ -244,12 +244,12 @@ def test_a_search_plans_for_a_tpu_slice_with_its_own_compiler():
   assert found.budget == pytest.approx(0.95 * 95e9)
   best = found.best
   assert best.xla_seconds and best.xla_seconds > 0
-  assert "XLA's own estimate" in found.report()
+  assert "XLA's own estimate" in " ".join(found.report().split())
   # Every family's best beside it, by ours and by XLA's own estimate.
   rival = next(c for c in found.candidates if not c.error and c.family != best.family)
   assert rival.xla_seconds and rival.xla_seconds > 0
   assert (f"{rival.family}: {rival.seconds / best.seconds:.2f}x slower (XLA's own estimate:"
-          f" {rival.xla_seconds / best.xla_seconds:.2f}x)") in found.report()
+          f" {rival.xla_seconds / best.xla_seconds:.2f}x)") in " ".join(found.report().split())
   # The found layout compiles for the slice as the search scored it (the
   # state donated, as a training loop does).
   compiled = found.sharded_jit(devices=chips, donate_argnums=(0,)).lower(params, x).compile()
@@ -334,7 +334,7 @@ def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
   # Its time is scored as the others' (a proxy's, scaled): it leads them.
   assert best.seconds <= min(x.seconds for x in found.candidates[1:] if x.fits and not x.error)
   assert best.memory["arguments"] > 0 and best.memory["aliased"] > 0  # (the donated state)
-  report = found.report()
+  report = " ".join(found.report().split())  # (its lines wrap at 100 columns)
   assert "Memory per device at the peak (XLA:TPU, the whole program)" in report
   # Under a budget below that peak the winner is another layout, which fits.
   tight = partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3,

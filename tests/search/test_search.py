@@ -337,7 +337,7 @@ def test_a_plan_for_hosts_keeps_the_network_traffic_down():
   found = partitioner.search(mlp_step, *abstract, hosts=2, device_model="h100",
                              max_compiles=6, progress=False)
   assert found.hosts == 2 and found.measured == 0  # a plan: nothing timed here
-  assert "2 hosts" in found.report() and "across hosts" in found.report()
+  assert "2 hosts" in " ".join(found.report().split()) and "across hosts" in found.report()
   best = found.best
   # The collectives that cross hosts are counted (each pays the network's
   # latency): every layout that sends bytes across has some.
@@ -397,7 +397,8 @@ def test_a_deep_model_is_searched_through_a_proxy_of_its_layers():
   found = partitioner.search(_deep_step, params, x, max_compiles=4, measure=0)
   assert found.proxy and found.proxy["proxy_ops"] < found.proxy["ops"] / 3
   assert all(n == 12 for _, n in found.grouped) and found.grouped
-  assert "Compiled as a proxy" in found.report() and "(x12)" in found.report()
+  flat = " ".join(found.report().split())  # (its lines wrap at 100 columns)
+  assert "Compiled as a proxy" in flat and "(x12)" in flat
   # The scaled scores are those of the whole program, near enough to rank.
   best = found.best
   real = sharded_jit(_deep_step, in_parts=found.in_parts,
