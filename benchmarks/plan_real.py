@@ -306,7 +306,6 @@ def _torchtitan() -> list[dict]:
 def _smallest_whole(shape) -> float:
   """The smallest peak per device of the step without accumulation (the
   whole batch at once), from the search's error: no layout fits."""
-  import re
 
   import partitioner
   from benchmarks import _llama
@@ -314,11 +313,8 @@ def _smallest_whole(shape) -> float:
   try:
     found = partitioner.search(step, *state, tokens, num_devices=8, device_model="h100",
                                progress=False)
-  except ValueError as e:
-    got = re.search(r"smallest peak per device found is ([\d,]+) bytes", str(e))
-    if got is None:
-      raise
-    return float(got.group(1).replace(",", ""))
+  except partitioner.NoLayoutFitsError as e:
+    return float(e.smallest_peak)
   return float(found.best.peak_memory)
 
 

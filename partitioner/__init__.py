@@ -48,6 +48,7 @@ from partitioner._report.device_models import DeviceModel as DeviceModel
 from partitioner._report.explanation import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
 from partitioner._search import FoundLayout as FoundLayout
+from partitioner._search import NoLayoutFitsError as NoLayoutFitsError
 from partitioner._search import search as search
 from partitioner._version import __version__ as __version__
 
@@ -66,6 +67,7 @@ __all__ = [
   "FoundLayout",
   "Lowered",
   "MemoryStore",
+  "NoLayoutFitsError",
   "PartitionerMismatchError",
   "PeerError",
   "PmapFunction",
@@ -96,6 +98,6 @@ __all__ = [
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
              Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer, FoundLayout,
-             CandidateResult):
+             CandidateResult, NoLayoutFitsError):
   _cls.__module__ = "partitioner"
 del _cls

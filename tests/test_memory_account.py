@@ -190,6 +190,11 @@ def test_simulated_cpu_plans_for_the_cpu_keep_xla_s_numbers():
   assert found.best.memory is None
 
 
+def message_layouts(message: str) -> str:
+  """The layout the no-fit error names."""
+  return re.search(r", with ([^:]+):", message).group(1)
+
+
 def _deep_mlp_step(remat: bool):
   """A step whose activations outweigh its weights 16:1 (8 tanh layers of
   a 65536-row batch), each layer under jax.checkpoint with ``remat``."""
@@ -214,9 +219,11 @@ def _deep_mlp_step(remat: bool):
 @pytest.mark.parametrize("remat", [False, True])
 def test_the_no_fit_error_names_the_layout_what_fills_it_and_the_fix(remat):
   step, ws, x = _deep_mlp_step(remat)
-  with pytest.raises(ValueError) as e:
+  with pytest.raises(partitioner.NoLayoutFitsError) as e:
     partitioner.search(step, ws, x, device_model="h100", memory_budget_bytes=8e6,
                        max_compiles=2, measure=0, progress=False)
+  assert isinstance(e.value, ValueError) and e.value.budget == 8e6
+  assert e.value.smallest_peak > 8e6 and e.value.layout in message_layouts(str(e.value))
   message = str(e.value)
   assert re.search(r"no layout fits memory_budget_bytes=8,000,000 \(7\.6 MiB\): the smallest"
                    r" peak per device found is [\d.]+ MiB \([\d.]+x the budget\), with"

@@ -132,8 +132,25 @@ def plan_order(fits: list, device: DeviceModel) -> list:
   return [lead] + [x for x in fits if x is not lead]
 
 
+class NoLayoutFitsError(ValueError):
+  """No layout's peak per device fits :func:`partitioner.search`'s memory
+  budget. Its message says what fills the smallest peak and what would
+  save the most.
+
+  Attributes:
+    smallest_peak: the smallest peak per device found, bytes.
+    budget: the budget, bytes.
+    layout: the family of the layout with that peak ("FSDP 8"; "" where
+      unknown).
+  """
+
+  def __init__(self, message: str, smallest_peak: float, budget: float, layout: str):
+    super().__init__(message)
+    self.smallest_peak, self.budget, self.layout = smallest_peak, budget, layout
+
+
 def budget_error(who: str, smallest: float, budget: float, layout: str = "",
-                 account: Any = None, remat: bool | None = None) -> ValueError:
+                 account: Any = None, remat: bool | None = None) -> NoLayoutFitsError:
   """The error when no layout's peak fits the budget: the smallest peak
   found and its ``layout``; with its ``account`` (a ``MemoryAccount``,
   counted from the jaxpr) what fills it, and the fixes in the order of
@@ -145,8 +162,9 @@ def budget_error(who: str, smallest: float, budget: float, layout: str = "",
           + (f", with {layout}" if layout else ""))
   fixes = ["accumulate gradients over microbatches (partitioner.accumulate, whose count"
            " the search chooses)", "use more devices", "raise the budget or shrink the batch"]
+  error = lambda text: NoLayoutFitsError(text, smallest, budget, layout)  # noqa: E731
   if account is None:
-    return ValueError(f"{head}. Hint: {'; '.join(fixes)}.")
+    return error(f"{head}. Hint: {'; '.join(fixes)}.")
   head += (f": the arguments (weights, optimizer state, batch) {size(account.arguments)},"
            f" values kept for later (activations, gradients) {size(account.kept)}, the op"
            f" at the peak {size(account.working)}" + (f" ({account.at})" if account.at else ""))
@@ -158,4 +176,4 @@ def budget_error(who: str, smallest: float, budget: float, layout: str = "",
       fixes.insert(0, remat_fix + "; the step rematerializes nothing now")
   else:  # (the arguments dominate: splitting them further is what saves)
     fixes = [fixes[1], fixes[0], fixes[2]]
-  return ValueError(f"{head}. Hint, in the order of what it saves: {'; '.join(fixes)}.")
+  return error(f"{head}. Hint, in the order of what it saves: {'; '.join(fixes)}.")
