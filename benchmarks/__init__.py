@@ -8,7 +8,7 @@ show our overhead, not scaling.
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
 By default every section runs at a smaller size (fewer and smaller models,
-fewer rounds: ``benchmarks._scale.DEFAULT``), in about 10-13 minutes and 4 GB on 2
+fewer rounds: ``benchmarks._scale.DEFAULT``), in about 15 minutes and 4 GB on 2
 cores; ``--full`` is the whole run (``FULL``: about 40-44 minutes, 21 GB at its
 peak). The sections below say what ``--full`` measures.
 

@@ -1,8 +1,9 @@
 """How much a run measures: the default's smaller field, or ``--full``'s.
 
 Every section runs in both; the default measures fewer and smaller models
-and times fewer rounds, so that ``scripts/bench`` fits in about 10-13 minutes
-and 4 GB on a 2-core host (its bound: 15 minutes, 8 GB), while ``scripts/bench --full`` is the whole run
+and times fewer rounds, so that ``scripts/bench`` runs in about 15 minutes
+and 4 GB on a 2-core host (its bound: 12 minutes, 8 GB; not met yet), while
+``scripts/bench --full`` is the whole run
 (about 40-44 minutes and 21 GB at its peak: the 24-layer decoder's field).
 A flag given on the command line overrides its scale's value.
 """

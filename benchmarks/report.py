@@ -393,7 +393,6 @@ def merge(results: dict, command: str, path: str) -> dict:
   # (a section that gave no rows, as one skipped without --full or libtpu,
   # keeps its last figures)
   results = {k: v for k, v in results.items() if k not in SECTIONS or v}
-  _record_runs(merged.setdefault("summary_runs", {}), results, command)
   commit = _commit() if any(name in results for name in SECTIONS) else ""
   for name in SECTIONS:
     if name in results:
@@ -404,6 +403,9 @@ def merge(results: dict, command: str, path: str) -> dict:
       results[name], kept = _by_source(merged[name], results[name])
       if kept and before.get(name):
         commands[name] = _with_kept(command, kept, before[name])
+  # (after the merge by source: a figure over several families reads the
+  # families this run left alone at their last figures, not as missing)
+  _record_runs(merged.setdefault("summary_runs", {}), results, command)
   merged.update(results)
   merged["commands"] = commands
   merged["commits"] = commits
