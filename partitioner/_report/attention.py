@@ -33,7 +33,7 @@ from partitioner._report.program import Program
 # _dot_product_attention_core): the logits, and the probabilities times
 # the values; the ops of each (forward and backward) carry them in their names.
 EINSUMS = ("BTNH,BSNH->BNTS", "BNTS,BSNH->BTNH")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NAME = _hlo.OP_NAME
 # jax's causal mask (``is_causal=True``: ``_get_causal_mask``, a ``jnp.tril``
 # inside the attention's vmap); a mask passed as an array is not seen here,
 # and a fused kernel given one computes every block too (cuDNN's: a bias).

@@ -259,7 +259,7 @@ class Part:
   accessed: float = 0.0
 
 
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NAME = _hlo.OP_NAME
 _NO_SCOPE = re.compile(r"(?!)")  # (matches nothing: every op unscoped)
 def scoped(program: Program | str, processes: Sequence[int], scope: re.Pattern,
            fused_attention: bool = False) -> dict[str | None, Part]:

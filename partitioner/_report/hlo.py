@@ -48,6 +48,7 @@ _MEGASCALE_KINDS = {"ALL_REDUCE": ("all-reduce", lambda g: 1), "ALL_TO_ALL": ("a
 # ``chain_id``. It runs once.
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _CHANNEL = re.compile(r"channel_id=(\d+)")
+OP_NAME = re.compile(r'op_name="([^"]*)"')  # the traced op an instruction comes from
 CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
 ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
                     r"\[([\d,]*)\]")

@@ -27,7 +27,6 @@ _WHILE = re.compile(r"\bbody=%?(?P<body>[\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _T = TypeVar("_T")
 # The opcodes of a collective (a megascale one is a ``send``).
 _MAY_COLLECT = frozenset({*_hlo.COLLECTIVE_KINDS, *(k + "-start" for k in _hlo.COLLECTIVE_KINDS),
@@ -53,14 +52,14 @@ class Op:
     self.operands: tuple[str, ...] = tuple(_hlo.OPERAND.findall(self.args))
     self.callees: tuple[str, ...] = (tuple(_hlo.CALLED.findall(line))
                                      if "calls=" in line or "to_apply=" in line else ())
-    self.bytes, self.elements = _sizes(self.shape)
+    self.bytes, self.elements = shape_sizes(self.shape)
 
   def __repr__(self) -> str:
     return f"Op({self.line.strip()[:80]!r})"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # (a program's many values share few shapes)
-def _sizes(shape: str) -> tuple[int, int]:
+def shape_sizes(shape: str) -> tuple[int, int]:
   """``(bytes, elements)`` of a shape, every array of it."""
   arrays = _hlo.array_shapes(shape)
   return (sum(_hlo.array_bytes(t, d) for t, d in arrays),
@@ -256,7 +255,7 @@ class Program:
 
 
 def _op_name(line: str) -> str:
-  m = _OP_NAME.search(line)
+  m = _hlo.OP_NAME.search(line)
   return m.group(1) if m else ""
 
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
-from partitioner._report.program import Op, Program
+from partitioner._report.program import Op, Program, shape_sizes
 
 # Ops that move no data of their own (a loop's or call's body is counted
 # where it runs; an async op's ``-done`` is its ``-start``'s; a send or a
@@ -327,7 +327,7 @@ def _call_result_bytes(shape: str) -> int:
   elements = _hlo.tuple_elements(shape)
   if len(elements) > 1 and re.match(r"\s*[su]8\[", elements[-1]):
     elements = elements[:-1]
-  return sum(_array_bytes(e) for e in elements)
+  return sum(shape_sizes(e)[0] for e in elements)
 
 
 def _fusion_bytes(program: Program, body: str, operands: list[dict[str, float]], result: float,
@@ -433,10 +433,6 @@ def _sliced_elements(name: str, users: dict[str, list[Op]], depth: int = 0) -> i
     else:
       return None
   return total
-
-
-def _array_bytes(shape: str) -> int:
-  return sum(_hlo.array_bytes(t, d) for t, d in _hlo.array_shapes(shape))
 
 
 def _element_bytes(shape: str) -> float:

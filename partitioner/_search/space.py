@@ -189,10 +189,8 @@ def shortlist_rows(rows: list, request: Request, refine: int, counted: bool,
     # anyway, the few smallest configurations, not each one's smallest)
     few = SETTLE_SMALLEST if settles else None
     return _select.shortlist(rows, k, budget is not None, few)
+  # (Space.choose raised, naming what fills the smallest peak, where none fits)
   eligible = [i for i, row in enumerate(rows) if row[2].memory <= budget]
-  if not eligible:
-    smallest = min(row[2].memory for row in rows)
-    raise _select.budget_error(request.who, smallest, budget)
   picked = _select.shortlist([rows[i] for i in eligible], k, False)
   return [(eligible[j], *rest) for j, *rest in picked]
 
