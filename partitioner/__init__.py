@@ -47,6 +47,7 @@ from partitioner._report.device_models import MODELS as DEVICE_MODELS
 from partitioner._report.device_models import DeviceModel as DeviceModel
 from partitioner._report.explanation import Explanation as Explanation
 from partitioner._search import CandidateResult as CandidateResult
+from partitioner._search import Decision as Decision
 from partitioner._search import FoundLayout as FoundLayout
 from partitioner._search import NoLayoutFitsError as NoLayoutFitsError
 from partitioner._search import search as search
@@ -61,6 +62,7 @@ __all__ = [
   "Compiled",
   "Config",
   "Cost",
+  "Decision",
   "DeviceModel",
   "DiskStore",
   "Explanation",
@@ -98,6 +100,6 @@ __all__ = [
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
              Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer, FoundLayout,
-             CandidateResult, NoLayoutFitsError):
+             CandidateResult, Decision, NoLayoutFitsError):
   _cls.__module__ = "partitioner"
 del _cls

@@ -19,6 +19,7 @@ from partitioner._report.cost import Cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import table as _table
 from partitioner._search.candidates import Candidate
+from partitioner._search.decision import Decision, decide
 from partitioner._search.estimate import Estimate
 from sharding._constraint import decode_spec, encode_spec
 from sharding._named import to_named
@@ -168,6 +169,10 @@ class FoundLayout:
     candidates: every layout it compiled and scored, best first (then
       those over the budget, then those that failed).
     best: ``candidates[0]`` (in a :meth:`choose` result, the one chosen).
+    decision: why ``best`` leads, as data (:class:`partitioner.Decision`):
+      by the estimate, measured on the devices, a tie the estimate broke,
+      a plan for hosts' network, or chosen; the layout it was set
+      against and by how much.
     estimated: how many layouts the cheap model ranked.
     compiled: how many it compiled and scored (candidates that compiled to
       one program are one of ``candidates``).
@@ -275,6 +280,10 @@ class FoundLayout:
     if self.microbatches is not None:
       found.microbatches = chosen.microbatches
     return found
+
+  @property
+  def decision(self) -> Decision:
+    return decide(self)
 
   def function(self) -> Callable[..., Any]:
     """The searched function, its ``partitioner.accumulate(microbatches=None)``

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 from partitioner._report.text import size
+from partitioner._search.decision import decide, others
 from partitioner._search.measure import TIE
-from partitioner._search.select import LEAN_FLOPS
 
 # The report's width: a terminal's, an 80-100 column editor's.
 WIDTH = 100
@@ -61,7 +62,23 @@ def table(found: Any, rows: int) -> str:
   lines += ["", f"  {'#':>2}  {'time':>9}  {'flops/dev':>11}  {'coll. bytes':>11}"
                 + (f"  {'across hosts (ops)':>18}" if hosts else "")
                 + f"  {'peak mem':>9}  family", "      layout"]
-  for k, x in enumerate(c[:rows]):
+  lines += _rows(found, rows, hosts)
+  lines += ["", _wrapped(why(found))]
+  for more in (where_memory_goes(found.best), own_compiler_hint(found.stand_in),
+               families_that_lost(found)):
+    if more:
+      lines.append(_wrapped(more))
+  return "\n".join(lines)
+
+
+def _rows(found: Any, rows: int, hosts: bool) -> list[str]:
+  """The table's rows (up to ``rows``, near-duplicates folded), each with
+  its layout on the lines below it."""
+  c, lines = found.candidates, []
+  under = alike_rows(c, found.best)
+  shown = [k for k in range(len(c)) if k not in under]
+  for k in shown[:rows]:
+    x = c[k]
     if x.error:
       lines.append(f"  {k + 1:>2}  {'failed':>9}  {'':>11}  {'':>11}"
                    + (f"  {'':>18}" if hosts else "") + f"  {'':>9}  {x.family}")
@@ -76,14 +93,41 @@ def table(found: Any, rows: int) -> str:
                     if hosts else "")
                  + f"  {size(x.peak_memory):>9}  {x.family}{mark}")
     lines.append(_wrapped(x.layout + timed, " " * 6))
-  if len(c) > rows:
-    lines.append(f"  ... {len(c) - rows} more (FoundLayout.candidates)")
-  lines += ["", _wrapped(why(found))]
-  for more in (where_memory_goes(found.best), own_compiler_hint(found.stand_in),
-               families_that_lost(found)):
-    if more:
-      lines.append(_wrapped(more))
-  return "\n".join(lines)
+    alike = [j for j, i in under.items() if i == k]
+    if alike:
+      lines.append(_wrapped(
+          f"and {'row' if len(alike) == 1 else 'rows'} {', '.join(f'#{j + 1}' for j in alike)}"
+          f": the same family, every figure within {ALIKE:.0%} (other leaves split)", " " * 6))
+  hidden = len(c) - sum(1 for j in range(len(c)) if under.get(j, j) in shown[:rows])
+  if hidden > 0:
+    lines.append(f"  ... {hidden} more (FoundLayout.candidates)")
+  return lines
+
+
+# Rows of one family whose time, flops, collective bytes and peak each
+# differ by less than this from an earlier row's are shown under it.
+ALIKE = 0.02
+
+
+def alike_rows(candidates: Sequence[Any], keep: Any = None) -> dict[int, int]:
+  """Near-duplicate rows, ``{j: k}``: row ``j`` folds under the earlier
+  row ``k`` of its family whose every figure is within :data:`ALIKE` of
+  its own (a split of a leaf that changes no figure: an embedding's, a
+  bias's). Failed, timed and pipelined rows, and ``keep``, stay rows."""
+  figures = lambda x: (x.seconds, x.flops, x.collective_bytes, x.peak_memory)
+  alike = lambda a, b: a.family == b.family and a.fits == b.fits and all(
+      abs(p - q) <= ALIKE * max(abs(p), abs(q), 1e-30) for p, q in zip(figures(a), figures(b)))
+  shown: list[int] = []
+  under: dict[int, int] = {}
+  for j, x in enumerate(candidates):
+    plain = not (x.error or x.measured_seconds or x.stages > 1 or x is keep)
+    k = next((k for k in shown if plain and not candidates[k].error
+              and alike(candidates[k], x)), None)
+    if k is None:
+      shown.append(j)
+    else:
+      under[j] = k
+  return under
 
 
 def where_memory_goes(best: Any) -> str:
@@ -133,17 +177,11 @@ def own_compiler_hint(stand_in: dict) -> str:
           f'"{chip}:<a topology of {n // hosts} chips>"{slices}) ({have}).')
 
 
-def _others(found: Any) -> list:
-  """The candidates but the best (the first, or the one ``choose`` put in
-  its place)."""
-  return [x for x in found.candidates if x is not found.best]
-
-
 def families_that_lost(found: Any) -> str:
   """Why the best layout of each other family lost: over the budget (by
   how much), or slower (by how much)."""
   best, seen, parts = found.best, {found.best.family}, []
-  for x in _others(found):
+  for x in others(found):
     if x.error or x.family in seen:
       continue
     seen.add(x.family)
@@ -164,13 +202,10 @@ def families_that_lost(found: Any) -> str:
 
 
 def why(found: Any) -> str:
-  """One paragraph: the winner against the best of every other family."""
-  best = found.best
-  others = {}
-  for x in _others(found):
-    if not x.error and x.fits and x.family != best.family:
-      others.setdefault(x.family, x)
-  who = "Winner" if best is found.candidates[0] else "Chosen (found.choose)"
+  """One paragraph: the winner against the best of every other family
+  (the words of ``decision.decide``'s facts)."""
+  best, d = found.best, decide(found)
+  who = "Chosen (found.choose)" if d.by == "chosen" else "Winner"
   row = next(k for k, x in enumerate(found.candidates) if x is best) + 1
   text = (f"{who}: {best.family} (#{row}): estimated {_time(best.seconds)} a call,"
           f" {_flops(best.flops)} and {size(best.collective_bytes)} of collectives per"
@@ -180,56 +215,25 @@ def why(found: Any) -> str:
              " in the compiled schedule (not counted).")
   if best.xla_seconds:  # (a TPU topology's: its compiler's own estimate)
     text += f" XLA's own estimate: {_time(best.xla_seconds)} a call."
-  timed = [x for x in _others(found) if x.measured_seconds]
-  if best.measured_seconds and timed:  # a close call, decided on the devices
-    rival = min(timed, key=lambda x: x.measured_seconds)
-    text += (f" A close call, timed on the devices ({len(timed) + 1} timed):"
+  rival = d.rival
+  if d.measured:  # a close call, decided on the devices
+    text += (f" A close call, timed on the devices ({d.timed} timed):"
              f" {_time(best.measured_seconds)} a step against {_time(rival.measured_seconds)}"
              f" for {rival.family}")
-    if best.measured_seconds <= rival.measured_seconds:
+    if d.ratio >= 1:
       return text + ": the fastest measured wins."
     return text + (f": within {TIE:.0%} of each other, a tie within the timing's noise,"
                    " which the estimate breaks (the faster estimate wins).")
   if best.measured_seconds:
     text += f" Measured {_time(best.measured_seconds)} a call."
-  if not others:
+  if rival is None:
     return text
-  runner = min(others.values(), key=lambda x: x.seconds)
-  if runner.seconds < best.seconds:  # (found.choose's, or a plan for hosts' close call)
-    return text + _not_the_fastest(best, runner, who == "Winner")
-  parts = []
-  if best.collective_bytes < runner.collective_bytes:
-    parts.append(f"moves {best.collective_bytes / max(runner.collective_bytes, 1):.2f}x the"
-                 " bytes")
-  if best.flops < runner.flops * 0.99:
-    parts.append(f"does {best.flops / max(runner.flops, 1):.2f}x the flops")
-  if best.peak_memory < runner.peak_memory:
-    parts.append(f"needs {best.peak_memory / max(runner.peak_memory, 1):.2f}x the memory")
-  cost = [] if best.flops <= runner.flops * 1.01 else [
-      f"at {best.flops / max(runner.flops, 1):.2f}x its flops"]
-  text += (f" Against the best other layout, {runner.family} ({_time(runner.seconds)}), it "
-           + (", ".join(parts) or "is faster under the device model")
-           + (f" ({', '.join(cost)})" if cost else "") + ".")
-  return text
-
-
-def _not_the_fastest(best: Any, runner: Any, won: bool) -> str:
-  """Why ``best`` leads though ``runner``'s estimate is faster: a plan for
-  hosts' close call (``won``), else found.choose's choice."""
-  text = (f" The fastest other layout, {runner.family} ({_time(runner.seconds)}),"
-          f" takes {runner.seconds / best.seconds:.2f}x its time")
-  # (select.plan_order: within the model's error, the layout that does no
-  # more work and spends the least time on the network leads)
-  reasons = []
-  if runner.flops > LEAN_FLOPS * best.flops:
-    reasons.append(f"it does {runner.flops / max(best.flops, 1):.2f}x the flops"
-                   + (" (its pipeline's fill and drain)" if runner.stages > 1 else ""))
-  if best.network_bytes < runner.network_bytes or (
-      best.network_collectives < runner.network_collectives):
-    reasons.append(f"this one sends {size(best.network_bytes)} across hosts in"
-                   f" {best.network_collectives} collective(s) against"
-                   f" {size(runner.network_bytes)} in {runner.network_collectives}")
-  if won and reasons:
-    return text + (", within the device model's error, where " + " and ".join(reasons)
-                   + ": the network is where a cluster's estimates err most.")
-  return text + "."
+  if d.ratio < 1:  # (found.choose's, or a plan for hosts' close call)
+    text += (f" The fastest other layout, {rival.family} ({_time(rival.seconds)}),"
+             f" takes {d.ratio:.2f}x its time")
+    if d.by == "network" and d.reasons:
+      return text + (", within the device model's error, where " + " and ".join(d.reasons)
+                     + ": the network is where a cluster's estimates err most.")
+    return text + "."
+  return text + (f" Against the best other layout, {rival.family} ({_time(rival.seconds)}),"
+                 f" it {', '.join(d.reasons) or 'is faster under the device model'}.")

@@ -465,6 +465,7 @@ def test_a_tie_on_the_devices_says_the_estimate_broke_it():
   import types
 
   from partitioner._search import table
+  from partitioner._search.decision import decide
 
   def result(family, seconds, measured):
     return types.SimpleNamespace(
@@ -477,5 +478,55 @@ def test_a_tie_on_the_devices_says_the_estimate_broke_it():
   text = table.why(found)
   assert "A close call, timed on the devices (2 timed): 943 ms a step against 936 ms" in text
   assert "within 2% of each other, a tie within the timing's noise, which the estimate" in text
+  tie = decide(found)  # (the same facts as data: found.decision)
+  assert (tie.by, tie.rival, tie.timed) == ("tie", rival, 2) and tie.measured
+  assert tie.ratio == pytest.approx(0.936 / 0.943)
   rival.measured_seconds = 0.99
   assert table.why(found).endswith(": the fastest measured wins.")
+  assert decide(found).by == "measured" and decide(found).ratio > 1
+
+
+def _row(family, seconds, flops=1e9, sent=1e6, peak=1e6, layout=""):
+  return partitioner.CandidateResult(
+      layout=layout or f"{family}: x dim 0", family=family, grid=(8, 1, 1), seconds=seconds,
+      flops=flops, collectives=1, collective_bytes=sent, network_bytes=0.0, peak_memory=int(peak),
+      estimated_seconds=seconds, measured_seconds=None, fits=True)
+
+
+def _found(rows):
+  from partitioner._search.found import FoundLayout
+  data = {"estimated": 20, "grouped": [], "hosts": 1, "proxy": {}, "search_seconds": 1.0,
+          "device_model": "cpu", "budget": None}
+  found = FoundLayout(mlp_step, (), data, (None, None), None, tuple(rows))
+  found._parts = tuple((lambda: ((None, None), None)) for _ in rows)
+  return found
+
+
+def test_near_duplicate_rows_fold_under_the_first_of_their_family():
+  from partitioner._search.table import alike_rows
+
+  """Rows of one family whose every figure is within 2% of an earlier
+  row's (a split that changes nothing that counts) print as one line
+  under it; the decision names the best other family and what it wins by."""
+
+  best = _row("data x model 4 x 2", 0.010, layout="data 4: x dim 0; model 2: w dim 1")
+  twin = _row("data x model 4 x 2", 0.0101, flops=1.005e9,
+              layout="data 4: x dim 0, b dim 0; model 2: w dim 1")
+  other = _row("FSDP 8", 0.012, sent=2e6, peak=5e5)
+  slower = _row("data x model 4 x 2", 0.015, sent=3e6)
+  found = _found([best, twin, other, slower])
+  report = found.report()
+  lines = report.splitlines()
+  assert any(line.startswith("      and row #2: the same family, every figure within 2%")
+             for line in lines), report
+  assert not any(line.startswith("   2 ") for line in lines), report
+  assert any(line.startswith("   3 ") for line in lines) and any(
+      line.startswith("   4 ") for line in lines), report  # (another family; 1.5x the time)
+  assert found.candidates[1] is twin  # (still a candidate: found.choose(1))
+  d = found.decision
+  assert (d.by, d.rival, d.timed) == ("estimate", other, 0)
+  assert d.ratio == pytest.approx(1.2)
+  assert d.reasons == ("moves 0.50x the bytes",)
+  assert found.choose(2).decision.by == "chosen"
+  assert alike_rows([best, twin, other, slower]) == {1: 0}
+  assert alike_rows([best, twin], keep=twin) == {}  # (found.choose's stays a row)
