@@ -44,7 +44,7 @@ further; checked against XLA:TPU's own memory analysis of the same layouts
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -231,12 +231,23 @@ class Liveness:
   def account(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]]) -> MemoryAccount:
     """The candidate's peak per device; ``in_dims``: per flat input, the
     grid axes of each dimension (from its spec)."""
+    return self.at_peak(c, in_dims)[0]
+
+  def state_shaped(self, val: _Value) -> int | None:
+    """The state argument ``val`` is laid out as (itself, or one it is
+    shaped as: a weight's gradient), or None."""
+    return val.source if val.source is not None else self.state_like.get(
+        (val.shape, val.itemsize, val.roles))
+
+  def at_peak(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]]
+              ) -> tuple[MemoryAccount, int, Callable[[_Value], float]]:
+    """:meth:`account`, the top-level equation at its peak, and the bytes
+    per device of a value as kept."""
     walk = _Walk(c, in_dims, (False,) * len(c.grid), {})
     top = self._arrays(self.top)
 
     def stored(val: _Value) -> float:
-      k = val.source if val.source is not None else self.state_like.get(
-          (val.shape, val.itemsize, val.roles))
+      k = self.state_shaped(val)
       return walk.local_bytes(val, in_dims[k] if k is not None else walk.wanted(val))
 
     # (a result as computed: before FSDP's scatter)
@@ -248,14 +259,14 @@ class Liveness:
     live = np.where(state, args, 0.0)  # (state arguments are freed after their last use)
     before, working = counts.walk(top, float(live.sum()), live)
     if not len(working):
-      return MemoryAccount(held + float(live.sum()), 0.0, 0.0, "")
+      return MemoryAccount(held + float(live.sum()), 0.0, 0.0, ""), 0, stored
     best = int(np.argmax(before + working))
     freed = np.bincount(top.free_step, minlength=len(working), weights=np.where(
         top.free_input >= 0, live[np.maximum(top.free_input, 0)], 0.0))
     arguments = held + float(live.sum()) - float(freed[:best].sum())
     peak = held + float(before[best] + working[best])
     return MemoryAccount(arguments, peak - arguments - float(working[best]),
-                         float(working[best]), top.ops[best])
+                         float(working[best]), top.ops[best]), best, stored
 
   def staged(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
              bubble: float) -> MemoryAccount:

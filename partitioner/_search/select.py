@@ -132,6 +132,10 @@ def plan_order(fits: list, device: DeviceModel) -> list:
   return [lead] + [x for x in fits if x is not lead]
 
 
+# A fix that leaves more than this of the peak is named last, as saving little.
+SAVES = 0.95
+
+
 class NoLayoutFitsError(ValueError):
   """No layout's peak per device fits :func:`partitioner.search`'s memory
   budget. Its message says what fills the smallest peak and what would
@@ -142,27 +146,36 @@ class NoLayoutFitsError(ValueError):
     budget: the budget, bytes.
     layout: the family of the layout with that peak ("FSDP 8"; "" where
       unknown).
+    remat_peak: that layout's peak estimated with each layer
+      rematerialized, bytes, where the step rematerializes nothing and
+      its memory is counted from the jaxpr (planning an accelerator) and
+      its layers can be told apart; else None.
   """
 
-  def __init__(self, message: str, smallest_peak: float, budget: float, layout: str):
+  def __init__(self, message: str, smallest_peak: float, budget: float, layout: str,
+               remat_peak: float | None = None):
     super().__init__(message)
     self.smallest_peak, self.budget, self.layout = smallest_peak, budget, layout
+    self.remat_peak = remat_peak
 
 
 def budget_error(who: str, smallest: float, budget: float, layout: str = "",
-                 account: Any = None, remat: bool | None = None) -> NoLayoutFitsError:
+                 account: Any = None, remat: bool | None = None,
+                 remat_account: Any = None) -> NoLayoutFitsError:
   """The error when no layout's peak fits the budget: the smallest peak
   found and its ``layout``; with its ``account`` (a ``MemoryAccount``,
   counted from the jaxpr) what fills it, and the fixes in the order of
   what they would save (``remat``: whether the step recomputes any
-  activations already)."""
+  activations already; ``remat_account``: the account with each layer
+  rematerialized, where it can tell)."""
   head = (f"{who}: no layout fits memory_budget_bytes={budget:,.0f} ({size(budget)}): the"
           f" smallest peak per device found is {size(smallest)}"
           f" ({smallest / max(budget, 1):.2f}x the budget)"
           + (f", with {layout}" if layout else ""))
   fixes = ["accumulate gradients over microbatches (partitioner.accumulate, whose count"
            " the search chooses)", "use more devices", "raise the budget or shrink the batch"]
-  error = lambda text: NoLayoutFitsError(text, smallest, budget, layout)  # noqa: E731
+  remat_peak = remat_account.peak if remat_account is not None else None
+  error = lambda text: NoLayoutFitsError(text, smallest, budget, layout, remat_peak)  # noqa: E731
   if account is None:
     return error(f"{head}. Hint: {'; '.join(fixes)}.")
   head += (f": the arguments (weights, optimizer state, batch) {size(account.arguments)},"
@@ -172,8 +185,14 @@ def budget_error(who: str, smallest: float, budget: float, layout: str = "",
     remat_fix = ("rematerialize each layer (jax.checkpoint, nnx.remat or flax.linen.remat"
                  " around a block), so the backward pass recomputes its activations"
                  " instead of keeping them")
-    if not remat:
-      fixes.insert(0, remat_fix + "; the step rematerializes nothing now")
+    if not remat and remat_peak is not None and remat_peak > SAVES * smallest:
+      # (the layers keep little but what flows between them: their inputs)
+      fixes.append(f"rematerializing each layer would leave the peak at about"
+                   f" {size(remat_peak)}: what the layers keep is mostly their inputs")
+    elif not remat:
+      fixes.insert(0, remat_fix + "; the step rematerializes nothing now" + (
+          f" (the peak would be about {size(remat_peak)} with {layout or 'this layout'},"
+          f" {remat_peak / max(budget, 1):.2f}x the budget)" if remat_peak else ""))
   else:  # (the arguments dominate: splitting them further is what saves)
     fixes = [fixes[1], fixes[0], fixes[2]]
   return error(f"{head}. Hint, in the order of what it saves: {'; '.join(fixes)}.")

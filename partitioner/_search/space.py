@@ -25,6 +25,7 @@ from partitioner._search.candidates import (
 )
 from partitioner._search.estimate import OpTable
 from partitioner._search.memory import Liveness, rematerializes
+from partitioner._search.remat import rematerialized
 from partitioner._search.request import Request, accounted
 from partitioner._search.target import Target
 from partitioner._search.weights import feeds_matmul
@@ -104,8 +105,9 @@ class Space:
         row[2].memory > budget for row in self.rows):  # (counted: nothing compiled would fit)
       c, dims, est = min(self.rows, key=lambda row: row[2].memory)
       liveness = self.part(c).liveness or self.liveness
-      raise _select.budget_error(request.who, est.memory, budget, c.family(),
-                                 liveness.account(c, dims), self.remat)
+      raise _select.budget_error(
+          request.who, est.memory, budget, c.family(), liveness.account(c, dims), self.remat,
+          None if self.remat else rematerialized(liveness, c, dims))
     chosen = shortlist_rows(self.rows, request, self.refine, self.liveness is not None,
                         self.target.settles)
     picked = {k for k, *_ in chosen}
