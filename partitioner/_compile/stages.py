@@ -230,7 +230,11 @@ class CompiledProgram(abc.ABC):
     where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
     program = parse(self.as_text())
     fused = fused_attention("cost", attention, program, devices[0].platform, model)
-    return score(program, self.cost_analysis(), self.memory_analysis(), where, model, fused)
+    # (an accelerator planned on simulated CPU devices: XLA:CPU's program in
+    # its compiler's place)
+    stand_in = devices[0].platform == "cpu" and model.platform in ("gpu", "tpu")
+    return score(program, self.cost_analysis(), self.memory_analysis(), where, model, fused,
+                 stand_in)
 
   def explain(self) -> Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.

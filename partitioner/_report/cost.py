@@ -31,6 +31,7 @@ from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report import schedule as _schedule
+from partitioner._report import stand_in as _stand_in
 from partitioner._report import traffic as _traffic
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.program import Program, collector_paused, parse
@@ -483,45 +484,90 @@ def collective_weight(opcode: str, group: int) -> float:
   return _WEIGHT[opcode](group)
 
 
-def _collectives(program: Program, processes: Sequence[int], device: DeviceModel) -> tuple:
-  """The program's collectives: how many run, of them across hosts, their
-  weighted bytes, of them across hosts, the doublings of the hosts their
-  groups span; each one's seconds for one run (by its line, for the
-  schedule's replay), and the lines of those that cross hosts."""
-  count, remote, weighted, network, levels, once = 0, 0, 0.0, 0.0, 0.0, {}
+def _collectives(program: Program, processes: Sequence[int], device: DeviceModel,
+                 stand_in: bool = False) -> tuple:
+  """The program's collectives (``stand_in``: an XLA:CPU program's, as the
+  accelerator's compiler runs them, :func:`_as_run`): how many run, of
+  them across hosts, their weighted bytes, of them across hosts, the
+  doublings of the hosts their groups span; each one's seconds for one
+  run (by its line, for the schedule's replay), and the lines of those
+  that cross hosts."""
+  count, remote, weighted, network, levels = 0, 0, 0.0, 0.0, 0.0
+  once: dict[str, float] = {}
   across_lines = set()
-  for op in program.instructions(sources=False):
-    k, sent, hosts = _collective(op, processes)
-    across = sent if hosts > 1 else 0.0
-    count, weighted, network = count + k, weighted + sent, network + across
-    remote += k if hosts > 1 else 0
-    level = network_levels(op.opcode, hosts)
-    levels += k * level
-    if k:  # (one run's time, for the schedule's replay)
-      once[op.line] = device.comm_seconds((sent - across) / k, 1, across / k, int(hosts > 1),
-                                          level)
-      if hosts > 1:
-        across_lines.add(op.line)
+  for whole in program.instructions(sources=False):
+    for op in _as_run(program, whole, len(processes)) if stand_in else (whole,):
+      k, sent, hosts = _collective(op, processes)
+      across = sent if hosts > 1 else 0.0
+      count, weighted, network = count + k, weighted + sent, network + across
+      remote += k if hosts > 1 else 0
+      level = network_levels(op.opcode, hosts)
+      levels += k * level
+      if k:  # (one run's time, for the schedule's replay, by the program's line)
+        once[whole.line] = once.get(whole.line, 0.0) + device.comm_seconds(
+            (sent - across) / k, 1, across / k, int(hosts > 1), level)
+        if hosts > 1:
+          across_lines.add(whole.line)
   return count, remote, weighted, network, levels, once, across_lines
 
 
+def _as_run(program: Program, op: _hlo.Instruction, n: int) -> list[_hlo.Instruction]:
+  """One collective of an XLA:CPU program standing in for an accelerator's
+  as that accelerator's compiler runs it (:mod:`partitioner._report.stand_in`):
+  its arrays unwidened; an all-reduce of arrays each device slices to one
+  of ``parts`` parts a reduce-scatter among the devices that hold
+  different parts (consecutive ones of its group) and, where its group
+  is larger, an all-reduce of each part among those that hold the same."""
+  if op.slices:
+    return [op]
+  found = []
+  for kind, size, parts in _stand_in.collective_parts(program, op):
+    if not parts:
+      found.append(dataclasses.replace(op, opcode=kind, bytes=size))
+      continue
+    whole = groups(op.line, n)
+    width = max((len(g) for g in whole), default=1)
+    parts = min(parts, width)
+    scatter = [g[i:i + parts] for g in whole for i in range(0, len(g), parts)]
+    found.append(dataclasses.replace(op, opcode="reduce-scatter", bytes=size // parts,
+                                     line=_with_groups(op.line, scatter)))
+    if width > parts:
+      same = [g[j::parts] for g in whole for j in range(parts)]
+      found.append(dataclasses.replace(op, opcode="all-reduce", bytes=size // parts,
+                                       line=_with_groups(op.line, same)))
+  return found
+
+
+def _with_groups(line: str, found: list[list[int]]) -> str:
+  """``line`` with its replica groups replaced by ``found`` (positions in
+  the assignment), written out."""
+  text = "replica_groups={" + ",".join("{" + ",".join(map(str, g)) + "}" for g in found) + "}"
+  for pattern in (_MESH, _IOTA, _EXPLICIT):
+    if pattern.search(line):
+      return pattern.sub(lambda _: text, line, count=1)
+  return f"{line}, {text}"
+
+
 def score(program: Program | str, cost: dict, memory: Any, processes: Sequence[int],
-          device: DeviceModel, fused_attention: bool = False) -> Cost:
+          device: DeviceModel, fused_attention: bool = False, stand_in: bool = False) -> Cost:
   """The :class:`Cost` of a compiled program: ``program`` its partitioned
   HLO (its text, or parsed once by the caller), ``cost``/``memory``
   XLA's analyses, ``processes`` the process of each device of the
   assignment; ``fused_attention``: the device runs
   ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
   score matrices move in this program are not accessed there, and its
-  matmuls are the kernel's (at the model's ``attention_flops_per_s``)."""
+  matmuls are the kernel's (at the model's ``attention_flops_per_s``);
+  ``stand_in``: an XLA:CPU program planning an accelerator, whose
+  collectives are counted as the accelerator's compiler runs them
+  (:mod:`partitioner._report.stand_in`)."""
   with collector_paused():
-    return _score(parse(program), cost, memory, processes, device, fused_attention)
+    return _score(parse(program), cost, memory, processes, device, fused_attention, stand_in)
 
 
 def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
-           device: DeviceModel, fused_attention: bool) -> Cost:
+           device: DeviceModel, fused_attention: bool, stand_in: bool) -> Cost:
   count, remote, weighted, network, levels, once, across_lines = _collectives(
-      program, processes, device)
+      program, processes, device, stand_in)
   flops = _hlo_flops.program_flops(program, cost)
   accessed = _traffic.bytes_moved(program)
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -14,10 +14,15 @@ body, as often as it runs) are of three sorts:
   arrays; a bfloat16 weight that XLA:CPU widens to float32 for its dot is
   read as bfloat16.
 - **elementwise kernels** (an elementwise op, or a loop fusion of them)
-  whose result only other elementwise kernels read are fused into those
-  readers, as XLA:GPU's fusion merger does: the result is never written,
-  and each reader reads its inputs instead. So an elementwise chain moves
-  its inputs and its output once, however a compiler cut it.
+  whose result only other elementwise kernels or reductions read are
+  fused into those readers, as XLA:GPU's fusion merger and its reduction
+  fusions do: the result is never written, and each reader reads its
+  inputs instead. So an elementwise chain moves its inputs and its output
+  once, however a compiler cut it.
+- **16-bit floats XLA:CPU widens**: XLA:CPU computes bfloat16 in float32,
+  so a fusion that rounds its result to bfloat16 returns it widened (its
+  root a ``convert`` from bf16); that value, and a transpose or copy of
+  it, is held at 16 bits, as an accelerator holds it.
 - **kernels**: everything else (matmuls, reductions, transposes, custom
   calls, the fusions around them, and the elementwise kernels that feed
   them) reads its operands and writes its result, except where it touches
@@ -45,6 +50,7 @@ from collections.abc import Callable, Sequence
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
 from partitioner._report.program import Op, Program, shape_sizes
+from partitioner._report.stand_in import widened_from
 
 # Ops that move no data of their own (a loop's or call's body is counted
 # where it runs; an async op's ``-done`` is its ``-start``'s; a send or a
@@ -59,6 +65,12 @@ _CONVERSIONS = frozenset({"bitcast", "convert", "bitcast-convert", "copy", "resh
 # What an elementwise kernel may hold besides elementwise ops (scalars
 # and broadcasts of them: its constants, and the index arithmetic).
 _ELEMENTWISE_FUSED = _hlo.ELEMENTWISE | _CONVERSIONS | {"broadcast", "constant", "iota", "parameter"}
+# What a fusion that rearranges an array holds.
+_MOVES = _CONVERSIONS | {"transpose", "parameter"}
+# XLA:CPU's fusions that YNNPACK runs (their body says what they are).
+_YNN = '"kind":"__ynn_fusion"'
+# What a reduction kernel may hold: elementwise ops and reductions.
+_REDUCTION_FUSED = _ELEMENTWISE_FUSED | {"reduce", "tuple", "get-tuple-element"}
 _CONTROL = re.compile(r"\b(?:body|condition|to_apply)=%?([\w.\-]+)"
                       r"|\bbranch_computations=\{([^}]*)\}")
 _FUSION_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -190,12 +202,16 @@ class _Computation:
                    if (b := _body(d)) and b in program.computations}
     self.views = {n for n, d in self.defs.items() if self._is_view(d)}
     elementwise = {n for n, d in self.defs.items() if self._is_elementwise(d)}
+    into = elementwise | {n for n, d in self.defs.items() if self._is_reduction(d)}
     self.fused = {n for n in elementwise
-                  if self.readers.get(n) and all(r.name in elementwise
-                                                 for r in self.readers[n])}
+                  if self.readers.get(n) and all(r.name in into for r in self.readers[n])}
     self.width: dict[str, float] = {}
     for n, d in self.defs.items():  # (program order: a view's source comes first)
       width = _element_bytes(d.shape)
+      if d.kind == "fusion":  # (a 16-bit float value XLA:CPU widened to float32)
+        width = min(width, widened_from(program, n) or width)
+        if self._moves(d):  # (its elements rearranged: at their width)
+          width = min(width, self.width.get(d.operands[0], width))
       readers = self.readers.get(n, [])
       if readers and all(r.name in self.views for r in readers):
         width = min(width, max(_element_bytes(r.shape) for r in readers))
@@ -268,10 +284,28 @@ class _Computation:
       return body is not None and _only(self.program, body, _is_view_op, arrays=1)
     return _is_view_op(d, self.defs)
 
+  def _moves(self, d: Op) -> bool:
+    """A fusion that only rearranges one array (a transpose, a copy to
+    another layout)."""
+    body = self.bodies.get(d.name)
+    return body is not None and len(d.operands) == 1 and _only(
+        self.program, body, lambda m, _: m.kind in _MOVES)
+
+  def _is_reduction(self, d: Op) -> bool:
+    """A reduction kernel: a ``reduce``, or a fusion of reductions and
+    elementwise ops (no matmul), which reads its elementwise producers'
+    inputs as XLA:GPU's and XLA:TPU's reduction fusions do."""
+    if d.kind == "reduce":
+      return True
+    body = self.bodies.get(d.name)
+    return body is not None and any(m.kind == "reduce" for m in self.program.ops(body)) and _only(
+        self.program, body, lambda m, defs: m.kind in _REDUCTION_FUSED and (
+            m.kind != "copy" or _keeps_layout(m, defs)))
+
   def _is_elementwise(self, d: Op) -> bool:
     if d.kind == "fusion":
       body = self.bodies.get(d.name)
-      return body is not None and "kind=kLoop" in d.line and _only(
+      return body is not None and ("kind=kLoop" in d.line or _YNN in d.line) and _only(
           self.program, body, lambda m, defs: m.kind in _ELEMENTWISE_FUSED and (
               m.kind != "copy" or _keeps_layout(m, defs)))
     return d.kind in _hlo.ELEMENTWISE and not d.shape.lstrip().startswith("(")
