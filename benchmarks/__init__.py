@@ -7,9 +7,11 @@ show our overhead, not scaling.
   scripts/bench [--full] [--devices 8] [--json out.json] [--only dispatch|scaling|layout|fsdp|search|search_models|pipeline|pipeline_data|plan_real|startup|multiprocess|checkpoint|tpu_models|scan_loop|published|published_v6e|calibrate]
   .venv/bin/python -m benchmarks ...   (the same, from the repo root)
 
-By default every section runs at a smaller size (fewer and smaller models,
-fewer rounds: ``benchmarks._scale.DEFAULT``), in about 15 minutes and 4 GB on 2
-cores; ``--full`` is the whole run (``FULL``: about 40-44 minutes, 21 GB at its
+By default every section runs at a smaller size (fewer cases, fewer and
+smaller models, fewer rounds: ``benchmarks._scale.DEFAULT``), in about 9
+minutes and 3.3 GB on 2 cores (12 minutes with another job on them), and
+the rows of the cases it leaves out keep their last figures;
+``--full`` is the whole run (``FULL``: about 40-44 minutes, 21 GB at its
 peak). The sections below say what ``--full`` measures.
 
 Sections (one module each):

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
                               description=benchmarks.__doc__.splitlines()[0])
   p.add_argument("--full", action="store_true",
                  help="the whole run: every model at every size, more rounds"
-                      " (about 40-44 minutes and 21 GB; the default about 15 minutes, 4 GB)")
+                      " (about 40-44 minutes and 21 GB; the default about 9 minutes, 3.3 GB)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--accelerator", action="store_true",
                  help="run on the devices jax finds (a GPU or TPU; --devices their count)"

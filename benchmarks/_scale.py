@@ -1,10 +1,13 @@
 """How much a run measures: the default's smaller field, or ``--full``'s.
 
-Every section runs in both; the default measures fewer and smaller models
-and times fewer rounds, so that ``scripts/bench`` runs in about 15 minutes
-and 4 GB on a 2-core host (its bound: 12 minutes, 8 GB; not met yet), while
-``scripts/bench --full`` is the whole run
+Every section runs in both; the default measures fewer cases on fewer and
+smaller models and times fewer rounds, so that ``scripts/bench`` runs in
+about 9 minutes and 3.3 GB on a 2-core host (its bound: 12 minutes, 8 GB;
+8 m 54 s measured with the host otherwise idle, 12 m 0 s with another
+job's tests on its cores), while ``scripts/bench --full`` is the whole run
 (about 40-44 minutes and 21 GB at its peak: the 24-layer decoder's field).
+A default run replaces only the rows of the cases it gives
+(``benchmarks.report.merge``).
 A flag given on the command line overrides its scale's value.
 """
 
@@ -30,6 +33,11 @@ class Scale:
     (search_models). cluster: the 64-device plan of Gemma 2B's size.
     calibrate_rounds: the calibrate section's interleaved rounds.
     checkpoint_rounds: the checkpoint section's interleaved rounds per case.
+    checkpoint_cases: the checkpoint section's cases, ``(every,
+    finish_within)`` of ``partitioner.Checkpointer``. plans: the
+    plan_real section's plans from shapes on simulated devices (its
+    children's names; the plans through XLA:TPU and XLA:GPU come with
+    ``--full`` alone).
   """
   calls: int
   first_calls: int
@@ -44,6 +52,8 @@ class Scale:
   cluster: bool
   calibrate_rounds: int
   checkpoint_rounds: int
+  checkpoint_cases: tuple[tuple[int, int], ...]
+  plans: tuple[str, ...]
 
 
 FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
@@ -52,17 +62,27 @@ FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
                             "MLP wide, batch 16", "MLP narrow, batch 4096",
                             "embedding bag + MLP, batch 4096"),
              floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
-             cluster=True, calibrate_rounds=5, checkpoint_rounds=15)
+             cluster=True, calibrate_rounds=5, checkpoint_rounds=15,
+             checkpoint_cases=((5, 1), (5, 5), (50, 1)),
+             plans=("8b", "3b", "8b64", "titan", "70b"))
 
-# The default: every section, without the models that hold GBs (the
-# recommender's field holds 10 GB, the 24-layer decoder's 21 GB) or take
-# minutes (the d_model-1024 transformer, the 64-device plan).
+# The default: every section, at least one case of each, without the
+# models that hold GBs (the recommender's field holds 10 GB, the 24-layer
+# decoder's 21 GB) or take minutes (the d_model-1024 transformer, the
+# 64-device plan). Its cases are the cheapest that still exercise the
+# section (times on 2 cores): the search on the narrow MLP alone (26 s; the
+# d_model-256 transformer took 119 s, the wide MLP 56, and calibrate times
+# their programs again, 47 and 35 s), the 8B plan and torchtitan's account
+# (24 and 21 s; the 3B took 23, the 8B through accumulate 45), the
+# checkpoint cases the summary reads. A default run replaces only the rows
+# of the cases it gives: the others keep --full's figures
+# (``benchmarks.report.merge``).
 DEFAULT = Scale(calls=10000, first_calls=5, startup_runs=2, steps=12,
                 fsdp_sizes=("transformer d_model 128",),
-                search_models=("transformer d_model 256", "MLP wide, batch 16",
-                               "MLP narrow, batch 4096"),
+                search_models=("MLP narrow, batch 4096",),
                 floor=False, search_rounds=(2, 6), final_seconds=8.0, model_layers=(2,),
-                cluster=False, calibrate_rounds=2, checkpoint_rounds=4)
+                cluster=False, calibrate_rounds=2, checkpoint_rounds=4,
+                checkpoint_cases=((5, 1), (50, 1)), plans=("8b", "titan"))
 
 
 def apply(args) -> None:

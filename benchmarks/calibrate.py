@@ -20,8 +20,9 @@ hand-written layout each model would pick, measured against the fastest.
 
 ``python -m benchmarks.calibrate`` prints the same with the fitted model;
 ``scripts/bench --only calibrate`` records it for the scale's models (the
-default's three, about 2 minutes; ``--full``'s five, about 5 minutes on 8
-simulated devices and 2 cores).
+default's one, the narrow MLP: about a minute, ``calibrate()``'s own fit
+most of it; ``--full``'s five, about 5 minutes on 8 simulated devices and
+2 cores).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def run(args) -> list[dict]:
 
 def _rows(jax, rounds: int, names) -> list[dict]:
   rows, calibrated, default, plain = _evaluate(jax, rounds, names)
-  where = "partitioner.calibrate() on 8 simulated devices"
+  # (the count in the case: a default run's few programs are not --full's)
+  where = f"partitioner.calibrate() on 8 simulated devices, {len(rows)} programs"
   ours, theirs = rms_error(rows, calibrated), rms_error(rows, default)
   before = rms_error(rows, plain)
   chosen = picks(rows, predict(rows, calibrated))

@@ -10,7 +10,8 @@ by round; reported as steps/s with checkpoints over steps/s without
 example's ``--checkpoint_every``) and K = 50 with the default
 ``finish_within=1`` (the step after a save waits for it: at most K steps
 lost), and for K = 5 with ``finish_within=5`` (a save runs 5 steps in the
-background: up to 2 K - 1 lost). A save here holds the loop 3.5-4 ms (the
+background: up to 2 K - 1 lost; with ``--full`` only, the scale's
+``checkpoint_cases``). A save here holds the loop 3.5-4 ms (the
 shards copied off the devices) and takes 4.5-5 ms of CPU to write them
 in the background (the first saves, into new files, 40-90 ms; orbax's
 write, which the Checkpointer used before its own, 54-57 ms), which the
@@ -31,7 +32,6 @@ from benchmarks._common import Row, setup_jax
 from benchmarks.search import per_round
 
 WIDTH, HIDDEN, BATCH, LR = 1024, 4096, 256, 0.01
-CASES = ((5, 1), (5, 5), (50, 1))  # (every, finish_within)
 ACCELERATOR_BATCHES = (256, 16384, 131072)
 
 
@@ -97,7 +97,7 @@ def run(args) -> list[dict]:
   # (an accelerator's step at batch 256 takes well under a millisecond: the
   # larger batches show the cost against steps of a real job's length)
   for batch in (BATCH,) if on_cpu else ACCELERATOR_BATCHES:
-    for every, finish_within in CASES:
+    for every, finish_within in args.checkpoint_cases:
       times = _rounds(every, finish_within, args.checkpoint_rounds, batch)
       seconds = {k: statistics.median(v) / (2 * every) for k, v in times.items()}
       paired = per_round(times, "checkpointed", "plain")

@@ -11,6 +11,7 @@ without running anything (``--check``: only says whether they are stale).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -39,8 +40,10 @@ RUNS_KEPT = 10  # a measured figure's last runs, whose range the summary prints
 class Rows:
   """The rows of one section a figure reads: those whose case (and
   ``against``, where given) match the patterns, their ``field``. With
-  ``full``, only a run at ``--full``'s size counts (the default's rounds
-  are shorter and noisier, its models fewer)."""
+  ``full``, the rows are ``--full``'s: a measurement counts only from a
+  run at that size (the default's rounds are shorter and noisier, its
+  models fewer); an estimate, the same at any size, from any run, the rows
+  a default run left at their last figures among them (``_record_runs``)."""
   section: str
   case: str = ""
   field: str = "ratio"
@@ -340,7 +343,8 @@ def plots(results: dict, directory: str) -> list[str]:
 
 def write(results: dict, command: str) -> None:
   """Updates benchmarks/results.json (sections not run keep their last
-  figures and command), the plots and BENCHMARKS.md's generated blocks."""
+  figures and command; without --full, so do the cases a section did not
+  give: ``merge``), the plots and BENCHMARKS.md's generated blocks."""
   directory = os.path.join(ROOT, "benchmarks")
   os.makedirs(directory, exist_ok=True)
   merged = merge(results, command, os.path.join(directory, "results.json"))
@@ -372,17 +376,26 @@ def images() -> list[str]:
 
 
 # Sections whose rows come in families, each from one source (its rows'
-# "against"): a run that gave some families keeps the others' last rows
-# (the published section without --full runs the GPU families only).
+# "against"): a run that gave some families keeps the others' last rows,
+# at any size (the published section without --full runs the GPU families
+# only; with it, but no libtpu, the GPU families alone too). Every other
+# section merges by case, and only in a run without --full.
 BY_SOURCE = ("published",)
 
 
 def merge(results: dict, command: str, path: str) -> dict:
-  """results.json's figures with ``results``' sections replaced, each
-  section's command and commit recorded (in a :data:`BY_SOURCE` section,
-  only the families the run gave; the command of those kept beside it),
-  the run's figure of each summary row its sections gave added to the
-  runs kept (``summary_runs``); written back to ``path`` and returned."""
+  """results.json's figures with ``results``' sections merged in, each
+  section's command and commit recorded, the run's figure of each summary
+  row its sections gave added to the runs kept (``summary_runs``); written
+  back to ``path`` and returned.
+
+  A run without ``--full`` measures fewer cases than ``--full`` does (the
+  default's scale): it replaces the rows of the cases it gave, and the
+  others keep their last figures (a :data:`BY_SOURCE` section's, at any
+  size, by family), so that a default run drops none of ``--full``'s rows
+  from the tables and the summary. A ``--full`` run replaces each section
+  whole: a case renamed or gone does not linger. Where rows were kept, the
+  section's command says which came from which command (:func:`_with_kept`)."""
   merged = {}
   if os.path.exists(path):
     with open(path) as f:
@@ -393,19 +406,21 @@ def merge(results: dict, command: str, path: str) -> dict:
   # (a section that gave no rows, as one skipped without --full or libtpu,
   # keeps its last figures)
   results = {k: v for k, v in results.items() if k not in SECTIONS or v}
-  commit = _commit() if any(name in results for name in SECTIONS) else ""
-  for name in SECTIONS:
-    if name in results:
-      commands[name] = command
-      commits[name] = commit
-  for name in BY_SOURCE:
-    if name in results and merged.get(name):
-      results[name], kept = _by_source(merged[name], results[name])
-      if kept and before.get(name):
-        commands[name] = _with_kept(command, kept, before[name])
-  # (after the merge by source: a figure over several families reads the
-  # families this run left alone at their last figures, not as missing)
-  _record_runs(merged.setdefault("summary_runs", {}), results, command)
+  given = {k: v for k, v in results.items() if k in SECTIONS}  # (the run's own rows)
+  full = "--full" in command.split()
+  commit = _commit() if given else ""
+  for name in given:
+    commands[name] = command
+    commits[name] = commit
+    if not merged.get(name) or (full and name not in BY_SOURCE):
+      continue
+    results[name], kept, gave = (_by_source if name in BY_SOURCE else _by_case)(
+        merged[name], given[name])
+    if kept and before.get(name):
+      commands[name] = _with_kept(command, kept, before[name], gave)
+  # (after the merge: an estimate over several cases or families reads
+  # those this run left alone at their last figures, not as missing)
+  _record_runs(merged.setdefault("summary_runs", {}), results, given, command)
   merged.update(results)
   merged["commands"] = commands
   merged["commits"] = commits
@@ -414,26 +429,47 @@ def merge(results: dict, command: str, path: str) -> dict:
   return merged
 
 
-def _with_kept(command: str, kept: list[str], last: str) -> str:
-  """``command``, and the command that gave each of the ``kept`` families'
-  rows, read off the section's ``last`` command (``"CMD (the A, B rows:
-  CMD2; the C rows: CMD3)"``: a family not named there came from CMD)."""
+def _with_kept(command: str, kept: list[str], last: str, given: list[str]) -> str:
+  """``command``, and the command that gave each of the ``kept`` rows
+  (families or cases), read off the section's ``last`` command (``"CMD
+  (the A, B rows: CMD2; the C rows: CMD3)"``: a name not listed there came
+  from CMD). A model (a case's part before its colon, ``_model_of``) none
+  of whose rows the run ``given``, its rows all from one command, is named
+  once for them all ("the transformer d_model 1024 rows"), and a case is
+  looked up by its model too. A name that holds a comma is quoted (``the
+  "MLP wide, batch 16", transformer d_model 256 rows``); a list ends where
+  its command does (at the first "; the " after " rows: ", which no
+  command holds, though a name may)."""
   base, _, rest = last.partition(" (the ")
-  given: dict[str, str] = {}
-  for part in rest.removesuffix(")").split("; the ") if rest else ():
-    names, _, cmd = part.partition(" rows: ")
-    given.update(dict.fromkeys(names.split(", "), cmd))
-  groups: dict[str, list[str]] = {}
-  for family in kept:
-    groups.setdefault(given.get(family, base), []).append(family)
-  said = [f"the {', '.join(names)} rows: {cmd}" for cmd, names in groups.items()
+  lists: list[tuple[set[str], str]] = []  # (the names, their command)
+  pieces = rest.removesuffix(")").split(" rows: ") if rest else [""]
+  names = pieces[0]
+  for piece in pieces[1:]:
+    cmd, _, after = piece.partition("; the ")
+    lists.append((set(next(csv.reader([names], skipinitialspace=True))), cmd))
+    names = after
+  cmd_of = {name: next((c for names, c in lists if name in names or _model_of(name) in names),
+                       base) for name in kept}
+  commands_of: dict[str, set[str]] = {}  # model -> the commands its kept rows came from
+  for name, cmd in cmd_of.items():
+    commands_of.setdefault(_model_of(name), set()).add(cmd)
+  ran = {_model_of(name) for name in given}
+  groups: dict[str, dict[str, None]] = {}  # command -> the names said (in order, once)
+  for name, cmd in cmd_of.items():
+    model = _model_of(name)
+    whole = model not in ran and len(commands_of[model]) == 1
+    groups.setdefault(cmd, {})[model if whole else name] = None
+  quoted = lambda name: ('"' + name.replace('"', '""') + '"' if "," in name or '"' in name
+                         else name)
+  said = [f"the {', '.join(map(quoted, names))} rows: {cmd}" for cmd, names in groups.items()
           if cmd != command]
   return f"{command} ({'; '.join(said)})" if said else command
 
 
-def _by_source(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str]]:
+def _by_source(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str], list[str]]:
   """``old`` rows with each source's replaced by ``new``'s, in their
-  order (a new source after them), and the sources kept from ``old``."""
+  order (a new source after them), the sources kept from ``old`` and
+  those ``new`` gave (by name: ``"MaxText's v5e table"``)."""
   given = {r.get("against") for r in new}
   out, done = [], set()
   for row in old:
@@ -444,8 +480,30 @@ def _by_source(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str]]
       out += [r for r in new if r.get("against") == source]
       done.add(source)
   out += [r for r in new if r.get("against") not in done]
-  kept = dict.fromkeys(str(r.get("against")) for r in old if r.get("against") not in given)
-  return out, [re.sub(r"^published \((.*)\)$", r"\1", k) for k in kept]
+  name = lambda r: re.sub(r"^published \((.*)\)$", r"\1", str(r.get("against")))
+  return out, [name(r) for r in old if r.get("against") not in given], [name(r) for r in new]
+
+
+def _by_case(old: list[dict], new: list[dict]) -> tuple[list[dict], list[str], list[str]]:
+  """``old`` rows with those of the cases ``new`` gives replaced by
+  ``new``'s, in ``new``'s order, in the places the replaced ones held (rows
+  of cases ``old`` lacked right after the last of them, or at the end), the
+  cases kept from ``old`` and those ``new`` gave: a run that leaves out a
+  model in the middle of a section leaves its rows where they were,
+  between the models it ran."""
+  given = {r.get("case") for r in new}
+  fill = iter(new)
+  out, after = [], None
+  for row in old:
+    if row.get("case") not in given:
+      out.append(row)
+    elif (mine := next(fill, None)) is not None:
+      out.append(mine)
+      after = len(out)
+  at = len(out) if after is None else after
+  out[at:at] = list(fill)
+  return (out, [str(r.get("case")) for r in old if r.get("case") not in given],
+          [str(r.get("case")) for r in new])
 
 
 def block(results: dict) -> str:
@@ -574,12 +632,18 @@ def _values(rows: list, which: Rows) -> list[float]:
   return out
 
 
-def _record_runs(history: dict, results: dict, command: str) -> None:
+def _record_runs(history: dict, results: dict, given: dict, command: str) -> None:
   """Adds to ``history`` this run's range of each summary figure, one per
-  section of the figure it ran (a section read only at ``--full``'s size,
-  only from such a run; none from a run on an accelerator or on another
-  device count), keeping a section's last :data:`RUNS_KEPT`; with that
-  many of one, the range recorded of earlier runs goes."""
+  section of the figure it ran (``given``: its own rows), keeping a
+  section's last :data:`RUNS_KEPT`; with that many of one, the range
+  recorded of earlier runs goes. None from a run on an accelerator or on
+  another device count. A measurement's range is of the rows the run gave
+  (a section read only at ``--full``'s size, only from such a run); an
+  estimate's (``runs`` :data:`_ONCE`: the same at any size, and shown as
+  its last run's range over its cases) of the section's rows as merged
+  (``results``), those the run left alone at their last figures among
+  them: a default run keeps ``--full``'s cases in the figure, not only its
+  own."""
   argv = command.split()
   devices = re.search(r"--devices[= ](\S+)", command)
   if "--accelerator" in argv or (devices and devices.group(1) != "8"):
@@ -587,9 +651,11 @@ def _record_runs(history: dict, results: dict, command: str) -> None:
   full = "--full" in argv
   figures = [f for h in HEADLINES for f in (h.figure, h.aside) if f is not None]
   for figure in figures:
-    for section in dict.fromkeys(rows.section for rows in figure.rows):
-      values = [v for rows in figure.rows if rows.section == section and (full or not rows.full)
-                for v in _values(results.get(section) or [], rows)]
+    estimate = figure.runs == _ONCE
+    for section in dict.fromkeys(rows.section for rows in figure.rows if rows.section in given):
+      values = [v for rows in figure.rows
+                if rows.section == section and (full or estimate or not rows.full)
+                for v in _values((results if estimate else given)[section], rows)]
       if values:
         kept = history.setdefault(figure.key, {})
         runs = kept.setdefault("runs", {})

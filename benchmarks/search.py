@@ -172,7 +172,8 @@ def recommender(jax):
                by_hand=by_hand)
 
 
-# The section's models by name (``--full`` runs them all; the default a few).
+# The section's models by name (``--full`` runs them all; the default the
+# narrow MLP alone: ``benchmarks._scale``).
 MODELS = {"transformer d_model 256": lambda jax: transformer(jax, 256, 16),
           "transformer d_model 1024": lambda jax: transformer(jax, 1024, 8),
           "MLP wide, batch 16": lambda jax: mlp(jax, 1024, 4096, 16),

@@ -144,6 +144,87 @@ def test_an_estimate_shows_its_last_run_alone(tmp_path):
   assert report._range(merged, headline.figure) == "0.80-6.00x"
 
 
+def test_a_default_run_replaces_the_cases_it_gave_and_keeps_the_others(tmp_path):
+  """A run without --full measures fewer cases: the others keep their last
+  figures, in their places, and the section's command says which rows
+  came from which command: a model none of whose rows the run gave by its
+  name, the others by case (a name with a comma quoted; one with "; the "
+  read back whole too)."""
+  path = tmp_path / "results.json"
+  full, default = "python -m benchmarks --full --only search", "python -m benchmarks --only search"
+  a1, a2 = "MLP wide, batch 16: flops per device", "MLP wide, batch 16: search time (cold)"
+  b1, b2 = "big, batch 8: flops per device", "big, batch 8: worst of the models; the search times"
+  c1, new = "MLP narrow, batch 4096: flops per device", "MLP narrow, batch 4096: a new row"
+  path.write_text(json.dumps({"search": [_row(c, 1.0) for c in (a1, a2, b1, b2, c1)],
+                              "commands": {"search": full}}))
+  merged = report.merge({"search": [_row(a2, 2.0), _row(a1, 2.0), _row(c1, 2.0),
+                                    _row(new, 2.0)]}, default, str(path))
+  # the run's rows in its order, in the places of those they replace; a new case after them
+  assert [(r["case"], r["ratio"]) for r in merged["search"]] == [
+      (a2, 2.0), (a1, 2.0), (b1, 1.0), (b2, 1.0), (c1, 2.0), (new, 2.0)]
+  assert merged["commands"]["search"] == f'{default} (the "big, batch 8" rows: {full})'
+  assert json.loads(path.read_text()) == merged
+  # a second default run under another command: each kept row's own command stays said
+  bench = "scripts/bench --only search"
+  again = report.merge({"search": [_row(a1, 3.0), _row(c1, 3.0)]}, bench, str(path))
+  assert [(r["case"], r["ratio"]) for r in again["search"]] == [
+      (a2, 2.0), (a1, 3.0), (b1, 1.0), (b2, 1.0), (c1, 3.0), (new, 2.0)]
+  assert again["commands"]["search"] == (
+      f'{bench} (the "{a2}", "{new}" rows: {default}; the "big, batch 8" rows: {full})')
+  # the same run once more: the same command (no row it gave is said kept)
+  assert report.merge({"search": [_row(a1, 3.0), _row(c1, 3.0)]}, bench,
+                      str(path))["commands"] == again["commands"]
+  # a run that gives one of a model's rows: the model's others are said by case
+  third = report.merge({"search": [_row(a1, 4.0), _row(b1, 4.0), _row(c1, 4.0)]}, bench,
+                       str(path))
+  assert third["commands"]["search"] == (
+      f'{bench} (the "{a2}", "{new}" rows: {default}; the "{b2}" rows: {full})')
+  # a name is looked up whole: "big, batch 8" is not the listed "big, batch 8, remat"
+  assert report._with_kept(bench, [b2], f'{default} (the "big, batch 8, remat" rows: {full})',
+                           [a1]) == f'{bench} (the "big, batch 8" rows: {default})'
+
+
+def test_a_full_run_replaces_each_section_whole(tmp_path):
+  # (a case renamed or dropped from --full does not linger beside its successor)
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"search": [_row("m: old name", 1.0), _row("m: kept", 1.0)],
+                              "commands": {"search": "python -m benchmarks --only search"}}))
+  merged = report.merge({"search": [_row("m: new name", 2.0), _row("m: kept", 2.0)]},
+                        "python -m benchmarks --full --only search", str(path))
+  assert [(r["case"], r["ratio"]) for r in merged["search"]] == [("m: new name", 2.0),
+                                                                 ("m: kept", 2.0)]
+  assert merged["commands"]["search"] == "python -m benchmarks --full --only search"
+
+
+def test_an_estimate_reads_the_cases_a_default_run_kept(tmp_path):
+  """A default run of plan_real gives torchtitan's account, not the XLA:TPU
+  rows (--full and libtpu): the estimate's last run still spans both."""
+  path = tmp_path / "results.json"
+  figure = next(h.figure for h in report.HEADLINES if h.figure.key == "plan_real: counted memory")
+  titan = "Llama 3.1 8B, FSDP 8 on 8 x H100: counted peak vs torchtitan's published"
+  tpu = _row("small decoder, 8 v5p chips: FSDP 8: counted vs XLA:TPU", 1.7,
+             against="XLA:TPU's memory analysis")
+  report.merge({"plan_real": [_row(titan, 0.8), tpu]},
+               "python -m benchmarks --full --only plan_real", str(path))
+  merged = report.merge({"plan_real": [_row(titan, 0.9)]}, "python -m benchmarks --only plan_real",
+                        str(path))
+  assert merged["summary_runs"][figure.key]["runs"]["plan_real"][-1] == [0.9, 1.7]
+  assert report._range(merged, figure) == "0.90-1.70"
+
+
+def test_a_measurement_reads_only_the_rows_the_run_gave(tmp_path):
+  # (a kept row is an earlier run's figure: counted again, it would stand for this run)
+  path = tmp_path / "results.json"
+  figure = next(h.figure for h in report.HEADLINES if h.figure.key == "checkpoint: steps/s")
+  every = lambda k: f"MLP on 8 devices: steps/s, saving every {k} steps, finish_within=1 (a crash"
+  report.merge({"checkpoint": [_row(every(5), 0.9), _row(every(50), 0.5)]},
+               "python -m benchmarks --only checkpoint", str(path))
+  merged = report.merge({"checkpoint": [_row(every(5), 0.95)]},
+                        "python -m benchmarks --only checkpoint", str(path))
+  assert [r["ratio"] for r in merged["checkpoint"]] == [0.95, 0.5]
+  assert merged["summary_runs"][figure.key]["runs"]["checkpoint"] == [[0.5, 0.9], [0.95, 0.95]]
+
+
 def test_report_check_says_whether_benchmarks_md_is_stale(capsys):
   assert report.main(["--check"]) == 0
   assert "is what benchmarks/results.json gives" in capsys.readouterr().out
