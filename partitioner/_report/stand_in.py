@@ -29,7 +29,6 @@ widened values at 16 bits too, with :func:`widened_from`.)
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 from partitioner._report import hlo as _hlo
 from partitioner._report.program import Op, Program
@@ -81,8 +80,9 @@ def widened_from(program: Program, name: str) -> int:
   if op is None:
     return 0
   if op.kind == "fusion" and op.callees:
-    inner = program.ops(op.callees[0])
-    root = next((o for o in inner if o.root), None)
+    roots = program.kept("stand_in.roots", lambda: {
+        c: o for c, ops in program.computations.items() for o in ops if o.root})
+    root = roots.get(op.callees[0])
     if root is None:
       return 0
     op, defs = root, program.defs(op.callees[0])
@@ -101,15 +101,21 @@ def widened_from(program: Program, name: str) -> int:
   return _NARROW.get(arrays[0][0], 0) if len(arrays) == 1 else 0
 
 
-def _results(program: Program, op: Op, k: int, n: int) -> Iterator[str]:
+def _results(program: Program, op: Op, k: int, n: int) -> list[str]:
   """The values holding the ``k``-th of the ``n`` results of ``op``."""
   if n == 1:
-    yield op.name
-    return
+    return [op.name]
+  by_index = program.kept(("stand_in.results", op.name), lambda: _by_index(program, op))
+  return by_index.get(k, [])
+
+
+def _by_index(program: Program, op: Op) -> dict[int, list[str]]:
+  """``op``'s ``get-tuple-element`` readers by the index each takes."""
+  found: dict[int, list[str]] = {}
   for reader in _readers(program, op.name):
-    if reader.kind == "get-tuple-element" and (m := _INDEX.search(reader.line)) and (
-        int(m.group(1)) == k):
-      yield reader.name
+    if reader.kind == "get-tuple-element" and (m := _INDEX.search(reader.line)):
+      found.setdefault(int(m.group(1)), []).append(reader.name)
+  return found
 
 
 def _readers(program: Program, name: str) -> list[Op]:

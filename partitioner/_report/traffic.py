@@ -202,15 +202,17 @@ class _Computation:
                    if (b := _body(d)) and b in program.computations}
     self.views = {n for n, d in self.defs.items() if self._is_view(d)}
     elementwise = {n for n, d in self.defs.items() if self._is_elementwise(d)}
-    into = elementwise | {n for n, d in self.defs.items() if self._is_reduction(d)}
+    reductions: dict[str, bool] = {}  # (asked of the readers of elementwise values alone)
+    into = lambda r: r.name in elementwise or reductions.setdefault(  # noqa: E731
+        r.name, self._is_reduction(r))
     self.fused = {n for n in elementwise
-                  if self.readers.get(n) and all(r.name in into for r in self.readers[n])}
+                  if self.readers.get(n) and all(into(r) for r in self.readers[n])}
     self.width: dict[str, float] = {}
     for n, d in self.defs.items():  # (program order: a view's source comes first)
       width = _element_bytes(d.shape)
-      if d.kind == "fusion":  # (a 16-bit float value XLA:CPU widened to float32)
+      if d.kind == "fusion" and width > 2:  # (a 16-bit float value XLA:CPU widened)
         width = min(width, widened_from(program, n) or width)
-        if self._moves(d):  # (its elements rearranged: at their width)
+        if len(d.operands) == 1 and self._moves(d):  # (its elements rearranged: their width)
           width = min(width, self.width.get(d.operands[0], width))
       readers = self.readers.get(n, [])
       if readers and all(r.name in self.views for r in readers):
