@@ -3,8 +3,8 @@
 Every section runs in both; the default measures fewer cases on fewer and
 smaller models and times fewer rounds, so that ``scripts/bench`` runs in
 about 9 minutes and 3.3 GB on a 2-core host (its bound: 12 minutes, 8 GB;
-8 m 54 s measured with the host otherwise idle, 12 m 0 s with another
-job's tests on its cores), while ``scripts/bench --full`` is the whole run
+9 m 40 s measured from a fresh clone with the host otherwise idle, 12 m 0 s
+with another job's tests on its cores), while ``scripts/bench --full`` is the whole run
 (about 40-44 minutes and 21 GB at its peak: the 24-layer decoder's field).
 A default run replaces only the rows of the cases it gives
 (``benchmarks.report.merge``).
