@@ -27,6 +27,8 @@ _TOOLKIT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
 # Ops whose result is no new value on the device: not a temporary.
+# Ops that convert or reshape what they read, moving nothing of their own.
+CONVERSIONS = frozenset({"bitcast", "convert", "bitcast-convert", "copy", "reshape"})
 NOT_COMPUTED = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                           "after-all", "partition-id", "replica-id", "opt-barrier"})
 # XLA:TPU's collectives across the slices of a multi-slice program: a send

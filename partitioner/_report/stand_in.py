@@ -42,8 +42,7 @@ _NARROW = {"bf16": 2, "f16": 2}
 # Ops that only rearrange what they read.
 _MOVES = frozenset({"copy", "bitcast", "reshape", "transpose", "slice", "dynamic-slice"})
 # Ops that only reshape or convert what they read (a view of it).
-_VIEWS = frozenset({"parameter", "convert", "bitcast", "copy", "reshape", "bitcast-convert",
-                    "constant", "broadcast"})
+_VIEWS = _hlo.CONVERSIONS | {"parameter", "constant", "broadcast"}
 
 
 def collective_parts(program: Program, op: _hlo.Instruction) -> list[tuple[str, int, int]]:

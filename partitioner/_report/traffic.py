@@ -61,7 +61,7 @@ _COLLECTIVES = frozenset(_hlo.COLLECTIVE_KINDS) | {k + "-start" for k in _hlo.CO
     | {k + "-done" for k in _hlo.COLLECTIVE_KINDS}
 _SLICES = frozenset({"dynamic-slice", "slice"})
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
-_CONVERSIONS = frozenset({"bitcast", "convert", "bitcast-convert", "copy", "reshape"})
+_CONVERSIONS = _hlo.CONVERSIONS
 # What an elementwise kernel may hold besides elementwise ops (scalars
 # and broadcasts of them: its constants, and the index arithmetic).
 _ELEMENTWISE_FUSED = _hlo.ELEMENTWISE | _CONVERSIONS | {"broadcast", "constant", "iota", "parameter"}
