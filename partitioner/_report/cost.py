@@ -13,7 +13,8 @@ execution) and read the compiled program.
   (all-reduce ``2 (g - 1) / g``, all-gather and all-to-all ``(g - 1) / g``
   of the result, reduce-scatter ``g - 1`` times the result, a permute its
   bytes), on the host's links or, for a group that spans processes, on
-  the network;
+  the network (on an accelerator's hosts, a ring's bytes spread over the
+  network links of its devices on each host);
 - memory: ``memory_analysis()``'s peak per device.
 """
 
@@ -61,8 +62,13 @@ class Cost:
     collectives: the number of collectives one call runs (an op inside a
       loop body once per iteration).
     collective_bytes: their bytes per device, weighted by algorithm and
-      group size (what a ring sends).
-    network_bytes: the part of those that crosses processes.
+      group size (what a ring sends); of a collective whose group crosses
+      hosts, what the device's own network link sends (``network_bytes``).
+    network_bytes: the part of those that crosses processes (hosts, TPU
+      slices). Under a GPU's or a TPU's model a ring over ``g`` devices of
+      each host sends ``1 / g`` of its bytes on each device's network link
+      (one ring leaves the host through each: a host's links add up); a
+      permute or an all-to-all, each device's own sends.
     peak_memory: XLA's per-device peak estimate (arguments + outputs +
       temporaries - aliased; on a TPU, XLA:TPU's own peak).
     seconds: the estimated time of one call under the device model.
@@ -214,22 +220,58 @@ def _mesh_ids(text: str | None, n: int) -> np.ndarray:
   return np.array([int(x) for x in text.split(",") if x])
 
 
-def _collective(op: _hlo.Instruction, processes: Sequence[int]) -> tuple[int, float, int]:
-  """One collective's ``(runs, bytes sent, hosts its largest group spans)``
-  per call (one that spans several sends all its bytes on the network);
-  nothing for a collective over one device. One among TPU slices
-  (``op.slices``) crosses the data-centre network whole."""
+def _collective(op: _hlo.Instruction, processes: Sequence[int],
+                spread: bool = False) -> tuple[int, float, int, float]:
+  """One collective's ``(runs, bytes sent, hosts its largest group spans,
+  of those bytes what crosses hosts on each device's own network link)``
+  per call; nothing for a collective over one device. One among TPU
+  slices (``op.slices``) crosses the data-centre network whole. With
+  ``spread`` (an accelerator's hosts, a network link per device), a ring
+  (an all-reduce, all-gather or reduce-scatter) whose group holds ``g``
+  devices of each host it spans sends ``1 / g`` of its bytes on each of
+  their links (:func:`network_share`)."""
   if op.slices:
-    return op.runs, op.runs * op.bytes * _WEIGHT[op.opcode](op.slices), op.slices
+    sent = op.runs * op.bytes * _WEIGHT[op.opcode](op.slices)
+    return op.runs, sent, op.slices, sent
   n = len(processes)
   found = groups(op.line, n)
   size = max((len(g) for g in found), default=1)
   if size <= 1 and op.opcode != "collective-permute":
-    return 0, 0.0, 1  # a collective over one device moves nothing
+    return 0, 0.0, 1, 0.0  # a collective over one device moves nothing
   sent = op.runs * op.bytes * _WEIGHT[op.opcode](
       max(size, 2) if op.opcode == "collective-permute" else size)
   hosts = max((len({processes[i] for i in g if i < n}) for g in found), default=1)
-  return op.runs, sent, hosts
+  if hosts <= 1:
+    return op.runs, sent, hosts, 0.0
+  return op.runs, sent, hosts, sent * (network_share(op.opcode, found, processes) if spread
+                                       else 1.0)
+
+
+def network_share(opcode: str, found: list[list[int]], processes: Sequence[int]) -> float:
+  """The share of a collective's bytes across hosts that each device's own
+  network link sends, its group holding ``g`` devices of each host (the
+  fewest of any host): ``1 / g`` for a ring (an all-reduce, all-gather or
+  reduce-scatter), which the library runs as ``g`` rings, one leaving the
+  host through each device's link (NCCL: the all-reduce's bus bandwidth
+  across hosts is the host's NICs' together, nccl-tests issues 100 and
+  119: 85-96 GB/s on hosts of 8 A100s and 4 x 200 Gb/s); 1 for a permute
+  (a device's own send) and an all-to-all (each device's sends to other
+  hosts leave through its link)."""
+  if opcode not in ("all-reduce", "all-gather", "reduce-scatter"):
+    return 1.0
+  n = len(processes)
+  fewest = min((min(counts.values()) for g in found
+                if len(counts := _per_host(g, processes, n)) > 1), default=1)
+  return 1.0 / fewest
+
+
+def _per_host(group: list[int], processes: Sequence[int], n: int) -> dict[int, int]:
+  """How many of a group's devices each of its hosts holds."""
+  counts: dict[int, int] = {}
+  for i in group:
+    if i < n:
+      counts[processes[i]] = counts.get(processes[i], 0) + 1
+  return counts
 
 
 def network_levels(opcode: str, hosts: int) -> float:
@@ -401,7 +443,7 @@ def _add_collectives(parts: dict[str | None, Part], program: Program, processes:
                      values: _Values, scope: re.Pattern) -> None:
   """Each collective's runs and bytes, shared among its operands' scopes."""
   for op in program.instructions(sources=False):
-    k, sent, hosts = _collective(op, processes)
+    k, sent, hosts, _ = _collective(op, processes)
     if not k:
       continue
     across = sent if hosts > 1 else 0.0
@@ -493,12 +535,15 @@ def _collectives(program: Program, processes: Sequence[int], device: DeviceModel
   run (by its line, for the schedule's replay), and the lines of those
   that cross hosts."""
   count, remote, weighted, network, levels = 0, 0, 0.0, 0.0, 0.0
+  spread = device.platform in ("gpu", "tpu")
   once: dict[str, float] = {}
   across_lines = set()
   for whole in program.instructions(sources=False):
     for op in _as_run(program, whole, len(processes)) if stand_in else (whole,):
-      k, sent, hosts = _collective(op, processes)
-      across = sent if hosts > 1 else 0.0
+      k, sent, hosts, across = _collective(op, processes, spread)
+      # (a ring across hosts: its hops inside a host run while its link
+      # sends, so the link's bytes are its time)
+      sent = across or sent
       count, weighted, network = count + k, weighted + sent, network + across
       remote += k if hosts > 1 else 0
       level = network_levels(op.opcode, hosts)

@@ -176,7 +176,10 @@ class DeviceModel:
     link_bytes_per_s: bandwidth of a collective among the devices of one
       host (one process), per device.
     network_bytes_per_s: bandwidth of a collective that crosses hosts, per
-      device.
+      device: its own network link (a GPU's NIC, a TPU chip's share of its
+      host's). Under a GPU's or a TPU's model a ring over ``g`` devices of
+      each host spreads its bytes across hosts over their ``g`` links
+      (:attr:`Cost.network_bytes`).
     latency_s: fixed cost of one collective.
     overlap: compute and memory traffic overlap (a roofline: the larger
       of the two counts), as on TPUs; False adds them, as on a CPU and a

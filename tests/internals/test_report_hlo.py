@@ -151,6 +151,54 @@ def test_collectives_among_tpu_slices_cross_the_network():
       expected / device.network_bytes_per_s + 4e-3)
 
 
+# ---- across GPU hosts: a ring's bytes leave through each device's link ----
+
+# 8 devices, 2 hosts of 4: an all-reduce over all 8 (4 of each host), an
+# all-reduce over one device of each host (groups {0,4}, {1,5}, ...), a
+# permute to the other host and an all-to-all over all 8, 64 KiB each.
+_ACROSS = """HloModule across, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[16384]) -> (f32[16384], f32[16384], f32[16384], f32[16384]) {
+  %x = f32[16384]{0} parameter(0)
+  %wide = f32[16384]{0} all-reduce(%x), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %pairs = f32[16384]{0} all-reduce(%x), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %p = f32[16384]{0} collective-permute(%x), channel_id=3, source_target_pairs={{0,4},{1,5},{2,6},{3,7},{4,0},{5,1},{6,2},{7,3}}
+  %a2a = f32[16384]{0} all-to-all(%x), channel_id=4, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %t = (f32[16384]{0}, f32[16384]{0}, f32[16384]{0}, f32[16384]{0}) tuple(%wide, %pairs, %p, %a2a)
+}
+"""
+
+
+@pytest.mark.parametrize("model", ["a100", "cpu"])
+def test_a_ring_across_gpu_hosts_spreads_its_bytes_over_the_devices_links(model):
+  """Under a GPU's model a ring over 4 devices of each of 2 hosts sends a
+  quarter of its bytes on each device's network link (NCCL runs a ring a
+  NIC: the hosts' links add up); one over a device of each host, a permute
+  and an all-to-all send their own bytes. Simulated CPU processes (the
+  ``cpu`` model) share no such links: every byte counts."""
+  memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
+                          "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
+  device = _device_models.MODELS[model]
+  score = _cost.score(_ACROSS, {}, memory, [0] * 4 + [1] * 4, device)
+  size = 64 * _KIB
+  wide, pairs, permute, a2a = 2 * 7 / 8 * size, 2 * 1 / 2 * size, size, 7 / 8 * size
+  spread = 4 if model == "a100" else 1
+  assert score.network_collectives == 4
+  assert score.network_bytes == pytest.approx(wide / spread + pairs + permute + a2a)
+  # (a ring across hosts costs its link's bytes: its hops inside a host run
+  # meanwhile)
+  assert score.collective_bytes == pytest.approx(score.network_bytes)
+  assert score.seconds == pytest.approx(
+      score.network_bytes / device.network_bytes_per_s
+      + 4 * (device.network_latency_s or device.latency_s))
+
+
 # ---- cuBLAS gemms: matmuls, as often as their loop runs ----
 
 # As XLA's GPU compiler prints a dot it rewrote into a cuBLAS call: a tuple
