@@ -110,6 +110,66 @@ def test_a_reduction_reads_its_elementwise_producers_inputs():
   assert found["s"].reads == {"e": 0.0, "xw": 64 * 64 * 2} and found["s"].written == 64 * 4
 
 
+# XLA:CPU's dots and what it puts around them: a float32 dot rounded to
+# bfloat16 by a kernel of conversions alone (XLA:GPU's gemm writes the
+# bfloat16 itself), a weight transposed by a copy before a dot (XLA:GPU's
+# gemm reads it as it is), and a sum that two kernels read (written once,
+# not fused into both).
+_GEMMS = """\
+HloModule g
+
+%round (a: f32[256,256]) -> bf16[256,256] {
+  %a = f32[256,256]{1,0} parameter(0)
+  %r = f32[256,256]{1,0} reduce-precision(%a), exponent_bits=8, mantissa_bits=7
+  ROOT %n = bf16[256,256]{1,0} convert(%r)
+}
+
+%flip (a: f32[256,256]) -> f32[256,256] {
+  %a = f32[256,256]{1,0} parameter(0)
+  %t = f32[256,256]{0,1} transpose(%a), dimensions={1,0}
+  ROOT %c = f32[256,256]{1,0} copy(%t)
+}
+
+%sum (a: f32[256,256], b: f32[256,256]) -> f32[256,256] {
+  %a = f32[256,256]{1,0} parameter(0)
+  %b = f32[256,256]{1,0} parameter(1)
+  ROOT %s = f32[256,256]{1,0} add(%a, %b)
+}
+
+%twice (a: f32[256,256]) -> f32[256,256] {
+  %a = f32[256,256]{1,0} parameter(0)
+  ROOT %m = f32[256,256]{1,0} multiply(%a, %a)
+}
+
+ENTRY %main (x: f32[256,256], w: f32[256,256], v: f32[256,256]) -> (bf16[256,256], f32[256,256], f32[256,256], f32[256,256]) {
+  %x = f32[256,256]{1,0} parameter(0)
+  %w = f32[256,256]{1,0} parameter(1)
+  %v = f32[256,256]{1,0} parameter(2)
+  %d = f32[256,256]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %rd = bf16[256,256]{1,0} fusion(%d), kind=kLoop, calls=%round
+  %wt = f32[256,256]{1,0} fusion(%w), kind=kLoop, calls=%flip
+  %e = f32[256,256]{1,0} dot(%x, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %s = f32[256,256]{1,0} fusion(%x, %v), kind=kLoop, calls=%sum
+  %m1 = f32[256,256]{1,0} fusion(%s), kind=kLoop, calls=%twice
+  %m2 = f32[256,256]{1,0} fusion(%s), kind=kLoop, calls=%twice
+  ROOT %t = (bf16[256,256]{1,0}, f32[256,256]{1,0}, f32[256,256]{1,0}, f32[256,256]{1,0}) tuple(%rd, %e, %m1, %m2)
+}
+"""
+
+
+def test_xla_cpus_conversions_around_its_dots_move_nothing_on_an_accelerator():
+  program = parse(_GEMMS)
+  found = {k.name: k for k in traffic.kernels(program)}
+  square = 256 * 256 * 4
+  # The rounding: its bytes, and the dot's float32 write less a bfloat16 one.
+  # The weight's transpose: its bytes. Nothing else.
+  assert traffic.gemm_absorbed(program) == {
+      "rd": found["rd"].bytes, "d": square - square / 2, "wt": found["wt"].bytes}
+  # A sum that two kernels read is written once and read by each (fusing
+  # it into both would read its two inputs twice).
+  assert "s" in found and found["m1"].reads == {"s": square}
+
+
 def test_collectives_are_counted_as_an_accelerators_compiler_runs_them():
   program = parse(_HLO)
   parts = {op.name: stand_in.collective_parts(program, op)

@@ -305,7 +305,8 @@ class Part:
 _OP_NAME = _hlo.OP_NAME
 _NO_SCOPE = re.compile(r"(?!)")  # (matches nothing: every op unscoped)
 def scoped(program: Program | str, processes: Sequence[int], scope: re.Pattern,
-           fused_attention: bool = False) -> dict[str | None, Part]:
+           fused_attention: bool = False, stand_in: bool = False,
+           spread: bool = False) -> dict[str | None, Part]:
   """The program's costs by the named scope its ops were traced under
   (``scope``'s first group, searched in each op's ``op_name``); the key
   None holds the whole program's. XLA keeps each op's name through its
@@ -313,15 +314,19 @@ def scoped(program: Program | str, processes: Sequence[int], scope: re.Pattern,
   operands (XLA combines the gradients' all-reduces of many layers into
   one), each operand's share going to the scope of the op that made it.
   ``fused_attention``: the bytes accessed leave out jax attention's score
-  matrices (see :func:`score`)."""
+  matrices (see :func:`score`); ``stand_in`` and ``spread``: read as
+  :func:`score` reads them for an accelerator's model (XLA:CPU's program
+  as the accelerator's compiler runs it; a ring's bytes across hosts
+  spread over its devices' links)."""
   program = parse(program)
   parts: dict[str | None, Part] = {None: Part()}
   with collector_paused():
     values = _values(program, scope,
                      _attention.score_shapes(program) if fused_attention else None)
     _add_flops(parts, program, values, scope)
-    _add_accessed(parts, program, values)
-    _add_collectives(parts, program, processes, values, scope)
+    _add_accessed(parts, program, values,
+                  _absorbed(program, values if fused_attention else None) if stand_in else {})
+    _add_collectives(parts, program, processes, values, stand_in, spread)
   return parts
 
 
@@ -381,12 +386,12 @@ def _add_flops(parts: dict[str | None, Part], program: Program, values: _Values,
         part.matmul_flops += counts.get(name, 1) * f if _hlo_flops.is_matmul(op.line) else 0.0
 
 
-def _moved(program: Program, values: _Values) -> Iterator[tuple[str | None, float, float]]:
-  """Each kernel's ``(scope, bytes, of them a fused attention's score
-  matrices)`` per call (:func:`partitioner._report.traffic.kernels`: what
-  it reads and writes, as often as it runs)."""
+def _moved(program: Program, values: _Values) -> Iterator[tuple[str, str | None, float, float]]:
+  """Each kernel's ``(name, scope, bytes, of them a fused attention's
+  score matrices)`` per call (:func:`partitioner._report.traffic.kernels`:
+  what it reads and writes, as often as it runs)."""
   for k in _traffic.kernels(program):
-    yield values.scope(k.name), k.runs * k.bytes, k.runs * _scores(k, values)
+    yield k.name, values.scope(k.name), k.runs * k.bytes, k.runs * _scores(k, values)
 
 
 def _scores(k: _traffic.Kernel, values: _Values) -> float:
@@ -410,12 +415,35 @@ def overlapped_bytes(program: Program, device: DeviceModel, scores: _Values | No
       (lambda k: _scores(k, scores)) if scores is not None else (lambda _: 0.0))
 
 
-def _add_accessed(parts: dict[str | None, Part], program: Program, values: _Values) -> None:
+def _add_accessed(parts: dict[str | None, Part], program: Program, values: _Values,
+                  absorbed: dict[str, float]) -> None:
   """Each kernel's bytes (:func:`_moved`) to its scope and the whole
-  program's, less a fused attention's score matrices."""
-  for where, size, scores in _moved(program, values):
+  program's, less a fused attention's score matrices and the ``absorbed``
+  bytes of each kernel (by name)."""
+  for name, where, size, scores in _moved(program, values):
     for p in {None, where}:
-      parts.setdefault(p, Part()).accessed += size - scores
+      parts.setdefault(p, Part()).accessed += size - scores - absorbed.get(name, 0.0)
+
+
+def _absorbed(program: Program, values: _Values | None) -> dict[str, float]:
+  """:func:`partitioner._report.traffic.gemm_absorbed`, a fused attention's
+  score matrices (``values``) left as they are."""
+  return _traffic.gemm_absorbed(
+      program, (lambda k: _scores(k, values)) if values is not None else (lambda _: 0.0))
+
+
+def spreads(device: DeviceModel) -> bool:
+  """Whether a ring across hosts spreads its bytes over its devices'
+  network links under ``device`` (an accelerator's hosts, a link each:
+  :func:`network_share`); simulated CPU processes share none."""
+  return device.platform in ("gpu", "tpu")
+
+
+def stand_in_for(devices: Sequence[Any], device: DeviceModel) -> bool:
+  """Whether a program compiled for ``devices`` is scored under ``device``
+  as a stand-in: XLA:CPU's program (simulated devices) planning a GPU or
+  a TPU (:mod:`partitioner._report.stand_in`)."""
+  return bool(devices) and devices[0].platform == "cpu" and device.platform in ("gpu", "tpu")
 
 
 def _score_values(program: Program) -> _Values | None:
@@ -435,20 +463,17 @@ def score_traffic(program: Program | str, values: _Values | None = None) -> tupl
   values = values or _score_values(program)
   if values is None:
     return 0.0, 0.0
-  moved = sum(scores for _, _, scores in _moved(program, values))
+  moved = sum(scores for _, _, _, scores in _moved(program, values))
   return moved, _attention.transposed_score_bytes(program, _attention.score_shapes(program))
 
 
 def _add_collectives(parts: dict[str | None, Part], program: Program, processes: Sequence[int],
-                     values: _Values, scope: re.Pattern) -> None:
-  """Each collective's runs and bytes, shared among its operands' scopes."""
-  for op in program.instructions(sources=False):
-    k, sent, hosts, _ = _collective(op, processes)
-    if not k:
-      continue
-    across = sent if hosts > 1 else 0.0
+                     values: _Values, stand_in: bool, spread: bool) -> None:
+  """Each collective's runs and bytes (as :func:`_collectives` reads
+  them), shared among its operands' scopes."""
+  for whole, op, k, sent, hosts, across in _read(program, processes, stand_in, spread):
     levels = network_levels(op.opcode, hosts)
-    for share, where in _shares(op, values):
+    for share, where in _shares(whole, values):
       for p in {None, where}:
         part = parts.setdefault(p, Part())
         part.collectives += k * share
@@ -528,32 +553,44 @@ def collective_weight(opcode: str, group: int) -> float:
 
 def _collectives(program: Program, processes: Sequence[int], device: DeviceModel,
                  stand_in: bool = False) -> tuple:
-  """The program's collectives (``stand_in``: an XLA:CPU program's, as the
-  accelerator's compiler runs them, :func:`_as_run`): how many run, of
-  them across hosts, their weighted bytes, of them across hosts, the
-  doublings of the hosts their groups span; each one's seconds for one
-  run (by its line, for the schedule's replay), and the lines of those
-  that cross hosts."""
+  """The program's collectives (:func:`_read`): how many run, of them
+  across hosts, their weighted bytes, of them across hosts, the doublings
+  of the hosts their groups span; each one's seconds for one run (by its
+  line, for the schedule's replay), and the lines of those that cross
+  hosts."""
   count, remote, weighted, network, levels = 0, 0, 0.0, 0.0, 0.0
-  spread = device.platform in ("gpu", "tpu")
   once: dict[str, float] = {}
   across_lines = set()
+  for whole, op, k, sent, hosts, across in _read(program, processes, stand_in,
+                                                 spreads(device)):
+    count, weighted, network = count + k, weighted + sent, network + across
+    remote += k if hosts > 1 else 0
+    level = network_levels(op.opcode, hosts)
+    levels += k * level
+    # (one run's time, for the schedule's replay, by the program's line)
+    once[whole.line] = once.get(whole.line, 0.0) + device.comm_seconds(
+        (sent - across) / k, 1, across / k, int(hosts > 1), level)
+    if hosts > 1:
+      across_lines.add(whole.line)
+  return count, remote, weighted, network, levels, once, across_lines
+
+
+def _read(program: Program, processes: Sequence[int], stand_in: bool,
+          spread: bool) -> Iterator[tuple[_hlo.Instruction, _hlo.Instruction, int, float, int,
+                                          float]]:
+  """Each collective that moves something, as it runs: ``(the program's
+  instruction, the collective run, runs, bytes sent, hosts, of the bytes
+  those on each device's network link)``. ``stand_in``: an XLA:CPU
+  program's collectives as the accelerator's compiler runs them
+  (:func:`_as_run`); ``spread``: an accelerator's hosts (a ring across
+  them spreads its bytes over its devices' links, :func:`network_share`),
+  where a ring's hops inside a host run while its links send, so what
+  the links send is its time."""
   for whole in program.instructions(sources=False):
     for op in _as_run(program, whole, len(processes)) if stand_in else (whole,):
       k, sent, hosts, across = _collective(op, processes, spread)
-      # (a ring across hosts: its hops inside a host run while its link
-      # sends, so the link's bytes are its time)
-      sent = across or sent
-      count, weighted, network = count + k, weighted + sent, network + across
-      remote += k if hosts > 1 else 0
-      level = network_levels(op.opcode, hosts)
-      levels += k * level
-      if k:  # (one run's time, for the schedule's replay, by the program's line)
-        once[whole.line] = once.get(whole.line, 0.0) + device.comm_seconds(
-            (sent - across) / k, 1, across / k, int(hosts > 1), level)
-        if hosts > 1:
-          across_lines.add(whole.line)
-  return count, remote, weighted, network, levels, once, across_lines
+      if k:
+        yield whole, op, k, across or sent, hosts, across
 
 
 def _as_run(program: Program, op: _hlo.Instruction, n: int) -> list[_hlo.Instruction]:
@@ -636,6 +673,11 @@ def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
     attention, kernel = _attention.flops(program)  # (never XLA:GPU's: refused there)
   sequence = _attention.sequence(program) if kernel else 0
   overlapped = overlapped_bytes(program, device, values)
+  if stand_in:  # (XLA:CPU's conversions around its dots: inside an accelerator's matmuls)
+    absorbed = _absorbed(program, values)
+    matmuls_of = {k.name for k in _traffic.kernels(program) if k.matmuls}
+    accessed -= sum(absorbed.values())
+    overlapped = max(0.0, overlapped - sum(v for n, v in absorbed.items() if n in matmuls_of))
   narrow = (_traffic.narrow_flops(program, device.matmul_factor)
             if device.matmul_dim_factors else 0.0)
   own = cost.get("optimal_seconds")

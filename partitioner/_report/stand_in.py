@@ -18,6 +18,11 @@ data parallel across them), XLA:GPU reduce-scatters among the devices
 that hold different parts and all-reduces each part among those that
 hold the same (``cost._as_run``).
 
+Its kernels change too (``traffic.gemm_absorbed``): XLA:CPU writes a
+bfloat16 dot's result in float32 and rounds it in a kernel of its own,
+and copies a transposed or converted operand out before a dot, where
+XLA:GPU's gemm writes bfloat16 and reads the operand as it is.
+
 On the published A100 family's MPT 1B (one layer, FSDP over 8), XLA:CPU's
 collectives are float32 all-gathers of 815 MB, a float32 all-reduce of
 614 MB and float32 all-to-alls, 2.2 GB sent a device in all; XLA:GPU's,

@@ -18,7 +18,11 @@ body, as often as it runs) are of three sorts:
   fused into those readers, as XLA:GPU's fusion merger and its reduction
   fusions do: the result is never written, and each reader reads its
   inputs instead. So an elementwise chain moves its inputs and its output
-  once, however a compiler cut it.
+  once, however a compiler cut it. A result that several kernels read is
+  fused into them only where that reads less than writing it once (a
+  conversion, not a sum of two arrays), as XLA:GPU's priority fusion
+  weighs it; a fusion of one conversion is a view, as the conversion
+  alone is (XLA:CPU wraps it in a fusion or not by its kernel emitters).
 - **16-bit floats XLA:CPU widens**: XLA:CPU computes bfloat16 in float32,
   so a fusion that rounds its result to bfloat16 returns it widened (its
   root a ``convert`` from bf16); that value, and a transpose or copy of
@@ -67,6 +71,9 @@ _CONVERSIONS = _hlo.CONVERSIONS
 _ELEMENTWISE_FUSED = _hlo.ELEMENTWISE | _CONVERSIONS | {"broadcast", "constant", "iota", "parameter"}
 # What a fusion that rearranges an array holds.
 _MOVES = _CONVERSIONS | {"transpose", "parameter"}
+# What a kernel that an accelerator's matmul reads through (or writes
+# through) may hold: conversions, rounding, rearranging.
+_GEMM_OPERAND = _MOVES | {"reduce-precision"}
 # XLA:CPU's fusions that YNNPACK runs (their body says what they are).
 _YNN = '"kind":"__ynn_fusion"'
 # What a reduction kernel may hold: elementwise ops and reductions.
@@ -159,6 +166,85 @@ def narrow_flops(program: Program, factor: Callable[[int], float]) -> float:
                    for k in kernels(program) for f, d in k.matmuls if d))
 
 
+def gemm_absorbed(program: Program,
+                  held: Callable[[Kernel], float] = lambda _: 0.0) -> dict[str, float]:
+  """Per kernel, the bytes per call of an XLA:CPU program's traffic that
+  an accelerator's compiler moves inside its matmul kernels instead (for
+  a plan made on simulated CPU devices). XLA:CPU computes a bfloat16 dot
+  in float32 and writes its float32 result, which a kernel of conversions
+  alone then rounds to bfloat16 (XLA:GPU's gemm writes the bfloat16 in its
+  epilogue); and it feeds a dot through kernels that only convert,
+  transpose or copy its operand (XLA:GPU's gemm fusions and XLA:TPU's
+  convolution fusions read the operand as it is). Such a conversion
+  kernel moves nothing there (all its bytes), and the matmul writes the
+  narrower result (the difference, the matmul's; its readers read a
+  widened operand at 16 bits already). Kernels with
+  ``held`` bytes (a fused attention's score matrices, which it keeps on
+  chip) are left as they are."""
+  found = kernels(program)
+  by_name = {k.name: k for k in found}
+  saved: dict[str, float] = {}
+  for k in found:
+    if k.matmuls or k.name in saved or held(k) or not _converts_only(program, k.name):
+      continue
+    readers = _kernel_readers(program, k, by_name)
+    if readers and all(r.matmuls and not held(r) for r in readers):  # (a matmul's operand)
+      saved[k.name] = k.runs * k.bytes
+      continue
+    read = sum(k.reads.values())
+    source = by_name.get(_through_views(program, next(iter(k.reads)))) if len(
+        k.reads) == 1 else None
+    if (source is not None and source.matmuls and k.written < read and not held(source)
+        and _kernel_readers(program, source, by_name) == [k]):
+      saved[k.name] = k.runs * k.bytes  # (the matmul's result, rounded: its epilogue)
+      less = source.runs * max(0.0, source.written - k.written)
+      saved[source.name] = saved.get(source.name, 0.0) + less
+  return saved
+
+
+def _through_views(program: Program, name: str) -> str:
+  """The value below ``name``'s bitcasts and tuple reads."""
+  defined = program.defined
+  for _ in range(16):
+    d = defined.get(name)
+    if d is None or d.kind not in ("bitcast", "get-tuple-element") or not d.operands:
+      break
+    name = d.operands[0]
+  return name
+
+
+def _converts_only(program: Program, name: str) -> bool:
+  """Whether the kernel ``name`` only converts, rounds or rearranges one
+  array (its fusion's body holds nothing else)."""
+  d = program.defined.get(name)
+  if d is None:
+    return False
+  if d.kind != "fusion":
+    return d.kind in _GEMM_OPERAND and len(d.operands) == 1
+  body = _body(d)
+  return body is not None and _only(program, body, lambda m, _: m.kind in _GEMM_OPERAND,
+                                    arrays=1)
+
+
+def _kernel_readers(program: Program, k: Kernel, by_name: dict[str, Kernel]) -> list[Kernel]:
+  """The kernels that read ``k``'s result (through bitcasts); [] where
+  anything else reads it (a loop's carried value, the program's result)."""
+  readers = program.readers(k.computation)
+  found: list[Kernel] = []
+  names, todo = {k.name}, [k.name]
+  while todo:
+    for r in readers.get(todo.pop(), []):
+      if r.name in by_name:
+        if by_name[r.name] not in found:
+          found.append(by_name[r.name])
+      elif r.kind in ("bitcast", "get-tuple-element") and r.name not in names:
+        names.add(r.name)
+        todo.append(r.name)
+      else:
+        return []
+  return found
+
+
 def _matmuls(program: Program, name: str, depth: int = 0) -> list[tuple[float, int]]:
   """Each matmul of a fusion's computation ``name`` and of the fusions in
   it: ``(flops, smallest dimension)``."""
@@ -205,8 +291,11 @@ class _Computation:
     reductions: dict[str, bool] = {}  # (asked of the readers of elementwise values alone)
     into = lambda r: r.name in elementwise or reductions.setdefault(  # noqa: E731
         r.name, self._is_reduction(r))
-    self.fused = {n for n in elementwise
-                  if self.readers.get(n) and all(into(r) for r in self.readers[n])}
+    # (a fusion of one conversion is a view, as the conversion alone is:
+    # XLA:CPU wraps one or not by its kernel emitters)
+    self.fused = {n for n in elementwise - self.views
+                  if self.readers.get(n) and all(into(r) for r in self.readers[n])
+                  and self._duplicable(n)}
     self.width: dict[str, float] = {}
     for n, d in self.defs.items():  # (program order: a view's source comes first)
       width = _element_bytes(d.shape)
@@ -220,6 +309,20 @@ class _Computation:
       if n in self.views and d.operands:
         width = min(width, self.width.get(d.operands[0], width))
       self.width[n] = width
+
+  def _duplicable(self, name: str) -> bool:
+    """Whether an elementwise value is cheaper fused into each of its
+    readers (each reading its inputs) than written once and read by each,
+    as XLA:GPU's priority fusion weighs it: always with one reader; with
+    ``r``, where ``r`` times its inputs' bytes are at most its own bytes
+    ``1 + r`` times (a conversion, a broadcast: yes; a sum of two arrays
+    read twice: no)."""
+    r = len(self.readers.get(name, ()))
+    if r <= 1:
+      return True
+    d = self.defs[name]
+    inputs = sum(self.defs[v].bytes for v in d.operands if v in self.defs)
+    return r * inputs <= (1 + r) * d.bytes
 
   def is_kernel(self, op: Op) -> bool:
     """Whether the instruction ``op`` is a kernel."""

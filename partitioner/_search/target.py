@@ -30,7 +30,7 @@ from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report import cost as _cost
-from partitioner._report.cost import Cost, score
+from partitioner._report.cost import Cost, score, stand_in_for
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.hosts import hosts_of
 from partitioner._report.program import Program, parse
@@ -124,7 +124,8 @@ class Target:
     if self.part is None or self.proxy is None:
       return got, 0.0, digest, got.peak_memory
     part = self.part.estimate(c, dims, self.device, self.hosts)
-    parts = _cost.scoped(parsed, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused)
+    parts = _cost.scoped(parsed, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused,
+                         stand_in_for(self.devices, self.device), _cost.spreads(self.device))
     if len(parts) > 1:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
@@ -323,7 +324,8 @@ def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   parsed = parse(text)
   cost = score(parsed, _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats(),
-               hosts_of(len(program.devices), hosts), device, fused_attention)
+               hosts_of(len(program.devices), hosts), device, fused_attention,
+               stand_in_for(program.devices, device))
   return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), parsed
 
 
