@@ -39,6 +39,20 @@ def device_assignment(device_ids: Sequence[int]) -> Any:
       np.asarray(device_ids, dtype=np.int64).reshape(1, len(device_ids)))
 
 
+def jax_compile_options(devices: Sequence[Device]) -> Any:
+  """The CompileOptions ``jax.jit`` starts from for one replica over
+  ``devices`` (jax's ``compiler.get_compile_options``: the effort and
+  fitting levels of jax's config, the profile version, the caches of
+  jax's persistent cache where it is on), to which the caller adds its
+  own."""
+  import numpy as np
+  from jax._src import compiler
+  ids = np.asarray([d.id for d in devices], dtype=np.int64).reshape(1, len(devices))
+  return compiler.get_compile_options(
+      num_replicas=1, num_partitions=len(devices), device_assignment=ids,
+      backend=getattr(devices[0], "client", None))
+
+
 def compile_and_load(module: bytes, devices: Sequence[Device],
                      options: Any, host_callbacks: Sequence[Any] = ()) -> LoadedExecutable:
   """Compiles an MLIR module (bytecode or text) with jaxlib's client."""

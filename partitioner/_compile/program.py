@@ -82,14 +82,12 @@ def compile_options(
         f"the device assignment has shape {assignment.shape}, but"
         f" num_partitions={num_partitions} needs shape ({num_partitions},) or"
         f" (1, {num_partitions}): one replica, one device per partition.")
-  options = _compat.CompileOptions()
-  options.num_replicas = 1
-  options.num_partitions = num_partitions
+  # (jax.jit's options, so that XLA compiles ours alike: its effort and
+  # memory-fitting levels, its profile version)
+  options = _compat.jax_compile_options(list(assignment.reshape(-1)))
   build = options.executable_build_options
   build.use_spmd_partitioning = True
   build.use_shardy_partitioner = mode == "shardy"
-  options.device_assignment = _compat.device_assignment(
-      [d.id for d in assignment.reshape(-1)])
   if any(auto_outputs):
     build.allow_spmd_sharding_propagation_to_output = list(auto_outputs)
   if any(auto_inputs):
