@@ -472,7 +472,31 @@ def run(args) -> list[dict]:
           " pip install -e .[tpu])")
   else:
     names += [n for n, f in families.items() if f.model.startswith("tpu-")]
-  return _family_rows(names)
+  rows = _family_rows(names)
+  return rows + planned_on_cpu(rows, families)
+
+
+def planned_on_cpu(rows: list[dict], families: dict[str, Family]) -> list[dict]:
+  """Per configuration of a GPU family compiled both ways, the estimate
+  from XLA:CPU's program (simulated devices, read as XLA:GPU runs it)
+  against the estimate from XLA:GPU's own program: how far a plan made
+  without the CUDA plugin lands from one made with it."""
+  out = []
+  for name, family in families.items():
+    twin = families.get(f"{name}_xla_gpu")
+    if twin is None:
+      continue
+    gpu = {r["case"]: r for r in rows if r.get("against") == twin.source}
+    for r in rows:
+      if r.get("against") == family.source and r["case"] in gpu:
+        case = r["case"].replace("estimated vs published", "the plan from XLA:CPU's program vs"
+                                 " XLA:GPU's own")
+        out.append({"case": case, "unit": "TFLOP/s", "ours": r["ours"],
+                    "jax": gpu[r["case"]]["ours"], "ratio": r["ours"] / gpu[r["case"]]["ours"],
+                    "against": "XLA:GPU's program (compile-only GPUs)", "target": "0.87-1.15",
+                    "detail": f"{family.source}: estimated TFLOP/s per chip through XLA:CPU's"
+                              " program and through XLA:GPU's"})
+  return out
 
 
 def run_v6e(args) -> list[dict]:

@@ -122,11 +122,10 @@ HEADLINES = (
            Figure("search: steps/s vs the fastest",
                   _rows("search", r"^(transformer|MLP) .*: measured steps/s vs the fastest")
                   + _rows("search_models", r"^Gemma, \d+ layers: measured steps/s vs the")),
-           "the fastest of 6-8 hand-written layouts"),
-  Headline(CPU, "the same, a recommender (embedding bag + MLP)",
-           Figure("search: recommender", _rows(
-               "search", r"^embedding bag .*: measured steps/s vs the fastest")),
-           "the fastest of 8 (TorchRec's row- and column-wise among them)"),
+           "the fastest of 6-8 hand-written layouts (a recommender's, TorchRec's row- and"
+           " column-wise among them: {})",
+           aside=Figure("search: recommender", _rows(
+               "search", r"^embedding bag .*: measured steps/s vs the fastest"))),
   Headline(CPU, "layout search time, Gemma's decoder at 2 layers (transformers'"
            " `FlaxGemmaForCausalLM`)",
            Figure("search_models: search time", _rows(
@@ -166,7 +165,17 @@ HEADLINES = (
            Figure("published: GPUs", _rows("published", r"TFLOP/s per chip", full=False,
                                            against=r"^published \([^;]*(A3|A100|H100) table\)$"),
                   runs=_ONCE),
-           "the published rate"),
+           "the published rate (each over XLA:GPU's own estimate, the `cuda` extra: {})",
+           aside=Figure("published: XLA:CPU's plan over XLA:GPU's", _rows(
+               "published", r"the plan from XLA:CPU's program vs XLA:GPU's own", full=False),
+               runs=_ONCE)),
+  Headline(ESTIMATE, "a 5.9B GPT on 8 hosts x 8 A100s, planned on simulated devices: tensor x"
+           " data and pipeline x data layouts, Spearman's rho of the estimated order",
+           Figure("pipeline_data: cluster rankings", _rows(
+               "pipeline_data", r"estimated order, Spearman's rho"), runs=_ONCE),
+           "Megatron-LM's measured order (slowest over fastest, ours over theirs: {})",
+           aside=Figure("pipeline_data: cluster spread", _rows(
+               "pipeline_data", r"slowest over fastest, estimated vs published"), runs=_ONCE)),
   Headline(ESTIMATE, "memory counted from the jaxpr: torchtitan's Llama 3.1 8B on 8 H100s;"
            " a small decoder on 8 v5p chips in 11 layouts",
            Figure("plan_real: counted memory",

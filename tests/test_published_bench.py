@@ -82,6 +82,19 @@ def test_ranks_give_ties_their_mean_and_a_family_alike_no_order():
   assert "alike" in got["estimated with every collective hidden behind the compute"]["detail"]
 
 
+def test_each_gpu_configuration_compiled_both_ways_is_set_against_xla_gpus_own():
+  families = published._families()
+  a100, twin = families["a100"].source, families["a100_xla_gpu"].source
+  case = "MPT 1B, 14 x 2048 tokens a GPU on 8 x A100: TFLOP/s per chip, estimated vs published"
+  rows = [{"case": case, "ours": 200.0, "jax": 210.0, "against": a100},
+          {"case": case, "ours": 250.0, "jax": 210.0, "against": twin},
+          {"case": "only one way: " + case, "ours": 1.0, "jax": 1.0, "against": a100}]
+  (got,) = published.planned_on_cpu(rows, {"a100": families["a100"],
+                                           "a100_xla_gpu": families["a100_xla_gpu"]})
+  assert got["case"].endswith("TFLOP/s per chip, the plan from XLA:CPU's program vs XLA:GPU's own")
+  assert (got["ours"], got["jax"], got["ratio"]) == (200.0, 250.0, 0.8)
+
+
 def test_every_family_cites_its_table_and_names_a_model_and_a_topology():
   import partitioner
   for family in published._families().values():

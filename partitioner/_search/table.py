@@ -165,7 +165,7 @@ def own_compiler_hint(stand_in: dict) -> str:
     have = ("jax's CUDA plugin is installed here" if _compat.cuda_plugin_installed()
             else "the cuda extra: pip install 'sharded-jit[cuda]', about 5.5 GB")
     return ("Planned from XLA:CPU's programs on simulated devices, read as XLA:GPU runs"
-            " them: on the published GPU families such plans land at 0.79-0.98 of"
+            " them: on the published GPU families such plans land at 0.84-1.05 of"
             " XLA:GPU's own (docs/planning.md, \"Planning for GPUs, with XLA:GPU\"). For"
             f" XLA:GPU's own: devices=partitioner.gpu_devices({spec}) ({have}).")
   chip = key.removeprefix("tpu-") if key else "<chip>"
