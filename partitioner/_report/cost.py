@@ -253,8 +253,9 @@ def network_share(opcode: str, found: list[list[int]], processes: Sequence[int])
   fewest of any host): ``1 / g`` for a ring (an all-reduce, all-gather or
   reduce-scatter), which the library runs as ``g`` rings, one leaving the
   host through each device's link (NCCL: the all-reduce's bus bandwidth
-  across hosts is the host's NICs' together, nccl-tests issues 100 and
-  119: 85-96 GB/s on hosts of 8 A100s and 4 x 200 Gb/s); 1 for a permute
+  across hosts is the host's NICs' together: 85-96 GB/s on hosts of 8
+  A100s and 4 x 200 Gb/s, github.com/NVIDIA/nccl-tests/issues/100 and
+  /119); 1 for a permute
   (a device's own send) and an all-to-all (each device's sends to other
   hosts leave through its link)."""
   if opcode not in ("all-reduce", "all-gather", "reduce-scatter"):
