@@ -1,6 +1,7 @@
 """Dispatch section: per-call time (inputs already placed) of each front end
 (a direct sharded_jit call, the same with a donated argument fed back call
-after call, the same with a static argument, partitioner.pmap, a
+after call, a donated pytree of 2, 62 and 500 leaves fed back, the same
+with a static argument, partitioner.pmap, a
 sharded_jit staged in jax.jit) against jax.jit with the same shardings, and
 first-call time (trace + compile), on N devices and on 1 device."""
 
@@ -139,9 +140,38 @@ def build_pmap(jax, n: int) -> Pair:
   return Pair(ours, theirs, ours_in, [jax.device_put(x, x_in), jax.device_put(w, w_in)])
 
 
+def build_donated_tree(jax, n: int, leaves: int) -> Pair:
+  """A train step's shape of donation: a dict of ``leaves`` arrays (its
+  parameters and optimizer state), each split over the n devices, donated
+  and fed back (both sides); the guard that refuses a re-donated array
+  looks at each leaf (``partitioner._compile.dispatch``)."""
+  import numpy as np
+
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+
+  rng = np.random.default_rng(0)
+  tree = {f"w{k}": rng.normal(size=(8 * n, 4)).astype(np.float32) for k in range(leaves)}
+  step = lambda t: {k: v * 0.5 + 1.0 for k, v in t.items()}  # noqa: E731
+  spec = P(n, 1) if n > 1 else None
+  ours = sharded_jit(step, in_parts=spec, out_parts=spec, num_partitions=n, donate_argnums=0)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+  row = jax.sharding.NamedSharding(mesh, jax.P("x" if n > 1 else None, None))
+  theirs = jax.jit(step, in_shardings=row, out_shardings=row, donate_argnums=0)
+  placed = ours.lower(tree).in_shardings[0]
+  return Pair(ours, theirs, [jax.device_put(tree, placed)], [jax.device_put(tree, row)],
+              donated=True)
+
+
 FRONT_ENDS = {"sharded_jit": build, "sharded_jit, donated": build_donated,
               "sharded_jit, static argument": build_static, "pmap": build_pmap,
               "staged in jax.jit": build_staged}
+# (a donated pytree of so many leaves: 2, a small model's 62, a large one's
+# 500; timed over fewer calls, each up to 5 ms)
+TREES = {f"sharded_jit, donated pytree of {k} leaves": k for k in (2, 62, 500)}
+TREE_CALLS = 1000
+for _name, _leaves in TREES.items():
+  FRONT_ENDS[_name] = lambda jax, n, k=_leaves: build_donated_tree(jax, n, k)
 
 
 def feed(fn, inputs: list, donated: bool) -> tuple[list, object]:
@@ -152,19 +182,21 @@ def feed(fn, inputs: list, donated: bool) -> tuple[list, object]:
 
 
 def warm_up(fn, inputs: list, donated: bool) -> list:
+  import jax
   for _ in range(50):  # the first executions of a program are slower
     inputs, out = feed(fn, inputs, donated)
-  out.block_until_ready()
+  jax.block_until_ready(out)
   return inputs
 
 
 def batch(fn, inputs: list, calls: int, donated: bool) -> tuple[float, list]:
   """Seconds per call over ``calls`` back-to-back calls (one wait at the
   end), and the inputs for the next batch."""
+  import jax
   t0 = time.perf_counter()
   for _ in range(calls):
     inputs, out = feed(fn, inputs, donated)
-  out.block_until_ready()
+  jax.block_until_ready(out)
   return (time.perf_counter() - t0) / calls, inputs
 
 
@@ -181,7 +213,8 @@ def per_call(jax, front_end: str, n: int, calls: int) -> dict:
   ours_in = warm_up(pair.ours, list(pair.ours_in), pair.donated)
   theirs_in = warm_up(pair.theirs, list(pair.theirs_in), pair.donated)
   if pair.donated:  # (both fed back the same 50 times)
-    np.testing.assert_allclose(ours_in[0], theirs_in[0], rtol=1e-4, atol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                           ours_in[0], theirs_in[0])
   a, b = [], []
   for _ in range(max(1, calls // _BATCH)):
     seconds, ours_in = batch(pair.ours, ours_in, _BATCH, pair.donated)
@@ -217,6 +250,8 @@ def run(args) -> list[dict]:
   jax = setup_jax(args.devices)
   cases = []
   for n in sorted({args.devices, 1}, reverse=True):
-    cases += [per_call(jax, front_end, n, args.calls) for front_end in FRONT_ENDS]
+    cases += [per_call(jax, front_end, n,
+                       min(args.calls, TREE_CALLS) if front_end in TREES else args.calls)
+              for front_end in FRONT_ENDS]
     cases.append(first_calls(jax, n, args.first_calls))
   return cases
