@@ -184,6 +184,19 @@ def _block(heads: int, seq: int):
   return block
 
 
+def _stack(jax):
+  """The GPT stack's weight shapes by name, its stacked bfloat16 weights
+  and input (shapes only), and its block."""
+  import jax.numpy as jnp
+  c = CLUSTER
+  width = c["width"]
+  shapes = {"qkv": (width, 3 * width), "out": (width, width), "w1": (width, 4 * width),
+            "w2": (4 * width, width)}
+  params = {k: jax.ShapeDtypeStruct((c["layers"], *v), jnp.bfloat16) for k, v in shapes.items()}
+  x = jax.ShapeDtypeStruct((c["batch"], c["seq"], width), jnp.bfloat16)
+  return shapes, params, x, _block(c["heads"], c["seq"])
+
+
 def cluster_row(jax, s: int, d: int) -> tuple[dict, float]:
   """S x D of the GPT stack on 64 devices: collective bytes per device per
   step against one reduction of a stage's gradients plus the permutes;
@@ -196,25 +209,16 @@ def cluster_row(jax, s: int, d: int) -> tuple[dict, float]:
   from sharding import PartitionSpec as P
 
   c = CLUSTER
-  layers, width, bf16 = c["layers"], c["width"], jnp.bfloat16
-  shapes = {"qkv": (width, 3 * width), "out": (width, width), "w1": (width, 4 * width),
-            "w2": (4 * width, width)}
-  params = {k: jax.ShapeDtypeStruct((layers, *v), bf16) for k, v in shapes.items()}
-  x = jax.ShapeDtypeStruct((c["batch"], c["seq"], width), bf16)
+  shapes, params, x, block = _stack(jax)
   w_spec = P(s, 1, 1, grid=(s, d), axes=(0, None, None))
   x_spec = P(d, 1, 1, grid=(s, d), axes=(1, None, None))
-  block = _block(c["heads"], c["seq"])
 
   def loss(ps, x):
     y = partitioner.pipeline(block, ps, x, microbatches=c["batch"] // d, param_parts=w_spec,
                              x_parts=x_spec)
     return (y.astype(jnp.float32) ** 2).mean()
 
-  def step(ps, x):
-    value, grads = jax.value_and_grad(loss)(ps, x)
-    return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g.astype(p.dtype), ps, grads), value
-
-  f = sharded_jit(step, in_parts=(w_spec, x_spec), out_parts=(w_spec, None))
+  f = sharded_jit(_gpipe.sgd(loss), in_parts=(w_spec, x_spec), out_parts=(w_spec, None))
   compiled = f.lower(params, x).compile()
   cost = compiled.cost("a100", hosts=c["hosts"])
   (pipe,) = compiled.explain().pipelines
@@ -224,7 +228,7 @@ def cluster_row(jax, s: int, d: int) -> tuple[dict, float]:
   # devices (D > 8: 8 of each host, a ring leaving through each device's
   # network link, an eighth of its bytes on each), and the activations'
   # permutes between stages.
-  grads = sum(int(np.prod(v)) for v in shapes.values()) * layers // s * 2
+  grads = sum(int(np.prod(v)) for v in shapes.values()) * c["layers"] // s * 2
   per_host = c["devices"] // c["hosts"]
   spread = per_host if d > per_host else 1
   floor = 2 * (d - 1) / d * grads / spread + pipe.stage_bytes / 2
@@ -253,25 +257,16 @@ def tensor_seconds(jax, t: int, d: int) -> float:
 
   import partitioner
   c = CLUSTER
-  layers, width = c["layers"], c["width"]
-  shapes = {"qkv": (width, 3 * width), "out": (width, width), "w1": (width, 4 * width),
-            "w2": (4 * width, width)}
+  shapes, params, x, block = _stack(jax)
   mesh = Mesh(np.array(jax.devices()[:c["devices"]]).reshape(d, t), ("data", "tensor"))
   col, row = JP(None, None, "tensor"), JP(None, "tensor", None)
   specs = {k: NamedSharding(mesh, col if k in ("qkv", "w1") else row) for k in shapes}
-  params = {k: jax.ShapeDtypeStruct((layers, *v), jnp.bfloat16) for k, v in shapes.items()}
-  x = jax.ShapeDtypeStruct((c["batch"], c["seq"], width), jnp.bfloat16)
-  block = _block(c["heads"], c["seq"])
 
   def loss(ps, x):
     h = jax.lax.scan(lambda h, p: (jax.checkpoint(block)(p, h), None), x, ps)[0]
     return (h.astype(jnp.float32) ** 2).mean()
 
-  def step(ps, x):
-    value, grads = jax.value_and_grad(loss)(ps, x)
-    return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g.astype(p.dtype), ps, grads), value
-
-  compiled = jax.jit(step, in_shardings=(specs, NamedSharding(mesh, JP("data", None, None))),
+  compiled = jax.jit(_gpipe.sgd(loss), in_shardings=(specs, NamedSharding(mesh, JP("data", None, None))),
                      out_shardings=(specs, None)).lower(params, x).compile()
   return partitioner.cost(compiled, "a100", hosts=c["hosts"]).seconds
 
