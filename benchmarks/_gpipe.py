@@ -8,7 +8,8 @@ The model: L residual MLP layers, ``h = h + tanh(h @ w1) @ w2``, stacked
   reshaped to (S, L/S, ...) with the stage dimension over 'stage', a state
   buffer (S, microbatch, d) split the same way, a ``lax.scan`` over
   M + S - 1 ticks that feeds microbatch t into stage 0, ``vmap`` of a
-  per-stage scan over its layers, ``jnp.roll`` to shift (XLA makes it a
+  stage that runs its layers one after another (MaxText's default,
+  ``scan_layers_per_stage=False``), ``jnp.roll`` to shift (XLA makes it a
   collective-permute); every tick's stage outputs stay where they were
   computed and the last stage's are read once after the loop.
 - :func:`ours`: the same step with ``partitioner.pipeline`` in a
@@ -47,6 +48,15 @@ def sgd(loss_fn):
   return step
 
 
+def stage(w, h):
+  """One stage of the by-hand GPipe: its L/S layers one after another
+  (MaxText's default, ``scan_layers_per_stage=False``)."""
+  import jax
+  for i in range(w["w1"].shape[0]):
+    h = layer(jax.tree_util.tree_map(lambda a, i=i: a[i], w), h)
+  return h
+
+
 def by_hand(jax, stages: int, microbatches: int):
   """MaxText's GPipe in ``jax.jit`` on the first ``stages`` devices.
   Returns (the jitted step, the parameters' sharding, x's sharding)."""
@@ -60,9 +70,6 @@ def by_hand(jax, stages: int, microbatches: int):
   split = NamedSharding(mesh, JP("stage"))
   pin = lambda v: jax.lax.with_sharding_constraint(v, split)
 
-  def stage_fn(w, h):  # one stage: a scan over its L/S layers
-    return jax.lax.scan(lambda h, p: (layer(p, h), None), h, w)[0]
-
   def loss(params, x):
     w = jax.tree_util.tree_map(lambda a: pin(a.reshape(s, -1, *a.shape[1:])), params)
     xs = x.reshape(m, -1, x.shape[-1])  # (M, microbatch, d)
@@ -72,7 +79,7 @@ def by_hand(jax, stages: int, microbatches: int):
 
     def tick(state, x_t):
       state = pin(jnp.where(first, x_t[None], state))
-      out = pin(jax.vmap(stage_fn)(w, state))
+      out = pin(jax.vmap(stage)(w, state))
       return pin(jnp.roll(out, 1, axis=0)), out
 
     state = pin(jnp.broadcast_to(xs[:1], (s, *xs.shape[1:])))

@@ -11,8 +11,8 @@ microbatches:
   on the stacked weights;
 - by hand: ``jax.jit`` with NamedShardings on a ``('stage',)`` mesh: the
   weights reshaped to (S, L/S, ...), a state buffer split over 'stage', a
-  ``lax.scan`` over M + S - 1 ticks, ``vmap`` of a per-stage scan,
-  ``jnp.roll`` to shift.
+  ``lax.scan`` over M + S - 1 ticks, ``vmap`` of a stage that runs its
+  layers one after another (MaxText's default), ``jnp.roll`` to shift.
 
 Reported per S: steps/s (--steps // 3 interleaved rounds of 2 steps or
 more, each function warmed right before its timed steps; the ratio is the

@@ -14,7 +14,8 @@ microbatches:
   (S, L/S, ...) over 'stage', microbatch t the rows t, t + M, ... of the
   batch (its 'data' split stays), a state buffer (S, microbatch, d) over
   ('stage', 'data'), a ``lax.scan`` over M + S - 1 ticks, ``vmap`` of a
-  per-stage scan, ``jnp.roll`` to shift.
+  stage running its layers one after another (MaxText's default),
+  ``jnp.roll`` to shift.
 
 Reported per S x D: steps/s (interleaved rounds, the median per-round
 ratio), collective bytes per step per device (``partitioner.cost``, loops
@@ -81,9 +82,6 @@ def by_hand(jax, stages: int, data: int, microbatches: int):
   state_sharding = NamedSharding(mesh, JP("stage", "data"))
   pin = lambda v, sh: jax.lax.with_sharding_constraint(v, sh)
 
-  def stage_fn(w, h):  # one stage: a scan over its L/S layers
-    return jax.lax.scan(lambda h, p: (_gpipe.layer(p, h), None), h, w)[0]
-
   def loss(params, x):
     w = jax.tree_util.tree_map(lambda a: pin(a.reshape(s, -1, *a.shape[1:]), split), params)
     xs = x.reshape(-1, m, x.shape[-1]).swapaxes(0, 1)  # microbatch t: rows t, t + M, ...
@@ -92,7 +90,7 @@ def by_hand(jax, stages: int, data: int, microbatches: int):
 
     def tick(state, x_t):
       state = pin(jnp.where(first, x_t[None], state), state_sharding)
-      out = pin(jax.vmap(stage_fn)(w, state), state_sharding)
+      out = pin(jax.vmap(_gpipe.stage)(w, state), state_sharding)
       return pin(jnp.roll(out, 1, axis=0), state_sharding), out
 
     state = pin(jnp.broadcast_to(xs[:1], (s, *xs.shape[1:])), state_sharding)

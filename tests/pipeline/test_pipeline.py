@@ -140,6 +140,21 @@ def test_remat_recomputes_each_stage():
   assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
 
 
+def test_a_stage_runs_its_layers_one_after_another_unless_asked_to_scan_them():
+  """8 layers a stage: by default one loop (the ticks) forward and one
+  backward; with scan_layers a scan nested in each, whose stacked
+  residuals the tick loop stacks again (more bytes moved)."""
+  got = {}
+  for scan in (False, True):
+    f = step(stage_split(2), microbatches=4, stages=2, scan_layers=scan)
+    check_matches(f)
+    compiled = f.lower(*data()).compile()
+    loops = len(re.findall(r" while\(%", compiled.as_text()))
+    got[scan] = (loops, partitioner.cost(compiled, "a100").bytes_accessed)
+  assert got[False][0] == 2 and got[True][0] == 4
+  assert got[False][1] < 0.85 * got[True][1]
+
+
 def test_outside_a_sharded_program_it_is_the_plain_loop():
   params, x = data()
   got = jax.jit(lambda p, x: pipeline(layer_fn, p, x, microbatches=8, stages=4))(params, x)

@@ -134,7 +134,7 @@ def test_stages_read_from_in_parts_split_the_batch_over_the_axes_the_weights_lea
   (pipe,) = compiled.explain().pipelines
   stages, tensor = (1, 1) if w_spec is None else (w_spec[0], w_spec[2])
   # (a tensor split keeps its own reduction every tick)
-  assert pipe.data_reductions == 1 and _looped(compiled.explain()) == (tensor > 1)
+  assert pipe.data_reductions == 1 and (_looped(compiled.explain()) > 0) == (tensor > 1)
   matmuls = 3 * 2 * L * 64 * W * W / (stages * data * tensor)
   ticks = (4 + stages - 1) / 4
   assert matmuls * ticks <= partitioner.cost(compiled).matmul_flops <= 1.05 * matmuls * ticks

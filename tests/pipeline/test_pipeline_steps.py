@@ -122,11 +122,13 @@ def test_stage_params_are_each_stages_block_cut_into_its_chunks():
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_stage_function_runs_its_chunk_in_order(remat):
-  f = stage_function(lambda p, h: h * 10 + p, remat)
+@pytest.mark.parametrize("scan", [False, True])
+def test_stage_function_runs_its_chunk_in_order(remat, scan):
+  f = stage_function(lambda p, h: h * 10 + p, remat, scan)
   assert flat(f(jnp.asarray([[1.0], [2.0], [3.0]]), jnp.zeros((1,)))) == [123.0]
   jaxpr = str(jax.make_jaxpr(f)(jnp.ones((3, 1)), jnp.zeros((1,))))
   assert ("checkpoint" in jaxpr or "remat" in jaxpr) == remat
+  assert ("scan" in jaxpr) == scan  # one layer after another unless asked
 
 
 @pytest.mark.parametrize("blocks, want", [
