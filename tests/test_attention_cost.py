@@ -159,6 +159,11 @@ def test_a_fused_attention_is_charged_at_the_model_s_attention_rate():
   plain = [partitioner.cost(compiled, m) for m in (slow, fast)]
   assert plain[0].seconds == plain[1].seconds
   assert plain[0].attention_flops == plain[0].attention_kernel_flops == 0.0
+  # Attention's matmuls are narrow (the head size): XLA's run at the
+  # model's rate for a narrow GEMM, the fused kernel's at its own alone.
+  assert plain[0].narrow_flops >= a.attention_flops * (1 / h100.matmul_factor(H) - 1)
+  assert a.narrow_flops == pytest.approx(
+      plain[0].narrow_flops - a.attention_flops * (1 / h100.matmul_factor(H) - 1), abs=1.0)
 
 
 @pytest.mark.parametrize("attend,kw,match", [

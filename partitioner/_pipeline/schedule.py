@@ -5,7 +5,7 @@ to (stages, repeats, layers per chunk, ...) with the stage dimension split
 over the devices; a state buffer (stages, microbatch, ...) split the same
 way holds what each stage works on. Each tick (a ``lax.scan`` over
 R * M + S - 1 ticks) feeds the next microbatch into stage 0, runs every
-stage at once (``vmap`` of a per-stage ``lax.scan`` over its layers) and
+stage at once (``vmap`` of a stage running its layers one after another) and
 shifts the buffer one stage on (a roll of the split dimension, which XLA's
 SPMD partitioner turns into a collective-permute, and whose transpose is
 the roll back). With M a multiple of S an I/O buffer (stages, M / S,
@@ -25,7 +25,7 @@ function below that can be run and tested on its own:
 - :func:`weight_copies`: with a data split of the batch, one copy of each
   stage's weights per data block, so the weight gradients are reduced over
   the data devices once after the loop, not every tick;
-- :func:`stage_function`: one stage's chunk of layers, a ``lax.scan``;
+- :func:`stage_function`: one stage's chunk of layers, in order;
 - :func:`io_buffer`: the batch as the I/O buffer (S, M / S, mb, ...);
 - :func:`init_states`: the loop's first carry (:class:`Carry`) and what
   its ticks read (:class:`Feed`);

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
@@ -130,11 +131,30 @@ def flops(program: Program) -> tuple[float, float]:
   plus the logits again. So the kernel does half the flops of those that
   make score matrices and 1.5 times those that read them, and half of it
   all under jax's causal mask."""
+  found = kernel = 0.0
+  for f, makes, _ in _matmuls(program):
+    found += f
+    kernel += f / 2 if makes else 1.5 * f
+  if not found:
+    return 0.0, 0.0
+  return found, kernel / 2 if _CAUSAL.search(program.text) else kernel
+
+
+def narrow_flops(program: Program, factor: Callable[[int], float]) -> float:
+  """The part of :func:`partitioner._report.traffic.narrow_flops` that is
+  jax attention's matmuls (narrow by the head size): a fused kernel runs
+  them at a rate of its own instead."""
+  return float(sum(f * (1 / factor(d) - 1) for f, _, d in _matmuls(program) if d))
+
+
+def _matmuls(program: Program) -> list[tuple[float, bool, int]]:
+  """Each of jax attention's matmuls (:func:`flops`): its flops per call
+  (as often as it runs), whether it makes a score matrix (else it reads
+  one), its smallest dimension."""
   score = score_shapes(program)
   if not score:
-    return 0.0, 0.0
-  counts = program.runs
-  found = kernel = 0.0
+    return []
+  counts, found = program.runs, []
   for name in program.computations:
     defs = program.defs(name)
     for m, f in _hlo_flops.of(program, name, matmuls_only=True):
@@ -142,12 +162,9 @@ def flops(program: Program) -> tuple[float, float]:
       if op and not any(e in op.group(1) for e in EINSUMS):
         continue  # (named for something else, whatever its shapes)
       makes = is_score(m.shape, score)
-      reads = any(v in defs and is_score(defs[v].shape, score) for v in m.operands)
-      if makes or reads:
-        f *= counts.get(name, 1)
-        found += f
-        kernel += f / 2 if makes else 1.5 * f
-  return found, kernel / 2 if _CAUSAL.search(program.text) else kernel
+      if makes or any(v in defs and is_score(defs[v].shape, score) for v in m.operands):
+        found.append((f * counts.get(name, 1), makes, _hlo_flops.matmul_smallest(m, defs)))
+  return found
 
 
 # cuDNN's fused attention in a program XLA:GPU compiled

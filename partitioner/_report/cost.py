@@ -679,8 +679,10 @@ def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
     matmuls_of = {k.name for k in _traffic.kernels(program) if k.matmuls}
     accessed -= sum(absorbed.values())
     overlapped = max(0.0, overlapped - sum(v for n, v in absorbed.items() if n in matmuls_of))
-  narrow = (_traffic.narrow_flops(program, device.matmul_factor)
-            if device.matmul_dim_factors else 0.0)
+  narrow = 0.0
+  if device.matmul_dim_factors:  # (a fused kernel runs attention's at its own rate)
+    narrow = _traffic.narrow_flops(program, device.matmul_factor) - (
+        _attention.narrow_flops(program, device.matmul_factor) if fused_attention else 0.0)
   own = cost.get("optimal_seconds")
   got = Cost(flops=flops, bytes_accessed=accessed, collectives=count, collective_bytes=weighted,
              network_bytes=network, peak_memory=int(peak), seconds=0.0,

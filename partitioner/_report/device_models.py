@@ -92,6 +92,24 @@ measurement; the cpu's are measured:
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
+A matmul with a narrow dimension (a tensor-parallel shard's) runs below
+the rate of a wide one. The Hopper GPUs (``h100``, ``h200``, ``gh200``)
+and the ``b200`` carry XLA's own measurements of cuBLAS's bf16 GEMMs
+(XLA:GPU's cost model, ``kDefaultMatmulPTable`` in
+``xla/backends/gpu/cost_model/matmul_interpolator_data.h``, its "sm_90"
+and "sm_100_B200" tables as built into jax's CUDA plugin for jaxlib
+0.10.2): with one dimension of 256, 512, 1024 or 2048 and the other two
+4096, the mean of its three placements over a 4096-cubed GEMM's rate
+(780 TFLOP/s on sm_90, 1417 on the B200), ``matmul_dim_factors``:
+
+- sm_90: 0.519, 0.801, 0.935 and 0.960 (a dimension of 256: 399-418
+  TFLOP/s);
+- B200: 0.426, 0.656, 0.822 and 0.933.
+
+The A100 and the TPUs have none (none found): every matmul at the
+model's rate; ``partitioner.calibrate()`` measures them on the devices at
+hand.
+
 A fused attention kernel (``attention="fused"``: cuDNN's, which jax runs on
 a GPU) has a rate of its own on the H100, H200 and B200, on the kernel's
 count of flops (forward and backward, the causal mask's half skipped):
@@ -392,6 +410,10 @@ def _gpu(name: str, rates: tuple[float, float, float, float], latency: float,
 # cuDNN's fused attention by sequence length on one H200 (see the docstring):
 # 382, 466 and 521 TFLOP/s
 _HOPPER_ATTENTION = ((2048, 382 / 521), (4096, 466 / 521), (8192, 1.0))
+# cuBLAS's bf16 GEMM by its narrowest dimension, of a 4096-cubed one's rate:
+# XLA's measured tables (see the docstring)
+_HOPPER_MATMUL = ((256, 0.519), (512, 0.801), (1024, 0.935), (2048, 0.960), (4096, 1.0))
+_B200_MATMUL = ((256, 0.426), (512, 0.656), (1024, 0.822), (2048, 0.933), (4096, 1.0))
 
 # The known devices by name (read-only: give your own with DeviceModel(...)).
 MODELS = types.MappingProxyType({
@@ -399,12 +421,15 @@ MODELS = types.MappingProxyType({
                        overlap=False, error=0.30, platform="cpu"),
     "a100": _gpu("NVIDIA A100 SXM 80GB", (271e12, 2.0e12, 240e9, 25e9), 10e-6, 80e9, 156e12),
     "h100": _gpu("NVIDIA H100 SXM 80GB", (650e12, 3.0e12, 470e9, 50e9), 8e-6, 80e9, 336e12,
-                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
+                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION,
+                 matmul_dim_factors=_HOPPER_MATMUL),
     "h200": _gpu("NVIDIA H200 SXM", (680e12, 4.25e12, 470e9, 50e9), 8e-6, 141e9, 356e12,
-                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION),
-    "gh200": _gpu("NVIDIA GH200", (829e12, 4.0e12, 470e9, 50e9), 8e-6, 96e9, 494e12),
+                 attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION,
+                 matmul_dim_factors=_HOPPER_MATMUL),
+    "gh200": _gpu("NVIDIA GH200", (829e12, 4.0e12, 470e9, 50e9), 8e-6, 96e9, 494e12,
+                  matmul_dim_factors=_HOPPER_MATMUL),
     "b200": _gpu("NVIDIA B200", (1745e12, 7.7e12, 1800e9, 50e9), 8e-6, 180e9, 1125e12,
-                 attention_flops_per_s=998e12),
+                 attention_flops_per_s=998e12, matmul_dim_factors=_B200_MATMUL),
     "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
                           memory_bytes=32 * 2**30, platform="tpu"),
     "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,

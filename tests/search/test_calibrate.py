@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 from unittest import mock
 
 import jax
@@ -212,17 +213,26 @@ def test_the_named_h100_against_steps_measured_on_an_h100():
   """docs/scoring.md's figures: the whole steps timed on one H100 (their
   cost terms recorded; flops taken as the matmuls' where XLA's count,
   which left out cuBLAS calls, was lower) against the named model: its
-  sum of compute and memory time, float32 matmuls at the TF32 rate."""
+  sum of compute and memory time, float32 matmuls at the TF32 rate, an
+  MLP's matmuls at the rate for their narrowest dimension (the width or
+  the batch, read off the name; the decoders' counts hold no shapes)."""
   path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "measured", "h100-steps.json")
   with open(path) as f:
     rows = [r for r in json.load(f)["steps"] if r["seconds"] >= 1e-3]
   h100 = partitioner.DEVICE_MODELS["h100"]
 
+  def narrow(model, r):
+    mlp = re.match(r"mlp (\d+)x\d+, batch (\d+)", r["name"])
+    return r["matmul_flops"] * (1 / model.matmul_factor(min(map(int, mlp.groups()))) - 1
+                                ) if mlp else 0.0
+
   def ratios(model):
     return {r["name"]: model.compute_seconds(
-        max(r["flops"], r["matmul_flops"]), r["bytes_accessed"],
+        max(r["flops"], r["matmul_flops"]) + narrow(model, r), r["bytes_accessed"],
         r["matmul_flops"] if "float32" in r["name"] else 0.0) / r["seconds"] for r in rows}
   got = ratios(h100)
+  assert got["mlp 1024x4096, batch 8192, float32"] > ratios(
+      dataclasses.replace(h100, matmul_dim_factors=()))["mlp 1024x4096, batch 8192, float32"]
   rms = lambda got: float(np.sqrt(np.mean([(v - 1) ** 2 for v in got.values()])))
   assert len(rows) == 7 and rms(got) < 0.15 and all(0.8 < v < 1.2 for v in got.values())
   # A roofline, or one flop rate for both dtypes, is far off.
@@ -333,7 +343,7 @@ def test_a_narrow_shards_matmul_costs_its_rate():
   matmul whose smallest dimension is narrow costs its flops at that
   fraction (``Cost.narrow_flops``), a wide one its flops."""
   from partitioner._report.device_models import DeviceModel
-  base = partitioner.DEVICE_MODELS["h100"]
+  base = dataclasses.replace(partitioner.DEVICE_MODELS["h100"], matmul_dim_factors=())
   slow = dataclasses.replace(base, matmul_dim_factors=((64, 0.05), (4096, 1.0)))
   assert slow.matmul_factor(512) == pytest.approx(0.525)  # (halfway in the logarithm)
   narrow = jax.jit(lambda a, b: a @ b).lower(jnp.ones((512, 4096)), jnp.ones((4096, 4096)))
@@ -348,3 +358,22 @@ def test_a_narrow_shards_matmul_costs_its_rate():
   assert a.seconds > 1.5 * plain.seconds
   with pytest.raises(ValueError, match=r"matmul_dim_factors=.*not positive"):
     DeviceModel("x", 1.0, 1.0, 1.0, 1.0, 0.0, matmul_dim_factors=((0, 1.0),))
+
+
+@pytest.mark.parametrize("name, at_256", [("h100", 0.519), ("h200", 0.519), ("b200", 0.426),
+                                          ("a100", 1.0)])
+def test_named_gpus_charge_narrow_gemms_at_xlas_measured_rates(name, at_256):
+  """The Hopper GPUs and the B200 carry XLA's own table of cuBLAS's GEMMs
+  by their narrowest dimension (none found for the A100): a tensor shard
+  of 256 columns costs about twice its flops' time, a 4096-wide GEMM its
+  flops'."""
+  model = partitioner.DEVICE_MODELS[name]
+  assert model.matmul_factor(256) == pytest.approx(at_256)
+  assert model.matmul_factor(128) == model.matmul_factor(256)  # (below the table: its first)
+  assert model.matmul_factor(4096) == model.matmul_factor(16384) == 1.0
+  factors = [model.matmul_factor(d) for d in (256, 512, 1024, 2048, 4096)]
+  assert factors == sorted(factors)
+  narrow = jax.jit(lambda a, b: a @ b).lower(jnp.ones((256, 4096), jnp.bfloat16),
+                                             jnp.ones((4096, 4096), jnp.bfloat16)).compile()
+  got = partitioner.cost(narrow, name)
+  assert got.narrow_flops == pytest.approx(got.matmul_flops * (1 / at_256 - 1))
