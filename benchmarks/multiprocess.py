@@ -1,7 +1,9 @@
 """Multiprocess section: 2 ranks x N/2 devices under ``partitioner.launch``
 (each rank is ``benchmarks.multiprocess_child``): first call with binary
-sharing (rank 0 compiles) vs jax.jit (every rank compiles), and steady-state
-train steps/s."""
+sharing (rank 0 compiles) vs jax.jit (every rank compiles), steady-state
+train steps/s, and the time per call of the dispatch section's small
+function (its inputs placed, back-to-back calls), each against jax.jit
+with ``jax.distributed`` on the same ranks."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ class Metric:
 
 METRICS = (Metric("first_call", "first call, slowest rank (trace + compile + run)", "ms", 1e3,
                   max),
-           Metric("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min))
+           Metric("steps_per_sec", "train steps/s, slowest rank", "steps/s", 1, min),
+           Metric("per_call", "per call, a small function, inputs placed, slowest rank", "us",
+                  1e6, max))
 
 
 def run(args) -> list[dict]:
