@@ -150,7 +150,11 @@ def narrow_flops(program: Program, factor: Callable[[int], float]) -> float:
 def _matmuls(program: Program) -> list[tuple[float, bool, int]]:
   """Each of jax attention's matmuls (:func:`flops`): its flops per call
   (as often as it runs), whether it makes a score matrix (else it reads
-  one), its smallest dimension."""
+  one), its smallest dimension; found once per program."""
+  return program.kept(_matmuls, lambda: _find_matmuls(program))
+
+
+def _find_matmuls(program: Program) -> list[tuple[float, bool, int]]:
   score = score_shapes(program)
   if not score:
     return []
