@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 from unittest import mock
 
 import jax
@@ -377,3 +378,19 @@ def test_named_gpus_charge_narrow_gemms_at_xlas_measured_rates(name, at_256):
                                              jnp.ones((4096, 4096), jnp.bfloat16)).compile()
   got = partitioner.cost(narrow, name)
   assert got.narrow_flops == pytest.approx(got.matmul_flops * (1 / at_256 - 1))
+
+
+def test_a_loop_no_slower_at_twice_the_length_is_timed_longer(monkeypatch):
+  """On busy cores the 2k loop can come out no slower than the k one: that
+  is noise, not a free operation. The timing runs a 4x longer loop then,
+  each process as rank 0 says (``agree``), instead of reporting ~0 s."""
+  from partitioner._calibrate import timing
+
+  def build(k):  # (k < 8: the longer loop finishes first, as noise makes it)
+    return lambda x: (time.sleep(1e-3 * k if k >= 8 else 1e-3 * (4 - k)), x)[1]
+  monkeypatch.setattr(timing, "jax", mock.Mock(jit=lambda f: f, block_until_ready=lambda x: x))
+  asked = []
+  agree = lambda k: asked.append(k) or k
+  assert timing._per_iteration(build, (0,), 2, 3, agree) == pytest.approx(1e-3, rel=0.5)
+  assert asked == [8, 0]  # one longer loop, then done
+  assert timing._per_iteration(build, (0,), 8, 3) == pytest.approx(1e-3, rel=0.5)
