@@ -151,8 +151,9 @@ _SETTINGS: dict[str, _Setting] = {
     "max_inflight_steps": _Setting(
         "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _whole(0),
         "Multi-process runs on CPU devices: how many calls of sharded programs"
-        " may be queued on the devices before a new call waits for the oldest"
-        " to finish. XLA's CPU runtime deadlocks when many steps with"
+        " with collectives may be queued on the devices; every"
+        " max_inflight_steps // 2-th call waits for the previous such one to"
+        " finish. XLA's CPU runtime deadlocks when many steps with"
         " cross-process collectives run ahead of each other (plain jax.jit as"
         " well); 0 means no limit. GPUs and TPUs queue steps themselves: no"
         " limit there."),
@@ -210,9 +211,9 @@ class Config:
     check_unsharded: compare each new program's first call with an
       unsharded run on one device and raise on a mismatch. Env:
       ``SHARDED_JIT_CHECK_UNSHARDED``.
-    max_inflight_steps: multi-process on CPU devices: calls queued on the
-      devices before a new call waits for the oldest (default 4; 0 = no
-      limit; none on GPUs and TPUs). Env:
+    max_inflight_steps: multi-process on CPU devices: at most this many
+      calls of programs with collectives queued on the devices (default 4;
+      0 = no limit; none on GPUs and TPUs). Env:
       ``SHARDED_JIT_MAX_INFLIGHT_STEPS``.
 
   Example:

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from partitioner import _compat
+from partitioner._compile import program as _program
 from partitioner._compile.cache.calls import call_caches
 from partitioner._compile.dispatch import donation_guard, static_guard
 from partitioner._distributed.steps import steps
@@ -33,35 +34,46 @@ class Dispatched:
   Arguments whose signature (structure, avals, shardings, static values)
   already ran a program that needs no Python per call (see
   :meth:`Executable.fastpath`) run in C++, as ``jax.jit``'s do; anything
-  else reaches the subclass's ``_cache_miss(*args, **kwargs) -> (outputs,
-  fastpath data or None)``. The subclass sets ``_layout`` (its
-  ``ArgumentLayout``: static and donated positions) before
-  :meth:`start_dispatch`.
+  else reaches the subclass's ``_run(args, kwargs) -> (outputs, the
+  Executable that ran them as they were, or None)``. The subclass sets
+  ``_layout`` (its ``ArgumentLayout``: static and donated positions)
+  before :meth:`start_dispatch`.
+
+  Multi-process programs run in C++ too, counted (``steps.counting``):
+  once such a program runs, the front end's calls are counted and its
+  single-process programs (if any) take the Python path.
   """
 
   _layout: ArgumentLayout
   _dispatch: Any  # the C++ callable of _compat.cpp_dispatch
-  _cache_miss: Callable[..., tuple[Any, Any]]  # (a method of the subclass)
+  _counting: bool  # multi-process: calls go through steps.counting
+  _run: Callable[[tuple, dict], tuple[Any, Executable | None]]  # (the subclass's)
 
   def start_dispatch(self, who: str) -> None:
     layout = self._layout
-    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._cache_miss,
+    self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._miss,
                                           layout.static_argnums)
+    self._counting = False
     call_caches.on_clear(self)
-    call = self._dispatch
-    if layout.donate_argnums:
-      call = donation_guard(call, layout, self._unjitted)
-    elif layout.static_argnums:
-      call = static_guard(call, layout)
-    # The C++ callable (or its guard: _dispatch_guard) is this object's own
+    # The C++ callable (or its guard: _guarded) is this object's own
     # __call__, so that a call runs no other Python frame of ours: on
     # simulated devices, whose threads keep the cores busy, one frame costs
     # microseconds. Special methods are looked up on the type, hence a class
     # of its own per function.
     cls = type(self)
     self.__class__ = cast("type[Self]", type(cls.__name__, (cls,), {
-        "__call__": staticmethod(call), "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}))
+        "__call__": staticmethod(self._guarded(self._dispatch)),
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__}))
+
+  def _guarded(self, dispatch: Callable) -> Callable:
+    """``dispatch`` behind the guards this function's arguments need."""
+    layout = self._layout
+    if layout.donate_argnums:
+      return donation_guard(dispatch, layout, self._unjitted)
+    if layout.static_argnums:
+      return static_guard(dispatch, layout)
+    return dispatch
 
   def __call__(self, *args, **kwargs):  # (replaced per object: start_dispatch)
     return self._dispatch(*args, **kwargs)
@@ -71,9 +83,37 @@ class Dispatched:
     so does a change of the compile settings)."""
     self._dispatch._clear_cache()
 
+  def _miss(self, *args, **kwargs) -> tuple[Any, Any]:
+    """jax's C++ dispatch found no program for these arguments: (outputs,
+    what it needs to run such calls itself, or None)."""
+    steps.uncount()
+    out, executable = self._run(args, kwargs)
+    return out, None if executable is None else self._native(executable, out)
+
   def _unjitted(self, *args, **kwargs):
-    """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded."""
-    return self._cache_miss(*args, **kwargs)[0]
+    """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded.
+    The donation guard sends inputs it refuses here too."""
+    steps.uncount()
+    return self._run(args, kwargs)[0]
+
+  def _native(self, executable: Executable, out: Any) -> Any:
+    """What jax's C++ dispatch needs to run calls like this one itself."""
+    if executable.multi_process:
+      if not self._counting:
+        self._count_calls(executable)
+    elif self._counting:  # (its calls would be counted as multi-process steps)
+      return None
+    return executable.fastpath(out)
+
+  def _count_calls(self, executable: Executable) -> None:
+    """From now on every call is counted (see ``steps.counting``)."""
+    self._counting = True
+    self._dispatch._clear_cache()  # programs let through uncounted
+    def python(*args, **kwargs):
+      return self._run(args, kwargs)[0]
+    type(self).__call__ = staticmethod(steps.counting(
+        self._guarded(self._dispatch), self._guarded(python),
+        executable.process, executable.on_cpu))
 
 
 class Executable:
@@ -120,7 +160,9 @@ class Executable:
     self._effects = traced.effects        # host callbacks: run with runtime tokens
     self._keepalive = traced.keepalive    # what the callbacks need while we live
     self._process = process
-    self._bounded = process[1] > 1        # multi-process: see _steps.Steps
+    # Multi-process steps (see _distributed.steps): only a program with
+    # collectives can wait for a peer rank; the others run as single-process.
+    self._bounded = process[1] > 1 and _program.communicates(loaded)
     # (the step bound is for XLA:CPU's runtime; accelerators' queue steps)
     self._on_cpu = self._bounded and all(d.platform == "cpu" for d in loaded.local_devices())
     # Outputs with no elements: Shardy hands back whole-shaped buffers for
@@ -151,6 +193,22 @@ class Executable:
         given[k].delete()
     return outs
 
+  @property
+  def multi_process(self) -> bool:
+    """Whether the program spans several processes and has collectives:
+    its calls are steps, which wait for every rank."""
+    return self._bounded
+
+  @property
+  def on_cpu(self) -> bool:
+    """A multi-process program on CPU devices (its queue is bounded)."""
+    return self._on_cpu
+
+  @property
+  def process(self) -> tuple[int, int]:
+    """(this process's rank, the number of processes)."""
+    return self._process
+
   def runs_as_is(self, leaves: Sequence[Any]) -> bool:
     """Whether these inputs can go to :meth:`run` without any conversion
     (then so can any inputs with the same types, avals and shardings)."""
@@ -162,11 +220,10 @@ class Executable:
     """What jax's C++ dispatch needs to run this program itself (see
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
     passed :meth:`runs_as_is`); None when the per-call path needs Python:
-    effects, a multi-process step bound (each execution's runtime token,
-    see ``_distributed.steps``), empty outputs, per-process conversions. A donating
-    program's front end must check its donated inputs first (``Dispatched``
-    does)."""
-    if (self._effects or self._bounded or self._empty or
+    effects, empty outputs, per-process conversions. A donating program's
+    front end must check its donated inputs first, and a multi-process
+    program's must count its calls (``Dispatched`` does both)."""
+    if (self._effects or self._empty or
         self._localize is not None or self._globalize is not None or
         self._unwrap is not None):
       return None

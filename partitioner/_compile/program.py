@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -178,3 +179,15 @@ def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,
             f"XLA laid out flat {what} {k} as {actual}, but sharded_jit asked"
             f" for {tiling.gspmd()} (spec {tiling.spec!r}). This is a bug in"
             " sharded_jit; please report it with the function that triggers it.")
+
+
+# A collective instruction of an optimized HLO module (``%name = shape op(``).
+_COLLECTIVE = re.compile(
+    r"(?<![%\w.-])(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
+    r"collective-permute|collective-broadcast|send|recv)(?:-start)?\(")
+
+
+def communicates(loaded: _compat.LoadedExecutable) -> bool:
+  """Whether the compiled program has a collective (or a send/recv): in a
+  multi-process job only such a program can wait for a peer rank."""
+  return any(_COLLECTIVE.search(m.to_string()) for m in loaded.hlo_modules())

@@ -4,6 +4,11 @@ It bounds how many executions are queued on the devices, counts them (the
 ranks run the same programs in the same order, so the counts agree), and
 refuses to start one once a peer rank has left the job: that execution
 would wait forever for the missing rank inside XLA's collectives.
+
+Calls that jax's C++ dispatch runs without Python are counted by a thin
+wrapper (:meth:`Steps.counting`), one Python frame, as ``jax.jit``'s
+multi-process calls cost; on CPU devices every ``K``-th call runs through
+the Python path instead, whose runtime token bounds the queue.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from partitioner._config import config
 from partitioner._distributed.errors import PeerError
@@ -24,11 +32,13 @@ class Steps:
 
   When a training loop dispatches many steps of a program with
   cross-process collectives without reading a result, XLA's CPU runtime
-  deadlocks after a few dozen (plain ``jax.jit`` as well). A new execution
-  on CPU devices beyond ``config.max_inflight_steps`` first waits on the
-  host for the oldest to finish: no device computation is added, so the
-  ranks cannot order anything differently. Accelerators' runtimes queue
-  steps themselves: there, steps are only counted.
+  deadlocks after a few dozen (plain ``jax.jit`` as well: 38 on 2 ranks x
+  4 devices here). On CPU devices every ``K = max(1,
+  config.max_inflight_steps // 2)``-th execution runs with a runtime token
+  and first waits on the host for the previous such one: at most ``2K - 1
+  <= max_inflight_steps`` executions are queued, and no device computation
+  is added, so the ranks cannot order anything differently. Accelerators'
+  runtimes queue steps themselves: there, steps are only counted.
 
   Attributes:
     count: executions started so far.
@@ -37,9 +47,10 @@ class Steps:
   """
 
   def __init__(self):
-    self._tokens: collections.deque = collections.deque()
+    self._tokens: collections.deque = collections.deque()  # (count, token)
     self._newest: Any = None
     self.count = 0
+    self.precounted = False  # the call being dispatched is counted already
     self.departed: dict[int, int] = {}
     self.lock = threading.Lock()
 
@@ -62,26 +73,71 @@ class Steps:
       time.sleep(WATCHER_SECS)
     raise PeerError(departure_message(rank, size, self.departed, what))
 
+  def counting(self, native: Callable, python: Callable, process: tuple[int, int],
+               on_cpu: bool) -> Callable:
+    """A multi-process front end's call: ``native`` (jax's C++ dispatch,
+    which runs a known signature without Python) counted, or on CPU
+    devices every K-th call ``python`` (the Python path, which counts and
+    bounds the queue with the execution's token: :meth:`add`).
+
+    The count goes up before ``native`` runs, for a call that never
+    returns (its peer is gone) must be counted for the watcher to end the
+    job; when ``native`` hands the call to Python instead, that path takes
+    the count back (:meth:`uncount`) and counts its execution itself.
+    """
+    rank, size = process
+
+    def call(*args, **kwargs):
+      n = self.count + 1
+      if self.departed:
+        self.check_peers(rank, size, n)
+      if on_cpu and (limit := config.max_inflight_steps) and not n % max(1, limit // 2):
+        return python(*args, **kwargs)
+      self.count = n
+      self.precounted = True
+      try:
+        return native(*args, **kwargs)
+      finally:
+        self.precounted = False
+    return call
+
+  def uncount(self) -> None:
+    """The Python path was reached from a call :meth:`counting` counted:
+    it counts its execution (if any) itself."""
+    if self.precounted:
+      self.precounted = False
+      self.count -= 1
+
   def add(self, token: Any, bound: bool = True) -> None:
     """Records an execution (its runtime token); with ``bound`` (a program
-    on CPU devices, whose runtime deadlocks), waits while too many run."""
+    on CPU devices, whose runtime deadlocks), every K-th execution waits
+    for the previous K-th one (see the class)."""
     with self.lock:
       self.count += 1
+      n = self.count
       self._newest = token
     limit = config.max_inflight_steps if bound else 0
     if not limit:
       return
+    every = max(1, limit // 2)
     tokens = self._tokens
-    tokens.append(token)
-    while len(tokens) > limit:
-      tokens.popleft().block_until_ready()
+    tokens.append((n, token))
+    if n % every:
+      return
+    while tokens and tokens[0][0] <= n - every:
+      tokens.popleft()[1].block_until_ready()
 
   def drain(self) -> None:
-    """Waits until every execution started so far has finished."""
+    """Waits until every execution started so far has finished: the newest
+    token, and the arrays of this process (calls that jax's C++ dispatch
+    ran have no token)."""
     newest = self._newest
     if newest is not None:
       newest.block_until_ready()
     self._tokens.clear()
+    for x in jax.live_arrays():
+      if not x.is_deleted():
+        x.block_until_ready()
 
 
 def departure_message(rank: int, size: int, departed: dict[int, int],

@@ -29,7 +29,7 @@ from jax.extend.mlir import ir
 
 from partitioner import _compat, _distributed
 from partitioner._compile.cache.calls import call_caches
-from partitioner._compile.execute import Dispatched
+from partitioner._compile.execute import Dispatched, Executable
 from partitioner._compile.program import Program
 from partitioner._compile.stages import MappedCompiled, MappedLowered
 from partitioner._compile.stats import stats
@@ -127,9 +127,10 @@ class PmapFunction(Dispatched):
     # (not its __dict__: a wrapped sharded_jit function would lend us its state)
     functools.update_wrapper(self, fun, updated=())
 
-  def _cache_miss(self, *args, **kwargs) -> tuple[Any, Any]:
-    """The Python per-call path: (outputs, what the C++ dispatch needs to
-    run later calls like this one itself, or None)."""
+  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
+    """The Python per-call path: (outputs, the executable that ran them as
+    they were, which jax's C++ dispatch may run later calls like this one
+    with, or None)."""
     program, leaves, traced = self._program(args, kwargs)
     if traced:
       return program.staged(leaves), None
@@ -342,9 +343,9 @@ class MappedProgram:
     self._gspmd_checked = False
 
   def __call__(self, leaves: Sequence[Any], native: bool = True) -> tuple[Any, Any]:
-    """(the outputs, what jax's C++ dispatch needs to run such calls itself
-    when ``native`` and the inputs were placed as the program wants, else
-    None)."""
+    """(the outputs, the executable, which jax's C++ dispatch may run such
+    calls with, when ``native`` and the inputs were placed as the program
+    wants, else None)."""
     layout = self.layout(leaves)
     compiled = self._compiled.get(_layout_key(layout))
     if compiled is None:
@@ -354,7 +355,7 @@ class MappedProgram:
     executable = compiled.executable
     native = native and executable.runs_as_is(leaves)
     out = compiled.call_flat(leaves)
-    return out, executable.fastpath(out) if native else None
+    return out, executable if native else None
 
   def layout(self, leaves: Sequence[Any]) -> list[Any]:
     """What the program is lowered for. An input already on its devices

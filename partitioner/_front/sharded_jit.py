@@ -20,7 +20,7 @@ from partitioner import _compat, _distributed
 from partitioner._compile import check as _check
 from partitioner._compile import partition as _partition
 from partitioner._compile.cache.calls import call_caches
-from partitioner._compile.execute import Dispatched
+from partitioner._compile.execute import Dispatched, Executable
 from partitioner._compile.stages import Compiled, Lowered
 from partitioner._compile.stats import stats
 from partitioner._config import config
@@ -181,9 +181,10 @@ class ShardedJitFunction(Dispatched):
     # (not its __dict__: a wrapped sharded_jit function would lend us its state)
     functools.update_wrapper(self, fun, updated=())
 
-  def _cache_miss(self, *args, **kwargs) -> tuple[Any, Any]:
-    """The Python per-call path: (outputs, what the C++ dispatch needs to
-    run later calls like this one itself, or None).
+  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
+    """The Python per-call path: (outputs, the executable that ran them as
+    they were, which jax's C++ dispatch may run later calls like this one
+    with, or None).
 
     flatten -> key -> cached program -> execute -> wrap. For jax.Array
     inputs the key is their avals and shardings (attribute reads); a hit
@@ -208,7 +209,7 @@ class ShardedJitFunction(Dispatched):
       stats.cache_hit()
       runner, native = hit
       out = runner(leaves)
-      return out, None if native is None else native.fastpath(out)
+      return out, native
     compiled = self._lookup(len(args), static_values, leaves, treedef, settings)
     if compiled is None:  # called on tracers: see _staged
       return self._staged(len(args), static_values, leaves, treedef), None
@@ -222,7 +223,7 @@ class ShardedJitFunction(Dispatched):
         runner = compiled.call_flat
       self._fast_cache.put(key, (runner, native))
     out = compiled.call_flat(leaves)
-    return out, None if native is None else native.fastpath(out)
+    return out, native
 
   def _call_checked(self, compiled: Compiled, args: tuple, leaves: list) -> Any:
     """A new program's first call in check mode: also run it unsharded and

@@ -141,3 +141,69 @@ def test_watcher_and_main_thread_racing_report_once(steps, capsys, monkeypatch):
   out = capsys.readouterr()
   assert "TRACEBACK" not in out.out
   assert out.err.count("ended after 6 steps") == 20
+
+
+class FakeToken:
+  """A runtime token that records when it is waited for."""
+
+  def __init__(self, n, waited):
+    self.n, self.waited = n, waited
+
+  def block_until_ready(self):
+    self.waited.append(self.n)
+
+
+def test_counted_calls_count_before_running_and_every_kth_takes_python(steps, monkeypatch):
+  # max_inflight_steps 4: every 2nd call runs through Python (which counts
+  # itself, with its token); the others are counted before they run, so
+  # that a call that never returns (its peer is gone) is counted.
+  monkeypatch.setattr(_steps.config, "max_inflight_steps", 4)
+  seen = []
+
+  def native(x):
+    seen.append(("native", x, steps.count))
+    return x
+
+  def python(x):
+    seen.append(("python", x, steps.count))
+    steps.add(None, bound=False)
+    return x
+
+  call = steps.counting(native, python, (0, 2), on_cpu=True)
+  assert [call(k) for k in range(4)] == [0, 1, 2, 3]
+  assert seen == [("native", 0, 1), ("python", 1, 1), ("native", 2, 3), ("python", 3, 3)]
+  assert steps.count == 4 and not steps.precounted
+  on_gpu = steps.counting(native, python, (0, 2), on_cpu=False)
+  on_gpu(4), on_gpu(5)
+  assert [s[0] for s in seen[4:]] == ["native", "native"] and steps.count == 6
+
+
+def test_a_counted_call_that_python_runs_after_all_is_counted_once(steps):
+  def native(x):  # jax's C++ dispatch had no program: its miss runs Python
+    steps.uncount()
+    steps.add(None, bound=False)
+    return x
+
+  call = steps.counting(native, native, (0, 2), on_cpu=False)
+  call(1), call(2)
+  assert steps.count == 2
+
+
+def test_a_counted_call_after_a_peer_left_is_a_peer_error_not_a_run(steps, monkeypatch):
+  monkeypatch.setattr(_steps.time, "sleep", lambda s: None)
+  steps.count = 6
+  steps.departed[1] = 6
+  call = steps.counting(pytest.fail, pytest.fail, (0, 2), on_cpu=False)
+  with pytest.raises(PeerError, match=r"runs step 7"):
+    call(1)
+  assert steps.count == 6
+
+
+def test_every_kth_execution_waits_for_the_previous_kth(steps, monkeypatch):
+  # K = max_inflight_steps // 2 = 3: execution 6 waits for 3, 9 for 6;
+  # never more than 2K - 1 = 5 queued.
+  monkeypatch.setattr(_steps.config, "max_inflight_steps", 6)
+  waited = []
+  for n in range(1, 11):
+    steps.add(FakeToken(n, waited))
+  assert waited == [1, 2, 3, 4, 5, 6]

@@ -276,11 +276,42 @@ def test_a_rank_that_ends_early_under_pmap_ends_the_job_within_seconds(how):
   assert "Check failure" not in out
 
 
-def test_ranks_that_finish_apart_end_together_and_normally():
-  proc, _ = launch("mp_end.py", "finish", timeout=90)
+@pytest.mark.parametrize("how", ["exit0", "late"])
+def test_a_rank_that_ends_early_ends_the_job_when_calls_run_in_cpp(how):
+  # Global arrays, donated: rank 0's calls run in jax's C++ dispatch,
+  # counted by one Python frame; rank 1's early exit still ends the job.
+  code, rank_says, _ = ENDINGS[how]
+  proc, seconds = launch("mp_end.py", how, timeout=120, env={"MP_END_GLOBAL": "1"})
+  _assert_failed_with(proc, code)
+  for text in rank_says:
+    assert text in proc.stderr, proc.stderr[-3000:]
+  assert "Check failure" not in proc.stdout + proc.stderr
+  assert seconds < 60, seconds
+
+
+@pytest.mark.parametrize("calls", ["python", "cpp"])
+def test_ranks_that_finish_apart_end_together_and_normally(calls):
+  proc, _ = launch("mp_end.py", "finish", timeout=90,
+                   env={"MP_END_GLOBAL": "1"} if calls == "cpp" else {})
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "rank 0 finished its local work" in proc.stdout  # rank 1 waited for it
   assert "failed" not in proc.stderr
+
+
+def test_calls_of_global_arrays_run_in_cpp_counted_and_bounded():
+  # 200 train steps queued without a read (jax.jit's queue deadlocks after a
+  # few dozen here): every second call takes the Python path for the
+  # queue's bound (max_inflight_steps 4), the others run in C++; every call
+  # is a counted step. A function without collectives is neither.
+  proc, _ = launch("mp_fastpath.py", "200", timeout=150)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  ranks = [json.loads(j) for j in found(r"rank \d: (\{.*\})", proc.stdout)]
+  assert len(ranks) == 2, proc.stdout
+  for got in ranks:
+    assert got["train_count"] == 200, got
+    assert 95 <= got["train_hits"] <= 105, got
+    assert got["loss"] == got["reference"], got
+    assert got["local_hits"] == 0 and got["local_count"] == 0, got
 
 
 def test_resident_memory_stays_flat_over_2000_steps():
