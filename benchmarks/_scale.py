@@ -56,7 +56,7 @@ class Scale:
   plans: tuple[str, ...]
 
 
-FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
+FULL = Scale(calls=10000, first_calls=15, startup_runs=3, steps=30,
              fsdp_sizes=("transformer d_model 128", "transformer d_model 1024, d_ff 4096"),
              search_models=("transformer d_model 256", "transformer d_model 1024",
                             "MLP wide, batch 16", "MLP narrow, batch 4096",
@@ -77,7 +77,7 @@ FULL = Scale(calls=10000, first_calls=7, startup_runs=3, steps=30,
 # checkpoint cases the summary reads. A default run replaces only the rows
 # of the cases it gives: the others keep --full's figures
 # (``benchmarks.report.merge``).
-DEFAULT = Scale(calls=10000, first_calls=5, startup_runs=2, steps=12,
+DEFAULT = Scale(calls=10000, first_calls=9, startup_runs=2, steps=12,
                 fsdp_sizes=("transformer d_model 128",),
                 search_models=("MLP narrow, batch 4096",),
                 floor=False, search_rounds=(2, 6), final_seconds=8.0, model_layers=(2,),

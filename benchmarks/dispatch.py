@@ -233,15 +233,19 @@ def first_call(fn, inputs) -> float:
 
 def first_calls(jax, n: int, count: int) -> dict:
   """The first-call row on n devices: ``count`` fresh functions each side
-  (trace + compile each time), medians."""
+  (trace + compile each time), the sides in alternating order, medians."""
   from partitioner import clear_caches
 
   fa, fb = [], []
-  for _ in range(count):
+  for k in range(count):
     pair = build(jax, n)
     clear_caches()  # or the program is found among this process's executables
-    fa.append(first_call(pair.ours, pair.ours_in))
-    fb.append(first_call(pair.theirs, pair.theirs_in))
+    if k % 2:
+      fb.append(first_call(pair.theirs, pair.theirs_in))
+      fa.append(first_call(pair.ours, pair.ours_in))
+    else:
+      fa.append(first_call(pair.ours, pair.ours_in))
+      fb.append(first_call(pair.theirs, pair.theirs_in))
   return {"case": f"first call, {n} device(s)", "unit": "ms",
           "ours": statistics.median(fa) * 1e3, "jax": statistics.median(fb) * 1e3}
 

@@ -53,19 +53,21 @@ def jax_compile_options(devices: Sequence[Device]) -> Any:
       backend=getattr(devices[0], "client", None))
 
 
-def compile_and_load(module: bytes, devices: Sequence[Device],
+def compile_and_load(module: Any, devices: Sequence[Device],
                      options: Any, host_callbacks: Sequence[Any] = ()) -> LoadedExecutable:
-  """Compiles an MLIR module (bytecode or text) with jaxlib's client."""
+  """Compiles an MLIR module (an ``ir.Module``, bytecode or text) with
+  jaxlib's client."""
   client = devices[0].client
   if host_callbacks:
-    # This overload only takes an MLIR module object, not bytes.
-    from jax.extend.mlir import ir
-    from jax.interpreters import mlir
-    with mlir.make_ir_context():
-      parsed = ir.Module.parse(module)
-      return client.compile_and_load(
-          parsed, executable_devices=_xc.DeviceList(tuple(devices)),
-          compile_options=options, host_callbacks=list(host_callbacks))
+    if isinstance(module, bytes | str):
+      # This overload only takes an MLIR module object, not bytes.
+      from jax.extend.mlir import ir
+      from jax.interpreters import mlir
+      with mlir.make_ir_context():
+        return compile_and_load(ir.Module.parse(module), devices, options, host_callbacks)
+    return client.compile_and_load(
+        module, executable_devices=_xc.DeviceList(tuple(devices)),
+        compile_options=options, host_callbacks=list(host_callbacks))
   return client.compile_and_load(module, _xc.DeviceList(tuple(devices)), options)
 
 

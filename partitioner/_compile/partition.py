@@ -109,10 +109,10 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
                request.name, guard)
   program = Program(
       name=request.name, module=sharding_pass.as_bytecode(),
-      module_text=sharding_pass.as_text(), mode=mode,
+      fingerprint=sharding_pass.fingerprint(), mode=mode,
       devices=placement.devices, summary=_summary(ins, names),
       host_callbacks=traced.host_callbacks, inspect_sites=traced.inspect_sites,
-      auto_outputs=auto if any(auto) else ())
+      auto_outputs=auto if any(auto) else (), parsed=[sharding_pass.as_module()])
   return Lowered(
       name=request.name, layout=layout, inputs=inputs, traced=traced,
       placement=placement, program=program, in_names=tuple(names), donated=donated,

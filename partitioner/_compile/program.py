@@ -21,7 +21,8 @@ class Program:
   Attributes:
     name: the function's name.
     module: MLIR bytecode to compile.
-    module_text: the same module as text without locations (for the key).
+    fingerprint: the same module without locations, as bytecode (for the
+      cache key).
     mode: ``"shardy"`` or ``"gspmd"``.
     devices: the device assignment.
     summary: arguments' shapes and specs, for log messages.
@@ -34,10 +35,13 @@ class Program:
       host values, laid out where the program wants them).
     front_end: what made it (``"sharded_jit"``, ``"pmap"``), for the counts
       of :func:`~partitioner.compilation_stats`.
+    parsed: the module itself (an ``ir.Module``), which its first compile
+      takes instead of ``module``: XLA would parse the bytes again first
+      (milliseconds of every first call).
   """
   name: str
   module: bytes
-  module_text: str
+  fingerprint: bytes
   mode: str
   devices: tuple[_compat.Device, ...]
   summary: str
@@ -46,6 +50,15 @@ class Program:
   auto_outputs: tuple[bool, ...] = ()
   auto_inputs: tuple[bool, ...] = ()
   front_end: str = "sharded_jit"
+  parsed: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+  def as_text(self) -> str:
+    """The module as text, without locations (parsed again from
+    :attr:`module`: for reading, not for any per-call path)."""
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir
+    with mlir.make_ir_context():
+      return str(ir.Module.parse(self.module))
 
 
 def compile_options(
@@ -107,11 +120,15 @@ def compile_options(
   return options
 
 
-def compile_module(module: bytes, devices: Sequence[_compat.Device],
-                   options: _compat.CompileOptions,
-                   host_callbacks: Sequence[Any] = ()) -> _compat.LoadedExecutable:
-  """Compiles ``module`` for ``devices`` (the caller counts it)."""
-  return _compat.compile_and_load(module, devices, options, host_callbacks)
+def compile_module(program: Program,
+                   options: _compat.CompileOptions) -> _compat.LoadedExecutable:
+  """Compiles ``program`` for its devices (the caller counts it): its
+  module itself the first time, after that its bytes."""
+  try:
+    module: Any = program.parsed.pop()  # (once: the module is not kept alive)
+  except IndexError:
+    module = program.module
+  return _compat.compile_and_load(module, program.devices, options, program.host_callbacks)
 
 
 def chosen_tilings(loaded: _compat.LoadedExecutable, devices: Sequence[_compat.Device],

@@ -54,7 +54,7 @@ class Lowering(abc.ABC):
   def as_text(self) -> str:
     """The MLIR module XLA is given, after sharding insertion (and
     partitioner.pmap's rewrites), before XLA partitions it."""
-    return self.program.module_text
+    return self.program.as_text()
 
   @abc.abstractmethod
   def compile(self) -> CompiledProgram:

@@ -417,9 +417,8 @@ class MappedProgram:
     # Weight gradients summed over replicas: the sum before jax's transpose,
     # as jax.jit's partitioner places it (see _sink).
     module.rewrite(sink_transposes)
-    text = module.as_text()
     if config.partitioner == "gspmd" and not self._gspmd_checked:
-      self.check_gspmd(text)
+      self.check_gspmd(module.as_text())
     callbacks, keepalive, unordered, _ = _compat.lowering_callbacks(lowered)
     in_avals = tuple(jax.core.ShapedArray(x.shape, x.dtype,
                                           weak_type=getattr(x, "weak_type", False))
@@ -435,12 +434,12 @@ class MappedProgram:
                         for n, x in zip(self.in_names, layout))
     program = Program(
         name=f"partitioner.pmap({self.name})", module=module.as_bytecode(),
-        module_text=text, mode=config.partitioner, devices=self.devices,
+        fingerprint=module.fingerprint(), mode=config.partitioner, devices=self.devices,
         summary=summary, host_callbacks=callbacks, inspect_sites=traced.inspect_sites,
         auto_outputs=(True,) * len(out_avals),
         auto_inputs=tuple(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
                           for x in layout),
-        front_end=FRONT_END)
+        front_end=FRONT_END, parsed=[module.as_module()])
     out_names = tuple("output" + jax.tree_util.keystr(p) for p, _ in
                       jax.tree_util.tree_flatten_with_path(lowered.out_info)[0])
     return MappedLowered(

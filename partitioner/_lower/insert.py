@@ -20,7 +20,7 @@ import io
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from jax.extend.mlir import ir
+from jax.extend.mlir import ir, passmanager
 from jax.extend.mlir.dialects import func, sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
 
@@ -52,7 +52,17 @@ class ShardingPass:
   def __init__(self, module: ir.Module):
     self._context = module.context
     with self._context:
-      self._module = module.operation.clone()  # (an Operation: the module op)
+      # A module of its own (not a clone of the module op), which XLA can
+      # compile as it is: bytes it would parse again first.
+      self._copy = ir.Module.create(module.operation.location)
+      self._module = self._copy.operation
+      attrs = module.operation.attributes
+      for k in range(len(attrs)):
+        named = cast(ir.NamedAttribute, attrs[k])
+        self._module.attributes[named.name] = named.attr
+      body = ir.InsertionPoint(self._copy.body)
+      for op in module.body.operations:
+        op.clone(body)
     self._markers = self._find_markers()
     self.guards: list[Guard] = []  # ops kept unsplit where XLA errs (_guard)
 
@@ -143,6 +153,10 @@ class ShardingPass:
     with self._context:
       return rewrite(self._module)
 
+  def as_module(self) -> ir.Module:
+    """The rewritten module itself."""
+    return self._copy
+
   def as_bytecode(self) -> bytes:
     out = io.BytesIO()
     self._module.write_bytecode(file=out)
@@ -151,6 +165,17 @@ class ShardingPass:
   def as_text(self) -> str:
     with self._context:
       return str(self._module)
+
+  def fingerprint(self) -> bytes:
+    """The module without its locations, as bytecode: what the cache key
+    hashes (the same program at other source lines is the same program).
+    Cheaper than printing it: a large module prints in milliseconds."""
+    with self._context:
+      bare = self._module.clone()
+      passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(bare)
+      out = io.BytesIO()
+      bare.write_bytecode(file=out)
+      return out.getvalue()
 
 
 def _with_attrs(current: ir.ArrayAttr,

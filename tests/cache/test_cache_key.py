@@ -65,3 +65,42 @@ def test_the_simulated_device_count_alone_keeps_the_key(monkeypatch):
   base = key()
   monkeypatch.setenv("XLA_FLAGS", with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 16))
   assert key() == base
+
+
+def test_the_same_program_at_other_source_lines_keeps_the_key():
+  """The key hashes the module's bytecode without its locations: moving
+  code in a file compiles nothing again. The locations still reach XLA
+  (its op metadata: names and source frames)."""
+  def mlp(w, x):  # (the same program as the module's mlp, at other lines)
+
+    return jnp.tanh(x @ w).sum(0)
+
+  def lowered(fn):
+    return sharded_jit(fn, in_parts=(P(1, 4), None), out_parts=None).lower(W, X)
+  here, there = lowered(globals()["mlp"]), lowered(mlp)
+  assert here.cache_key() == there.cache_key()
+  assert here.program.module != there.program.module  # (their locations differ)
+  metadata = there.compile().as_text()
+  assert 'op_name="jit(mlp)/tanh"' in metadata and "stack_frame_id=" in metadata
+
+
+def test_a_program_compiles_from_its_module_then_from_its_bytes(monkeypatch):
+  """The first compile takes the lowered module itself (XLA would parse
+  its bytes again: milliseconds of a first call); it is not kept alive
+  after that, and a later compile reads the bytes."""
+  from jax.extend.mlir import ir
+
+  from partitioner import _compat, clear_caches
+  given = []
+  compile_and_load = _compat.compile_and_load
+  def spy(module, *args, **kwargs):
+    given.append(type(module))
+    return compile_and_load(module, *args, **kwargs)
+  monkeypatch.setattr(_compat, "compile_and_load", spy)
+  lowered = sharded_jit(mlp, in_parts=(P(1, 4), None), out_parts=None).lower(W, X)
+  first = lowered.compile()
+  assert lowered.program.parsed == []
+  clear_caches()
+  again = lowered.compile()
+  assert given == [ir.Module, bytes]
+  np.testing.assert_array_equal(np.asarray(first(W, X)), np.asarray(again(W, X)))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import partitioner
-from partitioner._compile import program as _program
+from partitioner import _compat
 from partitioner._report import cost as _cost
 from partitioner._search import select as _select
 from partitioner._search.axes import logical_axes
@@ -43,7 +43,7 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
     calls.append(1)
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(_program, "compile_module", interrupt)
+  monkeypatch.setattr(_compat, "compile_and_load", interrupt)
   f = lambda w, x: (x @ w).sum()
   with partitioner.config.override(cache_dir=str(tmp_path)):
     with pytest.raises(KeyboardInterrupt):

@@ -11,11 +11,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from partitioner._compile import program as _program  # noqa: E402
+from partitioner import _compat  # noqa: E402
 
 rank = world.rank
 compiles = []
-original = _program.compile_module
+original = _compat.compile_and_load
 
 
 def counting(*args, **kwargs):
@@ -23,7 +23,7 @@ def counting(*args, **kwargs):
   return original(*args, **kwargs)
 
 
-_program.compile_module = counting
+_compat.compile_and_load = counting
 
 
 def step(params, x):

@@ -30,13 +30,13 @@ def _hasher():
   return h, add
 
 
-def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
+def program_key(fingerprint: bytes, options: _compat.CompileOptions, mode: str,
                 devices: Sequence[_compat.Device]) -> str:
   """A hex SHA-256 of the program: what every rank must agree on.
 
   Args:
-    module_text: the module after sharding insertion, printed without
-      locations.
+    fingerprint: the module after sharding insertion, as bytecode without
+      locations (``ShardingPass.fingerprint``).
     options: the compile options (partition count, device assignment, XLA
       overrides, optimization level: all of it, serialized, less the
       simulated device count).
@@ -44,7 +44,7 @@ def program_key(module_text: str, options: _compat.CompileOptions, mode: str,
     devices: the device assignment.
   """
   h, add = _hasher()
-  add("module", module_text)
+  add("module", fingerprint)
   add("compile_options", _compat.serialize_compile_options(_without_device_count(options)))
   add("xla_flags", xla_flags("XLA_FLAGS"))
   add("libtpu_init_args", xla_flags("LIBTPU_INIT_ARGS"))

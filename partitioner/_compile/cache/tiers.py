@@ -138,7 +138,7 @@ class CompilationCache:
     current settings."""
     options = program_options(program)
     compression = _entry.default_compression()
-    pkey = program_key(program.module_text, options, program.mode, program.devices)
+    pkey = program_key(program.fingerprint, options, program.mode, program.devices)
     return pkey, cache_key(pkey, program.devices, compression), options, compression
 
   def load_or_compile(self, program: Program) -> _compat.LoadedExecutable:
@@ -248,8 +248,7 @@ class CompilationCache:
   def _compile(self, store: CacheStore | None, key: str, program: Program,
                options: _compat.CompileOptions, compression: str) -> _Binary:
     start = time.perf_counter()
-    loaded = _program.compile_module(program.module, program.devices, options,
-                                     program.host_callbacks)
+    loaded = _program.compile_module(program, options)
     elapsed = time.perf_counter() - start
     stats.add("compiles", front_end=program.front_end)
     stats.add("compile_secs", elapsed)
