@@ -67,14 +67,20 @@ class Figure:
 @dataclass(frozen=True)
 class Headline:
   """A summary row read from results.json: ``figure`` in the second
-  column; ``aside``, where given, fills the ``{}`` of ``reference``;
-  the command is the sections' own (``needs``: what it must have)."""
+  column; ``aside``, where given (one figure or several), fills the
+  ``{}`` of ``reference``, in order; the command is the sections' own
+  (``needs``: what it must have)."""
   group: str
   text: str
   figure: Figure
   reference: str
-  aside: Figure | None = None
+  aside: Figure | tuple[Figure, ...] | None = None
   needs: str = ""
+
+  @property
+  def asides(self) -> tuple[Figure, ...]:
+    return () if self.aside is None else (
+        self.aside if isinstance(self.aside, tuple) else (self.aside,))
 
 
 @dataclass(frozen=True)
@@ -138,9 +144,16 @@ HEADLINES = (
   Headline(CPU, "startup, compile or load: cold over warm persistent cache (higher is better)",
            Figure("startup: ours", _rows("startup", r"^compile or load .*, ours$", "cold/warm"),
                   ".1f", "x"),
-           "the cold process (jax's own cache: {})",
-           aside=Figure("startup: jax", _rows("startup", r"^compile or load .*, jax$",
-                                              "cold/warm"), ".1f", "x")),
+           "the cold process (jax's own cache: {}; a saved program's first call: {},"
+           " jax's `serialize_executable`: {})",
+           aside=(Figure("startup: jax", _rows("startup", r"^compile or load .*, jax$",
+                                               "cold/warm"), ".1f", "x"),
+                  Figure("startup: saved, ours", _rows(
+                      "startup", r"^first call, a saved program .*, ours$", "cold/warm"),
+                      ".1f", "x"),
+                  Figure("startup: saved, jax", _rows(
+                      "startup", r"^first call, a saved program .*, jax$", "cold/warm"),
+                      ".1f", "x"))),
   Headline(CPU, "2 ranks x 4 devices: first call, slowest rank (lower is better)",
            Figure("multiprocess: first call", _rows("multiprocess", r"first call")),
            "`jax.jit`, every rank compiling (a small function's per-call time: {})",
@@ -604,7 +617,7 @@ def _name(path: str) -> str:
 
 
 def _row(results: dict, h: Headline) -> str:
-  reference = h.reference.format(_range(results, h.aside)) if h.aside else h.reference
+  reference = h.reference.format(*(_range(results, a) for a in h.asides))
   fulls: dict[str, bool] = {}
   for rows in h.figure.rows:
     fulls[rows.section] = fulls.get(rows.section, False) or rows.full
@@ -661,7 +674,7 @@ def _record_runs(history: dict, results: dict, given: dict, command: str) -> Non
   if "--accelerator" in argv or (devices and devices.group(1) != "8"):
     return
   full = "--full" in argv
-  figures = [f for h in HEADLINES for f in (h.figure, h.aside) if f is not None]
+  figures = [f for h in HEADLINES for f in (h.figure, *h.asides)]
   for figure in figures:
     estimate = figure.runs == _ONCE
     for section in dict.fromkeys(rows.section for rows in figure.rows if rows.section in given):

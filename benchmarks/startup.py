@@ -1,6 +1,8 @@
 """Startup section: a fresh process (``benchmarks.startup_child``) running
-one train step of the 4-layer MLP over N devices, cold and then with a warm
-persistent cache; ours (SHARDED_JIT_CACHE_DIR) vs jax's persistent cache."""
+one train step of the 4-layer MLP over N devices, cold, then with a warm
+persistent cache, then loading the step the cold one saved; ours
+(SHARDED_JIT_CACHE_DIR, ``Compiled.serialize``) vs jax's persistent cache
+and ``jax.experimental.serialize_executable``."""
 
 from __future__ import annotations
 
@@ -20,29 +22,38 @@ ROWS = {"compile_part": "compile or load from cache",
         "to_first_result": "process start to first result"}
 
 
+# The same figures of a process that loads the step saved by the cold one
+# (ours: Compiled.serialize; jax: jax.experimental.serialize_executable).
+SAVED_ROWS = {"first_call": "first call, a saved program (load + run)",
+              "to_first_result": "process start to first result, a saved program"}
+
+
 def run(args) -> list[dict]:
-  def child(which: str, cache_dir: str) -> dict:
+  def child(which: str, cache_dir: str, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDED_JIT_") or k == "SHARDED_JIT_SEARCH_CACHE_DIR"}
     cmd = [sys.executable, "-m", "benchmarks.startup_child", "--which", which,
            "--cache-dir", cache_dir, "--devices", str(args.devices),
-           "--started", str(time.time())]
+           "--started", str(time.time()), *flags]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
-  cases, results = [], {"ours": ([], []), "jax": ([], [])}
-  for _ in range(args.startup_runs):  # alternate ours and jax, cold then warm
+  cases = []
+  results: dict = {which: {"cold": [], "warm": [], "saved": []} for which in ("ours", "jax")}
+  for _ in range(args.startup_runs):  # alternate ours and jax: cold, warm, saved
     for which in ("ours", "jax"):
       with tempfile.TemporaryDirectory() as d:
-        results[which][0].append(child(which, d))
-        results[which][1].append(child(which, d))
-  for which, (cold, warm) in results.items():
-    assert all(abs(w["loss"] - cold[0]["loss"]) < 1e-6 for w in cold + warm), (cold, warm)
-  for field, label in ROWS.items():
-    for which in ("ours", "jax"):
-      cold, warm = results[which]
-      cold_t = statistics.median(c[field] for c in cold)
-      warm_t = statistics.median(w[field] for w in warm)
-      cases.append({"case": f"{label}, {which}", "unit": "ms",
-                    "cold": cold_t * 1e3, "warm": warm_t * 1e3,
-                    "cold/warm": cold_t / warm_t})
+        results[which]["cold"].append(child(which, d, "--saved", "write"))
+        results[which]["warm"].append(child(which, d))
+        results[which]["saved"].append(child(which, d, "--saved", "read"))
+  for which, runs in results.items():
+    first = runs["cold"][0]["loss"]
+    assert all(abs(r["loss"] - first) < 1e-6 for rs in runs.values() for r in rs), runs
+  for rows, warm in ((ROWS, "warm"), (SAVED_ROWS, "saved")):
+    for field, label in rows.items():
+      for which in ("ours", "jax"):
+        cold_t = statistics.median(c[field] for c in results[which]["cold"])
+        warm_t = statistics.median(w[field] for w in results[which][warm])
+        cases.append({"case": f"{label}, {which}", "unit": "ms",
+                      "cold": cold_t * 1e3, "warm": warm_t * 1e3,
+                      "cold/warm": cold_t / warm_t})
   return cases

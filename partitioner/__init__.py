@@ -19,6 +19,8 @@ from partitioner._compile.cache import MemoryStore as MemoryStore
 from partitioner._compile.cache import clear_caches as clear_caches
 from partitioner._compile.check import PartitionerMismatchError as PartitionerMismatchError
 from partitioner._compile.check import check_tolerance as check_tolerance
+from partitioner._compile.saved import SavedProgram as SavedProgram
+from partitioner._compile.saved import deserialize_and_load as deserialize_and_load
 from partitioner._compile.stages import Compiled as Compiled
 from partitioner._compile.stages import Lowered as Lowered
 from partitioner._compile.stats import compilation_stats as compilation_stats
@@ -73,6 +75,7 @@ __all__ = [
   "PartitionerMismatchError",
   "PeerError",
   "PmapFunction",
+  "SavedProgram",
   "ShardedJitFunction",
   "World",
   "accumulate",
@@ -83,6 +86,7 @@ __all__ = [
   "config",
   "cost",
   "cuda_plugin_installed",
+  "deserialize_and_load",
   "explain",
   "gpu_devices",
   "initialize",
@@ -100,6 +104,6 @@ __all__ = [
 for _cls in (ShardedJitFunction, CacheStore, DiskStore, MemoryStore, Config,
              PeerError, PartitionerMismatchError, PmapFunction, World, Explanation,
              Compiled, Lowered, Cost, DeviceModel, Calibration, Checkpointer, FoundLayout,
-             CandidateResult, Decision, NoLayoutFitsError):
+             CandidateResult, Decision, NoLayoutFitsError, SavedProgram):
   _cls.__module__ = "partitioner"
 del _cls

@@ -71,14 +71,12 @@ def test_every_headline_reads_rows_the_committed_results_hold():
   # a renamed case or section would leave a figure to its old runs alone
   results = _results()
   for h in report.HEADLINES:
-    for figure in (h.figure, h.aside):
-      if figure is None:
-        continue
+    for figure in (h.figure, *h.asides):
       for rows in figure.rows:
         assert rows.section in report.SECTIONS
         assert report._values(results.get(rows.section) or [], rows), (figure.key, rows)
       assert figure.key in results["summary_runs"]
-  keys = [f.key for h in report.HEADLINES for f in (h.figure, h.aside) if f is not None]
+  keys = [f.key for h in report.HEADLINES for f in (h.figure, *h.asides)]
   assert len(keys) == len(set(keys))
 
 

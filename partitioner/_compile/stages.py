@@ -294,6 +294,21 @@ class Compiled(_Ours):
     return jax.tree_util.tree_unflatten(
         self.out_tree, self.executable.call_flat(leaves))
 
+  def serialize(self) -> bytes:
+    """The program as bytes, for :func:`partitioner.deserialize_and_load`
+    in a later process (a warm start: no tracing, no compiling): its
+    binary, where its values live, its argument and output structures,
+    and the versions and devices it was built for.
+
+    Raises:
+      NotImplementedError: a multi-process program (ranks restart from
+        the persistent cache that rank 0 shares).
+      ValueError: the program calls back into Python.
+      TypeError: a structure or static value that cannot be saved.
+    """
+    from partitioner._compile import saved
+    return saved.serialize(self)
+
   @property
   def input_shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
     # (the placement's: _lay_out gives the executable NamedShardings)

@@ -85,6 +85,20 @@ class ArgumentLayout:
     self._names = [p.name for p in params
                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
+  @classmethod
+  def from_names(cls, names: Sequence[str], static_argnums: Sequence[int],
+                 donate_argnums: Sequence[int], who: str) -> ArgumentLayout:
+    """The layout of a function known by its parameters' names alone (a
+    program loaded from bytes)."""
+    layout = cls(lambda: None, static_argnums, donate_argnums, who)
+    layout._names = list(names)
+    return layout
+
+  @property
+  def arg_names(self) -> tuple[str, ...]:
+    """The names of the function's positional parameters (for errors)."""
+    return tuple(self._names)
+
   def signature(self, nargs: int, static_values: tuple, leaves: Sequence[Any],
                 treedef: Any, sigs: tuple[tuple, ...] | None = None, *,
                 sign: Callable[[Any], tuple] | None = None) -> InputSignature:

@@ -162,6 +162,17 @@ class CompilationCache:
     self._memory_put(key, binary)
     return binary.loaded
 
+  def serialized(self, program: Program) -> bytes:
+    """The bytes of ``program``'s executable (loaded or compiled first if
+    this process's memory no longer holds it: on CPU an executable that
+    was itself loaded from bytes cannot be serialized again)."""
+    key = self.key(program)[1]
+    binary = self._memory_get(key)
+    if binary is None:
+      self.load_or_compile(program)
+      binary = cast(_Binary, self._memory_get(key))
+    return binary.to_bytes()
+
   def _memory_get(self, key: str) -> _Binary | None:
     with self._lock:
       binary = self._memory.get(key)
