@@ -371,6 +371,8 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))
     order.stop()
+    if code != 0:  # (nothing of it alive when the job starts again)
+      _end_leftovers(markers)
     if ended:
       return code, []
     marks = read_marks(markers, n)
@@ -479,6 +481,41 @@ def _join(*threads: threading.Thread) -> None:
   """Lets the output threads write what the ended job left, briefly."""
   for thread in threads:
     thread.join(timeout=2)
+
+
+def _end_leftovers(marker_dir: str, patience: float = 5.0) -> list[int]:
+  """Ends every process the failed attempt left running (a process a rank
+  started, a rank still exiting): those whose environment names the
+  attempt's own ``SHARDED_JIT_LAUNCH_DIR``, which MPI's launcher does not
+  end (each rank is a session of its own). Waits until they are gone, so
+  that a restart starts with nothing of the attempt before alive; returns
+  their PIDs. Linux only (``/proc``); elsewhere nothing."""
+  mine = f"SHARDED_JIT_LAUNCH_DIR={marker_dir}\0".encode()
+  left = []
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+    if not entry.isdigit() or int(entry) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        if mine in f.read() + b"\0":
+          os.kill(int(entry), signal.SIGKILL)
+          left.append(int(entry))
+    except (OSError, ProcessLookupError):  # gone, or not ours to read
+      continue
+  deadline = time.monotonic() + patience
+  for pid in left:
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+      time.sleep(0.05)
+  return left
+
+
+def _zombie(pid: int) -> bool:
+  """Whether ``pid`` has ended and waits for its parent to reap it."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except OSError:
+    return True
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -571,3 +571,33 @@ def test_our_process_flags_are_refused_with_another_launcher():
                        capture_output=True, text=True)
   assert out.returncode == 2
   assert "-n: not with -- srun ..., which starts the processes itself" in out.stderr
+
+
+# Rank 1 of the first attempt starts a process of its own, detached from
+# its output (MPI's launcher neither waits for it nor ends it), then
+# fails; that process would write a file 3 s later, during attempt 1.
+_LEAVES_A_PROCESS = (
+    "import os, pathlib, subprocess, sys, time\n"
+    "attempt, rank = int(os.environ['SHARDED_JIT_RESTART']), int(os.environ['PMI_RANK'])\n"
+    "here = pathlib.Path(__file__).parent\n"
+    "if attempt == 0 and rank == 1:\n"
+    "  subprocess.Popen([sys.executable, '-c', 'import pathlib, time; time.sleep(3);"
+    " pathlib.Path(%r).touch()' % str(here / 'left-over-ran')],\n"
+    "                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,"
+    " stderr=subprocess.DEVNULL)\n"
+    "  sys.exit(3)\n"
+    "if attempt == 1: time.sleep(5)\n"
+    "print(f'attempt {attempt} rank {rank} done', flush=True)\n")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_restart_starts_with_nothing_of_the_failed_attempt_alive(tmp_path):
+  script = tmp_path / "leaves.py"
+  script.write_text(_LEAVES_A_PROCESS)
+  proc, _ = mp.launch(str(script), devices=1, flags=["--max-restarts", "1"])
+  assert proc.returncode == 0, proc.stderr
+  assert "restart 1 of 1" in proc.stderr
+  assert mp.found(r"attempt 1 rank \d done", proc.stdout) == [
+      "attempt 1 rank 0 done", "attempt 1 rank 1 done"]
+  assert not (tmp_path / "left-over-ran").exists()  # ended before attempt 1 began
