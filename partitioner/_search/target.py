@@ -308,9 +308,11 @@ def compile_program(program: Any) -> Any:
   call from several threads at once (XLA's compiles release the GIL). For
   compile-only devices (a TPU topology), compiled as it would run: the
   target's memory analysis is what is asked of it."""
+  # Its bytes, not its module: the module's MLIR context is not for
+  # threads, nor kept alive by the search's candidates.
+  program.parsed.clear()
   if _compat.is_compile_only(program.devices[0]):
     return _compat.compile_only(program.module, program.devices, program_options(program))
-  # (its bytes, not its module: the module's MLIR context is not for threads)
   return _compat.compile_and_load(program.module, program.devices,
                                   program_options(program, score_only=True),
                                   program.host_callbacks)
