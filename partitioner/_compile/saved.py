@@ -50,6 +50,15 @@ def serialize(compiled: Any) -> bytes:
         " jax.debug.callback, pure_callback, inspect_array_sharding), and its"
         " binary refers to this process's functions. Hint: save a version of"
         " the function without them.")
+  traced = lowered.traced
+  for kind, names, avals in (("input", lowered.in_names, traced.in_avals),
+                             ("output", lowered.out_names, traced.out_avals)):
+    for name, aval in zip(names, avals):
+      if _compat.is_extended_dtype(aval.dtype):
+        raise TypeError(
+            f"{who}: {kind} {name} is a typed PRNG key ({aval.dtype}), which cannot"
+            " be saved. Hint: pass and return jax.random.key_data(key), and wrap it"
+            " again inside the function with jax.random.wrap_key_data.")
   executable = compiled.executable
   devices = program.devices
   fields = {

@@ -140,6 +140,15 @@ def test_what_cannot_be_saved_is_an_error_that_says_why():
     g.lower(X).compile().serialize()
 
 
+def test_a_typed_prng_key_is_refused_with_what_to_pass_instead():
+  f = sharded_jit(lambda key, x: x + jax.random.normal(key, x.shape), in_parts=(None, P(2, 1)),
+                  out_parts=P(2, 1))
+  compiled = f.lower(jax.random.key(0), X).compile()
+  with pytest.raises(TypeError, match=r"input argument `key` \(args\[0\]\) is a typed PRNG"
+                                      r" key .* jax.random.key_data"):
+    compiled.serialize()
+
+
 def test_a_program_no_longer_in_memory_is_saved_from_its_binary():
   lowered = train().lower(PARAMS, X, 0.1)
   compiled = lowered.compile()
