@@ -11,6 +11,7 @@ import numpy as np
 
 from partitioner import _compat
 from partitioner._lower.plan import tiling_of
+from partitioner._report.hlo import COLLECTIVE_KINDS
 from sharding._tiling import Tiling
 
 
@@ -198,10 +199,10 @@ def verify_shardings(loaded: _compat.LoadedExecutable, num_partitions: int,
             " sharded_jit; please report it with the function that triggers it.")
 
 
-# A collective instruction of an optimized HLO module (``%name = shape op(``).
-_COLLECTIVE = re.compile(
-    r"(?<![%\w.-])(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
-    r"collective-permute|collective-broadcast|send|recv)(?:-start)?\(")
+# A collective instruction of an optimized HLO module (``%name = shape op(``):
+# the kinds the reports read, and those that also wait for a peer.
+_COLLECTIVE = re.compile(r"(?<![%\w.-])(?:{})(?:-start)?\(".format("|".join(
+    (*COLLECTIVE_KINDS, "ragged-all-to-all", "collective-broadcast", "send", "recv"))))
 
 
 def communicates(loaded: _compat.LoadedExecutable) -> bool:

@@ -18,16 +18,14 @@ from typing import Any
 
 import jax
 import jax.core
-import jaxlib
 import numpy as np
 
 from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
-from partitioner._compile.cache.key import host_cpu_fingerprint
+from partitioner._compile.cache.key import host_cpu_fingerprint, versions
 from partitioner._compile.execute import Dispatched, Executable, Shardings
 from partitioner._lower.args import ArgumentLayout, InputSignature
 from partitioner._lower.trace import TracedProgram
-from partitioner._version import __version__
 
 _MAGIC = "sharded_jit compiled program"
 _FORMAT = 1
@@ -170,6 +168,12 @@ class SavedProgram(Dispatched):
     return jax.tree_util.tree_unflatten(self._out_tree, self._executable.out_shardings)
 
   def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+      raise NotImplementedError(
+          f"{self._layout.who} was called under a jax transformation (jax.jit, grad,"
+          " vmap, ...): a loaded program is a binary with no function to trace or"
+          " differentiate. Hint: call it outside the transformation, or call the"
+          " sharded_jit function itself there.")
     leaves = self._layout.check_call(self._inputs, args, kwargs)
     executable = self._executable
     native = executable if executable.runs_as_is(leaves) else None
@@ -210,13 +214,9 @@ def _named(saved: tuple, devices: tuple, mesh_of: dict) -> jax.sharding.NamedSha
 def _target(devices: tuple) -> dict:
   """What the binary was built for and with."""
   client = devices[0].client
-  return {"versions": _versions(), "platform": f"{client.platform} {client.platform_version}",
+  return {"versions": versions(), "platform": f"{client.platform} {client.platform_version}",
           "host": host_cpu_fingerprint() if client.platform == "cpu" else "",
           "devices": [(d.id, d.device_kind) for d in devices]}
-
-
-def _versions() -> str:
-  return f"jax {jax.__version__}, jaxlib {jaxlib.version.__version__}, sharded-jit {__version__}"
 
 
 def _devices(target: dict, name: str) -> tuple:
@@ -225,9 +225,9 @@ def _devices(target: dict, name: str) -> tuple:
   hint = (" Hint: lower and compile the function again here (with"
           " config.cache_dir set, a later process then loads it from the"
           " persistent cache).")
-  if target["versions"] != _versions():
+  if target["versions"] != versions():
     raise ValueError(f"deserialize_and_load({name}): saved by {target['versions']}; this"
-                     f" process has {_versions()}.{hint}")
+                     f" process has {versions()}.{hint}")
   by_id = {d.id: d for d in jax.devices()}
   wanted = target["devices"]
   missing = [(i, kind) for i, kind in wanted

@@ -140,6 +140,28 @@ def test_what_cannot_be_saved_is_an_error_that_says_why():
     g.lower(X).compile().serialize()
 
 
+def test_a_program_over_several_processes_is_refused_with_the_way_ranks_restart():
+  import dataclasses
+  import types
+  compiled = train().lower(PARAMS, X, 0.1).compile()
+  of_two_ranks = types.SimpleNamespace(
+      lowered=dataclasses.replace(compiled.lowered, process=(0, 2)),
+      executable=compiled.executable, out_tree=compiled.out_tree)
+  with pytest.raises(NotImplementedError, match=r"spans 2 processes.*persistent cache"):
+    _saved.serialize(of_two_ranks)
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_a_loaded_program_under_a_transformation_is_a_clear_error(transform):
+  f = sharded_jit(lambda x: jnp.tanh(x) * 2, in_parts=P(2, 1), out_parts=P(2, 1))
+  program = partitioner.deserialize_and_load(f.lower(X).compile().serialize())
+  call = {"jit": jax.jit(program), "grad": jax.grad(lambda x: program(x).sum()),
+          "vmap": jax.vmap(program)}[transform]
+  with pytest.raises(NotImplementedError, match=r"under a jax transformation .* no"
+                                                r" function to trace"):
+    call(X[None] if transform == "vmap" else X)
+
+
 def test_a_typed_prng_key_is_refused_with_what_to_pass_instead():
   f = sharded_jit(lambda key, x: x + jax.random.normal(key, x.shape), in_parts=(None, P(2, 1)),
                   out_parts=P(2, 1))
@@ -163,5 +185,5 @@ def test_a_program_no_longer_in_memory_is_saved_from_its_binary():
 
 def test_the_saved_target_names_versions_and_devices():
   target = _saved._target(tuple(jax.devices()[:2]))
-  assert target["versions"].startswith(f"jax {jax.__version__}, jaxlib ")
+  assert target["versions"].startswith(f"jax={jax.__version__} jaxlib=")
   assert target["devices"] == [(0, "cpu"), (1, "cpu")]

@@ -90,8 +90,12 @@ def _add_target(add: Callable[[str, str], None], mode: str,
   add("partitioner", mode)
   add("device_kinds", ",".join(d.device_kind for d in devices))
   add("device_assignment", ",".join(str(d.id) for d in devices))
-  add("versions", f"jax={jax.__version__} jaxlib={jaxlib.version.__version__}"
-                  f" sharded-jit={__version__}")
+  add("versions", versions())
+
+
+def versions() -> str:
+  """The jax, jaxlib and sharded-jit versions a binary is built with."""
+  return f"jax={jax.__version__} jaxlib={jaxlib.version.__version__} sharded-jit={__version__}"
 
 
 def cache_key(program: str, devices: Sequence[_compat.Device], compression: str) -> str:
