@@ -26,6 +26,7 @@ import jax
 from jax.core import eval_jaxpr
 
 from partitioner import _compat
+from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report import cost as _cost
@@ -313,9 +314,7 @@ def compile_program(program: Any) -> Any:
   program.parsed.clear()
   if _compat.is_compile_only(program.devices[0]):
     return _compat.compile_only(program.module, program.devices, program_options(program))
-  return _compat.compile_and_load(program.module, program.devices,
-                                  program_options(program, score_only=True),
-                                  program.host_callbacks)
+  return _program.compile_module(program, program_options(program, score_only=True))
 
 
 def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
