@@ -76,6 +76,7 @@ from partitioner._distributed.job_report import (
   by_signal,
   exit_statuses,
   how_it_ended,
+  killed_for_a_peer,
   lost,
   quiet_deaths,
 )
@@ -379,17 +380,31 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
   if all("done" in m for m in marks.values()):
     return code, []
   tails = (output.tail(), errors.tail())
-  statuses = exit_statuses(tails[0], n)
-  followed = by_signal(order.followed(quiet_deaths(marks)), statuses)
-  return _report_failure(cmd, code, marks, tails, n, followed), lost(marks, statuses, followed)
+  statuses, followed = _who_followed(order, marks, exit_statuses(tails[0], n))
+  return (_report_failure(cmd, code, marks, tails, n, followed, statuses),
+          lost(marks, statuses, followed))
+
+
+def _who_followed(order: EndOrder, marks: dict[int, dict[str, str]],
+                  statuses: dict[int, int]) -> tuple[dict[int, int], frozenset[int]]:
+  """The ranks' wait statuses (MPICH's ``statuses``, mended by what Linux
+  said) and those ended after a peer: a rank MPICH killed (it reports 0
+  where Linux saw a signal), whatever order the ends were seen in, and of
+  the others that may have died first, those a signal ended after a peer
+  (:class:`EndOrder`)."""
+  killed = killed_for_a_peer(order.statuses, statuses)
+  statuses = {**statuses, **{r: order.statuses[r] for r in killed}}
+  return statuses, killed | by_signal(order.followed(quiet_deaths(marks) - killed), statuses)
 
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],
-                    n: int, followed: frozenset[int]) -> int:
+                    n: int, followed: frozenset[int],
+                    statuses: dict[int, int] | None = None) -> int:
   """Says on stderr how a failed job ended (mpiexec's own failure, or each
   rank's ending) and returns the launcher's exit code; ``tails`` are the
   ends of the job's stdout and stderr, ``followed`` the ranks seen ending
-  after a peer's process (:class:`EndOrder`)."""
+  after a peer's process (:class:`EndOrder`), ``statuses`` the ranks' wait
+  statuses (else MPICH's, from ``tails``)."""
   if not any("started" in m for m in marks.values()):  # mpiexec's own failure
     said = (tails[0] + tails[1]).decode(errors="replace")
     hint = (" Hint: Open MPI refuses to run as root; if you mean to, set"
@@ -399,7 +414,8 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
                      f" {n} processes (exit code {code}); its"
                      f" own message is above.{hint}\n")
     return code or 1
-  statuses = exit_statuses(tails[0], n)
+  if statuses is None:
+    statuses = exit_statuses(tails[0], n)
   # (a rank seen ending after a peer's process was ended for it: its
   # status is not a cause)
   cause_known = any(s for r, s in statuses.items() if r not in followed) or any(

@@ -70,6 +70,10 @@ class EndOrder(threading.Thread):
   A rank has ended at the first of the two. Where AF_UNIX sockets, pidfds
   or epoll are missing it sees less, or nothing, and the report rests on
   MPICH's codes for the rest.
+
+  At that moment the process is still there (exiting, or a zombie until
+  MPICH's proxy reaps it), and Linux says how it ended: its wait status
+  is kept in ``statuses`` (see :func:`killed_for_a_peer`).
   """
 
   _SCAN_SECS = 0.05  # how often to look for ranks not started yet
@@ -79,6 +83,9 @@ class EndOrder(threading.Thread):
     self.directory, self.size = directory, size
     # Ranks in the order their processes ended; a set where it cannot tell.
     self.ended: list[set[int]] = []
+    # rank -> the wait status its process ended with, where Linux still said
+    self.statuses: dict[int, int] = {}
+    self._pids: dict[int, int] = {}
     self._wake_r, self._wake_w = os.pipe()
     self._listener: socket.socket | None = None
     if hasattr(os, "pidfd_open") and hasattr(select, "epoll"):
@@ -135,6 +142,7 @@ class EndOrder(threading.Thread):
               now.append(rank)
         gone = self._watch_new(watched, fds, ready) - done
         done |= gone
+        self._read_statuses([*now, *gone])
         if gone:  # (ended before it was watched: no telling when)
           self.ended.append(set(now) | gone)
         else:
@@ -196,11 +204,42 @@ class EndOrder(threading.Thread):
     return gone
 
   def _pid(self, rank: int) -> int | None:
+    if rank in self._pids:
+      return self._pids[rank]
     try:
       with open(os.path.join(self.directory, f"rank-{rank}.started")) as f:
-        return int(f.read())
+        self._pids[rank] = int(f.read())
     except (OSError, ValueError):
       return None
+    return self._pids[rank]
+
+  def _read_statuses(self, ranks: list[int]) -> None:
+    for rank in ranks:
+      pid = self._pid(rank)
+      status = None if pid is None else exit_status(pid)
+      if status is not None:
+        self.statuses[rank] = status
+
+
+_PF_EXITING = 0x4  # (include/linux/sched.h)
+
+
+def exit_status(pid: int) -> int | None:
+  """The wait status (as ``waitpid`` gives it) of process ``pid`` if it is
+  ending or has ended but was not reaped yet, from ``/proc/PID/stat``
+  (its ``exit_code``, Linux 3.5 and later); None while it runs, once it is
+  gone, or where /proc does not say."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      text = f.read()
+  except OSError:
+    return None
+  fields = text[text.rfind(b")") + 2:].split()  # from the 3rd: state
+  try:
+    state, flags, code = fields[0], int(fields[6]), int(fields[49])
+  except (IndexError, ValueError):
+    return None
+  return code if state in (b"Z", b"X") or flags & _PF_EXITING else None
 
 
 def _listen(path: str, size: int) -> socket.socket | None:
@@ -226,6 +265,15 @@ def by_signal(ranks: frozenset[int], statuses: dict[int, int]) -> frozenset[int]
   that exits tears down its memory before its peers hear of it, and a
   peer killed then may be gone first)."""
   return frozenset(r for r in ranks if 0 < statuses.get(r, 0) <= 255)
+
+
+def killed_for_a_peer(seen: dict[int, int], statuses: dict[int, int]) -> frozenset[int]:
+  """The ranks MPICH killed because a peer had died: a signal ended their
+  process (``seen``: :attr:`EndOrder.statuses`) yet MPICH reports 0, as
+  it does for the ranks it kills itself. Known this way whatever order
+  the ends were seen in."""
+  return frozenset(r for r, status in seen.items()
+                   if 0 < status <= 255 and status & 0x7F and statuses.get(r) == 0)
 
 
 def quiet_deaths(marks: dict[int, dict[str, str]]) -> set[int]:

@@ -452,6 +452,63 @@ def test_end_order_sees_a_rank_end_when_its_sockets_close(tmp_path):
   assert order.followed({0, 1}) == {0}
 
 
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_end_order_keeps_how_each_process_ended(tmp_path):
+  """Seen ending, a rank's process tells Linux's wait status while it is
+  not reaped yet: a signal's number, or the exit code (as os._exit(0))."""
+  from partitioner._distributed.job_report import EndOrder, exit_status
+  order = EndOrder(str(tmp_path), 2)
+  env = dict(os.environ, SHARDED_JIT_LAUNCH_DIR=str(tmp_path),
+             PYTHONPATH=os.pathsep.join([mp.ROOT, os.environ.get("PYTHONPATH", "")]))
+  exit0 = _HOLDER.replace("time.sleep(60)", "sys.stdin.readline(); os._exit(0)")
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), "wait"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+           for rank, code in enumerate([_HOLDER, exit0])]
+  try:
+    for proc in procs:
+      assert proc.stdout.readline() == "connected\n"
+    assert exit_status(procs[0].pid) is None  # (running)
+    procs[0].send_signal(signal.SIGKILL)  # (neither is reaped until the end)
+    procs[1].stdin.write("\n")
+    procs[1].stdin.flush()
+    deadline = time.monotonic() + 30
+    while len(order.statuses) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.communicate()
+    order.stop()
+  assert order.statuses == {0: signal.SIGKILL, 1: 0}
+
+
+def test_a_rank_mpich_killed_followed_whatever_order_was_seen(capsys):
+  """MPICH reports 0 for the rank it killed after a peer died (here rank
+  0, Linux saw signal 9) and 9 for the killed peer; though rank 0's end
+  was seen first, rank 1 died first and is the one taken as lost."""
+  from types import SimpleNamespace
+
+  from partitioner._distributed.job_report import EndOrder, lost
+  from partitioner.launch import _report_failure, _who_followed
+  marks = {0: {"started": "11"}, 1: {"started": "12"}}
+  tail = b"[mpiexec@host] Exit codes: [host] 0,9\n"
+  order = SimpleNamespace(statuses={0: 9, 1: 9}, ended=[{0}, {1}])  # (rank 0 seen first)
+  order.followed = lambda among: EndOrder.followed(order, among)
+  statuses, followed = _who_followed(order, marks, {0: 0, 1: 9})
+  assert (statuses, followed) == ({0: 9, 1: 9}, {0})
+  assert _report_failure(["mpiexec"], 9, marks, (tail, b""), 2, followed, statuses) == 9
+  err = capsys.readouterr().err
+  assert "rank 1: died first (PID 12, signal 9)" in err, err
+  assert "rank 0: was ended by the launcher (PID 11, signal 9) after a peer's" in err, err
+  assert lost(marks, statuses, followed) == [1]
+  # os._exit(0) first (Linux saw 0): the order seen stands
+  order.statuses = {0: 0, 1: 9}
+  assert _who_followed(order, marks, {0: 0, 1: 9}) == ({0: 0, 1: 9}, {1})
+  # nothing seen by Linux (reaped first): MPICH's codes and the order
+  order.statuses = {}
+  assert _who_followed(order, marks, {0: 0, 1: 9}) == ({0: 0, 1: 9}, {1})
+
+
 def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
   # (a race under "raise": jax's runtime or MPI may end the survivor on the
   # lost peer before its watcher says so)
