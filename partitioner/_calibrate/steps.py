@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from partitioner._report.cost import score
+from partitioner._report.cost import score, xla_analyses
 from partitioner._report.device_models import DeviceModel
 
 
@@ -262,8 +262,8 @@ def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
   for name, step, make in programs(devices):
     params, x = make()
     compiled = step.lower(params, x).compile()
-    cost = score(compiled.as_text(), dict(compiled.cost_analysis() or {}),
-                 compiled.memory_analysis(), processes, model)
+    cost = score(compiled.as_text(), xla_analyses(compiled.cost_analysis,
+                                                  compiled.memory_analysis), processes, model)
     params = jax.block_until_ready(step(params, x))  # (warm)
     start = time.perf_counter()
     params = jax.block_until_ready(step(params, x))

@@ -32,7 +32,7 @@ from partitioner._lower.plan import Placement
 from partitioner._lower.trace import TracedProgram
 from partitioner._report import collect as _collect
 from partitioner._report.collect import Description
-from partitioner._report.cost import Cost, fused_attention, score, stand_in_for
+from partitioner._report.cost import Cost, fused_attention, score, stand_in_for, xla_analyses
 from partitioner._report.device_models import DeviceModel, resolve
 from partitioner._report.explanation import Explanation
 from partitioner._report.hosts import device_hosts
@@ -228,12 +228,12 @@ class CompiledProgram(abc.ABC):
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
     where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
+    analyses = xla_analyses(self.cost_analysis, self.memory_analysis)
     program = parse(self.as_text())
     fused = fused_attention("cost", attention, program, devices[0].platform, model)
     # (an accelerator planned on simulated CPU devices: XLA:CPU's program in
     # its compiler's place)
-    return score(program, self.cost_analysis(), self.memory_analysis(), where, model, fused,
-                 stand_in_for(devices, model))
+    return score(program, analyses, where, model, fused, stand_in_for(devices, model))
 
   def explain(self) -> Explanation:
     """A readable report of the partitioned program; see :class:`Explanation`.

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -631,32 +632,55 @@ def _with_groups(line: str, found: list[list[int]]) -> str:
   return f"{line}, {text}"
 
 
-def score(program: Program | str, cost: dict, memory: Any, processes: Sequence[int],
-          device: DeviceModel, fused_attention: bool = False, stand_in: bool = False) -> Cost:
+def score(program: Program | str, analyses: Callable[[], tuple[dict, Any]],
+          processes: Sequence[int], device: DeviceModel, fused_attention: bool = False,
+          stand_in: bool = False) -> Cost:
   """The :class:`Cost` of a compiled program: ``program`` its partitioned
-  HLO (its text, or parsed once by the caller), ``cost``/``memory``
-  XLA's analyses, ``processes`` the process of each device of the
-  assignment; ``fused_attention``: the device runs
-  ``jax.nn.dot_product_attention`` as one fused kernel, so the bytes its
-  score matrices move in this program are not accessed there, and its
-  matmuls are the kernel's (at the model's ``attention_flops_per_s``);
-  ``stand_in``: an XLA:CPU program planning an accelerator, whose
-  collectives are counted as the accelerator's compiler runs them
-  (:mod:`partitioner._report.stand_in`)."""
+  HLO (its text, or parsed once by the caller), ``analyses`` gives XLA's
+  cost and memory analyses of it (called once, after the program's own
+  reading: :func:`xla_analyses` runs them meanwhile), ``processes`` the
+  process of each device of the assignment; ``fused_attention``: the
+  device runs ``jax.nn.dot_product_attention`` as one fused kernel, so the
+  bytes its score matrices move in this program are not accessed there,
+  and its matmuls are the kernel's (at the model's
+  ``attention_flops_per_s``); ``stand_in``: an XLA:CPU program planning
+  an accelerator, whose collectives are counted as the accelerator's
+  compiler runs them (:mod:`partitioner._report.stand_in`)."""
   with collector_paused():
-    return _score(parse(program), cost, memory, processes, device, fused_attention, stand_in)
+    return _score(parse(program), analyses, processes, device, fused_attention, stand_in)
 
 
-def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
-           device: DeviceModel, fused_attention: bool, stand_in: bool) -> Cost:
+def xla_analyses(cost: Callable[[], dict], memory: Callable[[], Any]
+                 ) -> Callable[[], tuple[dict, Any]]:
+  """Starts XLA's ``cost`` and ``memory`` analyses of a program on a
+  thread (XLA releases the GIL in them: a fifth of scoring a 24-layer
+  model) while the caller reads the program; the call returned waits for
+  them and gives ``(cost, memory)``, or raises what they raised."""
+  got: list = []
+
+  def run() -> None:
+    try:
+      got.append((cost(), memory()))
+    except BaseException as e:  # noqa: BLE001 - raised again by the caller
+      got.append(e)
+
+  thread = threading.Thread(target=run, name="sharded_jit XLA analyses", daemon=True)
+  thread.start()
+
+  def result() -> tuple[dict, Any]:
+    thread.join()
+    if isinstance(got[0], BaseException):
+      raise got[0]
+    return got[0]
+  return result
+
+
+def _score(program: Program, analyses: Callable[[], tuple[dict, Any]],
+           processes: Sequence[int], device: DeviceModel, fused_attention: bool,
+           stand_in: bool) -> Cost:
   count, remote, weighted, network, levels, once, across_lines = _collectives(
       program, processes, device, stand_in)
-  flops = _hlo_flops.program_flops(program, cost)
   accessed = _traffic.bytes_moved(program)
-  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-  if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
-    peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
   matmuls = _hlo_flops.matmul_flops_by_type(program)
   gpu = _hlo_flops.compiled_for_gpu(program)
   f32 = matmuls.get("f32", 0.0) if gpu else 0.0
@@ -664,7 +688,7 @@ def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
   # cuDNN's attention in XLA:GPU's program: a custom call, which XLA's
   # analyses count nothing for
   attention, kernel = _attention.cudnn_flops(program) if gpu else (0.0, 0.0)
-  flops += attention
+  extra = attention
   if attention:
     matmuls["cudnn"] = attention
   values = _score_values(program) if fused_attention else None
@@ -683,6 +707,12 @@ def _score(program: Program, cost: dict, memory: Any, processes: Sequence[int],
   if device.matmul_dim_factors:  # (a fused kernel runs attention's at its own rate)
     narrow = _traffic.narrow_flops(program, device.matmul_factor) - (
         _attention.narrow_flops(program, device.matmul_factor) if fused_attention else 0.0)
+  cost, memory = analyses()
+  flops = _hlo_flops.program_flops(program, cost) + extra
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  if device.platform == "tpu":  # XLA:TPU's own peak (its buffers' live ranges overlap less)
+    peak = getattr(memory, "peak_memory_in_bytes", 0) or peak
   own = cost.get("optimal_seconds")
   got = Cost(flops=flops, bytes_accessed=accessed, collectives=count, collective_bytes=weighted,
              network_bytes=network, peak_memory=int(peak), seconds=0.0,

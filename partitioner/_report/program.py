@@ -45,8 +45,7 @@ class Op:
                "root", "shape")
 
   def __init__(self, m: re.Match, line: str):
-    root, self.name, self.shape, self.kind, self.args = m.group("root", "name", "shape", "kind",
-                                                                "args")
+    root, self.name, self.shape, self.kind, self.args = m.groups()  # (DEFINITION's, in order)
     self.line = line
     self.root = root is not None
     self.operands: tuple[str, ...] = tuple(_hlo.OPERAND.findall(self.args))

@@ -30,7 +30,7 @@ from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._report import cost as _cost
-from partitioner._report.cost import Cost, score, stand_in_for
+from partitioner._report.cost import Cost, score, stand_in_for, xla_analyses
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.hosts import hosts_of
 from partitioner._report.program import Program, parse
@@ -322,10 +322,10 @@ def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
   """The compiled program's cost, its devices ``hosts`` hosts of
   consecutive ones (``fused_attention``: see :class:`Place`); a digest of
   its text; the text parsed (which a proxy's scoped cost reads again)."""
+  analyses = xla_analyses(lambda: _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
   parsed = parse(text)
-  cost = score(parsed, _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats(),
-               hosts_of(len(program.devices), hosts), device, fused_attention,
+  cost = score(parsed, analyses, hosts_of(len(program.devices), hosts), device, fused_attention,
                stand_in_for(program.devices, device))
   return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), parsed
 

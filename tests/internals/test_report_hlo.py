@@ -80,7 +80,7 @@ def test_explain_and_cost_follow_the_combined_bytes():
   memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
                           "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
   device = _device_models.default_model("cpu", "cpu")
-  score = _cost.score(_ASYNC, {}, memory, [0, 0, 0, 0], device)
+  score = _cost.score(_ASYNC, lambda: ({}, memory), [0, 0, 0, 0], device)
   expected = (1.5 * (260 + 4) + 0.75 * (144 + 128) + 3 * 1 + 32) * _KIB
   assert score.collectives == 6 and score.collective_bytes == pytest.approx(expected)
   # scoped() shares the combined all-reduce among its operands by their bytes.
@@ -135,7 +135,7 @@ def test_collectives_among_tpu_slices_cross_the_network():
   memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
                           "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
   device = _device_models.MODELS["tpu-v5e"]
-  score = _cost.score(_SLICES, {}, memory, [0] * 16, device)
+  score = _cost.score(_SLICES, lambda: ({}, memory), [0] * 16, device)
   # Among 4 slices: an all-reduce sends 2 (g-1)/g of its result, an
   # all-gather (g-1)/g of its result (g times the shard); all of it over
   # the network, though the 16 chips are one process here.
@@ -147,7 +147,7 @@ def test_collectives_among_tpu_slices_cross_the_network():
   # Each of the 4 crosses slices: a network latency, where the model has one.
   assert score.network_collectives == 4
   slow = dataclasses.replace(device, network_latency_s=1e-3)
-  assert _cost.score(_SLICES, {}, memory, [0] * 16, slow).seconds == pytest.approx(
+  assert _cost.score(_SLICES, lambda: ({}, memory), [0] * 16, slow).seconds == pytest.approx(
       expected / device.network_bytes_per_s + 4e-3)
 
 
@@ -185,7 +185,7 @@ def test_a_ring_across_gpu_hosts_spreads_its_bytes_over_the_devices_links(model)
   memory = type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
                           "temp_size_in_bytes": 0, "alias_size_in_bytes": 0})()
   device = _device_models.MODELS[model]
-  score = _cost.score(_ACROSS, {}, memory, [0] * 4 + [1] * 4, device)
+  score = _cost.score(_ACROSS, lambda: ({}, memory), [0] * 4 + [1] * 4, device)
   size = 64 * _KIB
   wide, pairs, permute, a2a = 2 * 7 / 8 * size, 2 * 1 / 2 * size, size, 7 / 8 * size
   spread = 4 if model == "a100" else 1
@@ -412,3 +412,22 @@ def test_a_compiled_program_is_parsed_once_per_cost_and_per_explain(monkeypatch)
   assert cost.collectives > 0 and len(made) == 1
   compiled.explain()
   assert len(made) == 2
+
+
+def test_xlas_analyses_run_while_the_program_is_read_and_their_errors_reach_the_caller():
+  import threading
+  read = threading.Event()
+
+  def cost():  # (done only once the caller has read the program: on another thread)
+    assert read.wait(10), "the analyses ran before the caller went on"
+    return {"flops": 1.0}
+
+  result = _cost.xla_analyses(cost, lambda: "memory")
+  read.set()
+  assert result() == ({"flops": 1.0}, "memory")
+
+  def fails():
+    raise RuntimeError("XLA says no")
+
+  with pytest.raises(RuntimeError, match="XLA says no"):
+    _cost.xla_analyses(lambda: {}, fails)()

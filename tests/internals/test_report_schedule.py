@@ -25,7 +25,7 @@ def _device(flops_per_s: float) -> DeviceModel:
 
 
 def _score(text: str, device: DeviceModel, matmuls: int) -> _cost.Cost:
-  return _cost.score(text, {"flops": matmuls * _MATMUL}, _MEMORY, [0] * 8, device)
+  return _cost.score(text, lambda: ({"flops": matmuls * _MATMUL}, _MEMORY), [0] * 8, device)
 
 
 def _program(body: str) -> str:
@@ -311,7 +311,7 @@ def test_the_part_across_hosts_hides_its_own_share(hidden):
   exposed however long the network takes, where a share of the whole
   communication hid part of it."""
   device = _device(1e9)  # (the dot, 524 us, outlasts either gather)
-  got = _cost.score(_across_and_within(hidden), {"flops": 2 * _MATMUL}, _MEMORY,
+  got = _cost.score(_across_and_within(hidden), lambda: ({"flops": 2 * _MATMUL}, _MEMORY),
                     [0] * 4 + [1] * 4, device)
   across, within = 64 * 64 * 4 * 7 / 8 / 1e9, 32 * 64 * 4 * 3 / 4 / 1e9
   assert got.network_collectives == 1 and got.network_bytes * 1e-9 == pytest.approx(across)
