@@ -131,6 +131,50 @@ def test_checkpoints_orbax_wrote_restore(tmp_path, handler):
   np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(12.0).reshape(3, 4) + 1)
 
 
+def _orbax_save(ocp, directory, how, state):
+  """``state`` saved at step 6 by plain orbax, as ``how`` says."""
+  if how == "StandardCheckpointer":
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / "6", state)
+    checkpointer.wait_until_finished()
+    return
+  items = {"default": ocp.args.StandardSave(state)} if how == "manager" else {
+      "params": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave({"epoch": 2})}
+  if how == "two trees":
+    items["opt_state"] = ocp.args.StandardSave({"mu": jnp.zeros(3)})
+  manager = ocp.CheckpointManager(directory, item_names=tuple(items))
+  manager.save(6, args=ocp.args.Composite(**items))
+  manager.wait_until_finished()
+  manager.close()
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("how", ["StandardCheckpointer", "manager", "manager, named items"])
+def test_a_checkpoint_plain_orbax_wrote_restores_into_another_layout(tmp_path, how):
+  """A train state orbax saved by itself (its checkpointer at
+  ``directory/step``, its manager's default item, or a pytree item beside a
+  JSON item, which comes back as the extra) restores through Checkpointer,
+  split over other devices than it was saved from."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  saved = _state(3.0, jax.devices()[:2])
+  _orbax_save(ocp, tmp_path, how, saved)
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, extra = ckpt.restore(_state(0.0, jax.devices()[4:8]))
+  assert (step, extra) == (6, {"epoch": 2} if "named" in how else {})
+  assert got["w"].sharding.device_set == set(jax.devices()[4:8])
+  assert got["w"].addressable_shards[0].data.shape == (2, 4)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, got, saved)
+
+
+def test_an_orbax_checkpoint_of_two_pytrees_is_a_clear_error(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  _orbax_save(ocp, tmp_path, "two trees", _state())
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt, pytest.raises(
+      ValueError, match=r"holds 2 pytree items \(opt_state, params\), not one state.*orbax's"
+                        r" CheckpointManager"):
+    ckpt.restore(_state())
+
+
 def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
   """A jax array's sharding; a numpy array as numpy; a ShapeDtypeStruct
   without a sharding as a jax array on this process's first device."""

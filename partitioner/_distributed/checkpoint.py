@@ -5,8 +5,9 @@ Each process writes the pieces of the state it holds, in the background,
 into a temporary directory that rank 0 renames into place once every
 process is done (``checkpoint_files``), so a checkpoint cut off by a
 crash is never listed, never restored. The step that saves returns once
-the arrays are copied off the devices. Checkpoints that orbax wrote (this
-class before it had its own writer) restore through orbax.
+the arrays are copied off the devices. Checkpoints that orbax wrote (its
+checkpointers' and managers', and this class's before it had its own
+writer) restore through orbax.
 """
 
 from __future__ import annotations
@@ -245,30 +246,51 @@ def _check_same(directory: str, step: int, have: dict[str, tuple], state: Any) -
 
 
 def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dict]:
-  """Restores a checkpoint orbax wrote (this class's earlier versions)."""
+  """Restores a checkpoint orbax wrote: with ``StandardCheckpointer`` or
+  ``PyTreeCheckpointer`` at ``directory/step``, or with a
+  ``CheckpointManager`` (its ``default`` item, or one pytree item and JSON
+  items, as this class's earlier versions wrote ``state`` and ``extra``).
+  Its JSON item is the extra (several: a dict of them by name)."""
   try:
     import orbax.checkpoint as ocp
   except ImportError:
     raise ImportError(f"Checkpointer: the checkpoint of step {step} in {directory} was written"
-                      " by orbax (an earlier version of partitioner.Checkpointer); reading it"
-                      " needs orbax-checkpoint. Hint: pip install orbax-checkpoint.") from None
-  manager = ocp.CheckpointManager(directory, item_handlers={
-      "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
-  try:
-    target = jax.tree_util.tree_map(_abstract, state)
-    metadata = manager.item_metadata(step)
-    saved = metadata["state"] if metadata is not None and "state" in metadata else None
-    if saved is not None:
-      _check_same(directory, step, {files.leaf_path(p): (v.shape, v.dtype) for p, v in
-                                    jax.tree_util.tree_leaves_with_path(saved)
-                                    if hasattr(v, "shape")}, target)
-    got = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-        extra=ocp.args.JsonRestore()))
-  finally:
-    manager.close()
-  return got["state"], step, dict(got["extra"] or {})
+                      " by orbax; reading it needs orbax-checkpoint. Hint: pip install"
+                      " orbax-checkpoint.") from None
+  path = os.path.join(directory, str(step))
+  trees, jsons = _orbax_items(path)
+  if len(trees) != 1:
+    raise ValueError(
+        f"Checkpointer: the checkpoint of step {step} in {directory} (orbax's) holds"
+        f" {len(trees)} pytree items ({', '.join(trees) or 'none'}), not one state."
+        " Hint: restore it with orbax's CheckpointManager, naming its items; nothing was"
+        " restored.")
+  item = os.path.join(path, trees[0]) if trees[0] else path
+  target = jax.tree_util.tree_map(_abstract, state)
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(item)
+  saved = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
+  if saved is not None:
+    _check_same(directory, step, {files.leaf_path(p): (v.shape, v.dtype) for p, v in
+                                  jax.tree_util.tree_leaves_with_path(saved)
+                                  if hasattr(v, "shape")}, target)
+  got = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+      target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+  read = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+  extra = {name: read.restore(os.path.join(path, name)) for name in jsons}
+  if len(extra) == 1:
+    extra = next(iter(extra.values())) or {}
+  return got, step, dict(extra)
+
+
+def _orbax_items(path: str) -> tuple[list[str], list[str]]:
+  """The pytree items (``""``: the step's directory itself) and the JSON
+  items of an orbax step directory, by name."""
+  if os.path.exists(os.path.join(path, "_METADATA")):
+    return [""], []
+  names = sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)))
+  return ([n for n in names if os.path.exists(os.path.join(path, n, "_METADATA"))],
+          [n for n in names if os.path.exists(os.path.join(path, n, "metadata"))])
 
 
 def _claim(directory: str) -> None:
