@@ -156,11 +156,12 @@ def test_a_checkpoint_plain_orbax_wrote_restores_into_another_layout(tmp_path, h
   JSON item, which comes back as the extra) restores through Checkpointer,
   split over other devices than it was saved from."""
   ocp = pytest.importorskip("orbax.checkpoint")
-  saved = _state(3.0, jax.devices()[:2])
+  saved = {**_state(3.0, jax.devices()[:2]), "step": 6}  # (a number: a flax TrainState's step)
   _orbax_save(ocp, tmp_path, how, saved)
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
-    got, step, extra = ckpt.restore(_state(0.0, jax.devices()[4:8]))
+    got, step, extra = ckpt.restore({**_state(0.0, jax.devices()[4:8]), "step": 0})
   assert (step, extra) == (6, {"epoch": 2} if "named" in how else {})
+  assert got["step"] == 6 and isinstance(got["step"], int)
   assert got["w"].sharding.device_set == set(jax.devices()[4:8])
   assert got["w"].addressable_shards[0].data.shape == (2, 4)
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, saved)

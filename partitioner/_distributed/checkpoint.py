@@ -266,7 +266,8 @@ def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dic
         " Hint: restore it with orbax's CheckpointManager, naming its items; nothing was"
         " restored.")
   item = os.path.join(path, trees[0]) if trees[0] else path
-  target = jax.tree_util.tree_map(_abstract, state)
+  # (a number stays one: a flax TrainState's step)
+  target = jax.tree_util.tree_map(lambda x: _abstract(x) if hasattr(x, "shape") else x, state)
   checkpointer = ocp.PyTreeCheckpointer()
   metadata = checkpointer.metadata(item)
   saved = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
