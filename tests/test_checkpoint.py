@@ -176,6 +176,83 @@ def test_an_orbax_checkpoint_of_two_pytrees_is_a_clear_error(tmp_path):
     ckpt.restore(_state())
 
 
+class _Disk:
+  """What a host crash could drop: files whose contents, and directory
+  entries (created, renamed, removed), were written but not yet synced
+  (fsync of the file, or of its directory)."""
+
+  def __init__(self, monkeypatch, module):
+    self.contents: set[str] = set()
+    self.entries: set[tuple[str, str]] = set()
+    self.violations: list[str] = []
+    real_open, rename, replace, remove, fsync = open, os.rename, os.replace, os.remove, os.fsync
+
+    def tracked_open(path, mode="r", *args, **kwargs):
+      path = os.path.abspath(path)
+      if any(c in mode for c in "wa+"):
+        if "r+" in mode:  # written over: a removed checkpoint's data file
+          self.check_unlisted(os.path.dirname(os.path.dirname(path)), path)
+        if not os.path.exists(path):
+          self.entries.add(os.path.split(path))
+        self.contents.add(path)
+      return real_open(path, mode, *args, **kwargs)
+
+    def moved(src, dst, how):
+      src, dst = os.path.abspath(src), os.path.abspath(dst)
+      if src.endswith(checkpoint_files.PARTIAL) and os.path.basename(dst).isdigit():
+        self.check_durable(src)
+      how(src, dst)
+      self.entries |= {os.path.split(src), os.path.split(dst)}
+      self.contents = {dst + c[len(src):] if c == src or c.startswith(src + os.sep) else c
+                       for c in self.contents}
+
+    def synced(fd):
+      fsync(fd)
+      path = os.readlink(f"/proc/self/fd/{fd}")
+      self.contents.discard(path)
+      self.entries = {e for e in self.entries if e[0] != path}
+
+    monkeypatch.setattr(module, "open", tracked_open, raising=False)
+    monkeypatch.setattr(os, "rename", lambda a, b: moved(a, b, rename))
+    monkeypatch.setattr(os, "replace", lambda a, b: moved(a, b, replace))
+    monkeypatch.setattr(os, "remove", lambda a: (remove(a), self.entries.add(
+        os.path.split(os.path.abspath(a)))))
+    monkeypatch.setattr(os, "fsync", synced)
+
+  def check_durable(self, partial: str) -> None:
+    """At the rename that lists a checkpoint: every file in it on the disk."""
+    for name in os.listdir(partial):
+      path = os.path.join(partial, name)
+      if path in self.contents or (partial, name) in self.entries:
+        self.violations.append(f"{name} not synced when {partial} was listed")
+
+  def check_unlisted(self, directory: str, path: str) -> None:
+    """Before a data file is written over: no removed checkpoint may come back."""
+    back = sorted(name for d, name in self.entries if d == directory and name.isdigit())
+    if back:
+      self.violations.append(f"{path} written over while the removal of {back} was not synced")
+
+
+def test_a_host_crash_cannot_leave_a_listed_checkpoint_the_disk_never_received(
+    tmp_path, monkeypatch):
+  """Every write a crash could drop (contents and directory entries not yet
+  synced) is tracked while a loop saves, removes and recycles checkpoints:
+  when rank 0's rename lists a checkpoint, its data, index and entries
+  are on the disk; when a removed checkpoint's data file is written over,
+  its removal is."""
+  disk = _Disk(monkeypatch, checkpoint_files)
+  with partitioner.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+    for step in range(1, 6):
+      ckpt.save(step, _state(step))
+  assert not disk.violations, disk.violations
+  assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+  assert not any(d == str(tmp_path) and n in ("4", "5") for d, n in disk.entries)  # (synced)
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, step, _ = ckpt.restore(_state(0))
+  assert step == 5
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.full((8, 4), 5.0))
+
+
 def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
   """A jax array's sharding; a numpy array as numpy; a ShapeDtypeStruct
   without a sharding as a jax array on this process's first device."""

@@ -4,7 +4,8 @@ complete checkpoint: :class:`Checkpointer`.
 Each process writes the pieces of the state it holds, in the background,
 into a temporary directory that rank 0 renames into place once every
 process is done (``checkpoint_files``), so a checkpoint cut off by a
-crash is never listed, never restored. The step that saves returns once
+crash is never listed, never restored; its data is on the disk (synced)
+before the rename, so a host crash cannot list one either. The step that saves returns once
 the arrays are copied off the devices. Checkpoints that orbax wrote (its
 checkpointers' and managers', and this class's before it had its own
 writer) restore through orbax.

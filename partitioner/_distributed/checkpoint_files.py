@@ -11,6 +11,14 @@ done, so a checkpoint cut off by a crash is never read.
       index.json                   every leaf: path, shape, dtype, pieces; extra
     <directory>/.data-to-reuse-<rank>   a removed checkpoint's data, written over next
 
+Durable before it is listed: each rank's data reaches the disk (fsync)
+before it says its part is written, and the index and the directory's
+entries before rank 0's rename lists the checkpoint, so a host crash or
+a power loss (which drop writes not yet synced) cannot leave a listed
+checkpoint whose data the disk never received. The rename itself is
+synced too, and a removed checkpoint is gone for good before its data
+file is written over.
+
 A piece is one device's shard of a jax array (only its first replica, so
 each element is written once across the job), or a whole numpy array
 (written by rank 0). Restoring reads, for each device of the new layout,
@@ -21,6 +29,7 @@ processes (the directory must be one every process sees, as orbax's).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -133,6 +142,8 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
       placed.append({"leaf": leaf, "box": where, "file": f"data-{rank}", "offset": offset})
       offset += value.nbytes
     f.truncate()
+    f.flush()
+    os.fsync(f.fileno())  # (on the disk before this rank says its part is written)
   _write_json(os.path.join(partial, f"part-{rank}.json"), {"pieces": placed})
   final = os.path.join(directory, str(step))
   if rank:
@@ -148,19 +159,38 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
       for piece in json.load(f)["pieces"]:
         leaves[piece.pop("leaf")]["pieces"].append(piece)
   _write_json(os.path.join(partial, INDEX),
-              {"format": FORMAT, "step": step, "extra": extra, "leaves": leaves})
+              {"format": FORMAT, "step": step, "extra": extra, "leaves": leaves}, sync=True)
   for p in parts:
     os.remove(p)
+  sync_directory(partial)  # (its files' entries, before the rename lists them)
   if os.path.exists(final):  # (a step saved again: by a job resumed from an earlier one)
     shutil.rmtree(final)
   os.rename(partial, final)
+  sync_directory(directory)
 
 
-def _write_json(path: str, value: Any) -> None:
-  """Writes ``path`` whole or not at all (a temporary file renamed)."""
+def _write_json(path: str, value: Any, sync: bool = False) -> None:
+  """Writes ``path`` whole or not at all (a temporary file renamed; with
+  ``sync``, its contents on the disk first)."""
   with open(path + ".tmp", "w") as f:
     json.dump(value, f)
+    if sync:
+      f.flush()
+      os.fsync(f.fileno())
   os.replace(path + ".tmp", path)
+
+
+def sync_directory(path: str) -> None:
+  """Makes the entries of the directory ``path`` (the files created,
+  renamed or removed in it) durable, where the file system can."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  except OSError as e:  # (a file system that cannot sync a directory: its own guarantees)
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+      raise
+  finally:
+    os.close(fd)
 
 
 def _wait_for(done: Any, what: str) -> None:
@@ -212,6 +242,7 @@ def remove_older(directory: str, keep: int) -> None:
     for name in os.listdir(old):
       if name.startswith("data-") and name[5:].isdigit():
         os.replace(os.path.join(old, name), os.path.join(directory, RECYCLE + name[5:]))
+    sync_directory(directory)  # (unlisted for good before its data is written over)
     shutil.rmtree(old, ignore_errors=True)
 
 
