@@ -34,7 +34,9 @@ class Scale:
     calibrate_rounds: the calibrate section's interleaved rounds.
     checkpoint_rounds: the checkpoint section's interleaved rounds per case.
     checkpoint_cases: the checkpoint section's cases, ``(every,
-    finish_within)`` of ``partitioner.Checkpointer``. plans: the
+    finish_within)`` of ``partitioner.Checkpointer``. checkpoint_large:
+    rounds of the 1 GB state's save and restore against orbax's (0: none).
+    plans: the
     plan_real section's plans from shapes on simulated devices (its
     children's names; the plans through XLA:TPU and XLA:GPU come with
     ``--full`` alone).
@@ -53,6 +55,7 @@ class Scale:
   calibrate_rounds: int
   checkpoint_rounds: int
   checkpoint_cases: tuple[tuple[int, int], ...]
+  checkpoint_large: int
   plans: tuple[str, ...]
 
 
@@ -63,7 +66,7 @@ FULL = Scale(calls=10000, first_calls=15, startup_runs=3, steps=30,
                             "embedding bag + MLP, batch 4096"),
              floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
              cluster=True, calibrate_rounds=5, checkpoint_rounds=15,
-             checkpoint_cases=((5, 1), (5, 5), (50, 1)),
+             checkpoint_cases=((5, 1), (5, 5), (50, 1)), checkpoint_large=5,
              plans=("8b", "3b", "8b64", "titan", "70b"))
 
 # The default: every section, at least one case of each, without the
@@ -82,7 +85,7 @@ DEFAULT = Scale(calls=10000, first_calls=9, startup_runs=2, steps=12,
                 search_models=("MLP narrow, batch 4096",),
                 floor=False, search_rounds=(2, 6), final_seconds=8.0, model_layers=(2,),
                 cluster=False, calibrate_rounds=2, checkpoint_rounds=4,
-                checkpoint_cases=((5, 1), (50, 1)), plans=("8b", "titan"))
+                checkpoint_cases=((5, 1), (50, 1)), checkpoint_large=0, plans=("8b", "titan"))
 
 
 def apply(args) -> None:

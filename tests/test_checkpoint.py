@@ -253,6 +253,31 @@ def test_a_host_crash_cannot_leave_a_listed_checkpoint_the_disk_never_received(
   np.testing.assert_array_equal(np.asarray(got["w"]), np.full((8, 4), 5.0))
 
 
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("devices", [1, 8])
+def test_a_state_donated_right_after_its_save_is_saved_as_it_was(tmp_path, devices):
+  """The step after a save donates the state it saved (as a training loop
+  does) while the save is written: the checkpoint holds the values given
+  to save(), and the steps the values they compute."""
+  step = partitioner.sharded_jit(lambda s: {k: v * 2 + 1 for k, v in s.items()},
+                                 in_parts=P(devices, 1), out_parts=P(devices, 1),
+                                 devices=jax.devices()[:devices], donate_argnums=0)
+  state = step({"w": np.zeros((8, 4), np.float32), "b": np.ones((8, 4), np.float32)})
+  with partitioner.Checkpointer(tmp_path, every=2, keep=5) as ckpt:
+    for n in range(1, 7):
+      ckpt.save(n, state)
+      state = step(state)  # (the saved arrays donated while they are written)
+  np.testing.assert_array_equal(np.asarray(state["w"]), 2 ** 7 - 1)  # (7 steps of 2x + 1)
+  assert checkpoint_files.complete_steps(str(tmp_path)) == [2, 4, 6]
+  for saved in (2, 4, 6):
+    index = checkpoint_files.read_index(str(tmp_path), saved)
+    leaves = {leaf["path"]: leaf for leaf in index["leaves"]}
+    read = {k: checkpoint_files.Reader(str(tmp_path), saved, leaves[f"[{k!r}]"]).read(
+        ((0, 8), (0, 4))) for k in ("w", "b")}
+    np.testing.assert_array_equal(read["w"], 2 ** saved - 1)  # (after `saved` steps)
+    np.testing.assert_array_equal(read["b"], 2 ** (saved + 1) - 1)
+
+
 def test_each_leaf_restores_as_it_is_asked_for(tmp_path):
   """A jax array's sharding; a numpy array as numpy; a ShapeDtypeStruct
   without a sharding as a jax array on this process's first device."""
