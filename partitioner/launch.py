@@ -388,13 +388,15 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
 def _who_followed(order: EndOrder, marks: dict[int, dict[str, str]],
                   statuses: dict[int, int]) -> tuple[dict[int, int], frozenset[int]]:
   """The ranks' wait statuses (MPICH's ``statuses``, mended by what Linux
-  said) and those ended after a peer: a rank MPICH killed (it reports 0
-  where Linux saw a signal), whatever order the ends were seen in, and of
-  the others that may have died first, those a signal ended after a peer
-  (:class:`EndOrder`)."""
-  killed = killed_for_a_peer(order.statuses, statuses)
+  said) and those ended after a peer: a rank with no Python exit that
+  MPICH killed (it reports 0 where Linux saw a signal), whatever order the
+  ends were seen in, and of the others that may have died first, those a
+  signal ended after a peer (:class:`EndOrder`). (A rank that raised is
+  killed by MPICH too, by its own ``MPI_Abort``: it stays the cause.)"""
+  quiet = quiet_deaths(marks)
+  killed = killed_for_a_peer({r: s for r, s in order.statuses.items() if r in quiet}, statuses)
   statuses = {**statuses, **{r: order.statuses[r] for r in killed}}
-  return statuses, killed | by_signal(order.followed(quiet_deaths(marks) - killed), statuses)
+  return statuses, killed | by_signal(order.followed(quiet - killed), statuses)
 
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],

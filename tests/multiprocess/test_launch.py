@@ -507,6 +507,11 @@ def test_a_rank_mpich_killed_followed_whatever_order_was_seen(capsys):
   # nothing seen by Linux (reaped first): MPICH's codes and the order
   order.statuses = {}
   assert _who_followed(order, marks, {0: 0, 1: 9}) == ({0: 0, 1: 9}, {1})
+  # a rank that raised ends in its own MPI_Abort, which MPICH carries out
+  # by killing it (0 there, a signal to Linux): still the cause
+  raised = {0: {"started": "11", "failed": "PeerError: ..."}, 1: {"started": "12", "left": "6"}}
+  order.statuses, order.ended = {0: 9, 1: 0}, [{1}, {0}]
+  assert _who_followed(order, raised, {0: 0, 1: 256}) == ({0: 0, 1: 256}, frozenset())
 
 
 def test_a_rank_ended_without_a_python_exit_after_a_peer_raised_did_not_die_first():
