@@ -266,7 +266,8 @@ def test_a_state_donated_right_after_its_save_is_saved_as_it_was(tmp_path, devic
   with partitioner.Checkpointer(tmp_path, every=2, keep=5) as ckpt:
     for n in range(1, 7):
       ckpt.save(n, state)
-      state = step(state)  # (the saved arrays donated while they are written)
+      saved, state = state, step(state)  # (the saved arrays donated while they are written)
+      assert saved["w"].is_deleted(), "the save kept the step from taking the donation"
   np.testing.assert_array_equal(np.asarray(state["w"]), 2 ** 7 - 1)  # (7 steps of 2x + 1)
   assert checkpoint_files.complete_steps(str(tmp_path)) == [2, 4, 6]
   for saved in (2, 4, 6):

@@ -6,9 +6,8 @@ into a temporary directory that rank 0 renames into place once every
 process is done (``checkpoint_files``), so a checkpoint cut off by a
 crash is never listed, never restored; its data is on the disk (synced)
 before the rename, so a host crash cannot list one either. The call that
-saves returns once the pieces are in host memory (an accelerator's
-copied; a CPU device's own buffers, which jax then does not donate until
-they are written). Checkpoints that orbax wrote (its
+saves returns once the pieces are copied off the devices (so the next
+step may take the state's buffers, as the user donated them). Checkpoints that orbax wrote (its
 checkpointers' and managers', and this class's before it had its own
 writer) restore through orbax.
 """
@@ -63,9 +62,7 @@ class Checkpointer:
   its new layout: each device reads the part of the saved pieces its shard
   overlaps. Every process must see ``directory`` (a shared file system
   across hosts). Arrays are written as they are in memory, uncompressed
-  (weights compress little: normally distributed float32 by 7.5%). While
-  a save is written, the arrays it holds stay in memory (on CPU devices
-  jax then gives the next step new buffers instead of the donated ones).
+  (weights compress little: normally distributed float32 by 7.5%).
 
   Args:
     directory: where the checkpoints go (one subdirectory per step).
@@ -92,6 +89,7 @@ class Checkpointer:
     self.every, self.keep, self.finish_within = every, keep, finish_within
     self._rank, self._processes = jax.process_index(), jax.process_count()
     self._writing: collections.deque[tuple[int, Future]] = collections.deque()
+    self._spare: dict[tuple, list[np.ndarray]] = {}
     self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded_jit-checkpoint")
     self._shared = False  # (whether this rank has seen rank 0's mark in the directory)
     if self._rank == 0:
@@ -131,21 +129,23 @@ class Checkpointer:
       raise TypeError(f"Checkpointer.save(step={step}): extra is not JSON-able ({e}). Hint:"
                       " give numbers, strings, lists and dicts (float(x) of a jax scalar).")\
           from None
-    pieces = files.Pieces(state, self._rank)  # (held as saved: may be donated)
+    pieces = files.Pieces(state, self._rank, self._spare)  # (off the devices: may be donated)
+    self._spare = {}
     self._writing.append((step, self._writer.submit(self._write, step, pieces, extra)))
     return True
 
-  def _write(self, step: int, pieces: files.Pieces, extra: dict) -> None:
+  def _write(self, step: int, pieces: files.Pieces, extra: dict) -> files.Pieces:
     if self._rank and not self._shared:
       _check_shared(self.directory, self._rank)
       self._shared = True
     files.write(self.directory, step, pieces, extra, self._rank, self._processes)
     if self._rank == 0:
       files.remove_older(self.directory, self.keep)
+    return pieces
 
   def _finish_one(self) -> None:
-    """Waits for the oldest save under way (and drops its pieces)."""
-    self._writing.popleft()[1].result()
+    """Waits for the oldest save under way; its host buffers serve the next."""
+    self._spare = self._writing.popleft()[1].result().spare()
 
   def restore(self, state: Any) -> tuple[Any, int, dict]:
     """``(state, step, extra)`` of the latest complete checkpoint, restored
