@@ -1,6 +1,7 @@
 """partitioner.Checkpointer: every K steps, async; the latest complete
 checkpoint restored into any layout; clear errors, nothing overwritten."""
 
+import collections
 import json
 import os
 import socket
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import partitioner
-from partitioner._distributed import checkpoint_files
+from partitioner._distributed import checkpoint_files, checkpoint_reading
 from partitioner._distributed.steps import steps
 from sharding import PartitionSpec as P
 from sharding import tiling
@@ -71,34 +72,37 @@ def _bytes_under(path):
 @pytest.mark.eight_devices
 def test_each_element_is_written_once_as_it_is_in_memory(tmp_path):
   """A replicated array's first replica only; a split one's every shard
-  once: the data file holds the arrays' bytes, uncompressed."""
+  once, a chunk each: the chunk files hold the arrays' bytes, uncompressed."""
   rows = tiling(P(4, 1), jax.devices()[:4], 2).named_sharding()
   everywhere = jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec())
   state = {"w": jax.device_put(jnp.ones((1024, 256)), rows),
            "b": jax.device_put(jnp.ones(256), everywhere)}
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, state)
-  assert sorted(os.listdir(tmp_path / "1")) == ["data-0", "index.json"]
-  assert os.path.getsize(tmp_path / "1" / "data-0") == (1024 * 256 + 256) * 4
-  index = json.loads((tmp_path / "1" / "index.json").read_text())
-  assert [len(leaf["pieces"]) for leaf in index["leaves"]] == [1, 4]  # (b, w)
+  assert sorted(os.listdir(tmp_path / "1")) == ["_CHECKPOINT_METADATA", "extra", "state"]
+  chunks = {name: sorted(os.listdir(tmp_path / "1" / "state" / name)) for name in ("b", "w")}
+  assert chunks == {"b": [".zarray", "0"], "w": [".zarray", "0.0", "1.0", "2.0", "3.0"]}
+  assert sum(os.path.getsize(tmp_path / "1" / "state" / name / chunk) for name in chunks
+             for chunk in chunks[name][1:]) == (1024 * 256 + 256) * 4
+  zarray = json.loads((tmp_path / "1" / "state" / "w" / ".zarray").read_text())
+  assert (zarray["chunks"], zarray["compressor"], zarray["dtype"]) == ([256, 256], None, "<f4")
 
 
-def test_a_removed_checkpoints_data_file_is_written_over_by_the_next_save(tmp_path):
-  """keep=1: the save of step 3 writes over step 1's file (removed when
-  step 2 was complete), whose pages are in memory already; each restores
-  its own values, and closing removes the file kept aside."""
+def test_a_removed_checkpoints_chunk_files_are_written_over_by_the_next_save(tmp_path):
+  """keep=1: the save of step 3 writes over step 1's chunk file (removed
+  when step 2 was complete), whose pages are in memory already; each
+  restores its own values, and closing removes the files kept aside."""
   with partitioner.Checkpointer(tmp_path, every=1, keep=1) as ckpt:
     ckpt.save(1, {"w": jnp.full(1000, 1.0)})
     ckpt.wait()
-    first = os.stat(tmp_path / "1" / "data-0").st_ino
+    first = os.stat(tmp_path / "1" / "state" / "w" / "0").st_ino
     ckpt.save(2, {"w": jnp.full(1000, 2.0)})
     ckpt.wait()
-    assert os.stat(tmp_path / ".data-to-reuse-0").st_ino == first
+    assert os.stat(tmp_path / ".reuse" / "w" / "0").st_ino == first
     ckpt.save(3, {"w": jnp.full(10, 3.0)})  # (smaller: the file is cut to it)
     ckpt.wait()
-    assert os.stat(tmp_path / "3" / "data-0").st_ino == first
-    assert os.path.getsize(tmp_path / "3" / "data-0") == 40
+    assert os.stat(tmp_path / "3" / "state" / "w" / "0").st_ino == first
+    assert os.path.getsize(tmp_path / "3" / "state" / "w" / "0") == 40
   assert sorted(os.listdir(tmp_path)) == ["3"]
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     got, step, _ = ckpt.restore({"w": jnp.zeros(10)})
@@ -129,6 +133,99 @@ def test_checkpoints_orbax_wrote_restore(tmp_path, handler):
     got, step, extra = ckpt.restore(state)
   assert (step, extra) == (4, {"position": 4})
   np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(12.0).reshape(3, 4) + 1)
+
+
+Moments = collections.namedtuple("Moments", "mu nu")
+
+
+def _library_state():
+  """A train state laid out as libraries do: a list of layers, a
+  namedtuple of moments, bfloat16, a numpy array and numbers; split two
+  ways, replicated, and split over a mesh axis."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+  def placed(x, *spec):
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+  return {"layers": [{"kernel": placed(jnp.arange(96.0, dtype=jnp.bfloat16).reshape(12, 8),
+                                       "data", "model")},
+                     {"kernel": placed(jnp.arange(8.0))}],
+          "opt": Moments(mu=placed(jnp.arange(32.0).reshape(8, 4), "model"),
+                         nu=np.arange(6).reshape(2, 3)),
+          "step": 7, "lr": 0.5}
+
+
+@pytest.mark.eight_devices
+def test_plain_orbax_restores_a_checkpoint_into_a_layout_of_its_own(tmp_path):
+  """orbax's StandardCheckpointer reads the state item, and its
+  CheckpointManager the step (state and extra), into another layout:
+  every leaf split over two other devices, or as it was (numpy, numbers)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  state = _library_state()
+  with partitioner.Checkpointer(tmp_path, every=3) as ckpt:
+    ckpt.save(3, state, {"position": 3})
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[6:8]), ("x",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  target = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)
+      if isinstance(x, jax.Array) else x, state)
+  got = ocp.StandardCheckpointer().restore(tmp_path / "3" / "state", target)
+  manager = ocp.CheckpointManager(tmp_path)
+  assert manager.latest_step() == 3
+  both = manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                    extra=ocp.args.JsonRestore()))
+  assert both["extra"] == {"position": 3}
+  for restored in (got, both["state"]):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
+    assert restored["layers"][0]["kernel"].dtype == jnp.bfloat16
+    assert restored["layers"][0]["kernel"].sharding == rows
+    assert isinstance(restored["opt"].nu, np.ndarray) and restored["step"] == 7
+
+
+@pytest.mark.eight_devices
+def test_its_metadata_is_what_orbax_writes_for_the_same_state(tmp_path):
+  """Each leaf's name, keys, kind and zarr array (but its chunks: orbax
+  splits a replicated array's writes among the replicas) as orbax's own
+  PyTree handler writes them, uncompressed and without OCDBT."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  state = _library_state()
+  with partitioner.Checkpointer(tmp_path / "ours", every=1) as ckpt:
+    ckpt.save(1, state)
+  handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False)
+  ocp.Checkpointer(handler).save(tmp_path / "orbax", args=ocp.args.PyTreeSave(state))
+
+  def metadata(root):
+    tree = json.loads((root / "_METADATA").read_text())
+    for leaf in tree["tree_metadata"].values():
+      leaf["value_metadata"].pop("write_shape", None)
+    arrays = {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items()
+                              if k != "chunks"} for p in root.glob("*/.zarray")}
+    return tree, arrays
+  ours, theirs = metadata(tmp_path / "ours" / "1" / "state"), metadata(tmp_path / "orbax")
+  assert ours == theirs
+  assert sorted(ours[1]) == ["layers.0.kernel", "layers.1.kernel", "lr", "opt.mu", "opt.nu",
+                             "step"]
+
+
+def test_a_checkpoint_in_the_earlier_raw_format_restores(tmp_path):
+  """A checkpoint this class wrote before it wrote orbax's format (each
+  rank's pieces in a raw file, an index.json) restores as it did."""
+  step = tmp_path / "4"
+  step.mkdir()
+  (step / "data-0").write_bytes(np.arange(8.0, dtype=np.float32).tobytes()
+                                + np.float32(2.0).tobytes())
+  (step / "index.json").write_text(json.dumps({
+      "format": "sharded_jit-checkpoint/1", "step": 4, "extra": {"position": 4},
+      "leaves": [{"path": "['w']", "shape": [2, 4], "dtype": "float32", "pieces": [
+          {"box": [[0, 1], [0, 4]], "file": "data-0", "offset": 0},
+          {"box": [[1, 2], [0, 4]], "file": "data-0", "offset": 16}]},
+          {"path": "['s']", "shape": [], "dtype": "float32", "pieces": [
+              {"box": [], "file": "data-0", "offset": 32}]}]}))
+  columns = tiling(P(1, 2), jax.devices()[:2], 2).named_sharding()
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    got, at, extra = ckpt.restore({"w": jax.ShapeDtypeStruct((2, 4), jnp.float32,
+                                                            sharding=columns), "s": 0.0})
+  assert (at, extra, got["s"]) == (4, {"position": 4}, 2.0)
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(8.0).reshape(2, 4))
 
 
 def _orbax_save(ocp, directory, how, state):
@@ -176,6 +273,13 @@ def test_an_orbax_checkpoint_of_two_pytrees_is_a_clear_error(tmp_path):
     ckpt.restore(_state())
 
 
+def _checkpoints_of(path: str) -> str:
+  """The checkpoint directory a file of ``<step>.partial`` lies under."""
+  while not path.endswith(checkpoint_files.PARTIAL):
+    path = os.path.dirname(path)
+  return os.path.dirname(path)
+
+
 class _Disk:
   """What a host crash could drop: files whose contents, and directory
   entries (created, renamed, removed), were written but not yet synced
@@ -190,8 +294,8 @@ class _Disk:
     def tracked_open(path, mode="r", *args, **kwargs):
       path = os.path.abspath(path)
       if any(c in mode for c in "wa+"):
-        if "r+" in mode:  # written over: a removed checkpoint's data file
-          self.check_unlisted(os.path.dirname(os.path.dirname(path)), path)
+        if "r+" in mode:  # written over: a removed checkpoint's chunk file
+          self.check_unlisted(_checkpoints_of(path), path)
         if not os.path.exists(path):
           self.entries.add(os.path.split(path))
         self.contents.add(path)
@@ -220,11 +324,13 @@ class _Disk:
     monkeypatch.setattr(os, "fsync", synced)
 
   def check_durable(self, partial: str) -> None:
-    """At the rename that lists a checkpoint: every file in it on the disk."""
-    for name in os.listdir(partial):
-      path = os.path.join(partial, name)
-      if path in self.contents or (partial, name) in self.entries:
-        self.violations.append(f"{name} not synced when {partial} was listed")
+    """At the rename that lists a checkpoint: every file and directory in
+    it on the disk."""
+    for where, dirs, names in os.walk(partial):
+      for name in dirs + names:
+        path = os.path.join(where, name)
+        if path in self.contents or (where, name) in self.entries:
+          self.violations.append(f"{path} not synced when {partial} was listed")
 
   def check_unlisted(self, directory: str, path: str) -> None:
     """Before a data file is written over: no removed checkpoint may come back."""
@@ -237,9 +343,9 @@ def test_a_host_crash_cannot_leave_a_listed_checkpoint_the_disk_never_received(
     tmp_path, monkeypatch):
   """Every write a crash could drop (contents and directory entries not yet
   synced) is tracked while a loop saves, removes and recycles checkpoints:
-  when rank 0's rename lists a checkpoint, its data, index and entries
-  are on the disk; when a removed checkpoint's data file is written over,
-  its removal is."""
+  when rank 0's rename lists a checkpoint, its chunks, metadata and
+  entries are on the disk; when a removed checkpoint's chunk file is
+  written over, its removal is."""
   disk = _Disk(monkeypatch, checkpoint_files)
   with partitioner.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
     for step in range(1, 6):
@@ -271,10 +377,10 @@ def test_a_state_donated_right_after_its_save_is_saved_as_it_was(tmp_path, devic
   np.testing.assert_array_equal(np.asarray(state["w"]), 2 ** 7 - 1)  # (7 steps of 2x + 1)
   assert checkpoint_files.complete_steps(str(tmp_path)) == [2, 4, 6]
   for saved in (2, 4, 6):
-    index = checkpoint_files.read_index(str(tmp_path), saved)
-    leaves = {leaf["path"]: leaf for leaf in index["leaves"]}
-    read = {k: checkpoint_files.Reader(str(tmp_path), saved, leaves[f"[{k!r}]"]).read(
-        ((0, 8), (0, 4))) for k in ("w", "b")}
+    checkpoint = checkpoint_reading.saved(str(tmp_path), saved)
+    assert checkpoint is not None
+    leaves = checkpoint.leaves
+    read = {k: leaves[(k,)].read(((0, 8), (0, 4))) for k in ("w", "b")}
     np.testing.assert_array_equal(read["w"], 2 ** saved - 1)  # (after `saved` steps)
     np.testing.assert_array_equal(read["b"], 2 ** (saved + 1) - 1)
 
@@ -298,9 +404,10 @@ def test_a_checkpoint_cut_off_mid_write_is_never_restored(tmp_path):
   versions): step 1 is restored, and the next job removes the leftover."""
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"b": jnp.ones(4)})
-  (tmp_path / "2.partial").mkdir()
-  (tmp_path / "2.partial" / "data-0").write_bytes(np.full(4, 2.0, np.float32).tobytes())
-  (tmp_path / "2.partial" / "part-0.json").write_text(json.dumps({"pieces": []}))
+  os.makedirs(tmp_path / "2.partial" / "state" / "b")
+  (tmp_path / "2.partial" / "state" / "b" / "0").write_bytes(np.full(4, 2.0, np.float32)
+                                                             .tobytes())
+  (tmp_path / "2.partial" / "part-0").write_text("{}")
   os.makedirs(tmp_path / "3.orbax-checkpoint-tmp" / "state")
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     assert not (tmp_path / "2.partial").exists()
@@ -371,6 +478,15 @@ def test_bad_arguments(tmp_path, kw):
     partitioner.Checkpointer(tmp_path, **kw)
 
 
+def test_an_object_store_address_is_refused_not_written_as_a_local_path(tmp_path, monkeypatch):
+  """``gs://b/run`` would otherwise become a local ``gs:/b/run`` directory."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=r"directory='gs://bucket/run1'\): an object store's"
+                     r" address.*Hint: mount the bucket.*orbax's CheckpointManager"):
+    partitioner.Checkpointer("gs://bucket/run1", every=1)
+  assert not os.listdir(tmp_path)
+
+
 def test_another_dtype_is_cast_and_a_librarys_optimizer_state_restores(tmp_path):
   """optax's namedtuple state and a float32 checkpoint restored as bfloat16."""
   optax = pytest.importorskip("optax")
@@ -413,7 +529,7 @@ ckpt = partitioner.Checkpointer(sys.argv[1], every=1)
 ckpt.save(1, {"w": jnp.full(1000, 1.0)})
 ckpt.wait()
 write_json = checkpoint_files._write_json
-def slow(path, value):  # (step 2's data written, its part not yet)
+def slow(path, value, sync=False):  # (step 2's chunks written, its part not yet)
   print("writing step 2", flush=True)
   time.sleep(60)
 checkpoint_files._write_json = slow
@@ -429,7 +545,7 @@ def test_a_process_killed_during_a_save_leaves_the_one_before(tmp_path):
                         stdout=subprocess.PIPE, text=True) as proc:
     try:
       assert proc.stdout.readline().strip() == "writing step 2"
-      assert (tmp_path / "2.partial" / "data-0").exists()
+      assert (tmp_path / "2.partial" / "state" / "w" / "0").exists()
     finally:
       proc.kill()
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:  # (the dead job's lock taken over)

@@ -1,15 +1,15 @@
 """Saving a training loop's state every K steps and resuming from the last
 complete checkpoint: :class:`Checkpointer`.
 
-Each process writes the pieces of the state it holds, in the background,
-into a temporary directory that rank 0 renames into place once every
-process is done (``checkpoint_files``), so a checkpoint cut off by a
-crash is never listed, never restored; its data is on the disk (synced)
-before the rename, so a host crash cannot list one either. The call that
-saves returns once the pieces are copied off the devices (so the next
-step may take the state's buffers, as the user donated them). Checkpoints that orbax wrote (its
-checkpointers' and managers', and this class's before it had its own
-writer) restore through orbax.
+Checkpoints are in orbax's format (``checkpoint_files``): plain orbax
+restores them, and this class restores orbax's. Each process writes the
+pieces of the state it holds, in the background, into a temporary
+directory that rank 0 renames into place once every process is done, so
+a checkpoint cut off by a crash is never listed, never restored; its
+data is on the disk (synced) before the rename, so a host crash cannot
+list one either. The call that saves returns once the pieces are copied
+off the devices (so the next step may take the state's buffers, as the
+user donated them).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from partitioner._distributed import checkpoint_files as files
+from partitioner._distributed import checkpoint_reading as reading
 
 __all__ = ["Checkpointer"]
 
@@ -61,8 +62,14 @@ class Checkpointer:
   so a job restarted on other devices, or fewer processes, restores into
   its new layout: each device reads the part of the saved pieces its shard
   overlaps. Every process must see ``directory`` (a shared file system
-  across hosts). Arrays are written as they are in memory, uncompressed
-  (weights compress little: normally distributed float32 by 7.5%).
+  across hosts).
+
+  A checkpoint is in orbax's format: a ``CheckpointManager``'s step with
+  a PyTree item ``state`` (zarr, uncompressed: weights compress little,
+  normally distributed float32 by 7.5%) and a JSON item ``extra``, so
+  plain orbax restores it (``StandardCheckpointer().restore(
+  f"{directory}/{step}/state", target)``), and checkpoints orbax wrote
+  restore here (orbax-checkpoint installed).
 
   Args:
     directory: where the checkpoints go (one subdirectory per step).
@@ -74,7 +81,8 @@ class Checkpointer:
       longer than a step and a crash may lose more steps.
 
   Raises:
-    ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int.
+    ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int;
+      ``directory`` an object store's address (``gs://``): mount it.
     RuntimeError: another job, still running, writes ``directory``.
   """
 
@@ -85,7 +93,15 @@ class Checkpointer:
         raise ValueError(f"Checkpointer({name}={value!r}): must be a positive int. Hint:"
                          " every=100 saves at steps 100, 200, ...; keep=3 keeps the last 3;"
                          " finish_within=1 lets a save run one step in the background.")
-    self.directory = os.path.abspath(os.fspath(directory))
+    path = os.fspath(directory)
+    if "://" in str(path):
+      raise ValueError(
+          f"Checkpointer(directory={path!r}): an object store's address; Checkpointer writes"
+          " to a file system every process mounts, and lists a checkpoint by renaming its"
+          " directory, which an object store cannot do. Hint: mount the bucket (gcsfuse,"
+          " s3fs) and give the mount's path, or save with orbax's CheckpointManager, which"
+          " writes gs:// itself; each restores the other's checkpoints.")
+    self.directory = os.path.abspath(path)
     self.every, self.keep, self.finish_within = every, keep, finish_within
     self._rank, self._processes = jax.process_index(), jax.process_count()
     self._writing: collections.deque[tuple[int, Future]] = collections.deque()
@@ -159,16 +175,15 @@ class Checkpointer:
     step = self.latest_step()
     if step is None:
       return state, 0, {}
-    if files.is_orbax(self.directory, step):
+    saved = reading.saved(self.directory, step)
+    if saved is None:
       return _restore_orbax(self.directory, step, state)
-    index = files.read_index(self.directory, step)
-    saved = {leaf["path"]: leaf for leaf in index["leaves"]}
-    _check_same(self.directory, step,
-                {p: (leaf["shape"], leaf["dtype"]) for p, leaf in saved.items()}, state)
+    _check_same(self.directory, step, {k: (r.shape, r.dtype) for k, r in saved.leaves.items()},
+                state, saved.key, saved.shown)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    leaves = [_restored(files.Reader(self.directory, step, saved[files.leaf_path(keys)]), x)
-              for keys, x in flat]
-    return jax.tree_util.tree_unflatten(treedef, leaves), step, dict(index["extra"])
+    with ThreadPoolExecutor(files.THREADS, thread_name_prefix="sharded_jit-restore") as pool:
+      leaves = [_restored(saved.leaves[saved.key(keys)], x, pool) for keys, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, leaves), step, dict(saved.extra)
 
   def wait(self) -> None:
     """Waits for the saves under way (raises what a failed one raised)."""
@@ -182,7 +197,7 @@ class Checkpointer:
     finally:
       self._writer.shutdown()
       if self._rank == 0:  # (every rank's parts are written once rank 0's saves are done)
-        files.remove_recycled(self.directory)
+        files.remove_reused(self.directory)
         _release(self.directory)
 
   def __enter__(self) -> Checkpointer:
@@ -192,19 +207,19 @@ class Checkpointer:
     self.close()
 
 
-def _restored(reader: files.Reader, x: Any) -> Any:
+def _restored(reader: reading.Reader, x: Any, pool: ThreadPoolExecutor) -> Any:
   """The leaf ``reader`` holds, as ``x`` asks: a jax array in its sharding
-  (a ``ShapeDtypeStruct``'s, or this process's first device), a numpy
-  array, a number."""
+  (a ``ShapeDtypeStruct``'s, or this process's first device; its devices'
+  parts read by ``pool`` at once), a numpy array, a number."""
   if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
     abstract = _abstract(x)
-    cache: dict[tuple, np.ndarray] = {}  # (replicated shards read once)
+    boxes = {files.box(index, reader.shape) for index in  # (replicated shards read once)
+             abstract.sharding.addressable_devices_indices_map(reader.shape).values()}
+    parts = {where: pool.submit(lambda w: reader.read(w).astype(abstract.dtype, copy=False),
+                                where) for where in boxes}
 
     def piece(index: Any) -> np.ndarray:
-      where = files.box(index, reader.shape)
-      if where not in cache:
-        cache[where] = reader.read(where).astype(abstract.dtype, copy=False)
-      return cache[where]
+      return parts[files.box(index, reader.shape)].result()
     return jax.make_array_from_callback(reader.shape, abstract.sharding, piece)
   whole = reader.read(tuple((0, n) for n in reader.shape))
   if isinstance(x, (int, float, bool, complex)):
@@ -225,15 +240,16 @@ def _abstract(x: Any) -> Any:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _check_same(directory: str, step: int, have: dict[str, tuple], state: Any) -> None:
-  """Raises when the checkpoint's leaves (path -> (shape, dtype)) are not
-  ``state``'s: another model's (its first different leaf named)."""
-  want = {files.leaf_path(p): (tuple(np.shape(v)),
-                               v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
+def _check_same(directory: str, step: int, have: dict[Any, tuple], state: Any,
+                key: Callable[[tuple], Any], shown: Callable[[Any], str]) -> None:
+  """Raises when the checkpoint's leaves (``key`` -> (shape, dtype)) are
+  not ``state``'s: another model's (its first different leaf named)."""
+  want = {key(p): (tuple(np.shape(v)), v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
           for p, v in jax.tree_util.tree_leaves_with_path(state)}
   hint = (" Hint: restore with the state this job saved, or give another directory;"
           " nothing was restored or overwritten.")
-  missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+  missing = sorted(map(shown, set(want) - set(have)))
+  extra = sorted(map(shown, set(have) - set(want)))
   if missing or extra:
     raise ValueError(f"Checkpointer: the checkpoint of step {step} in {directory} holds"
                      f" another model's state: {len(missing)} leaves of this state are not in"
@@ -243,7 +259,8 @@ def _check_same(directory: str, step: int, have: dict[str, tuple], state: Any) -
     got_shape, got_dtype = have[path]
     if tuple(got_shape) != shape:
       raise ValueError(f"Checkpointer: the checkpoint of step {step} in {directory} holds"
-                       f" another model's state: state{path} is {got_dtype}{list(got_shape)}"
+                       f" another model's state: state{shown(path)} is"
+                       f" {got_dtype}{list(got_shape)}"
                        f" there, {dtype}{list(shape)} here.{hint}")
 
 
@@ -276,7 +293,7 @@ def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dic
   if saved is not None:
     _check_same(directory, step, {files.leaf_path(p): (v.shape, v.dtype) for p, v in
                                   jax.tree_util.tree_leaves_with_path(saved)
-                                  if hasattr(v, "shape")}, target)
+                                  if hasattr(v, "shape")}, target, files.leaf_path, str)
   got = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
       target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   read = ocp.Checkpointer(ocp.JsonCheckpointHandler())
