@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # each one runs an example in a fresh process
@@ -144,9 +145,24 @@ def test_multiprocess_train_survives_a_killed_rank(tmp_path, layout):
   assert crash - int(resumed[0]) <= 5
   assert _FINAL.findall(broken.stdout) == _FINAL.findall(whole.stdout) != []
   assert "(match)" in broken.stdout
+  final = float(_FINAL.findall(whole.stdout)[0])  # (the last save, step 30, by plain orbax:)
+  assert _plain_orbax_sum(tmp_path / "ck" / "30" / "state") == pytest.approx(final, rel=1e-5)
 
 
 _FINAL = re.compile(r"final weights: sum of \|w\| (\S+)")
+
+
+def _plain_orbax_sum(path):
+  """The sum of |w| over a Checkpointer's state item that 2 ranks wrote,
+  read by plain orbax in this one process, on one device."""
+  import jax
+  import orbax.checkpoint as ocp
+  checkpointer = ocp.StandardCheckpointer()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                                  checkpointer.metadata(path).item_metadata.tree)
+  return float(sum(abs(np.asarray(w, np.float64)).sum()
+                   for w in jax.tree_util.tree_leaves(checkpointer.restore(path, target))))
 
 
 def _whole_and_killed(tmp_path, layout, crash, *flags):
