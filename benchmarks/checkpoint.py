@@ -11,9 +11,9 @@ example's ``--checkpoint_every``) and K = 50 with the default
 ``finish_within=1`` (the step after a save waits for it: at most K steps
 lost), and for K = 5 with ``finish_within=5`` (a save runs 5 steps in the
 background: up to 2 K - 1 lost; with ``--full`` only, the scale's
-``checkpoint_cases``). A save here holds the loop 4.5-5 ms (the shards
-copied off the devices) and takes 8-12 ms of CPU to write and sync them
-in the background (orbax's
+``checkpoint_cases``). A save here holds the loop 4-6 ms (the shards
+copied off the devices) and takes 18-22 ms of CPU in all, copy, write
+and syncs (orbax's
 ``CheckpointManager``, 95-130 ms), which the simulated devices' compute
 shares on this machine's cores.
 
