@@ -136,12 +136,14 @@ def test_checkpoints_orbax_wrote_restore(tmp_path, handler):
 
 
 Moments = collections.namedtuple("Moments", "mu nu")
+EmptyState = collections.namedtuple("EmptyState", "")  # (optax's, for a transform without state)
 
 
 def _library_state():
   """A train state laid out as libraries do: a list of layers, a
-  namedtuple of moments, bfloat16, a numpy array and numbers; split two
-  ways, replicated, and split over a mesh axis."""
+  namedtuple of moments, bfloat16, a numpy array, numbers and empty nodes
+  (optax's EmptyState, an equinox module's None); split two ways,
+  replicated, and split over a mesh axis."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
 
   def placed(x, *spec):
@@ -149,16 +151,17 @@ def _library_state():
   return {"layers": [{"kernel": placed(jnp.arange(96.0, dtype=jnp.bfloat16).reshape(12, 8),
                                        "data", "model")},
                      {"kernel": placed(jnp.arange(8.0))}],
-          "opt": Moments(mu=placed(jnp.arange(32.0).reshape(8, 4), "model"),
-                         nu=np.arange(6).reshape(2, 3)),
-          "step": 7, "lr": 0.5}
+          "opt": (EmptyState(), Moments(mu=placed(jnp.arange(32.0).reshape(8, 4), "model"),
+                                        nu=np.arange(6).reshape(2, 3))),
+          "activation": None, "buffers": {}, "step": 7, "lr": 0.5}
 
 
 @pytest.mark.eight_devices
 def test_plain_orbax_restores_a_checkpoint_into_a_layout_of_its_own(tmp_path):
   """orbax's StandardCheckpointer reads the state item, and its
-  CheckpointManager the step (state and extra), into another layout:
-  every leaf split over two other devices, or as it was (numpy, numbers)."""
+  CheckpointManager the step (state and extra), into another layout
+  (as Checkpointer does): every leaf split over two other devices, or as
+  it was (numpy, numbers, empty nodes)."""
   ocp = pytest.importorskip("orbax.checkpoint")
   state = _library_state()
   with partitioner.Checkpointer(tmp_path, every=3) as ckpt:
@@ -174,11 +177,13 @@ def test_plain_orbax_restores_a_checkpoint_into_a_layout_of_its_own(tmp_path):
   both = manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                     extra=ocp.args.JsonRestore()))
   assert both["extra"] == {"position": 3}
-  for restored in (got, both["state"]):
+  with partitioner.Checkpointer(tmp_path, every=3) as ckpt:
+    ours = ckpt.restore(target)[0]
+  for restored in (got, both["state"], ours):
     jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
     assert restored["layers"][0]["kernel"].dtype == jnp.bfloat16
     assert restored["layers"][0]["kernel"].sharding == rows
-    assert isinstance(restored["opt"].nu, np.ndarray) and restored["step"] == 7
+    assert isinstance(restored["opt"][1].nu, np.ndarray) and restored["step"] == 7
 
 
 @pytest.mark.eight_devices
@@ -202,8 +207,32 @@ def test_its_metadata_is_what_orbax_writes_for_the_same_state(tmp_path):
     return tree, arrays
   ours, theirs = metadata(tmp_path / "ours" / "1" / "state"), metadata(tmp_path / "orbax")
   assert ours == theirs
-  assert sorted(ours[1]) == ["layers.0.kernel", "layers.1.kernel", "lr", "opt.mu", "opt.nu",
+  assert sorted(ours[1]) == ["layers.0.kernel", "layers.1.kernel", "lr", "opt.1.mu", "opt.1.nu",
                              "step"]
+  assert len(ours[0]["tree_metadata"]) == 9  # (the empty nodes' entries too)
+
+
+@pytest.mark.parametrize("library", ["equinox", "flax.nnx"])
+def test_a_librarys_model_saved_here_restores_with_plain_orbax_and_here(tmp_path, library):
+  """An equinox MLP's arrays (its activations' fields None) and a flax nnx
+  module's state (bfloat16 parameters in Variables), saved here: plain
+  orbax and Checkpointer restore them."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  lib = pytest.importorskip(library)
+  if library == "equinox":
+    model = lib.nn.MLP(8, 8, 32, 2, key=jax.random.PRNGKey(0))
+    state = lib.partition(model, lib.is_array)[0]
+  else:
+    state = lib.state(lib.Linear(16, 64, rngs=lib.Rngs(0), param_dtype=jnp.bfloat16))
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ckpt.save(1, state)
+  target = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    ours = ckpt.restore(target)[0]
+  for restored in (ours, ocp.StandardCheckpointer().restore(tmp_path / "1" / "state", target)):
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
 
 
 def test_a_checkpoint_in_the_earlier_raw_format_restores(tmp_path):

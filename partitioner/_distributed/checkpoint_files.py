@@ -45,7 +45,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -90,6 +90,18 @@ def names(keys: tuple) -> tuple[str, ...]:
   return tuple(str(_key(k)[0]) for k in keys)
 
 
+def empty_kind(x: Any) -> str | None:
+  """How orbax's metadata names an empty node (``None``, an empty
+  container: optax's ``EmptyState()``, equinox's ``None`` fields), or
+  None for anything else."""
+  if x is None or (isinstance(x, tuple) and not x and hasattr(x, "_fields")):
+    return "None"  # (an empty namedtuple too, as orbax writes it)
+  for kind, name in ((tuple, "Tuple"), (list, "List"), (Mapping, "Dict")):
+    if isinstance(x, kind) and not len(x):
+      return name
+  return None
+
+
 def zarr_dtype(dtype: np.dtype) -> str:
   """The dtype as zarr v2 (tensorstore) writes it: ``<f4``, ``bfloat16``."""
   return dtype.name if dtype.kind == "V" else dtype.str
@@ -99,22 +111,24 @@ class Leaf:
   """A leaf as every rank sees it: orbax's name and keys, its kind
   (``jax.Array``, ``np.ndarray``, ``scalar``), shape, dtype and chunk shape."""
 
-  def __init__(self, keys: tuple, kind: str, shape: tuple, dtype: np.dtype,
-               chunks: tuple):
+  def __init__(self, keys: tuple, kind: str, shape: tuple = (), dtype: np.dtype | None = None,
+               chunks: tuple = ()):
     self.path = leaf_path(keys)
     self.names = names(keys)
     self.name = ".".join(self.names)
     self.kinds = [_key(k)[1] for k in keys]
     self.kind, self.shape, self.dtype, self.chunks = kind, shape, dtype, chunks
+    self.stored = dtype is not None  # (an empty node has only its metadata entry)
 
   def zarray(self) -> dict:
+    assert self.dtype is not None
     return {"chunks": list(self.chunks), "compressor": None, "dimension_separator": ".",
             "dtype": zarr_dtype(self.dtype), "fill_value": None, "filters": None,
             "order": "C", "shape": list(self.shape), "zarr_format": 2}
 
   def metadata(self) -> dict:
     """This leaf's entry in orbax's ``_METADATA``."""
-    value: dict[str, Any] = {"value_type": self.kind, "skip_deserialize": False}
+    value: dict[str, Any] = {"value_type": self.kind, "skip_deserialize": not self.stored}
     if self.kind == "jax.Array":
       value["write_shape"] = list(self.chunks)
     return {"key_metadata": [{"key": n, "key_type": t} for n, t in zip(self.names, self.kinds)],
@@ -143,13 +157,17 @@ class Pieces:
     self.arrays: list[tuple[int, tuple, np.ndarray]] = []  # (leaf, box, host copy)
     spare = spare or {}
     shards: list[tuple[int, tuple, Any, np.ndarray | None]] = []  # (leaf, box, shard, spare)
-    flat = jax.tree_util.tree_leaves_with_path(state)
+    flat = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: empty_kind(x) is not None)
     for _, x in flat:
       if isinstance(x, jax.Array):
         for shard in x.addressable_shards:
           if shard.replica_id == 0:
             shard.data.copy_to_host_async()  # (accelerators: every copy under way at once)
     for i, (keys, x) in enumerate(flat):
+      kind = empty_kind(x)
+      if kind:
+        self.leaves.append(Leaf(keys, kind))
+        continue
       if isinstance(x, jax.Array):
         self.leaves.append(Leaf(keys, "jax.Array", x.shape, np.dtype(x.dtype),
                                 tuple(max(1, n) for n in x.sharding.shard_shape(x.shape))))
@@ -210,7 +228,8 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
   Returns once the checkpoint is complete."""
   partial = os.path.join(directory, f"{step}{PARTIAL}")
   state = os.path.join(partial, STATE)
-  for leaf in pieces.leaves:
+  stored = [leaf for leaf in pieces.leaves if leaf.stored]
+  for leaf in stored:
     os.makedirs(os.path.join(state, leaf.name), exist_ok=True)
   written, chunks = set(), []
   for i, where, value in pieces.arrays:  # (a piece is a chunk: jax's shards are even)
@@ -223,7 +242,7 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
     for done in [pool.submit(_write_chunk, directory, state, *chunk) for chunk in chunks]:
       done.result()
   if rank == 0:
-    for leaf in pieces.leaves:
+    for leaf in stored:
       _write_json(os.path.join(state, leaf.name, ".zarray"), leaf.zarray(), sync=True)
       written.add(leaf.name)
   for name in written:

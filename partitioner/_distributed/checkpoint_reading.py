@@ -21,6 +21,7 @@ from partitioner._distributed import checkpoint_files as files
 
 LEGACY_FORMAT, LEGACY_INDEX = "sharded_jit-checkpoint/1", "index.json"
 _KINDS = ("jax.Array", "np.ndarray", "scalar")  # (the leaves this reader knows)
+_EMPTY = ("None", "Tuple", "List", "Dict", "NamedTuple")  # (orbax's empty nodes)
 
 
 class Saved:
@@ -54,7 +55,10 @@ def saved(directory: str, step: int) -> Saved | None:
   leaves: dict[Any, Reader] = {}
   for entry in metadata.get("tree_metadata", {}).values():
     names = tuple(str(k["key"]) for k in entry["key_metadata"])
-    if entry.get("value_metadata", {}).get("value_type") not in _KINDS:
+    kind = entry.get("value_metadata", {}).get("value_type")
+    if kind in _EMPTY:
+      continue  # (an empty node: no leaf of the state's either)
+    if kind not in _KINDS:
       return None
     path = os.path.join(root, files.STATE, ".".join(names))
     try:
