@@ -179,6 +179,9 @@ def test_plain_orbax_restores_a_checkpoint_into_a_layout_of_its_own(tmp_path):
   assert both["extra"] == {"position": 3}
   with partitioner.Checkpointer(tmp_path, every=3) as ckpt:
     ours = ckpt.restore(target)[0]
+  as_saved = ocp.StandardCheckpointer().restore(tmp_path / "3" / "state")  # (no target)
+  assert as_saved["opt"][1]["mu"].sharding == state["opt"][1].mu.sharding  # (orbax: a dict)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, as_saved["layers"], state["layers"])
   for restored in (got, both["state"], ours):
     jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
     assert restored["layers"][0]["kernel"].dtype == jnp.bfloat16
@@ -204,12 +207,14 @@ def test_its_metadata_is_what_orbax_writes_for_the_same_state(tmp_path):
       leaf["value_metadata"].pop("write_shape", None)
     arrays = {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items()
                               if k != "chunks"} for p in root.glob("*/.zarray")}
-    return tree, arrays
+    shardings = {k: json.loads(v) for k, v in json.loads((root / "_sharding").read_text()).items()}
+    return tree, arrays, shardings
   ours, theirs = metadata(tmp_path / "ours" / "1" / "state"), metadata(tmp_path / "orbax")
   assert ours == theirs
   assert sorted(ours[1]) == ["layers.0.kernel", "layers.1.kernel", "lr", "opt.1.mu", "opt.1.nu",
                              "step"]
   assert len(ours[0]["tree_metadata"]) == 9  # (the empty nodes' entries too)
+  assert len(ours[2]) == 3  # (the jax arrays' shardings)
 
 
 @pytest.mark.parametrize("library", ["equinox", "flax.nnx"])

@@ -11,6 +11,7 @@ read.
     <directory>/<step>/                 complete (renamed by rank 0)
       _CHECKPOINT_METADATA              orbax's: the items' handlers
       state/_METADATA                   orbax's PyTree metadata: each leaf's keys and kind
+      state/_sharding                   orbax's: each jax array's sharding (mesh, spec)
       state/<name>/.zarray              zarr v2: shape, chunk shape, dtype; uncompressed
       extra/metadata                    the extra, an orbax JSON item
     <directory>/.reuse/                 a removed checkpoint's chunk files, written over next
@@ -38,8 +39,10 @@ its files are written over.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
+import functools
 import itertools
 import json
 import os
@@ -102,6 +105,27 @@ def empty_kind(x: Any) -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=1024)
+def sharding_metadata(sharding: jax.sharding.Sharding) -> str | None:
+  """A jax array's sharding as orbax's ``_sharding`` file records it (so
+  plain orbax restores the array as it was when given no target): a
+  ``NamedSharding``'s mesh and spec, a ``SingleDeviceSharding``'s device;
+  None for others, as orbax."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    mesh = sharding.mesh
+    return json.dumps({
+        "sharding_type": "NamedSharding", "shape": list(mesh.devices.shape),
+        "axis_names": list(mesh.axis_names),
+        "axis_types": [str(t) for t in getattr(mesh, "axis_types", ())],
+        "partition_spec": list(sharding.spec),
+        "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
+            mesh.devices).tolist()}})
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return json.dumps({"sharding_type": "SingleDeviceSharding",
+                       "device_str": str(next(iter(sharding.device_set)))})
+  return None
+
+
 def zarr_dtype(dtype: np.dtype) -> str:
   """The dtype as zarr v2 (tensorstore) writes it: ``<f4``, ``bfloat16``."""
   return dtype.name if dtype.kind == "V" else dtype.str
@@ -112,13 +136,14 @@ class Leaf:
   (``jax.Array``, ``np.ndarray``, ``scalar``), shape, dtype and chunk shape."""
 
   def __init__(self, keys: tuple, kind: str, shape: tuple = (), dtype: np.dtype | None = None,
-               chunks: tuple = ()):
+               chunks: tuple = (), sharding: str | None = None):
     self.path = leaf_path(keys)
     self.names = names(keys)
     self.name = ".".join(self.names)
     self.kinds = [_key(k)[1] for k in keys]
     self.kind, self.shape, self.dtype, self.chunks = kind, shape, dtype, chunks
     self.stored = dtype is not None  # (an empty node has only its metadata entry)
+    self.sharding = sharding
 
   def zarray(self) -> dict:
     assert self.dtype is not None
@@ -170,7 +195,8 @@ class Pieces:
         continue
       if isinstance(x, jax.Array):
         self.leaves.append(Leaf(keys, "jax.Array", x.shape, np.dtype(x.dtype),
-                                tuple(max(1, n) for n in x.sharding.shard_shape(x.shape))))
+                                tuple(max(1, n) for n in x.sharding.shard_shape(x.shape)),
+                                sharding_metadata(x.sharding)))
         for shard in x.addressable_shards:
           if shard.replica_id == 0:
             free = spare.get((shard.data.shape, np.dtype(x.dtype)))
@@ -264,6 +290,9 @@ def _commit(directory: str, step: int, leaves: list[Leaf], extra: dict,
   partial = os.path.join(directory, f"{step}{PARTIAL}")
   state = os.path.join(partial, STATE)
   tree = {str(leaf.names): leaf.metadata() for leaf in leaves}
+  _write_json(os.path.join(state, "_sharding"), {
+      base64.b64encode(leaf.name.encode()).decode(): leaf.sharding
+      for leaf in leaves if leaf.sharding}, sync=True)
   _write_json(os.path.join(state, METADATA),
               {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}, sync=True)
