@@ -112,14 +112,14 @@ def sharding_metadata(sharding: jax.sharding.Sharding) -> str | None:
   ``NamedSharding``'s mesh and spec, a ``SingleDeviceSharding``'s device;
   None for others, as orbax."""
   if isinstance(sharding, jax.sharding.NamedSharding):
-    mesh = sharding.mesh
+    mesh, devices = sharding.mesh, np.asarray(sharding.mesh.devices)
     return json.dumps({
-        "sharding_type": "NamedSharding", "shape": list(mesh.devices.shape),
+        "sharding_type": "NamedSharding", "shape": list(devices.shape),
         "axis_names": list(mesh.axis_names),
         "axis_types": [str(t) for t in getattr(mesh, "axis_types", ())],
         "partition_spec": list(sharding.spec),
         "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
-            mesh.devices).tolist()}})
+            devices).tolist()}})
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     return json.dumps({"sharding_type": "SingleDeviceSharding",
                        "device_str": str(next(iter(sharding.device_set)))})
