@@ -42,6 +42,7 @@ from partitioner._lower.gpu_topology import cuda_plugin_installed as cuda_plugin
 from partitioner._lower.gpu_topology import gpu_devices as gpu_devices
 from partitioner._lower.topology import tpu_devices as tpu_devices
 from partitioner._pipeline.accumulate import accumulate as accumulate
+from partitioner._pipeline.one_f_one_b import pipeline_grad as pipeline_grad
 from partitioner._pipeline.schedule import pipeline as pipeline
 from partitioner._pipeline.schedule import pipeline_order as pipeline_order
 from partitioner._report.cost import Cost as Cost
@@ -91,6 +92,7 @@ __all__ = [
   "gpu_devices",
   "initialize",
   "pipeline",
+  "pipeline_grad",
   "pipeline_order",
   "pmap",
   "search",

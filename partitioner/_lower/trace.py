@@ -209,6 +209,8 @@ class PipelineCall:
     free: whether the stage count came from the inputs' specs (not from
       ``stages=`` or ``param_parts=``): ``partitioner.search`` chooses it.
     batch: the rows of x (its dimension 0), M microbatches of them.
+    schedule: ``"gpipe"`` (``partitioner.pipeline``: GPipe, or circular
+      with repeats) or ``"1f1b"`` (``partitioner.pipeline_grad``).
   """
   site: str
   stages: int
@@ -218,16 +220,22 @@ class PipelineCall:
   inputs: tuple[int, ...] = ()
   free: bool = False
   batch: int = 0
+  schedule: str = "gpipe"
 
   @property
   def ticks(self) -> int:
-    """R * M + S - 1: how many times each stage runs its layers."""
+    """The loop's iterations: R M + S - 1 (each stage runs its layers once
+    a tick); 1F1B's M + 2 (S - 1) (a forward and a backward a tick, the
+    first S - 1 without backward, the last S - 1 without forward)."""
+    if self.schedule == "1f1b":
+      return self.microbatches + 2 * (self.stages - 1)
     return self.repeats * self.microbatches + self.stages - 1
 
   @property
   def bubble(self) -> float:
-    """The fraction of the ticks a stage spends idle: (S - 1) / ticks."""
-    return (self.stages - 1) / self.ticks
+    """The fraction of its work time a stage spends idle:
+    (S - 1) / (R M + S - 1), for every schedule here."""
+    return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
 
 
 class Tracing:

@@ -105,6 +105,7 @@ def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[Pipeli
     out.append(PipelineReport(
         site=call.site, stages=call.stages, microbatches=call.microbatches,
         repeats=call.repeats, layers=call.layers, ticks=call.ticks, bubble=call.bubble,
+        schedule=call.schedule,
         stage_bytes=sum(c.bytes * c.runs for c in mine),
         permutes=sum(c.runs for c in mine),
         data_bytes=sum(c.bytes for c in data), data_reductions=len(data)))

@@ -321,6 +321,7 @@ class PipelineReport:
       the batch; 0 without one.
     data_reductions: how many such reductions one call runs (once a call,
       not once a tick).
+    schedule: ``"gpipe"`` (with R > 1: circular) or ``"1f1b"``.
   """
   site: str
   stages: int
@@ -333,9 +334,12 @@ class PipelineReport:
   permutes: int
   data_bytes: int = 0
   data_reductions: int = 0
+  schedule: str = "gpipe"
 
   def __str__(self) -> str:
     schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} passes"
+    if self.schedule == "1f1b":
+      schedule = f"1F1B, at most {2 * self.stages - 1} microbatch inputs kept a stage"
     return (f"{self.stages} stages x {self.microbatches} microbatches ({schedule};"
             f" {self.layers} layers, {self.layers // (self.stages * self.repeats)} a"
             f" stage a tick) at {short_path(self.site)}: bubble {self.bubble:.0%} of"

@@ -1,0 +1,296 @@
+"""partitioner.pipeline_grad: the 1F1B schedule inside the one SPMD program.
+
+GPipe (``partitioner.pipeline`` under ``jax.grad``) runs every
+microbatch's forward, then every backward: each stage keeps what the
+backward needs for all M microbatches. Here the loss is inside the
+pipelined step, so each tick every stage runs one microbatch's forward
+and an earlier one's backward (recomputed from the stage's input, kept in
+a ring of 2 S - 1 slots), and a stage holds at most 2 S - 1 microbatch
+inputs however large M is.
+
+The ticks, for S stages and M microbatches (stage s, tick t):
+
+- forward: microbatch f = t - s, its input from stage s - 1 (stage 0
+  reads x's); stored in slot f mod (2 S - 1) of the stage's ring;
+- the last stage's loss on microbatch t - (S - 1) seeds its backward in
+  the same tick;
+- backward: microbatch b = t - 2 (S - 1) + s, its cotangent from stage
+  s + 1 (rolled back one stage, the roll's own transpose), the stage's
+  forward recomputed from its ring and transposed: the weights' gradient
+  adds up on the stage's devices, the input's goes to stage s - 1.
+
+M + 2 (S - 1) ticks; the first S - 1 run no backward and the last S - 1
+no forward (each skipped with a ``lax.cond``), so the step does the work
+of GPipe's (M + S - 1) forward and backward ticks, as GPipe with
+``remat=True`` recomputes each stage's forward too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.core import Tracer
+
+from partitioner._lower import trace as _trace
+from partitioner._pipeline import checks
+from partitioner._pipeline.schedule import (
+  Placement,
+  Schedule,
+  stage_function,
+  stage_params,
+  weight_copies,
+)
+from partitioner._pipeline.shift import roll
+from partitioner._report.collect import WEIGHT_COPIES
+from sharding._constraint import caller
+from sharding._partition_spec import PartitionSpec
+from sharding._spec_tree import broadcast_specs
+
+_PACKAGE = __name__.partition(".")[0]
+
+
+def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0913
+                  loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any,
+                  x: jax.Array, y: Any, *, microbatches: int, stages: int | None = None,
+                  param_parts: Any = None,
+                  x_parts: PartitionSpec | None = None) -> tuple[jax.Array, Any]:
+  """The loss of ``loss_fn`` on the L layers' output and its gradient with
+  respect to ``layer_params``, run as a 1F1B pipeline of ``stages`` stages.
+
+  Equals ``jax.value_and_grad`` of the plain loop's mean loss over the
+  microbatches::
+
+      def loss(layer_params):
+        h = x  # microbatch i: rows i, i + M, i + 2M, ... of x and y
+        for i in range(L): h = layer_fn(layer_params[i], h)
+        return mean over microbatches of loss_fn(h_mb, y_mb)
+
+  Stage s runs layers ``s*L/S ... (s+1)*L/S - 1`` on its own devices (split
+  the layer dimension S ways in ``in_parts``, as for ``pipeline``). Unlike
+  ``pipeline`` under ``jax.grad`` (GPipe: every forward, then every
+  backward), each stage keeps at most 2 S - 1 microbatch inputs whatever
+  M, so a larger M (a smaller bubble) costs no more memory.
+
+  Args:
+    layer_fn: ``layer_fn(params_of_one_layer, h) -> h``, same shape and dtype.
+    loss_fn: ``loss_fn(h, y_microbatch) -> scalar``: the loss of one
+      microbatch of the last layer's output (the model's head goes here).
+    layer_params: a pytree whose every leaf has a leading layer dimension L.
+    x: the input, batch first; its batch dimension is cut into microbatches.
+    y: the targets (a pytree of arrays), batch first, cut as ``x``.
+    microbatches: M (it divides the batch).
+    stages: S. None: the leading count of ``param_parts``, else of the
+      specs the enclosing ``sharded_jit``'s ``in_parts`` gives
+      ``layer_params``; outside a sharded_jit function, 1.
+    param_parts: the specs ``in_parts`` gives ``layer_params``, each
+      splitting the layer dimension S ways.
+    x_parts: the spec ``in_parts`` gives ``x`` (a data split of the batch,
+      on the same grid as ``param_parts``); read from ``in_parts`` as
+      ``pipeline`` reads it. Each data block then runs its rows with its
+      own copy of its stage's weights, and their gradients are summed over
+      the data devices once, after the loop.
+
+  Returns:
+    ``(loss, grads)``: the mean loss (float32) and the gradient of it,
+    shaped as ``layer_params``.
+
+  Raises:
+    TypeError, ValueError: as ``pipeline`` (counts, shapes, stages), and
+      ``loss_fn`` not returning a scalar.
+
+  Example:
+    >>> loss, grads = pipeline_grad(
+    ...     lambda w, h: jnp.tanh(h @ w), lambda h, y: jnp.mean((h - y) ** 2),
+    ...     jnp.ones((4, 8, 8)), jnp.ones((16, 8)), jnp.zeros((16, 8)),
+    ...     microbatches=4, stages=2)
+  """
+  site = caller(skip=(_PACKAGE,))
+  x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
+  num_layers, leaves = checks.layers(layer_params)
+  m = checks.count(microbatches, "microbatches")
+  tracing = _trace.current()
+  schedule, param_specs, place = _layout(tracing, layer_params, leaves, num_layers, x, m,
+                                         stages, param_parts, x_parts, site)
+  checks.check_layer_fn(layer_fn, layer_params,
+                        jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
+  xs, ys = _cut(place.pin(x, place.x, "input"), y, m)
+  _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
+  s = schedule.stages
+  if tracing is not None:
+    call = _trace.PipelineCall(
+        site=site, stages=s, microbatches=m, repeats=1, layers=num_layers,
+        inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
+        free=param_parts is None and stages is None, batch=x.shape[0], schedule="1f1b")
+    if call not in tracing.pipelines:  # (jax may trace a function twice)
+      tracing.pipelines.append(call)
+  params = jax.tree_util.tree_map(  # (S, L/S, ...), or (S, D, L/S, ...): a copy a data block
+      lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
+      weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
+                    place.blocks))
+  run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys)
+  carry, _ = jax.lax.scan(lambda c, t: (_tick(c, t, run), None), _first_carry(run),
+                          jnp.arange(m + 2 * (s - 1), dtype=jnp.int32))
+  grads = carry.grads
+  if place.blocks > 1:  # (the data blocks' copies: reduced over the data devices once)
+    with jax.named_scope(WEIGHT_COPIES):
+      grads = jax.tree_util.tree_map(lambda g: g.sum(axis=1), grads)
+  return carry.loss, jax.tree_util.tree_map(lambda g, w: g.reshape(w.shape).astype(w.dtype),
+                                            grads, layer_params)
+
+
+def _layout(tracing: Any, layer_params: Any, leaves: list, num_layers: int,  # noqa: PLR0913
+            x: jax.Array, m: int, stages: int | None, param_parts: Any, x_parts: Any,
+            site: str) -> tuple[Schedule, list | None, Placement]:
+  """The schedule, the weights' specs and where the stage buffers lie, as
+  ``pipeline`` reads them (S from ``in_parts``, and a data split of the
+  batch over the grid axes the weights leave whole)."""
+  param_specs = None if param_parts is None else broadcast_specs(
+      param_parts, layer_params, "partitioner.pipeline_grad param_parts")
+  free = param_specs is None and stages is None
+  if free and tracing is None:
+    stages = 1
+  elif free:
+    param_specs = checks.from_inputs(tracing, leaves)
+  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, 1,
+                                    tracing.num_devices if tracing is not None else None), m)
+  s = schedule.stages
+  checks.batch(x, m)
+  if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
+    x_parts = checks.data_split(param_specs, x.ndim, x.shape[0] // m,
+                                tracing.num_devices or len(jax.devices()))
+  state, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, x.shape[0] // m)
+  if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
+    param_specs, state = None, state if x_spec is not None else None
+  return schedule, param_specs, Placement(state, x_spec,
+                                          f"{site}, partitioner.pipeline_grad(stages={s})")
+
+
+def _cut(x: jax.Array, y: Any, m: int) -> tuple[jax.Array, Any]:
+  """x and the targets as microbatches (:func:`_microbatches`), checked."""
+  for path, v in jax.tree_util.tree_flatten_with_path(y)[0]:
+    if jnp.ndim(v) < 1 or jnp.shape(v)[0] != x.shape[0]:
+      raise ValueError(
+          f"partitioner.pipeline_grad: y{jax.tree_util.keystr(path)} has shape"
+          f" {tuple(jnp.shape(v))}, but x's batch is {x.shape[0]} rows. Hint: give the targets"
+          " batch first, a row per row of x.")
+  return _microbatches(x, m), jax.tree_util.tree_map(lambda v: _microbatches(v, m), y)
+
+
+def _microbatches(v: Any, m: int) -> jax.Array:
+  """``v``'s rows as (batch / M, M, ...), microbatch i at [:, i] (rows i,
+  i + M, ...): a reshape, not a copy of the batch."""
+  v = jnp.asarray(v)
+  return v.reshape(v.shape[0] // m, m, *v.shape[1:])
+
+
+def _blocks(h: jax.Array, d: int) -> jax.Array:
+  """A stage's rows (mb, ...) as its ``d`` data blocks' (d, mb / d, ...)."""
+  return h.reshape(d, h.shape[0] // d, *h.shape[1:])
+
+
+def _microbatch(v: jax.Array, i: Any) -> jax.Array:
+  return jax.lax.dynamic_index_in_dim(v, i, 1, keepdims=False)
+
+
+def _check_loss_fn(loss_fn: Callable, h: jax.Array, y: Any) -> None:
+  out = jax.eval_shape(loss_fn, h, y)
+  if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
+    raise TypeError(
+        f"partitioner.pipeline_grad: loss_fn(h, y) must return a scalar, got {out} on a"
+        f" microbatch {h.dtype.name}{list(h.shape)}. Hint: reduce the microbatch's loss"
+        " (jnp.mean).")
+
+
+class _Run(NamedTuple):
+  """What every tick reads."""
+
+  schedule: Schedule
+  place: Placement
+  stage_fn: Callable[[Any, jax.Array], jax.Array]
+  loss_fn: Callable[[jax.Array, Any], jax.Array]
+  params: Any  # leaves (S, L/S, ...) split over the stages, or (S, D, L/S, ...): weight_copies
+  xs: jax.Array  # (mb, M, ...)
+  ys: Any  # leaves (mb, M, ...)
+
+  def forward(self, params: Any, h: jax.Array) -> jax.Array:
+    """One stage's layers on its rows (each data block's with its copy)."""
+    if self.place.blocks == 1:
+      return self.stage_fn(params, h)
+    out = jax.vmap(self.stage_fn)(params, _blocks(h, self.place.blocks))
+    return out.reshape(h.shape)
+
+  def backward(self, params: Any, h: jax.Array, cotangent: jax.Array) -> tuple[Any, jax.Array]:
+    """One stage's forward from ``h`` transposed: its weights' gradient
+    (each data block's copy's) and its input's."""
+    transpose = lambda p, h, c: jax.vjp(self.stage_fn, p, h)[1](c)
+    d = self.place.blocks
+    if d == 1:
+      return transpose(params, h, cotangent)
+    dparams, dh = jax.vmap(transpose)(params, _blocks(h, d), _blocks(cotangent, d))
+    return dparams, dh.reshape(h.shape)
+
+  @property
+  def slots(self) -> int:
+    """2 S - 1: how long a stage keeps a microbatch's input, in ticks, at most."""
+    return 2 * self.schedule.stages - 1
+
+
+class _Carry(NamedTuple):
+  h: jax.Array  # (S, mb, ...): each stage's forward output of the last tick
+  g: jax.Array  # (S, mb, ...): each stage's input gradient of the last tick
+  ring: jax.Array  # (S, 2S - 1, mb, ...): each stage's kept inputs
+  grads: Any  # leaves shaped as the params: the weights' gradient so far (float32)
+  loss: jax.Array  # the mean loss so far
+
+
+def _first_carry(run: _Run) -> _Carry:
+  """Every buffer starts on real rows (microbatch 0), which idle stages
+  run on: never zeros that a layer might turn into inf or NaN."""
+  s, place = run.schedule.stages, run.place
+  row = run.xs[:, 0]
+  start = place.stages(jnp.broadcast_to(row, (s, *row.shape)))
+  ring = place.buffer(jnp.broadcast_to(start[:, None], (s, run.slots, *start.shape[1:])),
+                      "1F1B ring")
+  grads = jax.tree_util.tree_map(lambda w: jnp.zeros(w.shape, jnp.float32), run.params)
+  return _Carry(start, jnp.zeros_like(start), ring, grads, jnp.zeros((), jnp.float32))
+
+
+def _rows(mask: jax.Array, ndim: int) -> jax.Array:
+  return mask.reshape(mask.shape + (1,) * (ndim - 1))
+
+
+def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
+  s, m, place = run.schedule.stages, run.schedule.microbatches, run.place
+  stage = jnp.arange(s, dtype=jnp.int32)
+  first, last = _rows(stage == 0, carry.h.ndim), _rows(stage == s - 1, carry.h.ndim)
+  inputs = place.stages(jnp.where(first, _microbatch(run.xs, jnp.minimum(t, m - 1)),
+                                 roll(carry.h, 1)))
+  b = t - 2 * (s - 1) + stage  # each stage's backward microbatch (its forward's: t - s)
+  # (every stage keeps this tick's input in slot t mod (2S - 1): one index
+  # for all, so the ring is written in place)
+  ring = place.buffer(jax.lax.dynamic_update_index_in_dim(carry.ring, inputs, t % run.slots, 1),
+                      "1F1B ring")
+  out = jax.lax.cond(t < m + s - 1,
+                     lambda: place.stages(place.vmap(run.forward, s)(run.params, inputs)),
+                     lambda: carry.h)
+  done = t - (s - 1)  # the microbatch leaving the last stage this tick
+  y = jax.tree_util.tree_map(lambda v: _microbatch(v, jnp.clip(done, 0, m - 1)), run.ys)
+  losses, seeds = place.vmap(lambda h: jax.value_and_grad(
+      lambda h: run.loss_fn(h, y).astype(jnp.float32) / m)(h), s)(out)
+  cotangent = place.stages(jnp.where(last, seeds.astype(out.dtype), roll(carry.g, -1)))
+  backward = (b >= 0) & (b < m)
+
+  def transpose() -> tuple[Any, jax.Array]:
+    kept = jax.vmap(lambda r, i: r[i])(ring, (b + stage) % run.slots)  # (kept at tick b + s)
+    return place.vmap(run.backward, s)(run.params, kept, cotangent)
+  dparams, dh = jax.lax.cond(
+      t >= s - 1, transpose,
+      lambda: (jax.tree_util.tree_map(jnp.zeros_like, run.params), jnp.zeros_like(out)))
+  grads = jax.tree_util.tree_map(
+      lambda a, d: a + jnp.where(_rows(backward, d.ndim), d.astype(jnp.float32), 0),
+      carry.grads, dparams)
+  loss = carry.loss + jnp.sum(jnp.where(stage == s - 1, losses, 0)) * ((done >= 0) & (done < m))
+  return _Carry(out, place.stages(jnp.where(_rows(backward, dh.ndim), dh, 0)), ring, grads, loss)
