@@ -27,7 +27,16 @@ bytes per device against one stage's share of the weights plus the batch.
 One more row plans a model whose weights outweigh a microbatch's
 activations 10:1 for 2 hosts x 4 devices: the bytes across hosts
 (``partitioner.cost(..., hosts=2)``) of 2 stages x
-tensor parallel 4 against data parallel 8."""
+tensor parallel 4 against data parallel 8.
+
+1F1B (``partitioner.pipeline_grad``) against GPipe (``pipeline`` under
+``jax.value_and_grad``), the same model and SGD step at 4 stages and M =
+16 microbatches (the loss ``mean((h - y) ** 2)``, y = 0): steps/s against
+GPipe with ``remat=True`` (the same work: both recompute a stage's
+forward), in interleaved rounds as above (GPipe without remat in the
+detail); and, compiled only, at batch 2048 (activations outweigh the
+weights), the peak per device (XLA's arguments + outputs + temporaries)
+against GPipe's, GPipe with remat's in the detail."""
 
 from __future__ import annotations
 
@@ -47,7 +56,7 @@ def run(args) -> list[dict]:
   rows = []
   for s in (2, 4, 8):
     rows += case(jax, s, 2 * s, max(3, args.steps // 3))
-  return rows + across_hosts(jax)
+  return rows + across_hosts(jax) + one_f_one_b(jax, max(3, args.steps // 3))
 
 
 def described(compiled) -> tuple:
@@ -134,3 +143,65 @@ def across_hosts(jax) -> list[dict]:
            "detail": f"batch {HOSTS_BATCH}, {HOSTS_MICROBATCHES} microbatches: weights"
                      f" {weights / 2**20:.3g} MiB, {weights / activations:.1f}x a microbatch's"
                      f" activations ({activations / 2**20:.3g} MiB)"}]
+
+
+ONE_F_ONE_B = (4, 16, 2048)  # stages, microbatches, the memory row's batch
+
+
+def _sgd_steps(jax, stages: int, m: int) -> dict:
+  """name -> the SGD step (params donated) of 1F1B and of GPipe with and
+  without remat, on ``P(S, 1, 1)`` stacked weights."""
+  import jax.numpy as jnp
+
+  import partitioner
+  from sharding import PartitionSpec as P
+  parts = {"w1": P(stages, 1, 1), "w2": P(stages, 1, 1)}
+  loss = lambda h, y: jnp.mean((h - y) ** 2)
+
+  def step(grads_of):
+    def sgd(params, x, y):
+      value, grads = grads_of(params, x, y)
+      return jax.tree_util.tree_map(lambda w, g: w - _gpipe.LR * g, params, grads), value
+    return partitioner.sharded_jit(sgd, in_parts=(parts, None, None), out_parts=(parts, None),
+                                   donate_argnums=0)
+
+  def gpipe(remat: bool):
+    return step(lambda p, x, y: jax.value_and_grad(lambda p: loss(partitioner.pipeline(
+        _gpipe.layer, p, x, microbatches=m, remat=remat), y))(p))
+  return {"1F1B": step(lambda p, x, y: partitioner.pipeline_grad(_gpipe.layer, loss, p, x, y,
+                                                                 microbatches=m)),
+          "GPipe, remat": gpipe(True), "GPipe": gpipe(False)}
+
+
+def one_f_one_b(jax, rounds: int) -> list[dict]:
+  """1F1B against GPipe: steps/s (against GPipe with remat, the same work)
+  and, compiled only at a batch whose activations dominate, peak memory."""
+  import statistics
+
+  import numpy as np
+  s, m, big = ONE_F_ONE_B
+  steps = _sgd_steps(jax, s, m)
+  params, x = _gpipe.init(LAYERS, D, F, BATCH)
+  y = np.zeros_like(x)
+  losses = [float(f(jax.device_put(params), x, y)[1]) for f in steps.values()]
+  if not np.allclose(losses, losses[0], rtol=1e-4):
+    raise AssertionError(f"pipeline: 1F1B and GPipe disagree: {losses}")
+  times = rounds_of({k: (f, (jax.device_put(params), x, y)) for k, f in steps.items()}, 1, rounds)
+  step = {k: statistics.median(t) for k, t in times.items()}
+  params, x = _gpipe.init(LAYERS, D, F, big)
+  y = np.zeros_like(x)
+  peak = {}
+  for k, f in steps.items():
+    stats = f.lower(params, x, y).compile().memory_analysis()
+    peak[k] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+               + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  where = f"{s} stages, {m} microbatches, partitioner.pipeline_grad (1F1B)"
+  return [
+      Row("steps/s", 1 / step["1F1B"], 1 / step["GPipe, remat"], "steps/s",
+          "GPipe (pipeline under jax.value_and_grad), remat=True", ">= 0.95",
+          f"against GPipe without remat: {per_round(times, '1F1B', 'GPipe'):.2f}; batch"
+          f" {BATCH}").record(where, per_round(times, "1F1B", "GPipe, remat")),
+      Row("peak memory per device", peak["1F1B"] / 2**20, peak["GPipe"] / 2**20, "MiB",
+          "GPipe (pipeline under jax.value_and_grad)", "<= 0.5",
+          f"batch {big}, compiled only; GPipe with remat: {peak['GPipe, remat'] / 2**20:.3g}"
+          " MiB").record(where)]
