@@ -116,7 +116,7 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
                                          stages, param_parts, x_parts, site)
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
-  xs, ys = _cut(place.pin(x, place.x, "input"), y, m)
+  xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
   _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
   s = schedule.stages
   if tracing is not None:
@@ -283,14 +283,12 @@ def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
   cotangent = place.stages(jnp.where(last, seeds.astype(out.dtype), roll(carry.g, -1)))
   backward = (b >= 0) & (b < m)
 
-  def transpose() -> tuple[Any, jax.Array]:
+  def transpose() -> tuple[Any, jax.Array]:  # (added to the sums here: no buffer of zeros)
     kept = jax.vmap(lambda r, i: r[i])(ring, (b + stage) % run.slots)  # (kept at tick b + s)
-    return place.vmap(run.backward, s)(run.params, kept, cotangent)
-  dparams, dh = jax.lax.cond(
-      t >= s - 1, transpose,
-      lambda: (jax.tree_util.tree_map(jnp.zeros_like, run.params), jnp.zeros_like(out)))
-  grads = jax.tree_util.tree_map(
-      lambda a, d: a + jnp.where(_rows(backward, d.ndim), d.astype(jnp.float32), 0),
-      carry.grads, dparams)
+    dparams, dh = place.vmap(run.backward, s)(run.params, kept, cotangent)
+    return jax.tree_util.tree_map(
+        lambda a, d: a + jnp.where(_rows(backward, d.ndim), d.astype(jnp.float32), 0),
+        carry.grads, dparams), dh
+  grads, dh = jax.lax.cond(t >= s - 1, transpose, lambda: (carry.grads, jnp.zeros_like(out)))
   loss = carry.loss + jnp.sum(jnp.where(stage == s - 1, losses, 0)) * ((done >= 0) & (done < m))
   return _Carry(out, place.stages(jnp.where(_rows(backward, dh.ndim), dh, 0)), ring, grads, loss)
