@@ -140,12 +140,11 @@ HEADLINES = (
   Headline(CPU, "pipeline, 2 to 8 stages, and stages x data, 2 x 4 and 4 x 2: steps/s",
            Figure("pipeline: steps/s", _rows("pipeline", r"stages, \d+ microbatches: steps/s$")
                   + _rows("pipeline_data", r"^\d stages x \d data, .*: steps/s$", full=False)),
-           "MaxText's GPipe by hand, in `jax.jit`"),
-  Headline(CPU, "1F1B (`partitioner.pipeline_grad`), 4 stages x 16 microbatches: steps/s",
-           Figure("pipeline: 1F1B steps/s", _rows("pipeline", r"\(1F1B\): steps/s$")),
-           "GPipe (`pipeline` under `jax.grad`) with remat (peak memory: {} of GPipe's)",
-           aside=Figure("pipeline: 1F1B peak", _rows("pipeline",
-                                                     r"\(1F1B\): peak memory per device$"))),
+           "MaxText's GPipe by hand, in `jax.jit` (1F1B, `pipeline_grad`: {} of GPipe's"
+           " steps/s with remat, {} of its peak memory)",
+           aside=(Figure("pipeline: 1F1B steps/s", _rows("pipeline", r"\(1F1B\): steps/s$")),
+                  Figure("pipeline: 1F1B peak", _rows("pipeline",
+                                                      r"\(1F1B\): peak memory per device$")))),
   Headline(CPU, "startup, compile or load: cold over warm persistent cache (higher is better)",
            Figure("startup: ours", _rows("startup", r"^compile or load .*, ours$", "cold/warm"),
                   ".1f", "x"),
