@@ -461,6 +461,14 @@ def test_a_rank_that_leaves_while_a_save_waits_for_it_is_an_error(tmp_path, monk
   assert checkpoint_files.complete_steps(str(tmp_path)) == []
 
 
+def test_two_leaves_orbax_would_name_alike_are_refused(tmp_path):
+  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+    with pytest.raises(ValueError, match=r"state\['a'\]\['b'\] and state\['a.b'\] are both"
+                       r" named 'a.b' in orbax's format.*Hint"):
+      ckpt.save(1, {"a.b": jnp.ones(2), "a": {"b": jnp.zeros(2)}})
+  assert checkpoint_files.complete_steps(str(tmp_path)) == []
+
+
 def test_numbers_restore_as_numbers_and_other_leaves_are_refused(tmp_path):
   with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
     ckpt.save(1, {"step": 7, "lr": 0.5, "w": jnp.ones(2)})

@@ -212,6 +212,7 @@ class Pieces:
                               value.shape, value.dtype, tuple(max(1, n) for n in value.shape)))
       if rank == 0:
         self.arrays.append((i, tuple((0, n) for n in value.shape), value))
+    _check_names(self.leaves)
     with ThreadPoolExecutor(THREADS, thread_name_prefix="sharded_jit-copies") as pool:
       copies = list(pool.map(lambda job: _host_copy(*job[2:]), shards))
     self.arrays += [(i, where, copy) for (i, where, _, _), copy in zip(shards, copies)]
@@ -222,6 +223,19 @@ class Pieces:
     for _, _, value in self.arrays:
       out.setdefault((value.shape, value.dtype), []).append(value)
     return out
+
+
+def _check_names(leaves: list[Leaf]) -> None:
+  """Two leaves orbax would name alike (``{"a.b": x}`` and ``{"a": {"b": y}}``)
+  would write one directory: an error naming both."""
+  seen: dict[str, str] = {}
+  for leaf in leaves:
+    if leaf.name in seen:
+      raise ValueError(
+          f"Checkpointer.save: state{seen[leaf.name]} and state{leaf.path} are both named"
+          f" {leaf.name!r} in orbax's format (keys joined by '.'), so one would overwrite the"
+          " other. Hint: rename a key so that no key holds a '.' its neighbours make.")
+    seen[leaf.name] = leaf.path
 
 
 def _host_copy(shard: Any, spare: np.ndarray | None) -> np.ndarray:
