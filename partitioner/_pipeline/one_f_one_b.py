@@ -11,7 +11,8 @@ inputs however large M is.
 The ticks, for S stages and M microbatches (stage s, tick t):
 
 - forward: microbatch f = t - s, its input from stage s - 1 (stage 0
-  reads x's); stored in slot f mod (2 S - 1) of the stage's ring;
+  reads x's); kept in slot t mod (2 S - 1) of the stage's ring (one slot
+  for every stage, so the ring is written in place);
 - the last stage's loss on microbatch t - (S - 1) seeds its backward in
   the same tick;
 - backward: microbatch b = t - 2 (S - 1) + s, its cotangent from stage
