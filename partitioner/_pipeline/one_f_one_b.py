@@ -131,7 +131,8 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
       lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
       weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                     place.blocks))
-  run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys)
+  run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys,
+             (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y))))
   carry, _ = jax.lax.scan(lambda c, t: (_tick(c, t, run), None), _first_carry(run),
                           jnp.arange(m + 2 * (s - 1), dtype=jnp.int32))
   grads = carry.grads
@@ -192,6 +193,21 @@ def _blocks(h: jax.Array, d: int) -> jax.Array:
   return h.reshape(d, h.shape[0] // d, *h.shape[1:])
 
 
+def _unsplit(tracing: Any, v: Any) -> bool:
+  """Whether ``v`` is an input of the enclosing sharded_jit that its
+  in_parts leave whole (so every device holds the batch)."""
+  known, spec = (False, None) if tracing is None else tracing.spec_of(v)
+  return known and (spec is None or not spec.is_partitioned)
+
+
+def _whole(v: jax.Array, place: Placement, whole: bool) -> jax.Array:
+  """A microbatch of a batch every device holds (``whole``), kept whole
+  until it takes the stage buffer's layout: otherwise XLA lays the whole
+  batch out as the buffer (a data split's copy of x and of y, made once
+  before the loop), where each tick can slice its microbatch from it."""
+  return place.pin(v, PartitionSpec(*(1,) * v.ndim), "microbatch") if whole else v
+
+
 def _microbatch(v: jax.Array, i: Any) -> jax.Array:
   return jax.lax.dynamic_index_in_dim(v, i, 1, keepdims=False)
 
@@ -215,6 +231,7 @@ class _Run(NamedTuple):
   params: Any  # leaves (S, L/S, ...) split over the stages, or (S, D, L/S, ...): weight_copies
   xs: jax.Array  # (mb, M, ...)
   ys: Any  # leaves (mb, M, ...)
+  whole: tuple[bool, bool] = (False, False)  # x's and y's: inputs of the function, unsplit
 
   def forward(self, params: Any, h: jax.Array) -> jax.Array:
     """One stage's layers on its rows (each data block's with its copy)."""
@@ -251,7 +268,7 @@ def _first_carry(run: _Run) -> _Carry:
   """Every buffer starts on real rows (microbatch 0), which idle stages
   run on: never zeros that a layer might turn into inf or NaN."""
   s, place = run.schedule.stages, run.place
-  row = run.xs[:, 0]
+  row = _whole(run.xs[:, 0], run.place, run.whole[0])
   start = place.stages(jnp.broadcast_to(row, (s, *row.shape)))
   ring = place.buffer(jnp.broadcast_to(start[:, None], (s, run.slots, *start.shape[1:])),
                       "1F1B ring")
@@ -267,8 +284,8 @@ def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
   s, m, place = run.schedule.stages, run.schedule.microbatches, run.place
   stage = jnp.arange(s, dtype=jnp.int32)
   first, last = _rows(stage == 0, carry.h.ndim), _rows(stage == s - 1, carry.h.ndim)
-  inputs = place.stages(jnp.where(first, _microbatch(run.xs, jnp.minimum(t, m - 1)),
-                                 roll(carry.h, 1)))
+  fresh = _whole(_microbatch(run.xs, jnp.minimum(t, m - 1)), place, run.whole[0])
+  inputs = place.stages(jnp.where(first, fresh, roll(carry.h, 1)))
   b = t - 2 * (s - 1) + stage  # each stage's backward microbatch (its forward's: t - s)
   # (every stage keeps this tick's input in slot t mod (2S - 1): one index
   # for all, so the ring is written in place)
@@ -278,7 +295,8 @@ def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
                      lambda: place.stages(place.vmap(run.forward, s)(run.params, inputs)),
                      lambda: carry.h)
   done = t - (s - 1)  # the microbatch leaving the last stage this tick
-  y = jax.tree_util.tree_map(lambda v: _microbatch(v, jnp.clip(done, 0, m - 1)), run.ys)
+  y = jax.tree_util.tree_map(
+      lambda v: _whole(_microbatch(v, jnp.clip(done, 0, m - 1)), place, run.whole[1]), run.ys)
   losses, seeds = place.vmap(lambda h: jax.value_and_grad(
       lambda h: run.loss_fn(h, y).astype(jnp.float32) / m)(h), s)(out)
   cotangent = place.stages(jnp.where(last, seeds.astype(out.dtype), roll(carry.g, -1)))

@@ -91,7 +91,7 @@ def _peak(f, *args):
 
 
 @functools.cache
-def _gpipe_and_1f1b_memory(m, batch=2048):
+def _gpipe_and_1f1b_memory(m, batch=2048, rows=ROWS):
   """(1F1B, GPipe, GPipe with remat) memory statistics at 4 stages and M
   microbatches, on a step whose activations outweigh its weights."""
   params, x, y = data(batch, d_model=64, d_ff=256)
@@ -101,9 +101,9 @@ def _gpipe_and_1f1b_memory(m, batch=2048):
     def loss(p, x, y):
       h = pipeline(layer_fn, p, x, microbatches=m, remat=remat)
       return mean_loss(h, y, m)
-    return sharded_jit(jax.value_and_grad(loss), in_parts=(parts, ROWS, ROWS),
+    return sharded_jit(jax.value_and_grad(loss), in_parts=(parts, rows, rows),
                        out_parts=(None, parts))
-  return (_peak(one_f_one_b(parts, m, ROWS), params, x, y), _peak(gpipe(False), params, x, y),
+  return (_peak(one_f_one_b(parts, m, rows), params, x, y), _peak(gpipe(False), params, x, y),
           _peak(gpipe(True), params, x, y))
 
 
@@ -119,6 +119,8 @@ def test_a_stage_keeps_2s_minus_1_microbatches_not_m():
   assert ours_32[0] <= 1.1 * ours[0]  # (microbatches of the same size: 4096 / 32 rows)
   microbatch_input = 128 * 64 * 4  # (bytes of one stage input: 128 rows of 64 float32)
   assert remat_32[0] - gpipe_remat[0] >= 4 * microbatch_input
+  ours, _, gpipe_remat = _gpipe_and_1f1b_memory(16, rows=None)  # (x and y on every device)
+  assert ours[1] < gpipe_remat[1], (ours, gpipe_remat)
 
 
 @pytest.mark.eight_devices
