@@ -141,7 +141,7 @@ HEADLINES = (
            Figure("pipeline: steps/s", _rows("pipeline", r"stages, \d+ microbatches: steps/s$")
                   + _rows("pipeline_data", r"^\d stages x \d data, .*: steps/s$", full=False)),
            "MaxText's GPipe by hand, in `jax.jit` (1F1B, `pipeline_grad`: {} of GPipe's"
-           " steps/s with remat, {} of its peak memory)",
+           " steps/s with remat, {} of its peak without)",
            aside=(Figure("pipeline: 1F1B steps/s", _rows("pipeline", r"\(1F1B\): steps/s$")),
                   Figure("pipeline: 1F1B peak", _rows("pipeline",
                                                       r"\(1F1B\): peak memory per device$")))),
