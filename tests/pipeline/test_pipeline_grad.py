@@ -195,3 +195,17 @@ def test_explain_names_the_schedule_and_a_data_split_reduces_gradients_once():
   assert report.data_reductions == 1
   assert report.data_bytes == L // 4 * (D_MODEL * D_FF * 2) * 4  # (a stage's weights, float32)
   assert "4 stages x 16 microbatches (1F1B, at most 7 microbatch inputs kept a stage;" in str(report)
+
+
+@pytest.mark.eight_devices
+def test_the_search_tries_its_stage_counts():
+  """Stages left to in_parts: partitioner.search compiles and scores the
+  1F1B pipeline over 2, 4 and 8 stages beside the other layouts, and the
+  program it returns gives the plain loop's loss."""
+  params, x, y = data()
+  found = partitioner.search(
+      lambda p, x, y: pipeline_grad(layer_fn, loss_fn, p, x, y, microbatches=8), params, x, y,
+      measure=0, progress=False)
+  assert {c.stages for c in found.candidates} >= {1, 2, 4, 8}
+  value = jax.jit(plain_loss, static_argnums=3)(params, x, y, 8)
+  np.testing.assert_allclose(float(found.sharded_jit()(params, x, y)[0]), float(value), rtol=1e-5)
