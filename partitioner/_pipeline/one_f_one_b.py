@@ -40,6 +40,8 @@ from partitioner._pipeline import checks
 from partitioner._pipeline.schedule import (
   Placement,
   Schedule,
+  layout,
+  record,
   stage_function,
   stage_params,
   weight_copies,
@@ -48,7 +50,6 @@ from partitioner._pipeline.shift import roll
 from partitioner._report.collect import WEIGHT_COPIES
 from sharding._constraint import caller
 from sharding._partition_spec import PartitionSpec
-from sharding._spec_tree import broadcast_specs
 
 _PACKAGE = __name__.partition(".")[0]
 
@@ -113,20 +114,16 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
   tracing = _trace.current()
-  schedule, param_specs, place = _layout(tracing, layer_params, leaves, num_layers, x, m,
-                                         stages, param_parts, x_parts, site)
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, stages, m, 1,
+                                        param_parts, x_parts, f"{site}, partitioner.pipeline_grad")
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
   _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
   s = schedule.stages
   if tracing is not None:
-    call = _trace.PipelineCall(
-        site=site, stages=s, microbatches=m, repeats=1, layers=num_layers,
-        inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-        free=param_parts is None and stages is None, batch=x.shape[0], schedule="1f1b")
-    if call not in tracing.pipelines:  # (jax may trace a function twice)
-      tracing.pipelines.append(call)
+    record(tracing, site, schedule, (num_layers, x.shape[0]), leaves,
+           param_parts is None and stages is None, "1f1b")
   params = jax.tree_util.tree_map(  # (S, L/S, ...), or (S, D, L/S, ...): a copy a data block
       lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
       weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
@@ -141,33 +138,6 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
       grads = jax.tree_util.tree_map(lambda g: g.sum(axis=1), grads)
   return carry.loss, jax.tree_util.tree_map(lambda g, w: g.reshape(w.shape).astype(w.dtype),
                                             grads, layer_params)
-
-
-def _layout(tracing: Any, layer_params: Any, leaves: list, num_layers: int,  # noqa: PLR0913
-            x: jax.Array, m: int, stages: int | None, param_parts: Any, x_parts: Any,
-            site: str) -> tuple[Schedule, list | None, Placement]:
-  """The schedule, the weights' specs and where the stage buffers lie, as
-  ``pipeline`` reads them (S from ``in_parts``, and a data split of the
-  batch over the grid axes the weights leave whole)."""
-  param_specs = None if param_parts is None else broadcast_specs(
-      param_parts, layer_params, "partitioner.pipeline_grad param_parts")
-  free = param_specs is None and stages is None
-  if free and tracing is None:
-    stages = 1
-  elif free:
-    param_specs = checks.from_inputs(tracing, leaves)
-  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, 1,
-                                    tracing.num_devices if tracing is not None else None), m)
-  s = schedule.stages
-  checks.batch(x, m)
-  if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
-    x_parts = checks.data_split(param_specs, x.ndim, x.shape[0] // m,
-                                tracing.num_devices or len(jax.devices()))
-  state, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, x.shape[0] // m)
-  if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
-    param_specs, state = None, state if x_spec is not None else None
-  return schedule, param_specs, Placement(state, x_spec,
-                                          f"{site}, partitioner.pipeline_grad(stages={s})")
 
 
 def _cut(x: jax.Array, y: Any, m: int) -> tuple[jax.Array, Any]:

@@ -149,47 +149,61 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
   tracing = _trace.current()
-  param_specs = None if param_parts is None else broadcast_specs(
-      param_parts, layer_params, "partitioner.pipeline param_parts")
-  free = param_specs is None and stages is None
-  if free and tracing is None:
-    stages = 1  # outside sharded_jit: the plain loop, for reference runs
-  elif free:
-    param_specs = checks.from_inputs(tracing, leaves)
-  schedule = Schedule(checks.stages(stages, param_specs, leaves, num_layers, r,
-                                    tracing.num_devices if tracing is not None else None), m, r)
-  s = schedule.stages
-  checks.batch(x, m)
-  checks.circular(r, m, s)
-  if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
-    x_parts = checks.data_split(param_specs, x.ndim, x.shape[0] // m, tracing.num_devices
-                                or len(jax.devices()))
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, stages, m, r,
+                                        param_parts, x_parts, f"{site}, partitioner.pipeline")
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
-  state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, x.shape[0] // m)
-  if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
-    param_specs, state_spec = None, state_spec if x_spec is not None else None
   if tracing is not None:
-    _record(tracing, site, schedule, (num_layers, x.shape[0]), leaves, free)
-  place = Placement(state_spec, x_spec, f"{site}, partitioner.pipeline(stages={s})")
+    record(tracing, site, schedule, (num_layers, x.shape[0]), leaves,
+           param_parts is None and stages is None)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
-  carry, feed = init_states(place.pin(x, x_spec, "input"), schedule, place)
+  carry, feed = init_states(place.pin(x, place.x, "input"), schedule, place)
   loop = Loop(schedule, place, stage_function(layer_fn, remat, scan_layers), params, feed)
   carry, outs = jax.lax.scan(functools.partial(tick, loop=loop), carry,
                              jnp.arange(schedule.ticks, dtype=jnp.int32))
   return realign_outputs(carry, outs, x.shape, loop)
 
 
-def _record(tracing: Any, site: str, schedule: Schedule, sizes: tuple[int, int],
-            leaves: list, free: bool) -> None:
+def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,  # noqa: PLR0913
+           stages: int | None, m: int, r: int, param_parts: Any, x_parts: Any,
+           call: str) -> tuple[Schedule, list | None, Placement]:
+  """The schedule (S: ``stages``, else read from ``param_parts`` or the
+  enclosing sharded_jit's ``in_parts``), the weights' specs and where the
+  stage buffers lie (with a data split of the batch over the grid axes
+  the weights leave whole, when S is read from ``in_parts``), checked, as
+  ``pipeline`` and ``pipeline_grad`` read them; ``call``: which, at the
+  user's line (``"file.py:3 (f), partitioner.pipeline"``)."""
+  param_specs = None if param_parts is None else broadcast_specs(
+      param_parts, layer_params, f"{call.rpartition(', ')[2]} param_parts")
+  free = param_specs is None and stages is None
+  if free and tracing is None:
+    stages = 1  # outside sharded_jit: the plain loop, for reference runs
+  elif free:
+    param_specs = checks.from_inputs(tracing, leaves)
+  schedule = Schedule(checks.stages(stages, param_specs, leaves, leaves[0].shape[0], r,
+                                    tracing.num_devices if tracing is not None else None), m, r)
+  s, mb = schedule.stages, x.shape[0] // m if x.ndim else 0
+  checks.batch(x, m)
+  checks.circular(r, m, s)
+  if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
+    x_parts = checks.data_split(param_specs, x.ndim, mb, tracing.num_devices or len(jax.devices()))
+  state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, mb)
+  if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
+    param_specs, state_spec = None, state_spec if x_spec is not None else None
+  return schedule, param_specs, Placement(state_spec, x_spec, f"{call}(stages={s})")
+
+
+def record(tracing: Any, site: str, schedule: Schedule, sizes: tuple[int, int],
+           leaves: list, free: bool, kind: str = "gpipe") -> None:
   """Notes the call on the enclosing trace, for explain()'s report and the
-  search (``sizes``: the layers and the batch's rows)."""
+  search (``sizes``: the layers and the batch's rows; ``kind``: the
+  schedule, ``"gpipe"`` or ``"1f1b"``)."""
   call = _trace.PipelineCall(
       site=site, stages=schedule.stages, microbatches=schedule.microbatches,
       repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=free, batch=sizes[1])
+      free=free, batch=sizes[1], schedule=kind)
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 
