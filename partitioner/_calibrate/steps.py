@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from partitioner._report.cost import score, xla_analyses
 from partitioner._report.device_models import DeviceModel
+from partitioner._report.program import parse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,8 +263,9 @@ def time_steps(devices: Sequence[Any], model: DeviceModel, target: float = 0.3,
   for name, step, make in programs(devices):
     params, x = make()
     compiled = step.lower(params, x).compile()
-    cost = score(compiled.as_text(), xla_analyses(compiled.cost_analysis,
-                                                  compiled.memory_analysis), processes, model)
+    program = parse(compiled.as_text())  # (before XLA's analyses start: see _search.target)
+    cost = score(program, xla_analyses(compiled.cost_analysis, compiled.memory_analysis),
+                 processes, model)
     params = jax.block_until_ready(step(params, x))  # (warm)
     start = time.perf_counter()
     params = jax.block_until_ready(step(params, x))

@@ -228,8 +228,9 @@ class CompiledProgram(abc.ABC):
     devices = self.assignment
     model = resolve(device_model, devices[0].device_kind, devices[0].platform)
     where = device_hosts(devices, hosts, "cost", _distributed.world().process_hosts)
-    analyses = xla_analyses(self.cost_analysis, self.memory_analysis)
     program = parse(self.as_text())
+    # (started after the parse, which it slows: both make many new pages)
+    analyses = xla_analyses(self.cost_analysis, self.memory_analysis)
     fused = fused_attention("cost", attention, program, devices[0].platform, model)
     # (an accelerator planned on simulated CPU devices: XLA:CPU's program in
     # its compiler's place)

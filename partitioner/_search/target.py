@@ -29,6 +29,7 @@ from partitioner import _compat
 from partitioner._compile import program as _program
 from partitioner._compile.cache.tiers import program_options
 from partitioner._front.sharded_jit import sharded_jit
+from partitioner._report import collectives as _collectives
 from partitioner._report import cost as _cost
 from partitioner._report.cost import Cost, score, stand_in_for, xla_analyses
 from partitioner._report.device_models import DeviceModel
@@ -125,7 +126,7 @@ class Target:
       return got, 0.0, digest, got.peak_memory
     part = self.part.estimate(c, dims, self.device, self.hosts)
     parts = _cost.scoped(parsed, hosts_of(len(self.devices), self.hosts), _proxy.SCOPE, fused,
-                         stand_in_for(self.devices, self.device), _cost.spreads(self.device))
+                         stand_in_for(self.devices, self.device), _collectives.spreads(self.device))
     if len(parts) > 1:
       scaled = repeated(got, parts, self.proxy.repeats, self.proxy.kept, part, whole, self.device)
     else:  # no op kept its name: scaled as the cheap model sees the whole
@@ -322,9 +323,9 @@ def scored(program: Any, loaded: Any, hosts: int, device: DeviceModel,
   """The compiled program's cost, its devices ``hosts`` hosts of
   consecutive ones (``fused_attention``: see :class:`Place`); a digest of
   its text; the text parsed (which a proxy's scoped cost reads again)."""
-  analyses = xla_analyses(lambda: _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats)
   text = "\n\n".join(m.to_string() for m in loaded.hlo_modules())
-  parsed = parse(text)
+  parsed = parse(text)  # (before XLA's analyses start: they slow the parse, both making new pages)
+  analyses = xla_analyses(lambda: _compat.cost_analysis(loaded), loaded.get_compiled_memory_stats)
   cost = score(parsed, analyses, hosts_of(len(program.devices), hosts), device, fused_attention,
                stand_in_for(program.devices, device))
   return cost, hashlib.sha256(_program_only(text).encode()).hexdigest(), parsed
