@@ -52,7 +52,7 @@ from partitioner._calibrate.timing import (
   measure_narrow,
   result_bytes,
 )
-from partitioner._report.cost import collective_weight
+from partitioner._report.collectives import collective_weight
 from partitioner._report.device_models import MODELS, DeviceModel, default_model, load_model
 
 __all__ = ["Calibration", "calibrate", "load"]

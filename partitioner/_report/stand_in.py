@@ -16,7 +16,7 @@ XLA:CPU's, and two of its passes change what the collectives send.
 Where the all-reduce's group is larger than the parts (FSDP within hosts,
 data parallel across them), XLA:GPU reduce-scatters among the devices
 that hold different parts and all-reduces each part among those that
-hold the same (``cost._as_run``).
+hold the same (``collectives.as_run``).
 
 Its kernels change too (``traffic.gemm_absorbed``): XLA:CPU writes a
 bfloat16 dot's result in float32 and rounds it in a kernel of its own,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from partitioner import DEVICE_MODELS, DeviceModel
-from partitioner._report import cost, hlo_flops
+from partitioner._report import collectives, hlo_flops
 from partitioner._report.device_models import default_model
 from partitioner._report.program import parse
 from partitioner._search.request import default_budget
@@ -67,10 +67,10 @@ def test_a_collective_over_more_hosts_costs_a_level_more_each_doubling():
                     network_level_latency_s=1e-3)
   assert own.comm_seconds(0.0, 1, 0.0, 1, 2.0) == pytest.approx(1e-4 + 2e-3)
   assert own.network_seconds(0.0, 1, 2.0) == pytest.approx(1e-4 + 2e-3)
-  assert cost.network_levels("all-reduce", 2) == 0 == cost.network_levels("all-reduce", 1)
-  assert cost.network_levels("all-reduce", 8) == 2 == cost.network_levels("all-gather", 8)
-  assert cost.network_levels("reduce-scatter", 16) == 3
-  assert cost.network_levels("collective-permute", 8) == 0 == cost.network_levels("all-to-all", 8)
+  assert collectives.network_levels("all-reduce", 2) == 0 == collectives.network_levels("all-reduce", 1)
+  assert collectives.network_levels("all-reduce", 8) == 2 == collectives.network_levels("all-gather", 8)
+  assert collectives.network_levels("reduce-scatter", 16) == 3
+  assert collectives.network_levels("collective-permute", 8) == 0 == collectives.network_levels("all-to-all", 8)
   for name in ("a100", "h100", "h200", "gh200", "b200"):
     assert DEVICE_MODELS[name].network_level_latency_s == 10e-6
   assert DEVICE_MODELS["tpu-v5p"].network_level_latency_s == 0 == DEVICE_MODELS["cpu"].network_level_latency_s

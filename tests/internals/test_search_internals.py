@@ -11,6 +11,7 @@ import pytest
 
 import partitioner
 from partitioner import _compat
+from partitioner._report import collectives as _collectives
 from partitioner._report import cost as _cost
 from partitioner._search import select as _select
 from partitioner._search.axes import logical_axes
@@ -68,7 +69,7 @@ def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch
     ("replica_groups={}", [list(range(8))]),
 ])
 def test_replica_groups_in_every_form(line, groups):
-  assert _cost.groups(line, 8) == groups
+  assert _collectives.groups(line, 8) == groups
 
 
 def test_device_models_add_or_overlap_compute_and_memory():

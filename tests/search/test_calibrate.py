@@ -149,7 +149,7 @@ def _mlp(width=256):
 
 def test_the_fit_recovers_a_line():
   bandwidth, latency = 5e9, 20e-6
-  rows = [(kind, size, 8, latency + size * partitioner._report.cost.collective_weight(kind, 8)
+  rows = [(kind, size, 8, latency + size * partitioner._report.collectives.collective_weight(kind, 8)
            / bandwidth)
           for kind in ("all-reduce", "collective-permute") for size in (4096, 65536, 1 << 20)]
   got = cal.fit_links(rows)
