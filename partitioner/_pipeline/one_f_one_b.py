@@ -38,6 +38,7 @@ from jax.core import Tracer
 from partitioner._lower import trace as _trace
 from partitioner._pipeline import checks
 from partitioner._pipeline.schedule import (
+  Asked,
   Placement,
   Schedule,
   layout,
@@ -114,8 +115,8 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
   tracing = _trace.current()
-  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, stages, m, 1,
-                                        param_parts, x_parts, f"{site}, partitioner.pipeline_grad")
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, Asked(
+      stages, m, 1, param_parts, x_parts, f"{site}, partitioner.pipeline_grad"))
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)

@@ -149,8 +149,8 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
   tracing = _trace.current()
-  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, stages, m, r,
-                                        param_parts, x_parts, f"{site}, partitioner.pipeline")
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, Asked(
+      stages, m, r, param_parts, x_parts, f"{site}, partitioner.pipeline"))
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
@@ -165,15 +165,29 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   return realign_outputs(carry, outs, x.shape, loop)
 
 
-def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,  # noqa: PLR0913
-           stages: int | None, m: int, r: int, param_parts: Any, x_parts: Any,
-           call: str) -> tuple[Schedule, list | None, Placement]:
-  """The schedule (S: ``stages``, else read from ``param_parts`` or the
-  enclosing sharded_jit's ``in_parts``), the weights' specs and where the
-  stage buffers lie (with a data split of the batch over the grid axes
-  the weights leave whole, when S is read from ``in_parts``), checked, as
-  ``pipeline`` and ``pipeline_grad`` read them; ``call``: which, at the
-  user's line (``"file.py:3 (f), partitioner.pipeline"``)."""
+@dataclasses.dataclass(frozen=True)
+class Asked:
+  """What a pipeline call asked for: ``stages`` (None: read them),
+  ``microbatches``, ``repeats``, its ``param_parts`` and ``x_parts`` as
+  given, and ``call``: which, at the user's line (``"file.py:3 (f),
+  partitioner.pipeline"``)."""
+  stages: int | None
+  microbatches: int
+  repeats: int
+  param_parts: Any
+  x_parts: Any
+  call: str
+
+
+def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
+           asked: Asked) -> tuple[Schedule, list | None, Placement]:
+  """The schedule (S: ``asked.stages``, else read from its ``param_parts``
+  or the enclosing sharded_jit's ``in_parts``), the weights' specs and
+  where the stage buffers lie (with a data split of the batch over the
+  grid axes the weights leave whole, when S is read from ``in_parts``),
+  checked, as ``pipeline`` and ``pipeline_grad`` read them."""
+  stages, m, r, param_parts, x_parts, call = (asked.stages, asked.microbatches, asked.repeats,
+                                              asked.param_parts, asked.x_parts, asked.call)
   param_specs = None if param_parts is None else broadcast_specs(
       param_parts, layer_params, f"{call.rpartition(', ')[2]} param_parts")
   free = param_specs is None and stages is None
