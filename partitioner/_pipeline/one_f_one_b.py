@@ -131,14 +131,15 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
                     place.blocks))
   run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys,
              (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y))))
-  carry, _ = jax.lax.scan(lambda c, t: (_tick(c, t, run), None), _first_carry(run),
-                          jnp.arange(m + 2 * (s - 1), dtype=jnp.int32))
+  # (each tick's loss stays on its stage, stacked: summed once after the loop)
+  carry, losses = jax.lax.scan(lambda c, t: _tick(c, t, run), _first_carry(run),
+                               jnp.arange(m + 2 * (s - 1), dtype=jnp.int32))
   grads = carry.grads
   if place.blocks > 1:  # (the data blocks' copies: reduced over the data devices once)
     with jax.named_scope(WEIGHT_COPIES):
       grads = jax.tree_util.tree_map(lambda g: g.sum(axis=1), grads)
-  return carry.loss, jax.tree_util.tree_map(lambda g, w: g.reshape(w.shape).astype(w.dtype),
-                                            grads, layer_params)
+  return losses.sum(), jax.tree_util.tree_map(lambda g, w: g.reshape(w.shape).astype(w.dtype),
+                                              grads, layer_params)
 
 
 def _cut(x: jax.Array, y: Any, m: int) -> tuple[jax.Array, Any]:
@@ -232,7 +233,6 @@ class _Carry(NamedTuple):
   g: jax.Array  # (S, mb, ...): each stage's input gradient of the last tick
   ring: jax.Array  # (S, 2S - 1, mb, ...): each stage's kept inputs
   grads: Any  # leaves shaped as the params: the weights' gradient so far (float32)
-  loss: jax.Array  # the mean loss so far
 
 
 def _first_carry(run: _Run) -> _Carry:
@@ -244,14 +244,16 @@ def _first_carry(run: _Run) -> _Carry:
   ring = place.buffer(jnp.broadcast_to(start[:, None], (s, run.slots, *start.shape[1:])),
                       "1F1B ring")
   grads = jax.tree_util.tree_map(lambda w: jnp.zeros(w.shape, jnp.float32), run.params)
-  return _Carry(start, jnp.zeros_like(start), ring, grads, jnp.zeros((), jnp.float32))
+  return _Carry(start, jnp.zeros_like(start), ring, grads)
 
 
 def _rows(mask: jax.Array, ndim: int) -> jax.Array:
   return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
-def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
+def _tick(carry: _Carry, t: jax.Array, run: _Run) -> tuple[_Carry, jax.Array]:
+  """One tick: the next carry, and each stage's share of the mean loss
+  (the last stage's, on the microbatch leaving it; 0 elsewhere), (S,)."""
   s, m, place = run.schedule.stages, run.schedule.microbatches, run.place
   stage = jnp.arange(s, dtype=jnp.int32)
   first, last = _rows(stage == 0, carry.h.ndim), _rows(stage == s - 1, carry.h.ndim)
@@ -280,5 +282,5 @@ def _tick(carry: _Carry, t: jax.Array, run: _Run) -> _Carry:
         lambda a, d: a + jnp.where(_rows(backward, d.ndim), d.astype(jnp.float32), 0),
         carry.grads, dparams), dh
   grads, dh = jax.lax.cond(t >= s - 1, transpose, lambda: (carry.grads, jnp.zeros_like(out)))
-  loss = carry.loss + jnp.sum(jnp.where(stage == s - 1, losses, 0)) * ((done >= 0) & (done < m))
-  return _Carry(out, place.stages(jnp.where(_rows(backward, dh.ndim), dh, 0)), ring, grads, loss)
+  loss = jnp.where((stage == s - 1) & (done >= 0) & (done < m), losses, 0.0)
+  return _Carry(out, place.stages(jnp.where(_rows(backward, dh.ndim), dh, 0)), ring, grads), loss

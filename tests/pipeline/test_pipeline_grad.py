@@ -198,6 +198,18 @@ def test_explain_names_the_schedule_and_a_data_split_reduces_gradients_once():
 
 
 @pytest.mark.eight_devices
+def test_the_loss_is_summed_over_the_stages_once_not_every_tick():
+  """Each tick's loss stays on its stage and the stages' sums meet once
+  after the loop: with no data split inside the stages, the program's
+  all-reduces do not grow with the ticks."""
+  params, x, y = data()
+  parts = {"w1": P(8, 1, 1), "w2": P(8, 1, 1)}
+  counts = [partitioner.explain(one_f_one_b(parts, m).lower(params, x, y).compile())
+            .collective_totals()["all-reduce"][0] for m in (8, 16)]
+  assert counts[0] == counts[1] <= 2, counts  # (the loss's sum; M + 14 ticks each)
+
+
+@pytest.mark.eight_devices
 def test_the_search_tries_its_stage_counts():
   """Stages left to in_parts: partitioner.search compiles and scores the
   1F1B pipeline over 2, 4 and 8 stages beside the other layouts, and the
