@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import partitioner
+from partitioner._distributed import checkpoint_bucket as bucket
 from partitioner._distributed import checkpoint_files, checkpoint_reading
 from partitioner._distributed.steps import steps
 from sharding import PartitionSpec as P
@@ -520,13 +521,108 @@ def test_bad_arguments(tmp_path, kw):
     partitioner.Checkpointer(tmp_path, **kw)
 
 
-def test_an_object_store_address_is_refused_not_written_as_a_local_path(tmp_path, monkeypatch):
-  """``gs://b/run`` would otherwise become a local ``gs:/b/run`` directory."""
+def _address(kind, tmp_path):
+  """An object store's address tensorstore opens here: a file:// one, or
+  one in this process's memory (memory://, named for the test)."""
+  return f"file://{tmp_path}/run" if kind == "file" else f"memory://{tmp_path.name}/run"
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_an_object_stores_address_holds_checkpoints_listed_by_orbaxs_mark(tmp_path, kind):
+  """gs://'s path through tensorstore: each step written where it stays,
+  listed by orbax's commit_success.txt, the latest restored into another
+  layout; plain orbax lists and restores them."""
+  pytest.importorskip("tensorstore")
+  address = _address(kind, tmp_path)
+  with partitioner.Checkpointer(address, every=2, keep=2) as ckpt:
+    assert ckpt.restore(_state())[1:] == (0, {})
+    for step in range(1, 7):
+      ckpt.save(step, _state(step), {"position": step})
+  columns = tiling(P(1, 2), jax.devices()[:2], 2).named_sharding()
+  target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=columns),
+            "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  with partitioner.Checkpointer(address, every=2) as ckpt:
+    assert ckpt.latest_step() == 6
+    state, step, extra = ckpt.restore(target)
+  assert step == 6 and extra == {"position": 6}
+  assert state["w"].sharding.shard_shape((8, 4)) == (8, 2)
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.full((8, 4), 6.0))
+  if kind == "file":
+    ocp = pytest.importorskip("orbax.checkpoint")
+    assert sorted(os.listdir(tmp_path / "run")) == ["4", "6"]  # (keep=2)
+    assert (tmp_path / "run" / "6" / bucket.COMMIT).exists()
+    assert ocp.CheckpointManager(str(tmp_path / "run")).all_steps() == [4, 6]
+    plain = ocp.StandardCheckpointer().restore(str(tmp_path / "run" / "6" / "state"))
+    np.testing.assert_array_equal(np.asarray(plain["w"]), np.full((8, 4), 6.0))
+
+
+def test_a_step_without_orbaxs_mark_is_never_listed_and_the_next_job_removes_it(tmp_path):
+  """A crash during the save of step 3 leaves its objects without
+  commit_success.txt: step 2 is restored, and the next job removes them."""
+  pytest.importorskip("tensorstore")
+  address = _address("memory", tmp_path)
+  with partitioner.Checkpointer(address, every=1) as ckpt:
+    ckpt.save(1, {"b": jnp.ones(4)})
+    ckpt.save(2, {"b": jnp.full(4, 2.0)})
+  store = bucket.Bucket(address, 1)
+  store.write(3, checkpoint_files.Pieces({"b": jnp.full(4, 3.0)}, 0), {}, 0, 1)
+  store._delete(f"3/{bucket.COMMIT}")  # (as if cut off before rank 0's mark)
+  assert store.complete_steps() == [1, 2] and 3 in store._steps()
+  with partitioner.Checkpointer(address, every=1) as ckpt:
+    state, step, _ = ckpt.restore({"b": jnp.zeros(4)})
+  assert step == 2 and float(state["b"][0]) == 2.0
+  assert sorted(store._steps()) == [1, 2]
+
+
+def _two_ranks(address):
+  """Ranks 0 and 1 of a 2-process job on one address, sharing rank 0's token."""
+  ranks = [bucket.Bucket(address, 2), bucket.Bucket(address, 2)]
+  ranks[0].start(0, lambda token: token)
+  ranks[1].start(1, lambda _: ranks[0].token)
+  return ranks
+
+
+def test_a_part_an_earlier_job_left_is_not_taken_for_this_jobs_and_a_step_saved_again_is_unlisted(
+    tmp_path):
+  """Rank 0 lists step 5 only once rank 1's part holds this job's token
+  (not a crashed job's, left in the same step), and a step saved again is
+  unlisted from the first rank's write until rank 0 lists it again."""
+  pytest.importorskip("tensorstore")
+  import threading
+  rank0, rank1 = _two_ranks(_address("file", tmp_path))
+  rank0._kv.write("5/part-1", b"an earlier job's").result()
+  pieces = [checkpoint_files.Pieces({"b": jnp.full(4, 5.0)}, r) for r in (0, 1)]
+  for again in (False, True):
+    first = threading.Thread(target=rank0.write, args=(5, pieces[0], {"again": again}, 0, 2),
+                             daemon=True)
+    first.start()
+    try:
+      time.sleep(0.5)
+      waiting, listed = first.is_alive(), rank0.complete_steps()
+    finally:
+      rank1.write(5, pieces[1], {"again": again}, 1, 2)  # (returns once rank 0 lists it)
+      first.join(30)
+    assert waiting and listed == [], (again, listed)
+    assert rank0.complete_steps() == [5] and rank0.saved(5).extra == {"again": again}
+  assert sorted(os.listdir(tmp_path / "run" / "5")) == [
+      "_CHECKPOINT_METADATA", bucket.COMMIT, "extra", "state"]
+
+
+def test_an_object_stores_address_errors(tmp_path, monkeypatch):
+  pytest.importorskip("tensorstore")
+  with pytest.raises(ValueError, match=r"directory='memory://x'\): memory:// is each process's"
+                     r" own memory, and this job has 2 processes.*Hint: give a bucket"):
+    bucket.Bucket("memory://x", 2)
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(ValueError, match=r"directory='gs://bucket/run1'\): an object store's"
-                     r" address.*Hint: mount the bucket.*orbax's CheckpointManager"):
-    partitioner.Checkpointer("gs://bucket/run1", every=1)
-  assert not os.listdir(tmp_path)
+  with pytest.raises(ValueError, match=r"directory='nosuch://bucket/run'\): tensorstore cannot"
+                     r" open it .*unsupported URL scheme.*Hint: an object store's address"):
+    partitioner.Checkpointer("nosuch://bucket/run", every=1)
+  monkeypatch.setitem(sys.modules, "tensorstore", None)
+  with pytest.raises(ImportError, match="written through tensorstore, which is not installed."
+                     " Hint: pip install tensorstore"):
+    partitioner.Checkpointer("gs://bucket/run", every=1)
+  assert not os.listdir(tmp_path)  # (never a local gs:/ directory)
 
 
 def test_another_dtype_is_cast_and_a_librarys_optimizer_state_restores(tmp_path):

@@ -149,6 +149,24 @@ def test_multiprocess_train_survives_a_killed_rank(tmp_path, layout):
   assert _plain_orbax_sum(tmp_path / "ck" / "30" / "state") == pytest.approx(final, rel=1e-5)
 
 
+@pytest.mark.mpi
+def test_checkpoints_in_an_object_store_survive_a_killed_rank(tmp_path):
+  """The same with the checkpoints at an object store's address (file://,
+  through tensorstore as gs:// is): each step listed by orbax's
+  commit_success.txt, written last; the job resumes from the latest and
+  ends with the uninterrupted run's weights, which plain orbax reads."""
+  pytest.importorskip("tensorstore")
+  whole, broken = _whole_and_killed(tmp_path, "global", 17,
+                                    directory=f"file://{tmp_path}/ck")
+  assert "rank 1: died first" in broken.stderr and "restart 1 of 2" in broken.stderr
+  assert re.findall(r"resumed from the checkpoint of step (\d+)", broken.stdout) == ["15"]
+  assert _FINAL.findall(broken.stdout) == _FINAL.findall(whole.stdout) != []
+  assert sorted(os.listdir(tmp_path / "ck" / "30")) == [
+      "_CHECKPOINT_METADATA", "commit_success.txt", "extra", "state"]
+  final = float(_FINAL.findall(whole.stdout)[0])
+  assert _plain_orbax_sum(tmp_path / "ck" / "30" / "state") == pytest.approx(final, rel=1e-5)
+
+
 _FINAL = re.compile(r"final weights: sum of \|w\| (\S+)")
 
 
@@ -165,15 +183,17 @@ def _plain_orbax_sum(path):
                    for w in jax.tree_util.tree_leaves(checkpointer.restore(path, target))))
 
 
-def _whole_and_killed(tmp_path, layout, crash, *flags):
+def _whole_and_killed(tmp_path, layout, crash, *flags, directory=None):
   """The example uninterrupted, and with rank 1 killed at step ``crash``
-  under --max-restarts 2 (and ``flags``), checkpointing every 5 steps."""
+  under --max-restarts 2 (and ``flags``), checkpointing every 5 steps
+  (into ``directory``, default ``tmp_path / "ck"``)."""
   pytest.importorskip("mpi4py")
   pytest.importorskip("orbax.checkpoint")
   args = _train_args(layout)
   whole = _uninterrupted(layout)
   killed = run(*_LAUNCH, "--max-restarts", "2", *flags, *args, "--checkpoint_dir",
-               str(tmp_path / "ck"), "--checkpoint_every", "5", "--crash_at_step", str(crash))
+               directory or str(tmp_path / "ck"), "--checkpoint_every", "5",
+               "--crash_at_step", str(crash))
   assert whole.returncode == 0 and killed.returncode == 0, killed.stdout + killed.stderr
   return whole, killed
 

@@ -27,8 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from partitioner._distributed import checkpoint_bucket as bucket
 from partitioner._distributed import checkpoint_files as files
 from partitioner._distributed import checkpoint_reading as reading
+from partitioner._distributed.world import world
 
 __all__ = ["Checkpointer"]
 
@@ -61,8 +63,11 @@ class Checkpointer:
   :meth:`restore` (each array's sharding, or a ``jax.ShapeDtypeStruct``'s),
   so a job restarted on other devices, or fewer processes, restores into
   its new layout: each device reads the part of the saved pieces its shard
-  overlaps. Every process must see ``directory`` (a shared file system
-  across hosts).
+  overlaps. Every process must see ``directory``: a shared file system
+  across hosts, or an object store (``gs://bucket/run``, ``s3://...``,
+  through tensorstore; there the checkpoint is listed by orbax's
+  ``commit_success.txt``, written last, instead of a rename, and no lock
+  keeps a second job out: give each job its own address).
 
   A checkpoint is in orbax's format: a ``CheckpointManager``'s step with
   a PyTree item ``state`` (zarr, uncompressed: weights compress little,
@@ -72,7 +77,8 @@ class Checkpointer:
   restore here (orbax-checkpoint installed).
 
   Args:
-    directory: where the checkpoints go (one subdirectory per step).
+    directory: where the checkpoints go (one subdirectory per step): a
+      path, or an object store's address (``gs://bucket/run``).
     every: save at steps that are multiples of it.
     keep: how many of the latest checkpoints to keep.
     finish_within: how many steps a save may run in the background: the
@@ -82,7 +88,9 @@ class Checkpointer:
 
   Raises:
     ValueError: ``every``, ``keep`` or ``finish_within`` not a positive int;
-      ``directory`` an object store's address (``gs://``): mount it.
+      an address tensorstore cannot open, or ``memory://`` in a job of
+      several processes.
+    ImportError: an object store's address without tensorstore installed.
     RuntimeError: another job, still running, writes ``directory``.
   """
 
@@ -93,28 +101,26 @@ class Checkpointer:
         raise ValueError(f"Checkpointer({name}={value!r}): must be a positive int. Hint:"
                          " every=100 saves at steps 100, 200, ...; keep=3 keeps the last 3;"
                          " finish_within=1 lets a save run one step in the background.")
-    path = os.fspath(directory)
-    if "://" in str(path):
-      raise ValueError(
-          f"Checkpointer(directory={path!r}): an object store's address; Checkpointer writes"
-          " to a file system every process mounts, and lists a checkpoint by renaming its"
-          " directory, which an object store cannot do. Hint: mount the bucket (gcsfuse,"
-          " s3fs) and give the mount's path, or save with orbax's CheckpointManager, which"
-          " writes gs:// itself; each restores the other's checkpoints.")
-    self.directory = os.path.abspath(path)
+    path = str(os.fspath(directory))
+    self.directory = path if bucket.is_address(path) else os.path.abspath(path)
     self.every, self.keep, self.finish_within = every, keep, finish_within
     self._rank, self._processes = jax.process_index(), jax.process_count()
     self._writing: collections.deque[tuple[int, Future]] = collections.deque()
     self._spare: dict[tuple, list[np.ndarray]] = {}
     self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded_jit-checkpoint")
     self._shared = False  # (whether this rank has seen rank 0's mark in the directory)
-    if self._rank == 0:
+    self._bucket = None
+    if bucket.is_address(path):
+      self._bucket = bucket.Bucket(path, self._processes)
+      self._bucket.start(self._rank, world().bcast if self._processes > 1 else lambda t: t)
+    elif self._rank == 0:
       _claim(self.directory)
       files.remove_partial(self.directory)
 
   def latest_step(self) -> int | None:
     """The step of the latest complete checkpoint, or None."""
-    done = files.complete_steps(self.directory)
+    done = (self._bucket.complete_steps() if self._bucket is not None
+            else files.complete_steps(self.directory))
     return done[-1] if done else None
 
   def save(self, step: int, state: Any,
@@ -151,6 +157,11 @@ class Checkpointer:
     return True
 
   def _write(self, step: int, pieces: files.Pieces, extra: dict) -> files.Pieces:
+    if self._bucket is not None:
+      self._bucket.write(step, pieces, extra, self._rank, self._processes)
+      if self._rank == 0:
+        self._bucket.remove_older(self.keep)
+      return pieces
     if self._rank and not self._shared:
       _check_shared(self.directory, self._rank)
       self._shared = True
@@ -175,9 +186,18 @@ class Checkpointer:
     step = self.latest_step()
     if step is None:
       return state, 0, {}
-    saved = reading.saved(self.directory, step)
-    if saved is None:
-      return _restore_orbax(self.directory, step, state)
+    if self._bucket is not None:
+      saved = self._bucket.saved(step)
+      if saved is None:
+        raise ValueError(
+            f"Checkpointer: the checkpoint of step {step} in {self.directory} is in a form of"
+            " orbax's this class reads only from a file system (OCDBT, compressed). Hint:"
+            " restore it with orbax's CheckpointManager, which reads it there; nothing was"
+            " restored.")
+    else:
+      saved = reading.saved(self.directory, step)
+      if saved is None:
+        return _restore_orbax(self.directory, step, state)
     _check_same(self.directory, step, {k: (r.shape, r.dtype) for k, r in saved.leaves.items()},
                 state, saved.key, saved.shown)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -196,7 +216,7 @@ class Checkpointer:
       self.wait()
     finally:
       self._writer.shutdown()
-      if self._rank == 0:  # (every rank's parts are written once rank 0's saves are done)
+      if self._rank == 0 and self._bucket is None:  # (every rank's parts are written by now)
         files.remove_reused(self.directory)
         _release(self.directory)
 

@@ -271,13 +271,8 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
   stored = [leaf for leaf in pieces.leaves if leaf.stored]
   for leaf in stored:
     os.makedirs(os.path.join(state, leaf.name), exist_ok=True)
-  written, chunks = set(), []
-  for i, where, value in pieces.arrays:  # (a piece is a chunk: jax's shards are even)
-    leaf = pieces.leaves[i]
-    if value.size:
-      index = tuple(a // c for (a, _), c in zip(where, leaf.chunks))
-      chunks.append((os.path.join(leaf.name, chunk_key(index)), value))
-      written.add(leaf.name)
+  chunks = chunk_files(pieces)
+  written = {pieces.leaves[i].name for i, _, value in pieces.arrays if value.size}
   with ThreadPoolExecutor(THREADS, thread_name_prefix="sharded_jit-chunks") as pool:
     for done in [pool.submit(_write_chunk, directory, state, *chunk) for chunk in chunks]:
       done.result()
@@ -290,36 +285,54 @@ def write(directory: str, step: int, pieces: Pieces, extra: dict, rank: int,
   _write_json(os.path.join(partial, f"part-{rank}"), {})
   final = os.path.join(directory, str(step))
   if rank:
-    _wait_for(lambda: os.path.exists(final), f"rank 0 to complete the checkpoint of step {step}")
+    wait_for(lambda: os.path.exists(final), f"rank 0 to complete the checkpoint of step {step}")
     return
   parts = [os.path.join(partial, f"part-{r}") for r in range(processes)]
-  _wait_for(lambda: all(os.path.exists(p) for p in parts),
+  wait_for(lambda: all(os.path.exists(p) for p in parts),
             f"every rank's part of the checkpoint of step {step}")
   _commit(directory, step, pieces.leaves, extra, parts)
+
+
+def step_metadata(leaves: list[Leaf], extra: dict) -> list[tuple[str, Any]]:
+  """Orbax's metadata of a checkpoint and its extra: ``(path in the
+  step's directory, JSON value)``, written by rank 0 once every rank's
+  chunks are (the step's own ``_CHECKPOINT_METADATA`` last)."""
+  tree = {str(leaf.names): leaf.metadata() for leaf in leaves}
+  now = time.time_ns()
+  return [
+      (f"{STATE}/_sharding", {base64.b64encode(leaf.name.encode()).decode(): leaf.sharding
+                              for leaf in leaves if leaf.sharding}),
+      (f"{STATE}/{METADATA}", {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
+                               "store_array_data_equal_to_fill_value": True,
+                               "custom_metadata": None}),
+      (f"{EXTRA}/metadata", extra),
+      ("_CHECKPOINT_METADATA", {"item_handlers": _HANDLERS, "metrics": {},
+                                "performance_metrics": {}, "init_timestamp_nsecs": now,
+                                "commit_timestamp_nsecs": now, "custom_metadata": {}})]
+
+
+def chunk_files(pieces: Pieces) -> list[tuple[str, np.ndarray]]:
+  """This process's chunks: ``(path under the state item, values)`` (a
+  piece is a chunk: jax's shards are even)."""
+  chunks = []
+  for i, where, value in pieces.arrays:
+    leaf = pieces.leaves[i]
+    if value.size:
+      index = tuple(a // c for (a, _), c in zip(where, leaf.chunks))
+      chunks.append((f"{leaf.name}/{chunk_key(index)}", value))
+  return chunks
 
 
 def _commit(directory: str, step: int, leaves: list[Leaf], extra: dict,
             parts: list[str]) -> None:
   """Rank 0: orbax's metadata, then the rename that lists the checkpoint."""
   partial = os.path.join(directory, f"{step}{PARTIAL}")
-  state = os.path.join(partial, STATE)
-  tree = {str(leaf.names): leaf.metadata() for leaf in leaves}
-  _write_json(os.path.join(state, "_sharding"), {
-      base64.b64encode(leaf.name.encode()).decode(): leaf.sharding
-      for leaf in leaves if leaf.sharding}, sync=True)
-  _write_json(os.path.join(state, METADATA),
-              {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-               "store_array_data_equal_to_fill_value": True, "custom_metadata": None}, sync=True)
   os.makedirs(os.path.join(partial, EXTRA), exist_ok=True)
-  _write_json(os.path.join(partial, EXTRA, "metadata"), extra, sync=True)
-  now = time.time_ns()
-  _write_json(os.path.join(partial, "_CHECKPOINT_METADATA"),
-              {"item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
-               "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
-               "custom_metadata": {}}, sync=True)
+  for path, value in step_metadata(leaves, extra):
+    _write_json(os.path.join(partial, path), value, sync=True)
   for p in parts:
     os.remove(p)
-  for path in (state, os.path.join(partial, EXTRA), partial):
+  for path in (os.path.join(partial, STATE), os.path.join(partial, EXTRA), partial):
     sync_directory(path)  # (their entries, before the rename lists them)
   final = os.path.join(directory, str(step))
   if os.path.exists(final):  # (a step saved again: by a job resumed from an earlier one)
@@ -368,7 +381,7 @@ def sync_directory(path: str) -> None:
     os.close(fd)
 
 
-def _wait_for(done: Any, what: str) -> None:
+def wait_for(done: Any, what: str) -> None:
   """Polls ``done()``, less often the longer it waits; raises once a peer
   rank has left the job (it will never write its part)."""
   wait, longest = POLL_SECS

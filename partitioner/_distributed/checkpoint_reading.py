@@ -43,11 +43,31 @@ def saved(directory: str, step: int) -> Saved | None:
   root = os.path.join(directory, str(step))
   if os.path.exists(os.path.join(root, LEGACY_INDEX)):
     return _legacy(root)
+  return in_files(Files(root))
+
+
+class Files:
+  """A checkpoint's files as the reader reads them: a JSON file, a chunk's
+  values (here, a local directory's; ``checkpoint_bucket``, an object
+  store's). A missing or unreadable file raises OSError or ValueError."""
+
+  def __init__(self, root: str):
+    self.root = root
+
+  def json(self, path: str) -> Any:
+    with open(os.path.join(self.root, path)) as f:
+      return json.load(f)
+
+  def array(self, path: str, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    return _mapped(os.path.join(self.root, path), dtype, shape)
+
+
+def in_files(files_: Any) -> Saved | None:
+  """The checkpoint in ``files_`` (a :class:`Files`), or None where orbax
+  must read it (OCDBT, zarr3, compressed, other kinds of leaves)."""
   try:
-    with open(os.path.join(root, files.STATE, files.METADATA)) as f:
-      metadata = json.load(f)
-    with open(os.path.join(root, files.EXTRA, "metadata")) as f:
-      extra = json.load(f)
+    metadata = files_.json(f"{files.STATE}/{files.METADATA}")
+    extra = files_.json(f"{files.EXTRA}/metadata")
   except (OSError, ValueError):
     return None
   if metadata.get("use_ocdbt") or metadata.get("use_zarr3"):
@@ -60,16 +80,15 @@ def saved(directory: str, step: int) -> Saved | None:
       continue  # (an empty node: no leaf of the state's either)
     if kind not in _KINDS:
       return None
-    path = os.path.join(root, files.STATE, ".".join(names))
+    path = f"{files.STATE}/{'.'.join(names)}"
     try:
-      with open(os.path.join(path, ".zarray")) as f:
-        zarray = json.load(f)
+      zarray = files_.json(f"{path}/.zarray")
     except (OSError, ValueError):
       return None
     if zarray.get("compressor") or zarray.get("filters") or zarray.get("order") != "C" \
         or zarray.get("dimension_separator", ".") != ".":
       return None
-    leaves[names] = ChunkReader(path, zarray)
+    leaves[names] = ChunkReader(files_, path, zarray)
   return Saved(leaves, extra if isinstance(extra, dict) else {}, legacy=False)
 
 
@@ -120,16 +139,16 @@ def _mapped(path: str, dtype: np.dtype, shape: tuple, offset: int = 0) -> np.nda
 class ChunkReader(Reader):
   """A zarr v2 array of raw chunks (``checkpoint_files``' layout)."""
 
-  def __init__(self, path: str, zarray: dict):
-    self._path = path
+  def __init__(self, files_: Any, path: str, zarray: dict):
+    self._files, self._path = files_, path
     self.shape, self.dtype = tuple(zarray["shape"]), _dtype(zarray["dtype"])
     self._chunks = tuple(zarray["chunks"])
 
   def _overlapping(self, want: tuple) -> Iterator[tuple[np.ndarray, tuple]]:
     for index in files.chunks_of(want, self._chunks):
       have = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self._chunks, self.shape))
-      values = _mapped(os.path.join(self._path, files.chunk_key(index)), self.dtype,
-                       self._chunks)
+      values = self._files.array(f"{self._path}/{files.chunk_key(index)}", self.dtype,
+                                 self._chunks)
       yield values[tuple(slice(0, b - a) for a, b in have)], have
 
 
