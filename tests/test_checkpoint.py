@@ -557,6 +557,30 @@ def test_an_object_stores_address_holds_checkpoints_listed_by_orbaxs_mark(tmp_pa
     np.testing.assert_array_equal(np.asarray(plain["w"]), np.full((8, 4), 6.0))
 
 
+@pytest.mark.eight_devices
+def test_a_checkpoint_orbax_wrote_in_a_bucket_restores(tmp_path):
+  """orbax's manager writes a bucket as ``CommitFileTemporaryPath`` does
+  (its own layout, OCDBT; commit_success.txt): the state and the JSON
+  item restore through Checkpointer at the address, into another layout."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  pytest.importorskip("tensorstore")
+  from orbax.checkpoint._src.path import atomicity
+  saved = _state(3.0, jax.devices()[:2])
+  manager = ocp.CheckpointManager(tmp_path / "run", item_names=("params", "meta"),
+                                  options=ocp.CheckpointManagerOptions(
+                                      temporary_path_class=atomicity.CommitFileTemporaryPath))
+  manager.save(6, args=ocp.args.Composite(params=ocp.args.StandardSave(saved),
+                                          meta=ocp.args.JsonSave({"epoch": 2})))
+  manager.wait_until_finished()
+  manager.close()
+  assert (tmp_path / "run" / "6" / bucket.COMMIT).exists()
+  with partitioner.Checkpointer(_address("file", tmp_path), every=1) as ckpt:
+    got, step, extra = ckpt.restore(_state(0.0, jax.devices()[4:8]))
+  assert (step, extra) == (6, {"epoch": 2})
+  assert got["w"].sharding.device_set == set(jax.devices()[4:8])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, got, saved)
+
+
 def test_a_step_without_orbaxs_mark_is_never_listed_and_the_next_job_removes_it(tmp_path):
   """A crash during the save of step 3 leaves its objects without
   commit_success.txt: step 2 is restored, and the next job removes them."""
@@ -614,6 +638,12 @@ def test_an_object_stores_address_errors(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"directory='memory://x'\): memory:// is each process's"
                      r" own memory, and this job has 2 processes.*Hint: give a bucket"):
     bucket.Bucket("memory://x", 2)
+  store = bucket.Bucket(_address("memory", tmp_path), 1)  # (orbax's OCDBT layout, listed)
+  store._kv.write(f"5/{checkpoint_files.STATE}/_METADATA", b'{"use_ocdbt": true}').result()
+  store._kv.write(f"5/{bucket.COMMIT}", b"").result()
+  with partitioner.Checkpointer(_address("memory", tmp_path), every=1) as ckpt, pytest.raises(
+      ValueError, match="not in the layout this class writes, and orbax does not read memory://"):
+    ckpt.restore({"b": jnp.ones(4)})
   monkeypatch.chdir(tmp_path)
   with pytest.raises(ValueError, match=r"directory='nosuch://bucket/run'\): tensorstore cannot"
                      r" open it .*unsupported URL scheme.*Hint: an object store's address"):

@@ -188,12 +188,9 @@ class Checkpointer:
       return state, 0, {}
     if self._bucket is not None:
       saved = self._bucket.saved(step)
-      if saved is None:
-        raise ValueError(
-            f"Checkpointer: the checkpoint of step {step} in {self.directory} is in a form of"
-            " orbax's this class reads only from a file system (OCDBT, compressed). Hint:"
-            " restore it with orbax's CheckpointManager, which reads it there; nothing was"
-            " restored.")
+      if saved is None:  # (orbax's own layout there: OCDBT, compressed)
+        return _restore_orbax(self._bucket.orbax_directory(), step, state,
+                              self._bucket.orbax_items(step))
     else:
       saved = reading.saved(self.directory, step)
       if saved is None:
@@ -284,12 +281,15 @@ def _check_same(directory: str, step: int, have: dict[Any, tuple], state: Any,
                        f" there, {dtype}{list(shape)} here.{hint}")
 
 
-def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dict]:
+def _restore_orbax(directory: str, step: int, state: Any,
+                   items: tuple[list[str], list[str]] | None = None) -> tuple[Any, int, dict]:
   """Restores a checkpoint orbax wrote: with ``StandardCheckpointer`` or
   ``PyTreeCheckpointer`` at ``directory/step``, or with a
   ``CheckpointManager`` (its ``default`` item, or one pytree item and JSON
   items, as this class's earlier versions wrote ``state`` and ``extra``).
-  Its JSON item is the extra (several: a dict of them by name)."""
+  Its JSON item is the extra (several: a dict of them by name).
+  ``items``: the step's pytree and JSON items where ``directory`` is a
+  bucket's address (else read from the directory)."""
   try:
     import orbax.checkpoint as ocp
   except ImportError:
@@ -297,7 +297,7 @@ def _restore_orbax(directory: str, step: int, state: Any) -> tuple[Any, int, dic
                       " by orbax; reading it needs orbax-checkpoint. Hint: pip install"
                       " orbax-checkpoint.") from None
   path = os.path.join(directory, str(step))
-  trees, jsons = _orbax_items(path)
+  trees, jsons = items or _orbax_items(path)
   if len(trees) != 1:
     raise ValueError(
         f"Checkpointer: the checkpoint of step {step} in {directory} (orbax's) holds"

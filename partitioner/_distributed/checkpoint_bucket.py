@@ -134,6 +134,29 @@ class Bucket:
     """The checkpoint of ``step``, or None where orbax must read it."""
     return reading.in_files(_Objects(self, f"{step}/"))
 
+  def orbax_items(self, step: int) -> tuple[list[str], list[str]]:
+    """The pytree items (``""``: the step itself) and the JSON items of a
+    step orbax wrote, by name."""
+    prefix = f"{step}/"
+    names = {key.decode()[len(prefix):]
+             for key in self._kv.list(self._range(prefix, f"{step}0")).result()}
+    if "_METADATA" in names:
+      return [""], []
+    items = sorted({name.split("/")[0] for name in names if "/" in name})
+    return ([n for n in items if f"{n}/_METADATA" in names],
+            [n for n in items if f"{n}/metadata" in names])
+
+  def orbax_directory(self) -> str:
+    """The address as orbax opens it: a ``file://`` one's path, a bucket's
+    (``gs://``, ``s3://``) as it is."""
+    if self.address.startswith("file://"):
+      return self._kv.path.rstrip("/")
+    if self.address.startswith("memory://"):
+      raise ValueError(f"Checkpointer: the checkpoints in {self.address} are not in the"
+                       " layout this class writes, and orbax does not read memory://."
+                       " Hint: restore them in the process that wrote them, with orbax.")
+    return self.address.rstrip("/")
+
   def read(self, key: str) -> bytes:
     """The object ``key`` (FileNotFoundError where there is none)."""
     data = self._read(key)
