@@ -218,23 +218,28 @@ def test_its_metadata_is_what_orbax_writes_for_the_same_state(tmp_path):
   assert len(ours[2]) == 3  # (the jax arrays' shardings)
 
 
+@pytest.mark.parametrize("where", ["directory", "address"])
 @pytest.mark.parametrize("library", ["equinox", "flax.nnx"])
-def test_a_librarys_model_saved_here_restores_with_plain_orbax_and_here(tmp_path, library):
+def test_a_librarys_model_saved_here_restores_with_plain_orbax_and_here(tmp_path, library, where):
   """An equinox MLP's arrays (its activations' fields None) and a flax nnx
-  module's state (bfloat16 parameters in Variables), saved here: plain
-  orbax and Checkpointer restore them."""
+  module's state (bfloat16 parameters in Variables), saved here, in a
+  directory or at an object store's address (file://): plain orbax and
+  Checkpointer restore them."""
   ocp = pytest.importorskip("orbax.checkpoint")
   lib = pytest.importorskip(library)
+  if where == "address":
+    pytest.importorskip("tensorstore")
+  place = tmp_path if where == "directory" else f"file://{tmp_path}"
   if library == "equinox":
     model = lib.nn.MLP(8, 8, 32, 2, key=jax.random.PRNGKey(0))
     state = lib.partition(model, lib.is_array)[0]
   else:
     state = lib.state(lib.Linear(16, 64, rngs=lib.Rngs(0), param_dtype=jnp.bfloat16))
-  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+  with partitioner.Checkpointer(place, every=1) as ckpt:
     ckpt.save(1, state)
   target = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-  with partitioner.Checkpointer(tmp_path, every=1) as ckpt:
+  with partitioner.Checkpointer(place, every=1) as ckpt:
     ours = ckpt.restore(target)[0]
   for restored in (ours, ocp.StandardCheckpointer().restore(tmp_path / "1" / "state", target)):
     assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
