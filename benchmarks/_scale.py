@@ -36,6 +36,8 @@ class Scale:
     checkpoint_cases: the checkpoint section's cases, ``(every,
     finish_within)`` of ``partitioner.Checkpointer``. checkpoint_large:
     rounds of the 1 GB state's save and restore against orbax's (0: none).
+    checkpoint_address: also the first case with the checkpoints at an
+    object store's address (file://: tensorstore's path, as gs:// takes).
     plans: the
     plan_real section's plans from shapes on simulated devices (its
     children's names; the plans through XLA:TPU and XLA:GPU come with
@@ -56,6 +58,7 @@ class Scale:
   checkpoint_rounds: int
   checkpoint_cases: tuple[tuple[int, int], ...]
   checkpoint_large: int
+  checkpoint_address: bool
   plans: tuple[str, ...]
 
 
@@ -67,7 +70,7 @@ FULL = Scale(calls=10000, first_calls=15, startup_runs=3, steps=30,
              floor=True, search_rounds=(5, 12), final_seconds=90.0, model_layers=(2, 24),
              cluster=True, calibrate_rounds=5, checkpoint_rounds=15,
              checkpoint_cases=((5, 1), (5, 5), (50, 1)), checkpoint_large=5,
-             plans=("8b", "3b", "8b64", "titan", "70b"))
+             checkpoint_address=True, plans=("8b", "3b", "8b64", "titan", "70b"))
 
 # The default: every section, at least one case of each, without the
 # models that hold GBs (the recommender's field holds 10 GB, the 24-layer
@@ -85,7 +88,8 @@ DEFAULT = Scale(calls=10000, first_calls=9, startup_runs=2, steps=12,
                 search_models=("MLP narrow, batch 4096",),
                 floor=False, search_rounds=(2, 6), final_seconds=8.0, model_layers=(2,),
                 cluster=False, calibrate_rounds=2, checkpoint_rounds=4,
-                checkpoint_cases=((5, 1), (50, 1)), checkpoint_large=0, plans=("8b", "titan"))
+                checkpoint_cases=((5, 1), (50, 1)), checkpoint_large=0,
+                checkpoint_address=False, plans=("8b", "titan"))
 
 
 def apply(args) -> None:
