@@ -108,19 +108,16 @@ class Checkpointer:
     self._writing: collections.deque[tuple[int, Future]] = collections.deque()
     self._spare: dict[tuple, list[np.ndarray]] = {}
     self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded_jit-checkpoint")
-    self._shared = False  # (whether this rank has seen rank 0's mark in the directory)
-    self._bucket = None
+    self._place: bucket.Bucket | _Directory
     if bucket.is_address(path):
-      self._bucket = bucket.Bucket(path, self._processes)
-      self._bucket.start(self._rank, world().bcast if self._processes > 1 else lambda t: t)
-    elif self._rank == 0:
-      _claim(self.directory)
-      files.remove_partial(self.directory)
+      self._place = bucket.Bucket(path, self._processes)
+      self._place.start(self._rank, world().bcast if self._processes > 1 else lambda t: t)
+    else:
+      self._place = _Directory(self.directory, self._rank)
 
   def latest_step(self) -> int | None:
     """The step of the latest complete checkpoint, or None."""
-    done = (self._bucket.complete_steps() if self._bucket is not None
-            else files.complete_steps(self.directory))
+    done = self._place.complete_steps()
     return done[-1] if done else None
 
   def save(self, step: int, state: Any,
@@ -157,17 +154,9 @@ class Checkpointer:
     return True
 
   def _write(self, step: int, pieces: files.Pieces, extra: dict) -> files.Pieces:
-    if self._bucket is not None:
-      self._bucket.write(step, pieces, extra, self._rank, self._processes)
-      if self._rank == 0:
-        self._bucket.remove_older(self.keep)
-      return pieces
-    if self._rank and not self._shared:
-      _check_shared(self.directory, self._rank)
-      self._shared = True
-    files.write(self.directory, step, pieces, extra, self._rank, self._processes)
+    self._place.write(step, pieces, extra, self._rank, self._processes)
     if self._rank == 0:
-      files.remove_older(self.directory, self.keep)
+      self._place.remove_older(self.keep)
     return pieces
 
   def _finish_one(self) -> None:
@@ -186,15 +175,9 @@ class Checkpointer:
     step = self.latest_step()
     if step is None:
       return state, 0, {}
-    if self._bucket is not None:
-      saved = self._bucket.saved(step)
-      if saved is None:  # (orbax's own layout there: OCDBT, compressed)
-        return _restore_orbax(self._bucket.orbax_directory(), step, state,
-                              self._bucket.orbax_items(step))
-    else:
-      saved = reading.saved(self.directory, step)
-      if saved is None:
-        return _restore_orbax(self.directory, step, state)
+    saved = self._place.saved(step)
+    if saved is None:  # (orbax's own layout: OCDBT, compressed)
+      return _restore_orbax(*self._place.orbax_source(step), step, state)
     _check_same(self.directory, step, {k: (r.shape, r.dtype) for k, r in saved.leaves.items()},
                 state, saved.key, saved.shown)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -213,9 +196,7 @@ class Checkpointer:
       self.wait()
     finally:
       self._writer.shutdown()
-      if self._rank == 0 and self._bucket is None:  # (every rank's parts are written by now)
-        files.remove_reused(self.directory)
-        _release(self.directory)
+      self._place.close(self._rank)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -281,8 +262,50 @@ def _check_same(directory: str, step: int, have: dict[Any, tuple], state: Any,
                        f" there, {dtype}{list(shape)} here.{hint}")
 
 
-def _restore_orbax(directory: str, step: int, state: Any,
-                   items: tuple[list[str], list[str]] | None = None) -> tuple[Any, int, dict]:
+class _Directory:
+  """The checkpoints in a directory every process mounts
+  (``checkpoint_files``), as :class:`checkpoint_bucket.Bucket` holds those
+  at an object store's address: rank 0 marks the directory as this job's
+  (a lock) and removes what a crash cut off; every other rank checks
+  before its first save that it sees rank 0's mark."""
+
+  def __init__(self, path: str, rank: int):
+    self.path, self._shared = path, False  # (whether this rank has seen rank 0's mark)
+    if rank == 0:
+      _claim(path)
+      files.remove_partial(path)
+
+  def complete_steps(self) -> list[int]:
+    return files.complete_steps(self.path)
+
+  def write(self, step: int, pieces: files.Pieces, extra: dict, rank: int,
+            processes: int) -> None:
+    if rank and not self._shared:
+      _check_shared(self.path, rank)
+      self._shared = True
+    files.write(self.path, step, pieces, extra, rank, processes)
+
+  def remove_older(self, keep: int) -> None:
+    files.remove_older(self.path, keep)
+
+  def saved(self, step: int) -> reading.Saved | None:
+    return reading.saved(self.path, step)
+
+  def orbax_source(self, step: int) -> tuple[str, tuple[list[str], list[str]] | None]:
+    """Where orbax reads the checkpoints, and the step's items (None: read
+    from the directory)."""
+    return self.path, None
+
+  def close(self, rank: int) -> None:
+    """Rank 0, once its saves are done (every rank's parts are written by
+    then): the kept-aside chunk files removed, the lock released."""
+    if rank == 0:
+      files.remove_reused(self.path)
+      _release(self.path)
+
+
+def _restore_orbax(directory: str, items: tuple[list[str], list[str]] | None, step: int,
+                   state: Any) -> tuple[Any, int, dict]:
   """Restores a checkpoint orbax wrote: with ``StandardCheckpointer`` or
   ``PyTreeCheckpointer`` at ``directory/step``, or with a
   ``CheckpointManager`` (its ``default`` item, or one pytree item and JSON

@@ -134,6 +134,14 @@ class Bucket:
     """The checkpoint of ``step``, or None where orbax must read it."""
     return reading.in_files(_Objects(self, f"{step}/"))
 
+  def orbax_source(self, step: int) -> tuple[str, tuple[list[str], list[str]]]:
+    """Where orbax reads the checkpoints (:meth:`orbax_directory`), and the
+    step's items (:meth:`orbax_items`)."""
+    return self.orbax_directory(), self.orbax_items(step)
+
+  def close(self, rank: int) -> None:
+    """Nothing to release: no lock, no chunk kept aside."""
+
   def orbax_items(self, step: int) -> tuple[list[str], list[str]]:
     """The pytree items (``""``: the step itself) and the JSON items of a
     step orbax wrote, by name."""
