@@ -115,16 +115,15 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
   tracing = _trace.current()
-  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, Asked(
-      stages, m, 1, param_parts, x_parts, f"{site}, partitioner.pipeline_grad"))
+  asked = Asked(stages, m, 1, param_parts, x_parts, site, "partitioner.pipeline_grad")
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
   _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
   s = schedule.stages
   if tracing is not None:
-    record(tracing, site, schedule, (num_layers, x.shape[0]), leaves,
-           param_parts is None and stages is None, "1f1b")
+    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves, "1f1b")
   params = jax.tree_util.tree_map(  # (S, L/S, ...), or (S, D, L/S, ...): a copy a data block
       lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
       weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),

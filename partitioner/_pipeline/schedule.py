@@ -149,13 +149,12 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
   tracing = _trace.current()
-  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, Asked(
-      stages, m, r, param_parts, x_parts, f"{site}, partitioner.pipeline"))
+  asked = Asked(stages, m, r, param_parts, x_parts, site, "partitioner.pipeline")
+  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
-    record(tracing, site, schedule, (num_layers, x.shape[0]), leaves,
-           param_parts is None and stages is None)
+    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
   carry, feed = init_states(place.pin(x, place.x, "input"), schedule, place)
@@ -169,14 +168,21 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
 class Asked:
   """What a pipeline call asked for: ``stages`` (None: read them),
   ``microbatches``, ``repeats``, its ``param_parts`` and ``x_parts`` as
-  given, and ``call``: which, at the user's line (``"file.py:3 (f),
-  partitioner.pipeline"``)."""
+  given, at the user's line ``site`` (``"file.py:3 (f)"``), of the
+  function ``name`` (``"partitioner.pipeline"``)."""
   stages: int | None
   microbatches: int
   repeats: int
   param_parts: Any
   x_parts: Any
-  call: str
+  site: str
+  name: str
+
+  @property
+  def free(self) -> bool:
+    """Whether the stages are the enclosing sharded_jit's to say (its
+    in_parts), as the search chooses them."""
+    return self.param_parts is None and self.stages is None
 
 
 def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
@@ -186,11 +192,10 @@ def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
   where the stage buffers lie (with a data split of the batch over the
   grid axes the weights leave whole, when S is read from ``in_parts``),
   checked, as ``pipeline`` and ``pipeline_grad`` read them."""
-  stages, m, r, param_parts, x_parts, call = (asked.stages, asked.microbatches, asked.repeats,
-                                              asked.param_parts, asked.x_parts, asked.call)
-  param_specs = None if param_parts is None else broadcast_specs(
-      param_parts, layer_params, f"{call.rpartition(', ')[2]} param_parts")
-  free = param_specs is None and stages is None
+  stages, m, r, x_parts, free = (asked.stages, asked.microbatches, asked.repeats,
+                                 asked.x_parts, asked.free)
+  param_specs = None if asked.param_parts is None else broadcast_specs(
+      asked.param_parts, layer_params, f"{asked.name} param_parts")
   if free and tracing is None:
     stages = 1  # outside sharded_jit: the plain loop, for reference runs
   elif free:
@@ -205,19 +210,20 @@ def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
   state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, mb)
   if s == 1:  # one stage: a loop over microbatches, laid out as its inputs are
     param_specs, state_spec = None, state_spec if x_spec is not None else None
-  return schedule, param_specs, Placement(state_spec, x_spec, f"{call}(stages={s})")
+  return schedule, param_specs, Placement(state_spec, x_spec,
+                                          f"{asked.site}, {asked.name}(stages={s})")
 
 
-def record(tracing: Any, site: str, schedule: Schedule, sizes: tuple[int, int],
-           leaves: list, free: bool, kind: str = "gpipe") -> None:
+def record(tracing: Any, asked: Asked, schedule: Schedule, sizes: tuple[int, int],
+           leaves: list, kind: str = "gpipe") -> None:
   """Notes the call on the enclosing trace, for explain()'s report and the
   search (``sizes``: the layers and the batch's rows; ``kind``: the
   schedule, ``"gpipe"`` or ``"1f1b"``)."""
   call = _trace.PipelineCall(
-      site=site, stages=schedule.stages, microbatches=schedule.microbatches,
+      site=asked.site, stages=schedule.stages, microbatches=schedule.microbatches,
       repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=free, batch=sizes[1], schedule=kind)
+      free=asked.free, batch=sizes[1], schedule=kind)
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 
