@@ -36,7 +36,10 @@ GPipe with ``remat=True`` (the same work: both recompute a stage's
 forward), in interleaved rounds as above (GPipe without remat in the
 detail); and, compiled only, at batch 2048 (activations outweigh the
 weights), the peak per device (XLA's arguments + outputs + temporaries)
-against GPipe's, GPipe with remat's in the detail."""
+against GPipe's, GPipe with remat's in the detail. Interleaved 1F1B
+(``repeats=2``) against 1F1B: a stage's idle time in a step, walking the
+schedule over the compiled loop's ticks (``explain()``'s), and steps/s
+in the detail."""
 
 from __future__ import annotations
 
@@ -168,9 +171,11 @@ def _sgd_steps(jax, stages: int, m: int) -> dict:
   def gpipe(remat: bool):
     return step(lambda p, x, y: jax.value_and_grad(lambda p: loss(partitioner.pipeline(
         _gpipe.layer, p, x, microbatches=m, remat=remat), y))(p))
-  return {"1F1B": step(lambda p, x, y: partitioner.pipeline_grad(_gpipe.layer, loss, p, x, y,
-                                                                 microbatches=m)),
-          "GPipe, remat": gpipe(True), "GPipe": gpipe(False)}
+  def one_f_one_b(r: int):
+    return step(lambda p, x, y: partitioner.pipeline_grad(_gpipe.layer, loss, p, x, y,
+                                                          microbatches=m, repeats=r))
+  return {"1F1B": one_f_one_b(1), "GPipe, remat": gpipe(True), "GPipe": gpipe(False),
+          "interleaved 1F1B": one_f_one_b(2)}
 
 
 def one_f_one_b(jax, rounds: int) -> list[dict]:
@@ -183,15 +188,19 @@ def one_f_one_b(jax, rounds: int) -> list[dict]:
   steps = _sgd_steps(jax, s, m)
   params, x = _gpipe.init(LAYERS, D, F, BATCH)
   y = np.zeros_like(x)
-  losses = [float(f(jax.device_put(params), x, y)[1]) for f in steps.values()]
+  losses = [float(f(jax.device_put(params), x, y)[1]) for k, f in steps.items()
+            if k != "interleaved 1F1B"]  # (its layers in pipeline_order's order)
   if not np.allclose(losses, losses[0], rtol=1e-4):
     raise AssertionError(f"pipeline: 1F1B and GPipe disagree: {losses}")
+  idle = {k: _idle(steps[k], (params, x, y)) for k in ("1F1B", "interleaved 1F1B")}
   times = rounds_of({k: (f, (jax.device_put(params), x, y)) for k, f in steps.items()}, 1, rounds)
   step = {k: statistics.median(t) for k, t in times.items()}
   params, x = _gpipe.init(LAYERS, D, F, big)
   y = np.zeros_like(x)
   peak = {}
   for k, f in steps.items():
+    if k == "interleaved 1F1B":
+      continue
     stats = f.lower(params, x, y).compile().memory_analysis()
     peak[k] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
                + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
@@ -204,4 +213,18 @@ def one_f_one_b(jax, rounds: int) -> list[dict]:
       Row("peak memory per device", peak["1F1B"] / 2**20, peak["GPipe"] / 2**20, "MiB",
           "GPipe (pipeline under jax.value_and_grad)", "<= 0.5",
           f"batch {big}, compiled only; GPipe with remat: {peak['GPipe, remat'] / 2**20:.3g}"
-          " MiB").record(where)]
+          " MiB").record(where),
+      Row("a stage's idle time a step, by the compiled loop's ticks", idle["interleaved 1F1B"],
+          idle["1F1B"], "stage steps", "1F1B (repeats=1)", "<= 0.5",
+          f"steps/s against 1F1B: {per_round(times, 'interleaved 1F1B', '1F1B'):.2f}; batch"
+          f" {BATCH}").record(f"{s} stages, {m} microbatches, partitioner.pipeline_grad"
+                              " (interleaved 1F1B, repeats=2)")]
+
+
+def _idle(f, args) -> float:
+  """A stage's idle time in a step of ``f``, in units of a stage's forward
+  and backward: explain()'s, walking the schedule over the compiled
+  loop's ticks."""
+  import partitioner
+  (report,) = partitioner.explain(f.lower(*args).compile()).pipelines
+  return report.idle

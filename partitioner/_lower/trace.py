@@ -224,17 +224,20 @@ class PipelineCall:
 
   @property
   def ticks(self) -> int:
-    """The loop's iterations: R M + S - 1 (each stage runs its layers once
-    a tick); 1F1B's M + 2 (S - 1) (a forward and a backward a tick, the
-    first S - 1 without backward, the last S - 1 without forward)."""
+    """The loop's iterations: R M + S - 1 (each stage runs a chunk of its
+    layers once a tick); 1F1B's R M + R S + S - 2 (a chunk's forward and
+    a backward a tick, the first R S - 1 without backward, the last R S -
+    1 without forward)."""
+    s, m, r = self.stages, self.microbatches, self.repeats
     if self.schedule == "1f1b":
-      return self.microbatches + 2 * (self.stages - 1)
-    return self.repeats * self.microbatches + self.stages - 1
+      return r * m + r * s + s - 2
+    return r * m + s - 1
 
   @property
   def bubble(self) -> float:
     """The fraction of its work time a stage spends idle:
-    (S - 1) / (R M + S - 1), for every schedule here."""
+    (S - 1) / (R M + S - 1), for every schedule here (1F1B's ticks that
+    run only a forward or only a backward cost that half of a tick)."""
     return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
 
 

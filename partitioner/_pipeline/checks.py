@@ -166,13 +166,24 @@ def batch(x: jax.Array, m: int) -> None:
         f" {x.shape[0] if x.ndim else 'a batch dimension'}, or pad the batch.")
 
 
-def circular(r: int, m: int, s: int) -> None:
+def circular(r: int, m: int, s: int, name: str = "partitioner.pipeline") -> None:
   """With repeats, at least as many microbatches as stages."""
   if r > 1 and m < s:
     raise ValueError(
-        f"partitioner.pipeline: repeats={r} needs at least as many microbatches as"
+        f"{name}: repeats={r} needs at least as many microbatches as"
         f" stages (microbatches={m}, stages={s}): a microbatch's next pass starts"
         f" at stage 0 when it leaves stage {s - 1}. Hint: microbatches >= {s}.")
+
+
+def groups(schedule: Any) -> None:
+  """Interleaved 1F1B runs its microbatches in groups of S: S divides M."""
+  s, m, r = schedule.stages, schedule.microbatches, schedule.repeats
+  if r > 1 and m % s:
+    raise ValueError(
+        f"partitioner.pipeline_grad: repeats={r} (interleaved 1F1B) runs the microbatches"
+        f" in groups of stages={s}, each group's passes one after another, and"
+        f" microbatches={m} is not a multiple of {s}. Hint: microbatches="
+        f"{(m // s + 1) * s} (a multiple of the stages), or repeats=1.")
 
 
 def check_layer_fn(layer_fn: Callable, layer_params: Any, h: jax.ShapeDtypeStruct) -> None:

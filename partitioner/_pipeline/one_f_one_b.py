@@ -5,25 +5,40 @@ microbatch's forward, then every backward: each stage keeps what the
 backward needs for all M microbatches. Here the loss is inside the
 pipelined step, so each tick every stage runs one microbatch's forward
 and an earlier one's backward (recomputed from the stage's input, kept in
-a ring of 2 S - 1 slots), and a stage holds at most 2 S - 1 microbatch
-inputs however large M is.
+a ring of 2 R S - 1 slots), and a stage holds at most 2 R S - 1
+microbatch inputs however large M is.
 
-The ticks, for S stages and M microbatches (stage s, tick t):
+Interleaved 1F1B (Megatron-LM's, ``repeats=R`` > 1): each stage holds R
+chunks of L / (S R) layers, and a microbatch goes round the stages R
+times. The microbatches run in groups of S: a group's S microbatches
+take pass 0 through every stage, then pass 1, ..., then pass R - 1, and
+the next group follows. A tick runs a chunk, not a stage's every layer,
+so the fill and drain cost (S - 1) / R of a stage's time: the bubble
+shrinks R times.
 
-- forward: microbatch f = t - s, its input from stage s - 1 (stage 0
-  reads x's); kept in slot t mod (2 S - 1) of the stage's ring (one slot
-  for every stage, so the ring is written in place);
-- the last stage's loss on microbatch t - (S - 1) seeds its backward in
-  the same tick;
-- backward: microbatch b = t - 2 (S - 1) + s, its cotangent from stage
-  s + 1 (rolled back one stage, the roll's own transpose), the stage's
-  forward recomputed from its ring and transposed: the weights' gradient
-  adds up on the stage's devices, the input's goes to stage s - 1.
+The ticks, for S stages, R repeats and M microbatches (stage s, tick t);
+an item is one microbatch's pass, the R M of them in the order
+``item = group S R + pass S + j`` (microbatch ``group S + j``):
 
-M + 2 (S - 1) ticks; the first S - 1 run no backward and the last S - 1
-no forward (each skipped with a ``lax.cond``), so the step does the work
-of GPipe's (M + S - 1) forward and backward ticks, as GPipe with
-``remat=True`` recomputes each stage's forward too.
+- forward: item f = t - s, its input from stage s - 1 (stage 0 reads x's
+  on pass 0, and on later passes what stage S - 1 finished at the last
+  tick: the roll wraps round); kept in slot t mod (2 R S - 1) of the
+  stage's ring (one slot for every stage, so the ring is written in
+  place);
+- the last stage's loss on the item leaving its last pass seeds that
+  item's backward in the same tick;
+- backward: the passes in reverse, item b = t - (R S - 1) - (S - 1 - s)
+  of the order ``group S R + (R - 1 - pass) S + j``, its cotangent from
+  stage s + 1 (stage S - 1's, on an earlier pass, from stage 0 at the
+  last tick), the stage's chunk recomputed from its ring and transposed:
+  the weights' gradient adds up on the stage's devices, the input's goes
+  to stage s - 1.
+
+R M + R S + S - 2 ticks; the first R S - 1 run no backward and the last
+R S - 1 no forward (each skipped with a ``lax.cond``), so the step does
+the work of GPipe's R M + S - 1 forward and backward ticks of a chunk (R
+= 1: GPipe's M + S - 1 of a stage), as GPipe with ``remat=True``
+recomputes each stage's forward too.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ from partitioner._pipeline.schedule import (
 )
 from partitioner._pipeline.shift import roll
 from partitioner._report.collect import WEIGHT_COPIES
+from partitioner._report.pipeline_ticks import forward_item, items, span
 from sharding._constraint import caller
 from sharding._partition_spec import PartitionSpec
 
@@ -58,7 +74,7 @@ _PACKAGE = __name__.partition(".")[0]
 def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0913
                   loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any,
                   x: jax.Array, y: Any, *, microbatches: int, stages: int | None = None,
-                  param_parts: Any = None,
+                  repeats: int = 1, param_parts: Any = None,
                   x_parts: PartitionSpec | None = None) -> tuple[jax.Array, Any]:
   """The loss of ``loss_fn`` on the L layers' output and its gradient with
   respect to ``layer_params``, run as a 1F1B pipeline of ``stages`` stages.
@@ -75,7 +91,9 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   the layer dimension S ways in ``in_parts``, as for ``pipeline``). Unlike
   ``pipeline`` under ``jax.grad`` (GPipe: every forward, then every
   backward), each stage keeps at most 2 S - 1 microbatch inputs whatever
-  M, so a larger M (a smaller bubble) costs no more memory.
+  M, so a larger M (a smaller bubble) costs no more memory. With
+  ``repeats=R`` (interleaved 1F1B) the bubble is R times smaller again,
+  for 2 R S - 1 inputs kept and R times the bytes between stages.
 
   Args:
     layer_fn: ``layer_fn(params_of_one_layer, h) -> h``, same shape and dtype.
@@ -88,6 +106,11 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
     stages: S. None: the leading count of ``param_parts``, else of the
       specs the enclosing ``sharded_jit``'s ``in_parts`` gives
       ``layer_params``; outside a sharded_jit function, 1.
+    repeats: R, interleaved 1F1B: each stage holds R chunks of L / (S R)
+      layers and each microbatch goes round the stages R times, in groups
+      of S microbatches (S must divide M). The stacked layers are then
+      read stage-major, as ``pipeline``'s circular schedule reads them:
+      the loop it equals runs them in the order ``pipeline_order(L, S, R)``.
     param_parts: the specs ``in_parts`` gives ``layer_params``, each
       splitting the layer dimension S ways.
     x_parts: the spec ``in_parts`` gives ``x`` (a data split of the batch,
@@ -101,8 +124,8 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
     shaped as ``layer_params``.
 
   Raises:
-    TypeError, ValueError: as ``pipeline`` (counts, shapes, stages), and
-      ``loss_fn`` not returning a scalar.
+    TypeError, ValueError: as ``pipeline`` (counts, shapes, stages),
+      ``loss_fn`` not returning a scalar, and with repeats, S not dividing M.
 
   Example:
     >>> loss, grads = pipeline_grad(
@@ -114,25 +137,27 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
   num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
+  r = checks.count(repeats, "repeats")
   tracing = _trace.current()
-  asked = Asked(stages, m, 1, param_parts, x_parts, site, "partitioner.pipeline_grad")
+  asked = Asked(stages, m, r, param_parts, x_parts, site, "partitioner.pipeline_grad")
   schedule, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
+  checks.groups(schedule)
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
   _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
-  s = schedule.stages
   if tracing is not None:
     record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves, "1f1b")
-  params = jax.tree_util.tree_map(  # (S, L/S, ...), or (S, D, L/S, ...): a copy a data block
-      lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
-      weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
-                    place.blocks))
+  params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
+                         place.blocks)  # (S, R, L/(S R), ...), or (S, D, R, ...): a copy a block
+  if r == 1:  # (one chunk a stage: (S, L/S, ...), or (S, D, L/S, ...))
+    params = jax.tree_util.tree_map(lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
+                                    params)
   run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys,
              (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y))))
   # (each tick's loss stays on its stage, stacked: summed once after the loop)
   carry, losses = jax.lax.scan(lambda c, t: _tick(c, t, run), _first_carry(run),
-                               jnp.arange(m + 2 * (s - 1), dtype=jnp.int32))
+                               jnp.arange(span(schedule.stages, m, r).ticks, dtype=jnp.int32))
   grads = carry.grads
   if place.blocks > 1:  # (the data blocks' copies: reduced over the data devices once)
     with jax.named_scope(WEIGHT_COPIES):
@@ -204,16 +229,28 @@ class _Run(NamedTuple):
   ys: Any  # leaves (mb, M, ...)
   whole: tuple[bool, bool] = (False, False)  # x's and y's: inputs of the function, unsplit
 
-  def forward(self, params: Any, h: jax.Array) -> jax.Array:
-    """One stage's layers on its rows (each data block's with its copy)."""
+  def chunk(self, params: Any, k: jax.Array) -> Any:
+    """One stage's chunk ``k`` of its R (its only one with R = 1)."""
+    if self.schedule.repeats == 1:
+      return params
+    axis = 1 if self.place.blocks > 1 else 0  # (after the data blocks' copies)
+    return jax.tree_util.tree_map(
+        lambda w: jax.lax.dynamic_index_in_dim(w, k, axis, keepdims=False), params)
+
+  def forward(self, params: Any, h: jax.Array, k: jax.Array) -> jax.Array:
+    """One stage's chunk ``k`` of layers on its rows (each data block's
+    with its copy)."""
+    params = self.chunk(params, k)
     if self.place.blocks == 1:
       return self.stage_fn(params, h)
     out = jax.vmap(self.stage_fn)(params, _blocks(h, self.place.blocks))
     return out.reshape(h.shape)
 
-  def backward(self, params: Any, h: jax.Array, cotangent: jax.Array) -> tuple[Any, jax.Array]:
-    """One stage's forward from ``h`` transposed: its weights' gradient
-    (each data block's copy's) and its input's."""
+  def backward(self, params: Any, h: jax.Array, cotangent: jax.Array,
+               k: jax.Array) -> tuple[Any, jax.Array]:
+    """One stage's chunk ``k`` from ``h`` transposed: its weights'
+    gradient (each data block's copy's) and its input's."""
+    params = self.chunk(params, k)
     transpose = lambda p, h, c: jax.vjp(self.stage_fn, p, h)[1](c)
     d = self.place.blocks
     if d == 1:
@@ -221,10 +258,22 @@ class _Run(NamedTuple):
     dparams, dh = jax.vmap(transpose)(params, _blocks(h, d), _blocks(cotangent, d))
     return dparams, dh.reshape(h.shape)
 
+  def add(self, grads: Any, dparams: Any, k: jax.Array, on: jax.Array) -> Any:
+    """One stage's gradient sums with its chunk ``k``'s ``dparams`` added
+    where ``on``."""
+    add = lambda a, d: a + jnp.where(on, d.astype(jnp.float32), 0)
+    if self.schedule.repeats == 1:
+      return jax.tree_util.tree_map(add, grads, dparams)
+    axis = 1 if self.place.blocks > 1 else 0
+    return jax.tree_util.tree_map(
+        lambda a, d: jax.lax.dynamic_update_index_in_dim(
+            a, add(jax.lax.dynamic_index_in_dim(a, k, axis, keepdims=False), d), k, axis),
+        grads, dparams)
+
   @property
   def slots(self) -> int:
-    """2 S - 1: how long a stage keeps a microbatch's input, in ticks, at most."""
-    return 2 * self.schedule.stages - 1
+    """2 R S - 1: how long a stage keeps a microbatch's input, in ticks, at most."""
+    return 2 * self.schedule.repeats * self.schedule.stages - 1
 
 
 class _Carry(NamedTuple):
@@ -252,34 +301,47 @@ def _rows(mask: jax.Array, ndim: int) -> jax.Array:
 
 def _tick(carry: _Carry, t: jax.Array, run: _Run) -> tuple[_Carry, jax.Array]:
   """One tick: the next carry, and each stage's share of the mean loss
-  (the last stage's, on the microbatch leaving it; 0 elsewhere), (S,)."""
-  s, m, place = run.schedule.stages, run.schedule.microbatches, run.place
+  (the last stage's, on the microbatch leaving its last pass; 0
+  elsewhere), (S,)."""
+  s, m, r, place = (run.schedule.stages, run.schedule.microbatches, run.schedule.repeats,
+                    run.place)
   stage = jnp.arange(s, dtype=jnp.int32)
+  now = items(t, s, m, r)
   first, last = _rows(stage == 0, carry.h.ndim), _rows(stage == s - 1, carry.h.ndim)
-  fresh = _whole(_microbatch(run.xs, jnp.minimum(t, m - 1)), place, run.whole[0])
-  inputs = place.stages(jnp.where(first, fresh, roll(carry.h, 1)))
-  b = t - 2 * (s - 1) + stage  # each stage's backward microbatch (its forward's: t - s)
-  # (every stage keeps this tick's input in slot t mod (2S - 1): one index
+  # (the microbatches entering and leaving from t itself, not read off the
+  # stages' arrays: that would send a stage's entry to every device)
+  fresh = _whole(_microbatch(run.xs, forward_item(t, s, m, r)[0]), place, run.whole[0])
+  # (stage 0 takes x's microbatch on its first pass; on a later one, what
+  # stage S - 1 finished at the last tick, which the roll brings round)
+  entering = first & _rows(now.forward_pass == 0, carry.h.ndim)
+  inputs = place.stages(jnp.where(entering, fresh, roll(carry.h, 1)))
+  # (every stage keeps this tick's input in slot t mod (2RS - 1): one index
   # for all, so the ring is written in place)
   ring = place.buffer(jax.lax.dynamic_update_index_in_dim(carry.ring, inputs, t % run.slots, 1),
                       "1F1B ring")
-  out = jax.lax.cond(t < m + s - 1,
-                     lambda: place.stages(place.vmap(run.forward, s)(run.params, inputs)),
-                     lambda: carry.h)
-  done = t - (s - 1)  # the microbatch leaving the last stage this tick
+  phases = span(s, m, r)
+  out = jax.lax.cond(
+      t < phases.forwards,
+      lambda: place.stages(place.vmap(run.forward, s)(run.params, inputs, now.forward_pass)),
+      lambda: carry.h)
+  leaving = (stage == s - 1) & now.forward_on & (now.forward_pass == r - 1)
   y = jax.tree_util.tree_map(
-      lambda v: _whole(_microbatch(v, jnp.clip(done, 0, m - 1)), place, run.whole[1]), run.ys)
+      lambda v: _whole(_microbatch(v, forward_item(t - (s - 1), s, m, r)[0]), place,
+                       run.whole[1]), run.ys)
   losses, seeds = place.vmap(lambda h: jax.value_and_grad(
       lambda h: run.loss_fn(h, y).astype(jnp.float32) / m)(h), s)(out)
-  cotangent = place.stages(jnp.where(last, seeds.astype(out.dtype), roll(carry.g, -1)))
-  backward = (b >= 0) & (b < m)
+  # (the last stage's backward on the item leaving it starts from the
+  # loss; on an earlier pass, from stage 0's input gradient of the last tick)
+  seeded = last & _rows(now.backward_pass == r - 1, carry.h.ndim)
+  cotangent = place.stages(jnp.where(seeded, seeds.astype(out.dtype), roll(carry.g, -1)))
 
   def transpose() -> tuple[Any, jax.Array]:  # (added to the sums here: no buffer of zeros)
-    kept = jax.vmap(lambda r, i: r[i])(ring, (b + stage) % run.slots)  # (kept at tick b + s)
-    dparams, dh = place.vmap(run.backward, s)(run.params, kept, cotangent)
-    return jax.tree_util.tree_map(
-        lambda a, d: a + jnp.where(_rows(backward, d.ndim), d.astype(jnp.float32), 0),
-        carry.grads, dparams), dh
-  grads, dh = jax.lax.cond(t >= s - 1, transpose, lambda: (carry.grads, jnp.zeros_like(out)))
-  loss = jnp.where((stage == s - 1) & (done >= 0) & (done < m), losses, 0.0)
-  return _Carry(out, place.stages(jnp.where(_rows(backward, dh.ndim), dh, 0)), ring, grads), loss
+    kept = jax.vmap(lambda k, i: k[i])(ring, now.kept_at % run.slots)
+    dparams, dh = place.vmap(run.backward, s)(run.params, kept, cotangent, now.backward_pass)
+    grads = place.vmap(run.add, s)(carry.grads, dparams, now.backward_pass, now.backward_on)
+    return grads, dh
+  grads, dh = jax.lax.cond(t >= phases.backwards, transpose,
+                           lambda: (carry.grads, jnp.zeros_like(out)))
+  loss = jnp.where(leaving, losses, 0.0)
+  return (_Carry(out, place.stages(jnp.where(_rows(now.backward_on, dh.ndim), dh, 0)), ring,
+                 grads), loss)

@@ -204,7 +204,7 @@ def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
                                     tracing.num_devices if tracing is not None else None), m, r)
   s, mb = schedule.stages, x.shape[0] // m if x.ndim else 0
   checks.batch(x, m)
-  checks.circular(r, m, s)
+  checks.circular(r, m, s, asked.name)
   if free and tracing is not None and not tracing.probe and param_specs and x_parts is None:
     x_parts = checks.data_split(param_specs, x.ndim, mb, tracing.num_devices or len(jax.devices()))
   state_spec, x_spec = checks.state_spec(param_specs, x_parts, x.ndim, s, mb)

@@ -19,6 +19,7 @@ import numpy as np
 from partitioner._report import attention as _attention
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
+from partitioner._report import pipeline_ticks as _ticks
 from partitioner._report.explanation import (
   LARGEST_TEMPORARIES,
   Collective,
@@ -102,10 +103,14 @@ def pipelines(calls: Sequence[Any], found: Sequence[Collective]) -> tuple[Pipeli
     # (the transpose of the pipeline's broadcast, named by its scope).
     data = [c for c in here if c.kind in ("all-reduce", "reduce-scatter")
             and WEIGHT_COPIES in c.op_name]
+    # (the tick loop's count, as the compiled program runs it: its permutes'
+    # runs; a single stage has none, and runs the loop as traced)
+    ticks = max((c.runs for c in mine), default=call.ticks)
+    s, m, r = call.stages, call.microbatches, call.repeats
     out.append(PipelineReport(
-        site=call.site, stages=call.stages, microbatches=call.microbatches,
-        repeats=call.repeats, layers=call.layers, ticks=call.ticks, bubble=call.bubble,
-        schedule=call.schedule,
+        site=call.site, stages=s, microbatches=m, repeats=r, layers=call.layers,
+        ticks=ticks, bubble=call.bubble, schedule=call.schedule,
+        idle=(_ticks.idle(s, m, r, ticks) if call.schedule == "1f1b" else (ticks - r * m) / r),
         stage_bytes=sum(c.bytes * c.runs for c in mine),
         permutes=sum(c.runs for c in mine),
         data_bytes=sum(c.bytes for c in data), data_reductions=len(data)))

@@ -310,7 +310,9 @@ class PipelineReport:
     microbatches: M.
     repeats: R (1: GPipe; more: the circular schedule).
     layers: L, the stacked layers (L / (S R) a chunk).
-    ticks: R M + S - 1, the loop's iterations (each stage runs a chunk a tick).
+    ticks: the loop's iterations (each stage runs a chunk a tick), as the
+      compiled program runs them: R M + S - 1; 1F1B's R M + R S + S - 2
+      (a forward and a backward a tick).
     bubble: (S - 1) / ticks, the fraction of the ticks a stage idles.
     stage_bytes: per device, the bytes the collective-permutes between
       stages send in one call (forward and backward, every tick).
@@ -321,7 +323,12 @@ class PipelineReport:
       the batch; 0 without one.
     data_reductions: how many such reductions one call runs (once a call,
       not once a tick).
-    schedule: ``"gpipe"`` (with R > 1: circular) or ``"1f1b"``.
+    schedule: ``"gpipe"`` (with R > 1: circular) or ``"1f1b"`` (with R
+      > 1: interleaved).
+    idle: a stage's idle time a step, in units of a stage's forward and
+      backward, walking the schedule over the compiled loop's ticks (the
+      runs of its collective-permutes): (S - 1) / R for each schedule
+      here (GPipe: the ticks past its R M items, a chunk each).
   """
   site: str
   stages: int
@@ -335,15 +342,18 @@ class PipelineReport:
   data_bytes: int = 0
   data_reductions: int = 0
   schedule: str = "gpipe"
+  idle: float = 0.0
 
   def __str__(self) -> str:
     schedule = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} passes"
     if self.schedule == "1f1b":
-      schedule = f"1F1B, at most {2 * self.stages - 1} microbatch inputs kept a stage"
+      kept = 2 * self.repeats * self.stages - 1
+      schedule = ("1F1B" if self.repeats == 1 else f"interleaved 1F1B, {self.repeats} passes")
+      schedule += f", at most {kept} microbatch inputs kept a stage"
     return (f"{self.stages} stages x {self.microbatches} microbatches ({schedule};"
             f" {self.layers} layers, {self.layers // (self.stages * self.repeats)} a"
-            f" stage a tick) at {short_path(self.site)}: bubble {self.bubble:.0%} of"
-            f" {self.ticks} ticks; between stages {size(self.stage_bytes)} per device"
+            f" stage a tick) at {short_path(self.site)}: bubble {self.bubble:.0%} (a"
+            f" stage idles {self.idle:.3g} of its steps over {self.ticks} ticks); between stages {size(self.stage_bytes)} per device"
             f" per call in {self.permutes} collective-permute(s)"
             + (f"; weight gradients reduced over the data devices: {size(self.data_bytes)}"
                f" per device per call in {self.data_reductions} reduction(s) after the loop"

@@ -206,7 +206,7 @@ def test_explain_reports_the_pipeline():
   text = str(report)
   assert "Pipeline (partitioner.pipeline):" in text
   assert "4 stages x 8 microbatches (GPipe; 16 layers, 4 a stage a tick)" in text
-  assert "bubble 27% of 11 ticks" in text and "(runs 11x per call)" in text
+  assert "bubble 27% (a stage idles 3 of its steps over 11 ticks)" in text and "(runs 11x per call)" in text
   assert "test_pipeline_schedule.py" in call.site
 
 
