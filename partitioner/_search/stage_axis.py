@@ -38,12 +38,13 @@ def free(calls: Sequence[Any]) -> list:
 
 def stage_counts(n: int, calls: Sequence[Any]) -> list[int]:
   """Every S >= 2 that divides the ``n`` devices and suits every call
-  (S * repeats divides its layers; with repeats, S <= microbatches); none
-  without calls."""
+  (S * repeats divides its layers; with repeats, S <= microbatches, and
+  for interleaved 1F1B S divides them); none without calls."""
   if not calls:
     return []
   return [s for s in range(2, n + 1) if n % s == 0 and all(
       c.layers % (s * c.repeats) == 0 and (c.repeats == 1 or c.microbatches >= s)
+      and (c.repeats == 1 or c.schedule != "1f1b" or c.microbatches % s == 0)
       for c in calls)]
 
 

@@ -11,6 +11,7 @@ stack in bfloat16 trains with it; bad input gets a clear error.
 """
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -20,9 +21,11 @@ import pytest
 
 import partitioner
 from partitioner import pipeline, pipeline_grad, pipeline_order, sharded_jit
+from partitioner._lower.trace import PipelineCall
 from partitioner._report import pipeline_ticks as ticks
 from partitioner._report.pipeline_ticks import items, span
 from partitioner._report.program import parse
+from partitioner._search.stage_axis import stage_counts
 from sharding import PartitionSpec as P
 
 L, D_MODEL, D_FF, BATCH = 8, 16, 32, 32
@@ -302,3 +305,12 @@ def test_the_search_tries_its_stage_counts():
   assert {c.stages for c in found.candidates} >= {1, 2, 4, 8}
   value = jax.jit(plain_loss, static_argnums=3)(params, x, y, 8)
   np.testing.assert_allclose(float(found.sharded_jit()(params, x, y)[0]), float(value), rtol=1e-5)
+
+
+def test_the_search_offers_interleaved_stage_counts_that_divide_the_microbatches():
+  """Interleaved 1F1B runs its microbatches in groups of S: the search's
+  stage counts for it divide M, where the circular GPipe needs only M >= S."""
+  call = PipelineCall(site="train.py:1 (step)", stages=1, microbatches=6, repeats=2, layers=24,
+                      inputs=(0,), free=True, batch=24, schedule="1f1b")
+  assert stage_counts(8, [call]) == [2]
+  assert stage_counts(8, [dataclasses.replace(call, schedule="gpipe")]) == [2, 4]
