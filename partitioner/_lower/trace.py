@@ -211,6 +211,8 @@ class PipelineCall:
     batch: the rows of x (its dimension 0), M microbatches of them.
     schedule: ``"gpipe"`` (``partitioner.pipeline``: GPipe, or circular
       with repeats) or ``"1f1b"`` (``partitioner.pipeline_grad``).
+    free_schedule: whether ``pipeline_grad(..., schedule=None)`` left the
+      schedule to ``partitioner.search`` (traced as ``schedule``).
   """
   site: str
   stages: int
@@ -221,6 +223,7 @@ class PipelineCall:
   free: bool = False
   batch: int = 0
   schedule: str = "gpipe"
+  free_schedule: bool = False
 
   @property
   def ticks(self) -> int:

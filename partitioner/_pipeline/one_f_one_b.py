@@ -43,7 +43,10 @@ recomputes each stage's forward too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -56,6 +59,7 @@ from partitioner._pipeline.schedule import (
   Asked,
   Placement,
   Schedule,
+  gpipe,
   layout,
   record,
   stage_function,
@@ -75,9 +79,11 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
                   loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any,
                   x: jax.Array, y: Any, *, microbatches: int, stages: int | None = None,
                   repeats: int = 1, param_parts: Any = None,
-                  x_parts: PartitionSpec | None = None) -> tuple[jax.Array, Any]:
+                  x_parts: PartitionSpec | None = None,
+                  schedule: str | None = "1f1b") -> tuple[jax.Array, Any]:
   """The loss of ``loss_fn`` on the L layers' output and its gradient with
-  respect to ``layer_params``, run as a 1F1B pipeline of ``stages`` stages.
+  respect to ``layer_params``, run as a 1F1B pipeline of ``stages`` stages
+  (or as GPipe, or as the search chooses: ``schedule``).
 
   Equals ``jax.value_and_grad`` of the plain loop's mean loss over the
   microbatches::
@@ -118,6 +124,13 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
       ``pipeline`` reads it. Each data block then runs its rows with its
       own copy of its stage's weights, and their gradients are summed over
       the data devices once, after the loop.
+    schedule: ``"1f1b"``; ``"gpipe"``: ``jax.value_and_grad`` of
+      ``pipeline``'s output's loss (every microbatch's activations kept
+      for the backward, none recomputed: faster where they fit); None:
+      ``partitioner.search`` chooses between the two by time and memory
+      (inside a function given to it; run the layout it finds with
+      ``found.sharded_jit()`` or ``found.function()``, which apply
+      ``found.schedule``).
 
   Returns:
     ``(loss, grads)``: the mean loss (float32) and the gradient of it,
@@ -125,7 +138,9 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
 
   Raises:
     TypeError, ValueError: as ``pipeline`` (counts, shapes, stages),
-      ``loss_fn`` not returning a scalar, and with repeats, S not dividing M.
+      ``loss_fn`` not returning a scalar, with repeats S not dividing M
+      (1F1B), an unknown ``schedule``, and ``schedule=None`` outside a
+      search and its found layout.
 
   Example:
     >>> loss, grads = pipeline_grad(
@@ -139,31 +154,102 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
   tracing = _trace.current()
+  free, kind = schedule is None, _schedule_of(schedule, site, tracing)
   asked = Asked(stages, m, r, param_parts, x_parts, site, "partitioner.pipeline_grad")
-  schedule, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
-  checks.groups(schedule)
-  checks.check_layer_fn(layer_fn, layer_params,
-                        jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
+  checks.batch(x, m)
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
   _check_loss_fn(loss_fn, xs[:, 0], jax.tree_util.tree_map(lambda v: v[:, 0], ys))
+  if kind == "gpipe":
+    return _gpipe(layer_fn, loss_fn, layer_params, x, y, asked, free)
+  plan, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
+  checks.groups(plan)
+  checks.check_layer_fn(layer_fn, layer_params,
+                        jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
-    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves, "1f1b")
-  params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
+    record(tracing, asked, plan, (num_layers, x.shape[0]), leaves, "1f1b", free)
+  params = weight_copies(stage_params(layer_params, leaves, param_specs, plan, place),
                          place.blocks)  # (S, R, L/(S R), ...), or (S, D, R, ...): a copy a block
   if r == 1:  # (one chunk a stage: (S, L/S, ...), or (S, D, L/S, ...))
     params = jax.tree_util.tree_map(lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
                                     params)
-  run = _Run(schedule, place, stage_function(layer_fn), loss_fn, params, xs, ys,
+  run = _Run(plan, place, stage_function(layer_fn), loss_fn, params, xs, ys,
              (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y))))
   # (each tick's loss stays on its stage, stacked: summed once after the loop)
   carry, losses = jax.lax.scan(lambda c, t: _tick(c, t, run), _first_carry(run),
-                               jnp.arange(span(schedule.stages, m, r).ticks, dtype=jnp.int32))
+                               jnp.arange(span(plan.stages, m, r).ticks, dtype=jnp.int32))
   grads = carry.grads
   if place.blocks > 1:  # (the data blocks' copies: reduced over the data devices once)
     with jax.named_scope(WEIGHT_COPIES):
       grads = jax.tree_util.tree_map(lambda g: g.sum(axis=1), grads)
   return losses.sum(), jax.tree_util.tree_map(lambda g, w: g.reshape(w.shape).astype(w.dtype),
                                               grads, layer_params)
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+# The schedule partitioner.search (or a found layout) gives free calls while tracing.
+_chosen: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "partitioner_pipeline_grad_schedule", default=None)
+
+
+@contextlib.contextmanager
+def chosen(schedule: str | None) -> Iterator[None]:
+  """Within it, ``pipeline_grad(..., schedule=None)`` runs ``schedule``
+  (None: none given)."""
+  token = _chosen.set(schedule)
+  try:
+    yield
+  finally:
+    _chosen.reset(token)
+
+
+def with_schedule(fun: Callable[..., Any], schedule: str | None) -> Callable[..., Any]:
+  """``fun`` whose free pipeline_grad calls run ``schedule`` when traced
+  (``fun`` itself for None)."""
+  if schedule is None:
+    return fun
+
+  @functools.wraps(fun)
+  def scheduled(*args, **kwargs):
+    with chosen(schedule):
+      return fun(*args, **kwargs)
+  return scheduled
+
+
+def _schedule_of(schedule: Any, site: str, tracing: Any) -> str:
+  """The schedule a call runs: its own, else the search's (GPipe in the
+  search's first trace, which plans every layout as one stage)."""
+  if schedule is None:
+    schedule = _chosen.get()
+    if schedule is None and tracing is not None and tracing.probe:
+      schedule = "gpipe"
+    if schedule is None:
+      raise ValueError(
+          f"{site}: partitioner.pipeline_grad(schedule=None) leaves the schedule to"
+          " partitioner.search, and this call is traced outside a search and its found"
+          " layout. Hint: run found.sharded_jit() or jax.jit(found.function(), ...) with the"
+          " layout found, or give schedule=found.schedule (\"gpipe\" or \"1f1b\").")
+  if schedule not in SCHEDULES:
+    raise ValueError(f"{site}: partitioner.pipeline_grad(schedule={schedule!r}): the"
+                     " schedules are \"1f1b\" and \"gpipe\", or None to let"
+                     " partitioner.search choose.")
+  return schedule
+
+
+def _gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array],
+           loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any, x: jax.Array,
+           y: Any, asked: Asked, free: bool) -> tuple[jax.Array, Any]:
+  """GPipe: ``jax.value_and_grad`` of the mean loss over the microbatches
+  of ``pipeline``'s output (microbatch i: rows i, i + M, ... of it and y)."""
+  m = asked.microbatches
+  each = lambda v: jnp.swapaxes(_microbatches(v, m), 0, 1)  # (M, rows, ...)
+
+  def loss(params: Any) -> jax.Array:
+    h = gpipe(layer_fn, params, x, asked, free_schedule=free)
+    losses = jax.vmap(lambda h, y: loss_fn(h, y).astype(jnp.float32))(
+        each(h), jax.tree_util.tree_map(each, y))
+    return jnp.mean(losses)
+  return jax.value_and_grad(loss)(layer_params)
 
 
 def _cut(x: jax.Array, y: Any, m: int) -> tuple[jax.Array, Any]:

@@ -144,17 +144,27 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
     ...              jnp.ones((16, 8)), microbatches=4, stages=2)
   """
   site = caller(skip=(_PACKAGE,))
-  x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
-  num_layers, leaves = checks.layers(layer_params)
   m = checks.count(microbatches, "microbatches")
   r = checks.count(repeats, "repeats")
-  tracing = _trace.current()
   asked = Asked(stages, m, r, param_parts, x_parts, site, "partitioner.pipeline")
+  return gpipe(layer_fn, layer_params, x, asked, remat=remat, scan_layers=scan_layers)
+
+
+def gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any, x: jax.Array,
+          asked: Asked, *, remat: bool = False, scan_layers: bool = False,
+          free_schedule: bool = False) -> jax.Array:
+  """``pipeline``'s GPipe (or circular) schedule as ``asked``; recorded on
+  the enclosing trace with ``free_schedule`` (``pipeline_grad`` left the
+  schedule to the search)."""
+  x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
+  num_layers, leaves = checks.layers(layer_params)
+  m = asked.microbatches
+  tracing = _trace.current()
   schedule, param_specs, place = layout(tracing, layer_params, leaves, x, asked)
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
-    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves)
+    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves, "gpipe", free_schedule)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
   carry, feed = init_states(place.pin(x, place.x, "input"), schedule, place)
@@ -215,15 +225,16 @@ def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
 
 
 def record(tracing: Any, asked: Asked, schedule: Schedule, sizes: tuple[int, int],
-           leaves: list, kind: str = "gpipe") -> None:
+           leaves: list, kind: str = "gpipe", free_schedule: bool = False) -> None:
   """Notes the call on the enclosing trace, for explain()'s report and the
   search (``sizes``: the layers and the batch's rows; ``kind``: the
-  schedule, ``"gpipe"`` or ``"1f1b"``)."""
+  schedule, ``"gpipe"`` or ``"1f1b"``, which ``free_schedule`` leaves to
+  the search)."""
   call = _trace.PipelineCall(
       site=asked.site, stages=schedule.stages, microbatches=schedule.microbatches,
       repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=asked.free, batch=sizes[1], schedule=kind)
+      free=asked.free, batch=sizes[1], schedule=kind, free_schedule=free_schedule)
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 

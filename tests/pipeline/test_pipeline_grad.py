@@ -60,9 +60,9 @@ def mean_loss(h, y, m):
   return jnp.mean(jax.vmap(loss_fn)(cut(h), cut(y)))
 
 
-def one_f_one_b(parts, m, rows=None, repeats=1):
+def one_f_one_b(parts, m, rows=None, repeats=1, schedule="1f1b"):
   return sharded_jit(lambda p, x, y: pipeline_grad(layer_fn, loss_fn, p, x, y, microbatches=m,
-                                                   repeats=repeats),
+                                                   repeats=repeats, schedule=schedule),
                      in_parts=(parts, rows, rows), out_parts=(None, parts))
 
 
@@ -144,6 +144,38 @@ def test_interleaving_shrinks_the_bubble_r_times_by_the_compiled_ticks():
   assert idle[1] == pytest.approx([3.0] * 4) and idle[2] == pytest.approx([1.5] * 4), idle
   assert "(interleaved 1F1B, 2 passes, at most 15 microbatch inputs kept a stage;" in str(report)
   assert "(a stage idles 1.5 of its steps over 42 ticks)" in str(report)
+
+
+@pytest.mark.eight_devices
+@pytest.mark.parametrize("s, m, r, rows", [(4, 8, 1, None), (2, 4, 2, None),
+                                           (2, 8, 1, P(4, 1, grid=(2, 4), axes=(1, None)))])
+def test_the_gpipe_schedule_gives_the_same_loss_and_gradients(s, m, r, rows):
+  """schedule="gpipe": jax.value_and_grad of pipeline's output's mean loss
+  over the microbatches, the plain loop's (in pipeline_order's order),
+  and explain() names GPipe."""
+  params, x, y = data()
+  order = tuple(int(i) for i in pipeline_order(L, s, r))
+  value, grads = jax.jit(jax.value_and_grad(plain_loss), static_argnums=(3, 4))(
+      params, x, y, m, order)
+  parts = {"w1": P(s, 1, 1), "w2": P(s, 1, 1)}
+  f = one_f_one_b(parts, m, rows, repeats=r, schedule="gpipe")
+  got_value, got_grads = f(params, x, y)
+  np.testing.assert_allclose(float(got_value), float(value), rtol=1e-5)
+  for k in grads:
+    np.testing.assert_allclose(np.asarray(got_grads[k]), np.asarray(grads[k]), rtol=1e-4,
+                               atol=1e-6)
+  (report,) = partitioner.explain(f.lower(params, x, y).compile()).pipelines
+  assert report.schedule == "gpipe" and report.ticks == r * m + s - 1
+
+
+def test_a_schedule_left_to_the_search_is_an_error_outside_it():
+  params, x, y = data()
+  with pytest.raises(ValueError, match=r"pipeline_grad\(schedule=None\) leaves the schedule to"
+                     r" partitioner.search.*Hint: run found.sharded_jit\(\)"):
+    pipeline_grad(layer_fn, loss_fn, params, x, y, microbatches=4, schedule=None)
+  with pytest.raises(ValueError, match=r"schedule='zb'\): the schedules are \"1f1b\" and"
+                     r" \"gpipe\""):
+    pipeline_grad(layer_fn, loss_fn, params, x, y, microbatches=4, schedule="zb")
 
 
 @pytest.mark.eight_devices
