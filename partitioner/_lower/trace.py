@@ -213,6 +213,8 @@ class PipelineCall:
       with repeats) or ``"1f1b"`` (``partitioner.pipeline_grad``).
     free_schedule: whether ``pipeline_grad(..., schedule=None)`` left the
       schedule to ``partitioner.search`` (traced as ``schedule``).
+    row_bytes: the bytes of a row of x (a microbatch's input: its rows'
+      bytes).
   """
   site: str
   stages: int
@@ -224,6 +226,7 @@ class PipelineCall:
   batch: int = 0
   schedule: str = "gpipe"
   free_schedule: bool = False
+  row_bytes: int = 0
 
   @property
   def ticks(self) -> int:

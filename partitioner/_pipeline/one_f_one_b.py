@@ -62,6 +62,7 @@ from partitioner._pipeline.schedule import (
   gpipe,
   layout,
   record,
+  row_bytes,
   stage_function,
   stage_params,
   weight_copies,
@@ -166,7 +167,7 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
-    record(tracing, asked, plan, (num_layers, x.shape[0]), leaves, "1f1b", free)
+    record(tracing, asked, plan, (num_layers, x.shape[0], row_bytes(x)), leaves, "1f1b", free)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, plan, place),
                          place.blocks)  # (S, R, L/(S R), ...), or (S, D, R, ...): a copy a block
   if r == 1:  # (one chunk a stage: (S, L/S, ...), or (S, D, L/S, ...))

@@ -164,7 +164,8 @@ def gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any, x:
   checks.check_layer_fn(layer_fn, layer_params,
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
-    record(tracing, asked, schedule, (num_layers, x.shape[0]), leaves, "gpipe", free_schedule)
+    record(tracing, asked, schedule, (num_layers, x.shape[0], row_bytes(x)), leaves, "gpipe",
+           free_schedule)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
   carry, feed = init_states(place.pin(x, place.x, "input"), schedule, place)
@@ -224,17 +225,23 @@ def layout(tracing: Any, layer_params: Any, leaves: list, x: jax.Array,
                                           f"{asked.site}, {asked.name}(stages={s})")
 
 
-def record(tracing: Any, asked: Asked, schedule: Schedule, sizes: tuple[int, int],
+def row_bytes(x: jax.Array) -> int:
+  """The bytes of one row of ``x`` (its batch dimension's)."""
+  return int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
+
+
+def record(tracing: Any, asked: Asked, schedule: Schedule, sizes: tuple[int, int, int],
            leaves: list, kind: str = "gpipe", free_schedule: bool = False) -> None:
   """Notes the call on the enclosing trace, for explain()'s report and the
-  search (``sizes``: the layers and the batch's rows; ``kind``: the
+  search (``sizes``: the layers, the batch's rows and a row's bytes; ``kind``: the
   schedule, ``"gpipe"`` or ``"1f1b"``, which ``free_schedule`` leaves to
   the search)."""
   call = _trace.PipelineCall(
       site=asked.site, stages=schedule.stages, microbatches=schedule.microbatches,
       repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=asked.free, batch=sizes[1], schedule=kind, free_schedule=free_schedule)
+      free=asked.free, batch=sizes[1], schedule=kind, free_schedule=free_schedule,
+      row_bytes=sizes[2])
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 

@@ -40,11 +40,11 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def cache_key(request: Request, closed: Any, static_reprs: list[str],
-         counts: Sequence[int] = ()) -> str:
+         counts: Sequence[int | str] = ()) -> str:
   """The answer's key in the caches: the program, the settings, the
   static arguments (their reprs without objects' addresses: the traced
-  program says what they do), the microbatch counts it may try, the
-  versions of the toolkit and of the rules."""
+  program says what they do), the microbatch counts and pipeline
+  schedules it may try, the versions of the toolkit and of the rules."""
   static_reprs = [_ADDRESS.sub("", r) for r in static_reprs]
   devices = request.devices
   settings = (len(devices), request.hosts, request.device, request.budget, request.measure,

@@ -47,6 +47,9 @@ MAX_CANDIDATES = 3000
 # The grid's axes, major to minor.
 DATA, FSDP, MODEL = 0, 1, 2
 BATCH_AXES = (DATA, FSDP)  # the batch role is split over both
+# pipeline_grad's schedules as a layout names them (a single stage's
+# GPipe is the plain loop over the microbatches: not named).
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Candidate:
       split).
     microbatches: the free ``partitioner.accumulate`` calls run this many
       microbatches (1: the whole batch at once, or no such call).
+    schedule: the schedule the ``partitioner.pipeline_grad(schedule=None)``
+      calls run, ``"gpipe"`` or ``"1f1b"`` (None: no such call).
   """
   grid: tuple[int, int, int]
   batch: int | None
@@ -76,6 +81,7 @@ class Candidate:
   stages: int = 1
   zero: bool = False
   microbatches: int = 1
+  schedule: str | None = None
 
   @property
   def layout_grid(self) -> tuple[int, ...]:
@@ -109,6 +115,8 @@ class Candidate:
                    + (" + rest sharded" if self.fsdp and fsdp == 1 else ""))
     if self.microbatches > 1:
       parts.append(f"{self.microbatches} microbatches")
+    if self.schedule == "1f1b" or (self.schedule and self.stages > 1):
+      parts.append(SCHEDULE_NAMES[self.schedule])
     return "; ".join(parts) or "replicated"
 
   @property
@@ -121,7 +129,11 @@ class Candidate:
     theirs with the batch whole or the work copied; with gradient
     accumulation, its microbatch count after it."""
     name = self._family()
-    return name if self.microbatches == 1 else f"{name}, {self.microbatches} microbatches"
+    if self.microbatches > 1:
+      name = f"{name}, {self.microbatches} microbatches"
+    if self.schedule == "1f1b" or (self.schedule and self.stages > 1):
+      name = f"{name}, {SCHEDULE_NAMES[self.schedule]}"
+    return name
 
   def _family(self) -> str:
     data, fsdp, model = self.grid

@@ -15,6 +15,7 @@ import numpy as np
 from partitioner._front.analysis import explain
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._pipeline.accumulate import with_count
+from partitioner._pipeline.one_f_one_b import with_schedule
 from partitioner._report.cost import Cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import table as _table
@@ -89,6 +90,9 @@ class CandidateResult:
     microbatches: the microbatch count of the function's
       ``partitioner.accumulate(microbatches=None)`` calls (1: none, or
       the whole batch at once).
+    schedule: the schedule of the function's
+      ``partitioner.pipeline_grad(schedule=None)`` calls, ``"gpipe"`` or
+      ``"1f1b"`` (None: no such call).
     xla_seconds: XLA's own estimate of a call where its compiler gives
       one (XLA:TPU, for a TPU topology's devices), else None.
     hidden_seconds: the part of its communication time the compiled
@@ -117,6 +121,7 @@ class CandidateResult:
   alike: int = 0
   stages: int = 1
   microbatches: int = 1
+  schedule: str | None = None
   xla_seconds: float | None = None
   memory: dict | None = None
   hidden_seconds: float = 0.0
@@ -131,7 +136,8 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
   ``search_seconds``, ``hosts`` it planned for and its ``devices``' ids in
   order, ``grouped`` (role, count), ``proxy`` (what compiled in the
   program's place), ``accumulate`` (the function leaves its microbatch
-  count to the search), ``stand_in`` (an accelerator planned from
+  count to the search), ``schedule`` (and its pipeline_grad
+  schedule), ``stand_in`` (an accelerator planned from
   XLA:CPU's programs: ``request.stand_in``)."""
   rows = []
   for x in results:
@@ -146,7 +152,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
-        "microbatches": x.candidate.microbatches,
+        "microbatches": x.candidate.microbatches, "schedule": x.candidate.schedule,
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "hidden_seconds": s.hidden_seconds if s else 0.0,
         "network_collectives": s.network_collectives if s else 0,
@@ -155,6 +161,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "grouped": [],
                      "proxy": {}, "devices": [], "hosts": 1, "accumulate": False,
+                     "schedule": False,
                      "stand_in": {}, **about, "candidates": rows}).encode()
 
 
@@ -189,6 +196,10 @@ class FoundLayout:
       ``partitioner.accumulate(microbatches=None)`` calls run in this
       layout (``sharded_jit()`` and ``function()`` apply it); None when
       it has no such call.
+    schedule: the schedule its ``partitioner.pipeline_grad(schedule=None)``
+      calls run in this layout, ``"gpipe"`` or ``"1f1b"``
+      (``sharded_jit()`` and ``function()`` apply it); None when it has
+      no such call.
     device_model: the name of the device model it scored with.
     stand_in: where it planned an accelerator from simulated CPU devices
       (XLA:CPU's programs in its compiler's place): ``{"platform": "gpu"
@@ -214,6 +225,7 @@ class FoundLayout:
     self.budget = data["budget"]
     self.device_ids = tuple(data.get("devices", ()))
     self.microbatches = self.best.microbatches if data.get("accumulate") else None
+    self.schedule = self.best.schedule if data.get("schedule") else None
     self.devices: tuple = ()  # (the search's devices, when it has them)
     self._parts: tuple[Callable[[], tuple[tuple, Any]], ...] = ()  # (each candidate's specs)
 
@@ -279,6 +291,8 @@ class FoundLayout:
     found.best = chosen
     if self.microbatches is not None:
       found.microbatches = chosen.microbatches
+    if self.schedule is not None:
+      found.schedule = chosen.schedule
     return found
 
   @property
@@ -287,14 +301,16 @@ class FoundLayout:
 
   def function(self) -> Callable[..., Any]:
     """The searched function, its ``partitioner.accumulate(microbatches=None)``
-    calls running the count found (the function itself without such
-    calls): for ``jax.jit(found.function(), in_shardings=..., ...)``."""
-    return with_count(self.fun, self.microbatches)
+    calls running the count found and its
+    ``partitioner.pipeline_grad(schedule=None)`` calls the schedule found
+    (the function itself without such calls): for
+    ``jax.jit(found.function(), in_shardings=..., ...)``."""
+    return with_schedule(with_count(self.fun, self.microbatches), self.schedule)
 
   def sharded_jit(self, **kwargs) -> Any:
     """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``
-    with this layout and microbatch count (more keyword arguments pass
-    through)."""
+    with this layout, microbatch count and schedule (more keyword
+    arguments pass through)."""
     return sharded_jit(self.function(), in_parts=self.in_parts, out_parts=self.out_parts,
                        static_argnums=self.static, **kwargs)
 

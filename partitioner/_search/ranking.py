@@ -15,7 +15,7 @@ from partitioner._search import target as _target
 from partitioner._search.compiling import Compiler, compiled_results
 from partitioner._search.progress import Progress
 from partitioner._search.request import Request
-from partitioner._search.space import Space
+from partitioner._search.space import Space, part_key
 
 
 def is_own(device: DeviceModel, d: Any) -> bool:
@@ -123,8 +123,9 @@ def ranked_results(compiler: Compiler, space: Space, request: Request) -> list[_
                                target.proxy is not None and not target.whole_is_cheap)
   if timed:
     chosen = [fits[i] for i in timed]
-    for m in sorted({x.candidate.microbatches for x in chosen}):  # (each count its program)
-      group, part = [x for x in chosen if x.candidate.microbatches == m], space.parts.get(m, space)
+    for key in sorted({part_key(x.candidate) for x in chosen}, key=str):  # (each its program)
+      group = [x for x in chosen if part_key(x.candidate) == key]
+      part = space.part(group[0].candidate)
       assert part.target is not None  # (only the devices' own are timed: never counted)
       times = part.target.measure([(x.in_specs, x.out_specs) for x in group], part.out_state,
                                   [x.time_offset for x in group])

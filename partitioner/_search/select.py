@@ -33,7 +33,7 @@ REFINE = 2
 
 def _config(c: Candidate) -> tuple:
   """A candidate's configuration: all but its model roles."""
-  return (c.grid, c.batch, c.fsdp, c.zero, c.stages, c.microbatches)
+  return (c.grid, c.batch, c.fsdp, c.zero, c.stages, c.microbatches, c.schedule)
 
 
 def memory_scale(results: list) -> Callable[[Candidate], float]:

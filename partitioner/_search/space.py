@@ -48,6 +48,12 @@ def microbatch_counts(calls: Sequence[Any]) -> list[int]:
   return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
 
 
+def part_key(c: Any) -> tuple[int, str | None]:
+  """Which part of the space (its own trace and program) candidate ``c``
+  is of: its microbatch count and its pipeline_grad schedule."""
+  return c.microbatches, c.schedule
+
+
 @dataclasses.dataclass
 class Space:
   """What the search chooses among: every distinct layout with its
@@ -56,7 +62,9 @@ class Space:
 
   With free ``partitioner.accumulate`` calls, each microbatch count is a
   space of its own (its trace, account and estimates: ``parts``), its rows
-  added to the first's. Where memory is counted for an accelerator, a
+  added to the first's; so is each schedule of free ``pipeline_grad``
+  calls (GPipe's the first; 1F1B's traced and compiled as itself). Where
+  memory is counted for an accelerator, a
   count's layout is compiled as the whole batch's (``base_of``: its row
   there), its time corrected by the cheap model's difference and its
   peak counted: the accumulation loop holds all the layers in one body,
@@ -69,8 +77,10 @@ class Space:
   liveness: Liveness | None = None
   proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
   microbatches: int = 1
+  schedule: str | None = None  # (free pipeline_grad calls': this part's)
   staged: list = dataclasses.field(default_factory=list)  # rows every search compiles
   bubbles: dict = dataclasses.field(default_factory=dict)  # stage count -> its loop's bubble
+  rings: dict = dataclasses.field(default_factory=dict)  # stage count -> 1F1B's kept inputs
   parts: dict = dataclasses.field(default_factory=dict)  # count -> its Space
   base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
   chosen: list = dataclasses.field(default_factory=list)
@@ -78,15 +88,16 @@ class Space:
   remat: bool = False  # (the step recomputes activations: jax.checkpoint somewhere)
 
   def part(self, c: Any) -> Space:
-    """The space of ``c``'s microbatch count."""
-    return self.parts.get(c.microbatches, self)
+    """The space of ``c``'s microbatch count and schedule."""
+    return self.parts.get(part_key(c), self)
 
   def add(self, other: Space) -> None:
-    """Another count's rows; where memory is counted, only the layouts the
-    whole batch has too (they compile as it)."""
+    """Another count's rows (or another schedule's); where memory is
+    counted, only the layouts the whole batch has too (a count's compile
+    as it: a schedule's compile as themselves)."""
     where = {k: i for i, k in enumerate(self.keys)}
     for j, (row, key) in enumerate(zip(other.rows, other.keys)):
-      if self.liveness is not None:
+      if self.liveness is not None and other.microbatches > 1:
         if key not in where:
           continue
         self.base_of[len(self.rows)] = where[key]
@@ -94,7 +105,7 @@ class Space:
         self.staged.append(len(self.rows))
       self.rows.append(row)
       self.keys.append(key)
-    self.parts[other.microbatches] = other
+    self.parts[other.microbatches, other.schedule] = other
 
   def choose(self, request: Request) -> None:
     """The shortlist to compile first (and every stage count)."""
@@ -115,12 +126,14 @@ class Space:
 
 
 def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
-           microbatches: int = 1, accumulations: Sequence[Any] = ()) -> Space:
+           microbatches: int = 1, accumulations: Sequence[Any] = (),
+           schedule: str | None = None) -> Space:
   """The function's logical axes and roles, its candidate layouts (one
   per distinct set of specs) with the cheap model's estimates, the
   candidates' free accumulate calls (``accumulations``) running
   ``microbatches``: only layouts whose batch split divides a microbatch
-  (each device keeps its rows)."""
+  (each device keeps its rows); its free pipeline_grad calls running
+  ``schedule`` (``pipelines``: those whose stages are free)."""
   n, hosts, device = len(request.devices), request.hosts, request.device
   names = _inputs.leaf_names(f.fun, list(f.args), f.static)
   axes = logical_axes(closed)
@@ -135,7 +148,7 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   program = OpTable(axes, r, state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):
-    c = dataclasses.replace(c, microbatches=microbatches)
+    c = dataclasses.replace(c, microbatches=microbatches, schedule=schedule)
     dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
     if pipelines and _stage_axis.splits_layers(pipelines, dims):
       continue
@@ -166,14 +179,19 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   rows = [(c, list(dims), estimate_row(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   keys: list = list(by_layout)
-  staged = [(dataclasses.replace(c, microbatches=microbatches), dims, est) for c, dims, est in
+  staged = [(dataclasses.replace(c, microbatches=microbatches, schedule=schedule), dims, est)
+            for c, dims, est in
             _stage_axis.candidates(pipelines, n, rows, program, shapes, device)]
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  keys += [("stages", c.stages, c.grid, c.model) for c, _, _ in staged]
+  keys = [(k, schedule) for k in keys] + [("stages", c.stages, c.grid, c.model, schedule)
+                                          for c, _, _ in staged]
   return Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
-                staged=list(range(len(rows) - len(staged), len(rows))),
+                schedule, staged=list(range(len(rows) - len(staged), len(rows))),
                 bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
-                         for c, _, _ in staged}, remat=rematerializes(closed.jaxpr))
+                         for c, _, _ in staged},
+                rings={c.stages: _stage_axis.ring_bytes(pipelines, c.stages)
+                       for c, _, _ in staged} if schedule == "1f1b" else {},
+                remat=rematerializes(closed.jaxpr))
 
 
 # Configurations whose smallest candidate is compiled on such a target.

@@ -121,6 +121,14 @@ def bubble_of(calls: Sequence[Any], s: int) -> float:
   return max((p.repeats * p.microbatches + s - 1) / (p.repeats * p.microbatches) for p in calls)
 
 
+def ring_bytes(calls: Sequence[Any], s: int) -> float:
+  """What the 1F1B calls keep per stage over ``s`` stages besides what
+  their one-stage trace holds: at most 2 R s - 1 microbatch inputs
+  each (their bytes whole: a data axis inside the stages splits them)."""
+  return float(sum((2 * c.repeats * s - 1) * (c.batch // c.microbatches) * c.row_bytes
+                   for c in calls if c.schedule == "1f1b"))
+
+
 def _tensor_roles(rows: Sequence[tuple], m: int, exclude: set) -> tuple[int, ...]:
   """The model roles of the best-estimated candidate whose model axis has
   ``m`` devices (no FSDP), without the layer dimension's roles."""

@@ -346,3 +346,34 @@ def test_the_search_offers_interleaved_stage_counts_that_divide_the_microbatches
                       inputs=(0,), free=True, batch=24, schedule="1f1b")
   assert stage_counts(8, [call]) == [2]
   assert stage_counts(8, [dataclasses.replace(call, schedule="gpipe")]) == [2, 4]
+
+
+@pytest.mark.eight_devices
+def test_the_search_picks_1f1b_where_gpipe_does_not_fit_the_budget():
+  """schedule=None: partitioner.search compiles each stage count with
+  GPipe and with 1F1B. Without a budget GPipe wins (nothing recomputed);
+  under a budget that every GPipe pipeline exceeds (XLA's peak of its
+  program) and a 1F1B one meets, the winner is that 1F1B pipeline, and
+  found.sharded_jit() runs it with the plain loop's loss."""
+  params, x, y = data(2048, d_model=64, d_ff=256)
+  step = lambda p, x, y: pipeline_grad(layer_fn, loss_fn, p, x, y, microbatches=16,
+                                       schedule=None)
+  found = partitioner.search(step, params, x, y, measure=0, progress=False)
+  assert found.schedule == "gpipe" and found.best.stages > 1, found.best
+  staged = [c for c in found.candidates if c.stages > 1 and not c.error]
+  peak = {k: [c.peak_memory for c in staged if c.schedule == k] for k in ("gpipe", "1f1b")}
+  assert len(peak["gpipe"]) == len(peak["1f1b"]) >= 3
+  budget = (max(peak["1f1b"]) + min(peak["gpipe"])) / 2
+  assert max(peak["1f1b"]) < budget < min(peak["gpipe"])
+  tight = partitioner.search(step, params, x, y, measure=0, progress=False,
+                             memory_budget_bytes=budget)
+  assert (tight.schedule, tight.best.schedule) == ("1f1b", "1f1b") and tight.best.stages > 1
+  assert "1F1B" in tight.best.family and not any(
+      c.fits for c in tight.candidates if c.schedule == "gpipe" and c.stages > 1)
+  value = jax.jit(plain_loss, static_argnums=3)(params, x, y, 16)
+  got, _ = tight.sharded_jit()(params, x, y)
+  np.testing.assert_allclose(float(got), float(value), rtol=1e-5)
+  gpipe = tight.choose(next(c for c in tight.candidates if c.schedule == "gpipe"))
+  assert gpipe.schedule == "gpipe"
+  np.testing.assert_allclose(float(gpipe.sharded_jit()(params, x, y)[0]), float(value),
+                             rtol=1e-5)
