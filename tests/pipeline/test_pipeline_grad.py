@@ -237,11 +237,12 @@ def test_a_stage_keeps_2s_minus_1_microbatches_not_m():
 
 
 @pytest.mark.eight_devices
-def test_a_flax_block_stack_in_bfloat16_trains_with_it():
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_flax_block_stack_in_bfloat16_trains_with_it(repeats):
   """flax linen blocks (LayerNorm, Dense up and down, bfloat16 parameters)
-  stacked with jax.vmap(init), 4 stages: the first step's loss and
-  gradients match the plain loop's within bfloat16's precision, and SGD
-  lowers the loss."""
+  stacked with jax.vmap(init), 4 stages (interleaved: 2 passes): the first
+  step's loss and gradients match the plain loop's within bfloat16's
+  precision, and SGD lowers the loss."""
   nn = pytest.importorskip("flax.linen")
 
   class Block(nn.Module):
@@ -258,9 +259,9 @@ def test_a_flax_block_stack_in_bfloat16_trains_with_it():
   layer = lambda p, h: block.apply(p, h)
   head = lambda h, y: jnp.mean((h.astype(jnp.float32) - y) ** 2)
 
-  def plain(p):
+  def plain(p, order=tuple(range(L))):
     h = x
-    for i in range(L):
+    for i in order:
       h = layer(jax.tree_util.tree_map(lambda w, i=i: w[i], p), h)
     return jnp.mean(jax.vmap(head)(*(v.reshape(4, 8, 16).swapaxes(0, 1) for v in (h, y))))
 
@@ -268,8 +269,8 @@ def test_a_flax_block_stack_in_bfloat16_trains_with_it():
 
   @functools.partial(sharded_jit, in_parts=(parts,), out_parts=(parts, None))
   def train(p):
-    loss, grads = pipeline_grad(layer, head, p, x, y, microbatches=8)
-    return jax.tree_util.tree_map(lambda w, g: w - 0.5 * g.astype(w.dtype), p, grads), loss
+    loss, grads = pipeline_grad(layer, head, p, x, y, microbatches=8, repeats=repeats)
+    return jax.tree_util.tree_map(lambda w, g: w - 0.25 * g.astype(w.dtype), p, grads), loss
 
   value, grads = jax.jit(jax.value_and_grad(plain))(stacked)
   got_value, got_grads = jax.jit(lambda p: pipeline_grad(layer, head, p, x, y,
@@ -277,6 +278,7 @@ def test_a_flax_block_stack_in_bfloat16_trains_with_it():
   np.testing.assert_allclose(float(got_value), float(value), rtol=2e-2)
   for a, b in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=3e-2)
+  value = plain(stacked, tuple(int(i) for i in pipeline_order(L, 4, repeats)))
   losses = []
   for _ in range(4):
     stacked, loss = train(stacked)
