@@ -347,10 +347,11 @@ def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
                        memory_budget_bytes=1000)
 
 
-def _piped_transformer(layers: int, microbatches: int):
+def _piped_transformer(layers: int, microbatches: int, schedule: str = "left to jax.grad"):
   """A pre-norm transformer's train step (bfloat16 compute over float32
   weights, causal attention), its layers through ``partitioner.pipeline``
-  with the stages left to the search; and its abstract arguments."""
+  with the stages left to the search (or ``partitioner.pipeline_grad``
+  with a ``schedule``, None: the search's too); and its abstract arguments."""
   bf, heads = jnp.bfloat16, 4
 
   def layer(p, h):
@@ -362,8 +363,12 @@ def _piped_transformer(layers: int, microbatches: int):
     return h + (jax.nn.gelu(h.astype(bf) @ p["w1"].astype(bf)) @ p["w2"].astype(bf)).astype(h.dtype)
 
   def train(params, x):
-    loss = lambda p: jnp.mean(partitioner.pipeline(layer, p, x, microbatches=microbatches) ** 2)
-    value, grads = jax.value_and_grad(loss)(params)
+    if schedule == "left to jax.grad":
+      loss = lambda p: jnp.mean(partitioner.pipeline(layer, p, x, microbatches=microbatches) ** 2)
+      value, grads = jax.value_and_grad(loss)(params)
+    else:
+      value, grads = partitioner.pipeline_grad(layer, lambda h, y: jnp.mean(h ** 2), params, x,
+                                               x, microbatches=microbatches, schedule=schedule)
     return value, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads)
 
   d, f = 256, 1024
@@ -388,3 +393,21 @@ def test_a_pipelines_counted_memory_against_xla_tpus():
   assert set(ratios) >= {"pipeline 8", "pipeline 4 x TP 2", "pipeline 2 x TP 4"}, ratios
   assert any(" x data " in family for family in ratios), ratios
   assert all(0.85 <= r <= 1.3 for r in ratios.values()), ratios
+
+
+@needs_libtpu
+def test_a_1f1b_pipelines_counted_memory_against_xla_tpus():
+  """pipeline_grad(schedule=None): each layout's memory counted with GPipe
+  and with 1F1B (2 S - 1 kept microbatch inputs a stage, no bubble on what
+  a tick computes) within 0.75-1.3x of XLA:TPU's own peak of the same
+  layout on 8 v5p chips, and 1F1B's under half GPipe's."""
+  train, params, x = _piped_transformer(8, 4, schedule=None)
+  found = partitioner.search(train, params, x, device_model="tpu-v5p", measure=0,
+                             progress=False, max_compiles=1, memory_budget_bytes=1e12)
+  chips = partitioner.tpu_devices("v5p:2x2x2")
+  ratios = {c.family: c.peak_memory / found.choose(c).sharded_jit(devices=chips).lower(
+      params, x).compile().cost().peak_memory for c in found.candidates if c.stages > 1}
+  assert {"pipeline 8, 1F1B", "pipeline 8, GPipe", "pipeline 4 x data 2, 1F1B"} <= set(ratios)
+  assert all(0.75 <= r <= 1.3 for r in ratios.values()), ratios
+  peak = {c.family: c.peak_memory for c in found.candidates}
+  assert peak["pipeline 8, 1F1B"] < 0.5 * peak["pipeline 8, GPipe"]

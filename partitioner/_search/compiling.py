@@ -118,7 +118,7 @@ class Compiler:
       if part.liveness is not None:
         account = (part.liveness.account(c, dims) if c.stages == 1 else
                    part.liveness.staged(c, dims, part.bubbles[c.stages],
-                                        part.rings.get(c.stages, 0.0)))
+                                        part.rings.get(c.stages)))
         got = dataclasses.replace(got, peak_memory=int(account.peak))
         memory = account.as_dict()
     except Exception as e:  # a candidate XLA or our checks refuse: not a layout
