@@ -213,6 +213,8 @@ class PipelineCall:
       with repeats) or ``"1f1b"`` (``partitioner.pipeline_grad``).
     free_schedule: whether ``pipeline_grad(..., schedule=None)`` left the
       schedule to ``partitioner.search`` (traced as ``schedule``).
+    free_microbatches: whether ``pipeline_grad(..., microbatches=None)``
+      left M to ``partitioner.search`` (traced with ``microbatches``).
     row_bytes: the bytes of a row of x (a microbatch's input: its rows'
       bytes).
   """
@@ -226,6 +228,7 @@ class PipelineCall:
   batch: int = 0
   schedule: str = "gpipe"
   free_schedule: bool = False
+  free_microbatches: bool = False
   row_bytes: int = 0
 
   @property

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from partitioner._lower import trace as _trace
 from partitioner._pipeline.checks import leading
+from partitioner._pipeline.choice import within
 from sharding._checks import positive_count
 from sharding._constraint import caller
 
@@ -161,14 +162,7 @@ def chosen(m: int | None) -> Iterator[None]:
 def with_count(fun: Callable[..., Any], m: int | None) -> Callable[..., Any]:
   """``fun`` whose free accumulate calls run ``m`` microbatches when traced
   (``fun`` itself for None)."""
-  if m is None:
-    return fun
-
-  @functools.wraps(fun)
-  def counted(*args, **kwargs):
-    with chosen(m):
-      return fun(*args, **kwargs)
-  return counted
+  return fun if m is None else within(fun, lambda: chosen(m))
 
 
 @functools.partial(jax.jit, static_argnums=1)

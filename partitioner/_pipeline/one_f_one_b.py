@@ -43,10 +43,7 @@ recomputes each stage's forward too.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -55,6 +52,7 @@ from jax.core import Tracer
 
 from partitioner._lower import trace as _trace
 from partitioner._pipeline import checks
+from partitioner._pipeline import choice as _choice
 from partitioner._pipeline.schedule import (
   Asked,
   Placement,
@@ -78,7 +76,7 @@ _PACKAGE = __name__.partition(".")[0]
 
 def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0913
                   loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any,
-                  x: jax.Array, y: Any, *, microbatches: int, stages: int | None = None,
+                  x: jax.Array, y: Any, *, microbatches: int | None, stages: int | None = None,
                   repeats: int = 1, param_parts: Any = None,
                   x_parts: PartitionSpec | None = None,
                   schedule: str | None = "1f1b") -> tuple[jax.Array, Any]:
@@ -109,7 +107,9 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
     layer_params: a pytree whose every leaf has a leading layer dimension L.
     x: the input, batch first; its batch dimension is cut into microbatches.
     y: the targets (a pytree of arrays), batch first, cut as ``x``.
-    microbatches: M (it divides the batch).
+    microbatches: M (it divides the batch). None: ``partitioner.search``
+      chooses it among 1, 2, 4, 8, 16 and 32 (over S stages: S, 2 S or
+      4 S), by time and memory (``found.pipeline_microbatches``).
     stages: S. None: the leading count of ``param_parts``, else of the
       specs the enclosing ``sharded_jit``'s ``in_parts`` gives
       ``layer_params``; outside a sharded_jit function, 1.
@@ -152,10 +152,13 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   site = caller(skip=(_PACKAGE,))
   x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
   num_layers, leaves = checks.layers(layer_params)
-  m = checks.count(microbatches, "microbatches")
-  r = checks.count(repeats, "repeats")
   tracing = _trace.current()
-  free, kind = schedule is None, _schedule_of(schedule, site, tracing)
+  probe = tracing is not None and tracing.probe
+  m = checks.count(_choice.microbatches_of(microbatches, site, probe, x.shape[0] if x.ndim
+                                           else 0), "microbatches")
+  r = checks.count(repeats, "repeats")
+  free, kind = (schedule is None, microbatches is None), _choice.schedule_of(schedule, site,
+                                                                              probe)
   asked = Asked(stages, m, r, param_parts, x_parts, site, "partitioner.pipeline_grad")
   checks.batch(x, m)
   xs, ys = _cut(x, y, m)  # (as they come: a microbatch is sliced where it lies)
@@ -186,67 +189,16 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
                                               grads, layer_params)
 
 
-SCHEDULES = ("gpipe", "1f1b")
-
-# The schedule partitioner.search (or a found layout) gives free calls while tracing.
-_chosen: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "partitioner_pipeline_grad_schedule", default=None)
-
-
-@contextlib.contextmanager
-def chosen(schedule: str | None) -> Iterator[None]:
-  """Within it, ``pipeline_grad(..., schedule=None)`` runs ``schedule``
-  (None: none given)."""
-  token = _chosen.set(schedule)
-  try:
-    yield
-  finally:
-    _chosen.reset(token)
-
-
-def with_schedule(fun: Callable[..., Any], schedule: str | None) -> Callable[..., Any]:
-  """``fun`` whose free pipeline_grad calls run ``schedule`` when traced
-  (``fun`` itself for None)."""
-  if schedule is None:
-    return fun
-
-  @functools.wraps(fun)
-  def scheduled(*args, **kwargs):
-    with chosen(schedule):
-      return fun(*args, **kwargs)
-  return scheduled
-
-
-def _schedule_of(schedule: Any, site: str, tracing: Any) -> str:
-  """The schedule a call runs: its own, else the search's (GPipe in the
-  search's first trace, which plans every layout as one stage)."""
-  if schedule is None:
-    schedule = _chosen.get()
-    if schedule is None and tracing is not None and tracing.probe:
-      schedule = "gpipe"
-    if schedule is None:
-      raise ValueError(
-          f"{site}: partitioner.pipeline_grad(schedule=None) leaves the schedule to"
-          " partitioner.search, and this call is traced outside a search and its found"
-          " layout. Hint: run found.sharded_jit() or jax.jit(found.function(), ...) with the"
-          " layout found, or give schedule=found.schedule (\"gpipe\" or \"1f1b\").")
-  if schedule not in SCHEDULES:
-    raise ValueError(f"{site}: partitioner.pipeline_grad(schedule={schedule!r}): the"
-                     " schedules are \"1f1b\" and \"gpipe\", or None to let"
-                     " partitioner.search choose.")
-  return schedule
-
-
 def _gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array],
            loss_fn: Callable[[jax.Array, Any], jax.Array], layer_params: Any, x: jax.Array,
-           y: Any, asked: Asked, free: bool) -> tuple[jax.Array, Any]:
+           y: Any, asked: Asked, free: tuple[bool, bool]) -> tuple[jax.Array, Any]:
   """GPipe: ``jax.value_and_grad`` of the mean loss over the microbatches
   of ``pipeline``'s output (microbatch i: rows i, i + M, ... of it and y)."""
   m = asked.microbatches
   each = lambda v: jnp.swapaxes(_microbatches(v, m), 0, 1)  # (M, rows, ...)
 
   def loss(params: Any) -> jax.Array:
-    h = gpipe(layer_fn, params, x, asked, free_schedule=free)
+    h = gpipe(layer_fn, params, x, asked, free_plan=free)
     losses = jax.vmap(lambda h, y: loss_fn(h, y).astype(jnp.float32))(
         each(h), jax.tree_util.tree_map(each, y))
     return jnp.mean(losses)

@@ -152,10 +152,10 @@ def pipeline(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any,
 
 def gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any, x: jax.Array,
           asked: Asked, *, remat: bool = False, scan_layers: bool = False,
-          free_schedule: bool = False) -> jax.Array:
+          free_plan: tuple[bool, bool] = (False, False)) -> jax.Array:
   """``pipeline``'s GPipe (or circular) schedule as ``asked``; recorded on
-  the enclosing trace with ``free_schedule`` (``pipeline_grad`` left the
-  schedule to the search)."""
+  the enclosing trace with ``free_plan`` (whether ``pipeline_grad`` left
+  its schedule and its microbatch count to the search)."""
   x = x if isinstance(x, jax.Array | Tracer) else jnp.asarray(x)
   num_layers, leaves = checks.layers(layer_params)
   m = asked.microbatches
@@ -165,7 +165,7 @@ def gpipe(layer_fn: Callable[[Any, jax.Array], jax.Array], layer_params: Any, x:
                         jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype))
   if tracing is not None:
     record(tracing, asked, schedule, (num_layers, x.shape[0], row_bytes(x)), leaves, "gpipe",
-           free_schedule)
+           free_plan)
   params = weight_copies(stage_params(layer_params, leaves, param_specs, schedule, place),
                          place.blocks)
   carry, feed = init_states(place.pin(x, place.x, "input"), schedule, place)
@@ -231,17 +231,18 @@ def row_bytes(x: jax.Array) -> int:
 
 
 def record(tracing: Any, asked: Asked, schedule: Schedule, sizes: tuple[int, int, int],
-           leaves: list, kind: str = "gpipe", free_schedule: bool = False) -> None:
+           leaves: list, kind: str = "gpipe",
+           free_plan: tuple[bool, bool] = (False, False)) -> None:
   """Notes the call on the enclosing trace, for explain()'s report and the
   search (``sizes``: the layers, the batch's rows and a row's bytes; ``kind``: the
-  schedule, ``"gpipe"`` or ``"1f1b"``, which ``free_schedule`` leaves to
-  the search)."""
+  schedule, ``"gpipe"`` or ``"1f1b"``; ``free_plan``: whether it and the
+  microbatch count are the search's to choose)."""
   call = _trace.PipelineCall(
       site=asked.site, stages=schedule.stages, microbatches=schedule.microbatches,
       repeats=schedule.repeats, layers=sizes[0],
       inputs=tuple(i for i in map(tracing.input_index, leaves) if i is not None),
-      free=asked.free, batch=sizes[1], schedule=kind, free_schedule=free_schedule,
-      row_bytes=sizes[2])
+      free=asked.free, batch=sizes[1], schedule=kind, free_schedule=free_plan[0],
+      free_microbatches=free_plan[1], row_bytes=sizes[2])
   if call not in tracing.pipelines:  # jax may trace a function twice
     tracing.pipelines.append(call)
 

@@ -73,6 +73,9 @@ class Candidate:
       microbatches (1: the whole batch at once, or no such call).
     schedule: the schedule the ``partitioner.pipeline_grad(schedule=None)``
       calls run, ``"gpipe"`` or ``"1f1b"`` (None: no such call).
+    pipeline_microbatches: the microbatch count the
+      ``partitioner.pipeline_grad(microbatches=None)`` calls run (None: no
+      such call).
   """
   grid: tuple[int, int, int]
   batch: int | None
@@ -82,6 +85,7 @@ class Candidate:
   zero: bool = False
   microbatches: int = 1
   schedule: str | None = None
+  pipeline_microbatches: int | None = None
 
   @property
   def layout_grid(self) -> tuple[int, ...]:
@@ -115,9 +119,15 @@ class Candidate:
                    + (" + rest sharded" if self.fsdp and fsdp == 1 else ""))
     if self.microbatches > 1:
       parts.append(f"{self.microbatches} microbatches")
-    if self.schedule == "1f1b" or (self.schedule and self.stages > 1):
-      parts.append(SCHEDULE_NAMES[self.schedule])
+    parts += self._pipeline_choices()
     return "; ".join(parts) or "replicated"
+
+  def _pipeline_choices(self) -> list[str]:
+    """What the search chose for free pipeline_grad calls, as named."""
+    named = [SCHEDULE_NAMES[self.schedule]] if self.schedule == "1f1b" or (
+        self.schedule and self.stages > 1) else []
+    m = self.pipeline_microbatches
+    return named + ([f"M {m}"] if m is not None else [])
 
   @property
   def copies_work(self) -> bool:
@@ -131,9 +141,7 @@ class Candidate:
     name = self._family()
     if self.microbatches > 1:
       name = f"{name}, {self.microbatches} microbatches"
-    if self.schedule == "1f1b" or (self.schedule and self.stages > 1):
-      name = f"{name}, {SCHEDULE_NAMES[self.schedule]}"
-    return name
+    return ", ".join([name, *self._pipeline_choices()])
 
   def _family(self) -> str:
     data, fsdp, model = self.grid

@@ -47,7 +47,7 @@ from partitioner._compile.cache.tiers import compilation_cache
 from partitioner._lower import trace as _trace_lib
 from partitioner._lower.args import argnums
 from partitioner._pipeline import accumulate as _accumulate
-from partitioner._pipeline import one_f_one_b as _one_f_one_b
+from partitioner._pipeline import choice as _choice
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import found as _found
 from partitioner._search import inputs as _inputs
@@ -171,18 +171,19 @@ def search(  # noqa: PLR0913 (the search's keywords)
         " of its own (by hand, or a library's: flax's with dropout or a module to sow"
         " into) is counted as the ops it runs, as XLA holds them")
   counts = microbatch_counts(accumulations)
-  schedules = _free_schedules(pipelines)
+  plans = _plans(pipelines)
   # (a free accumulate call traces as the plain step at one microbatch: the
-  # counts tried tell the two apart; a free schedule as GPipe: so do the schedules)
+  # counts tried tell the two apart; a free pipeline_grad as its first plan:
+  # so do the plans)
   key = cache_key(request, closed, [repr(example_args[i]) for i in static],
-                  [*counts, *schedules])
+                  [*counts, *map(repr, plans)])
   f = _inputs.Function(fun, args, static, jax.tree_util.tree_structure(out_shape))
   blob = _answers.get(key)
   if blob is None:
     # (rank 0's cache decides for every rank: another host's directory may
     # hold another answer, or none)
     answer = lambda: _answer(key, lambda: _run(f, closed, request, pipelines, counts,
-                                               example_args, schedules))
+                                               example_args, plans))
     blob = world.bcast(answer() if world.rank == 0 else None) if world.size > 1 else answer()
     _answers.put(key, blob)
   found = _found.FoundLayout.from_json(blob, fun, static, f.in_tree, f.out_tree, len(args), who)
@@ -204,9 +205,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
 
 def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[Any],
            static: tuple[int, ...], who: str, microbatches: int | None = None,
-           schedule: str | None = None) -> tuple[Any, Any, list, list]:
+           plan: _choice.Plan = _choice.Plan()) -> tuple[Any, Any, list, list]:
   """The function's jaxpr, its output shapes, its pipelines (traced as one
-  stage; free pipeline_grad calls with ``schedule``, else GPipe), and its
+  stage; free pipeline_grad calls with ``plan``, else its first), and its
   accumulate calls whose count the search chooses (traced with
   ``microbatches``, else 1)."""
   dynamic = [a for i, a in enumerate(args) if i not in static]
@@ -217,7 +218,7 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
 
   try:
     with (_trace_lib.tracing(None, probe=True) as probe, _accumulate.chosen(microbatches),
-          _one_f_one_b.chosen(schedule)):
+          _choice.chosen(plan)):
       closed, out_shape = jax.make_jaxpr(probed, return_shape=True)(*dynamic)
   except Exception as e:  # the user's function: any error means it does not trace
     raise ValueError(
@@ -229,10 +230,18 @@ def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[
   return (closed, out_shape, list(probe.pipelines), [c for c in probe.accumulations if c.free])
 
 
-def _free_schedules(pipelines: Sequence[Any]) -> list[str]:
-  """The schedules the search tries for free ``pipeline_grad`` calls
-  (GPipe first: the one the first trace ran); none without such calls."""
-  return list(_one_f_one_b.SCHEDULES) if any(c.free_schedule for c in pipelines) else []
+def _plans(pipelines: Sequence[Any]) -> list[_choice.Plan]:
+  """The plans the search tries for free ``pipeline_grad`` calls: each
+  schedule (GPipe first) with each microbatch count that divides every
+  free call's batch, where the calls leave them to it; the first is the
+  one the first trace ran. None without such calls."""
+  schedules = (list(_choice.SCHEDULES) if any(c.free_schedule for c in pipelines)
+               else [None])
+  free = [c for c in pipelines if c.free_microbatches]
+  counts = ([m for m in _choice.counts(free[0].batch) if all(c.batch % m == 0 for c in free)]
+            if free else [None])
+  plans = [_choice.Plan(s, m) for s in schedules for m in counts]
+  return [] if plans == [_choice.Plan()] else plans
 
 
 
@@ -256,20 +265,20 @@ def _answer(key: str, run: Callable[[], bytes]) -> bytes:
 
 def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
          counts: Sequence[int] = (), example_args: Sequence[Any] = (),
-         schedules: Sequence[str] = ()) -> bytes:
+         plans: Sequence[_choice.Plan] = ()) -> bytes:
   """The search itself; its result as the JSON the caches keep."""
   start = time.perf_counter()
-  first = schedules[0] if schedules else None
-  # (the function as each part runs it: its accumulate count, its schedule)
-  run = lambda m, s: dataclasses.replace(f, fun=_one_f_one_b.with_schedule(
-      _accumulate.with_count(f.fun, m), s))
+  first = plans[0] if plans else _choice.Plan()
+  # (the function as each part runs it: its accumulate count, its pipeline_grad plan)
+  run = lambda m, plan: dataclasses.replace(f, fun=_choice.with_plan(
+      _accumulate.with_count(f.fun, m), plan))
   space = build_space(run(1 if counts else None, first), closed, request,
-                      _stage_axis.free(pipelines), schedule=first)
-  for other in schedules[1:]:  # (each schedule traced anew: its own program)
-    closed_s, _, pipelines_s, _ = _trace(f.fun, f.args, example_args, f.static, request.who,
+                      _stage_axis.free(pipelines), plan=first)
+  for other in plans[1:]:  # (each plan traced anew: its own program)
+    closed_p, _, pipelines_p, _ = _trace(f.fun, f.args, example_args, f.static, request.who,
                                          1 if counts else None, other)
-    space.add(build_space(run(1 if counts else None, other), closed_s, request,
-                          _stage_axis.free(pipelines_s), schedule=other))
+    space.add(build_space(run(1 if counts else None, other), closed_p, request,
+                          _stage_axis.free(pipelines_p), plan=other))
   fitted = 1 if any_fits(space, request.budget) else None
   for m in counts[1:]:  # (each microbatch count traced anew: its own program)
     if fitted is not None and m > 2 * fitted:
@@ -278,7 +287,7 @@ def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
     closed_m, _, pipelines_m, calls = _trace(f.fun, f.args, example_args, f.static,
                                              request.who, m, first)
     part = build_space(counted, closed_m, request, _stage_axis.free(pipelines_m), m, calls,
-                       first)
+                       first)  # (a count's layouts with the first plan)
     space.add(part)
     fitted = fitted or (m if any_fits(part, request.budget) else None)
   space.choose(request)
@@ -299,7 +308,8 @@ def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
       "hosts": request.hosts, "devices": [d.id for d in request.devices],
       "grouped": [[r.names[k], m] for k, m in sorted(r.repeats.items())],
       "proxy": space.target.describe() or {}, "accumulate": bool(counts),
-      "schedule": bool(schedules),
+      "schedule": first.schedule is not None,
+      "pipeline_microbatches": first.microbatches is not None,
       "stand_in": stand_in(request) or {}})
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from partitioner._front.analysis import explain
 from partitioner._front.sharded_jit import sharded_jit
 from partitioner._pipeline.accumulate import with_count
-from partitioner._pipeline.one_f_one_b import with_schedule
+from partitioner._pipeline.choice import Plan, with_plan
 from partitioner._report.cost import Cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import table as _table
@@ -93,6 +93,9 @@ class CandidateResult:
     schedule: the schedule of the function's
       ``partitioner.pipeline_grad(schedule=None)`` calls, ``"gpipe"`` or
       ``"1f1b"`` (None: no such call).
+    pipeline_microbatches: the microbatch count of its
+      ``partitioner.pipeline_grad(microbatches=None)`` calls (None: no
+      such call).
     xla_seconds: XLA's own estimate of a call where its compiler gives
       one (XLA:TPU, for a TPU topology's devices), else None.
     hidden_seconds: the part of its communication time the compiled
@@ -122,6 +125,7 @@ class CandidateResult:
   stages: int = 1
   microbatches: int = 1
   schedule: str | None = None
+  pipeline_microbatches: int | None = None
   xla_seconds: float | None = None
   memory: dict | None = None
   hidden_seconds: float = 0.0
@@ -136,8 +140,8 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
   ``search_seconds``, ``hosts`` it planned for and its ``devices``' ids in
   order, ``grouped`` (role, count), ``proxy`` (what compiled in the
   program's place), ``accumulate`` (the function leaves its microbatch
-  count to the search), ``schedule`` (and its pipeline_grad
-  schedule), ``stand_in`` (an accelerator planned from
+  count to the search), ``schedule`` and ``pipeline_microbatches``
+  (and its pipeline_grad schedule or count), ``stand_in`` (an accelerator planned from
   XLA:CPU's programs: ``request.stand_in``)."""
   rows = []
   for x in results:
@@ -153,6 +157,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "fits": bool(s) and (budget is None or s.peak_memory <= budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
         "microbatches": x.candidate.microbatches, "schedule": x.candidate.schedule,
+        "pipeline_microbatches": x.candidate.pipeline_microbatches,
         "xla_seconds": s.xla_seconds if s else None, "memory": x.memory,
         "hidden_seconds": s.hidden_seconds if s else 0.0,
         "network_collectives": s.network_collectives if s else 0,
@@ -161,7 +166,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "out": [encode_spec(p) for p in x.out_specs]})
   return json.dumps({"device_model": device.name, "budget": budget, "grouped": [],
                      "proxy": {}, "devices": [], "hosts": 1, "accumulate": False,
-                     "schedule": False,
+                     "schedule": False, "pipeline_microbatches": False,
                      "stand_in": {}, **about, "candidates": rows}).encode()
 
 
@@ -200,6 +205,9 @@ class FoundLayout:
       calls run in this layout, ``"gpipe"`` or ``"1f1b"``
       (``sharded_jit()`` and ``function()`` apply it); None when it has
       no such call.
+    pipeline_microbatches: the count its
+      ``partitioner.pipeline_grad(microbatches=None)`` calls run in this
+      layout (applied as ``schedule`` is); None when it has no such call.
     device_model: the name of the device model it scored with.
     stand_in: where it planned an accelerator from simulated CPU devices
       (XLA:CPU's programs in its compiler's place): ``{"platform": "gpu"
@@ -226,6 +234,8 @@ class FoundLayout:
     self.device_ids = tuple(data.get("devices", ()))
     self.microbatches = self.best.microbatches if data.get("accumulate") else None
     self.schedule = self.best.schedule if data.get("schedule") else None
+    self.pipeline_microbatches = (self.best.pipeline_microbatches
+                                  if data.get("pipeline_microbatches") else None)
     self.devices: tuple = ()  # (the search's devices, when it has them)
     self._parts: tuple[Callable[[], tuple[tuple, Any]], ...] = ()  # (each candidate's specs)
 
@@ -293,6 +303,8 @@ class FoundLayout:
       found.microbatches = chosen.microbatches
     if self.schedule is not None:
       found.schedule = chosen.schedule
+    if self.pipeline_microbatches is not None:
+      found.pipeline_microbatches = chosen.pipeline_microbatches
     return found
 
   @property
@@ -302,10 +314,11 @@ class FoundLayout:
   def function(self) -> Callable[..., Any]:
     """The searched function, its ``partitioner.accumulate(microbatches=None)``
     calls running the count found and its
-    ``partitioner.pipeline_grad(schedule=None)`` calls the schedule found
-    (the function itself without such calls): for
+    ``partitioner.pipeline_grad`` calls the schedule and count found
+    where they leave them (the function itself without such calls): for
     ``jax.jit(found.function(), in_shardings=..., ...)``."""
-    return with_schedule(with_count(self.fun, self.microbatches), self.schedule)
+    return with_plan(with_count(self.fun, self.microbatches),
+                     Plan(self.schedule, self.pipeline_microbatches))
 
   def sharded_jit(self, **kwargs) -> Any:
     """``sharded_jit(fun, in_parts=..., out_parts=..., static_argnums=...)``

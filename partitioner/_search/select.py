@@ -33,7 +33,8 @@ REFINE = 2
 
 def _config(c: Candidate) -> tuple:
   """A candidate's configuration: all but its model roles."""
-  return (c.grid, c.batch, c.fsdp, c.zero, c.stages, c.microbatches, c.schedule)
+  return (c.grid, c.batch, c.fsdp, c.zero, c.stages, c.microbatches, c.schedule,
+          c.pipeline_microbatches)
 
 
 def memory_scale(results: list) -> Callable[[Candidate], float]:

@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from partitioner._pipeline.choice import Plan
 from partitioner._report.device_models import DeviceModel
 from partitioner._search import inputs as _inputs
 from partitioner._search import select as _select
@@ -48,10 +49,10 @@ def microbatch_counts(calls: Sequence[Any]) -> list[int]:
   return [m for m in MICROBATCH_COUNTS if all(c.batch % m == 0 for c in calls)]
 
 
-def part_key(c: Any) -> tuple[int, str | None]:
+def part_key(c: Any) -> tuple[int, Plan]:
   """Which part of the space (its own trace and program) candidate ``c``
-  is of: its microbatch count and its pipeline_grad schedule."""
-  return c.microbatches, c.schedule
+  is of: its microbatch count and its pipeline_grad plan."""
+  return c.microbatches, Plan(c.schedule, c.pipeline_microbatches)
 
 
 @dataclasses.dataclass
@@ -62,8 +63,8 @@ class Space:
 
   With free ``partitioner.accumulate`` calls, each microbatch count is a
   space of its own (its trace, account and estimates: ``parts``), its rows
-  added to the first's; so is each schedule of free ``pipeline_grad``
-  calls (GPipe's the first; 1F1B's traced and compiled as itself). Where
+  added to the first's; so is each plan of free ``pipeline_grad`` calls
+  (a schedule and a microbatch count: traced and compiled as itself). Where
   memory is counted for an accelerator, a
   count's layout is compiled as the whole batch's (``base_of``: its row
   there), its time corrected by the cheap model's difference and its
@@ -77,7 +78,7 @@ class Space:
   liveness: Liveness | None = None
   proxy_counts: Liveness | None = None  # (an accelerator's proxied peaks)
   microbatches: int = 1
-  schedule: str | None = None  # (free pipeline_grad calls': this part's)
+  plan: Plan = Plan()  # (free pipeline_grad calls': this part's)
   staged: list = dataclasses.field(default_factory=list)  # rows every search compiles
   bubbles: dict = dataclasses.field(default_factory=dict)  # stage count -> its loop's bubble
   rings: dict = dataclasses.field(default_factory=dict)  # stage count -> 1F1B's kept inputs
@@ -88,13 +89,13 @@ class Space:
   remat: bool = False  # (the step recomputes activations: jax.checkpoint somewhere)
 
   def part(self, c: Any) -> Space:
-    """The space of ``c``'s microbatch count and schedule."""
+    """The space of ``c``'s microbatch count and pipeline_grad plan."""
     return self.parts.get(part_key(c), self)
 
   def add(self, other: Space) -> None:
-    """Another count's rows (or another schedule's); where memory is
-    counted, only the layouts the whole batch has too (a count's compile
-    as it: a schedule's compile as themselves)."""
+    """Another count's rows (or another plan's); where memory is counted,
+    only the layouts the whole batch has too (a count's compile as it: a
+    plan's compile as themselves)."""
     where = {k: i for i, k in enumerate(self.keys)}
     for j, (row, key) in enumerate(zip(other.rows, other.keys)):
       if self.liveness is not None and other.microbatches > 1:
@@ -105,7 +106,7 @@ class Space:
         self.staged.append(len(self.rows))
       self.rows.append(row)
       self.keys.append(key)
-    self.parts[other.microbatches, other.schedule] = other
+    self.parts[other.microbatches, other.plan] = other
 
   def choose(self, request: Request) -> None:
     """The shortlist to compile first (and every stage count)."""
@@ -127,13 +128,13 @@ class Space:
 
 def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
            microbatches: int = 1, accumulations: Sequence[Any] = (),
-           schedule: str | None = None) -> Space:
+           plan: Plan = Plan()) -> Space:
   """The function's logical axes and roles, its candidate layouts (one
   per distinct set of specs) with the cheap model's estimates, the
   candidates' free accumulate calls (``accumulations``) running
   ``microbatches``: only layouts whose batch split divides a microbatch
   (each device keeps its rows); its free pipeline_grad calls running
-  ``schedule`` (``pipelines``: those whose stages are free)."""
+  ``plan`` (``pipelines``: those whose stages are free)."""
   n, hosts, device = len(request.devices), request.hosts, request.device
   names = _inputs.leaf_names(f.fun, list(f.args), f.static)
   axes = logical_axes(closed)
@@ -148,7 +149,8 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   program = OpTable(axes, r, state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):
-    c = dataclasses.replace(c, microbatches=microbatches, schedule=schedule)
+    c = dataclasses.replace(c, microbatches=microbatches, schedule=plan.schedule,
+                            pipeline_microbatches=plan.microbatches)
     dims = tuple(leaf_dims(c, r, a, s, k) for a, s, k in zip(axes.in_axes, shapes, kinds))
     if pipelines and _stage_axis.splits_layers(pipelines, dims):
       continue
@@ -179,18 +181,20 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   rows = [(c, list(dims), estimate_row(program, liveness, c, list(dims), device, hosts))
           for c, dims in by_layout.values()]
   keys: list = list(by_layout)
-  staged = [(dataclasses.replace(c, microbatches=microbatches, schedule=schedule), dims, est)
+  staged = [(dataclasses.replace(c, microbatches=microbatches, schedule=plan.schedule,
+                                 pipeline_microbatches=plan.microbatches), dims, est)
             for c, dims, est in
             _stage_axis.candidates(pipelines, n, rows, program, shapes, device)]
   rows += staged  # every stage count is compiled: the cheap model sees one stage
-  keys = [(k, schedule) for k in keys] + [("stages", c.stages, c.grid, c.model, schedule)
-                                          for c, _, _ in staged]
+  keys = [(k, plan) for k in keys] + [("stages", c.stages, c.grid, c.model, plan)
+                                      for c, _, _ in staged]
+  one_f_one_b = any(p.schedule == "1f1b" for p in pipelines)
   return Space(r, out_state, target, rows, keys, liveness, proxy_counts, microbatches,
-                schedule, staged=list(range(len(rows) - len(staged), len(rows))),
+                plan, staged=list(range(len(rows) - len(staged), len(rows))),
                 bubbles={c.stages: _stage_axis.bubble_of(pipelines, c.stages)
                          for c, _, _ in staged},
                 rings={c.stages: _stage_axis.ring_bytes(pipelines, c.stages)
-                       for c, _, _ in staged} if schedule == "1f1b" else {},
+                       for c, _, _ in staged} if one_f_one_b else {},
                 remat=rematerializes(closed.jaxpr))
 
 

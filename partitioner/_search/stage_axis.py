@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from partitioner._pipeline.choice import fits_stages
 from partitioner._report.device_models import DeviceModel
 from partitioner._search.candidates import DATA, MODEL, Candidate, leaf_dims
 from partitioner._search.estimate import Estimate, OpTable
@@ -39,12 +40,14 @@ def free(calls: Sequence[Any]) -> list:
 def stage_counts(n: int, calls: Sequence[Any]) -> list[int]:
   """Every S >= 2 that divides the ``n`` devices and suits every call
   (S * repeats divides its layers; with repeats, S <= microbatches, and
-  for interleaved 1F1B S divides them); none without calls."""
+  for interleaved 1F1B S divides them; a microbatch count the search
+  chose, one it tries over S stages); none without calls."""
   if not calls:
     return []
   return [s for s in range(2, n + 1) if n % s == 0 and all(
       c.layers % (s * c.repeats) == 0 and (c.repeats == 1 or c.microbatches >= s)
       and (c.repeats == 1 or c.schedule != "1f1b" or c.microbatches % s == 0)
+      and (not c.free_microbatches or fits_stages(c.microbatches, s))
       for c in calls)]
 
 

@@ -379,3 +379,29 @@ def test_the_search_picks_1f1b_where_gpipe_does_not_fit_the_budget():
   assert gpipe.schedule == "gpipe"
   np.testing.assert_allclose(float(gpipe.sharded_jit()(params, x, y)[0]), float(value),
                              rtol=1e-5)
+
+
+@pytest.mark.eight_devices
+def test_the_search_chooses_the_microbatch_count():
+  """microbatches=None: partitioner.search traces and compiles the step at
+  each count (over S stages S, 2 S and 4 S), scores them beside the other
+  layouts, and found.sharded_jit() runs the count found, with the plain
+  loop's loss at that count; a count left free is an error outside it."""
+  params, x, y = data(256, d_model=64, d_ff=256)
+  step = lambda p, x, y: pipeline_grad(layer_fn, loss_fn, p, x, y, microbatches=None)
+  found = partitioner.search(step, params, x, y, measure=0, progress=False)
+  tried = {(c.stages, c.pipeline_microbatches) for c in found.candidates
+           if c.stages > 1 and not c.error}
+  assert tried == {(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16), (8, 32)}
+  assert found.pipeline_microbatches == found.best.pipeline_microbatches and found.schedule is None
+  piped = found.choose(next(c for c in found.candidates if c.stages > 1))
+  m = piped.pipeline_microbatches
+  assert f"M {m}" in piped.best.family
+  compiled = piped.sharded_jit().lower(params, x, y).compile()
+  (report,) = partitioner.explain(compiled).pipelines
+  assert (report.microbatches, report.stages, report.schedule) == (m, piped.best.stages, "1f1b")
+  value = jax.jit(plain_loss, static_argnums=3)(params, x, y, m)
+  np.testing.assert_allclose(float(compiled(params, x, y)[0]), float(value), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"pipeline_grad\(microbatches=None\) leaves the"
+                     r" microbatch count to partitioner.search.*found.pipeline_microbatches"):
+    pipeline_grad(layer_fn, loss_fn, params, x, y, microbatches=None)
