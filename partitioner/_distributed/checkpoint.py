@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -331,19 +331,36 @@ def _restore_orbax(directory: str, items: tuple[list[str], list[str]] | None, st
   # (a number stays one: a flax TrainState's step)
   target = jax.tree_util.tree_map(lambda x: _abstract(x) if hasattr(x, "shape") else x, state)
   checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(item)
+  with _torn(directory, step, item):
+    metadata = checkpointer.metadata(item)
   saved = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
   if saved is not None:
     _check_same(directory, step, {files.leaf_path(p): (v.shape, v.dtype) for p, v in
                                   jax.tree_util.tree_leaves_with_path(saved)
                                   if hasattr(v, "shape")}, target, files.leaf_path, str)
-  got = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-      target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+  with _torn(directory, step, item):
+    got = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
   read = ocp.Checkpointer(ocp.JsonCheckpointHandler())
   extra = {name: read.restore(os.path.join(path, name)) for name in jsons}
   if len(extra) == 1:
     extra = next(iter(extra.values())) or {}
   return got, step, dict(extra)
+
+
+@contextlib.contextmanager
+def _torn(directory: str, step: int, item: str) -> Iterator[None]:
+  """Within it, a metadata file that does not parse (empty or cut) is a
+  clear error that names the listed step and the way back."""
+  try:
+    yield
+  except json.JSONDecodeError as e:
+    raise ValueError(
+        f"Checkpointer: the checkpoint of step {step} in {directory} is listed complete, but"
+        f" its metadata under {item} does not read ({e}): its files are not what was written,"
+        " as a disk leaves a save that was never synced when its host goes down. Hint:"
+        f" remove {os.path.join(directory, str(step))} to restore the step before it;"
+        " nothing was restored.") from None
 
 
 def _orbax_items(path: str) -> tuple[list[str], list[str]]:
