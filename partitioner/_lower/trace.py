@@ -21,6 +21,7 @@ from jax.extend.mlir import ir
 
 from partitioner import _compat
 from partitioner._lower import inspect as _inspect
+from partitioner._report import pipeline_ticks as _ticks
 from sharding._constraint import emit_markers
 
 
@@ -239,7 +240,7 @@ class PipelineCall:
     1 without forward)."""
     s, m, r = self.stages, self.microbatches, self.repeats
     if self.schedule == "1f1b":
-      return r * m + r * s + s - 2
+      return _ticks.span(s, m, r).ticks
     return r * m + s - 1
 
   @property

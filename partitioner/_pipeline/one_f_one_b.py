@@ -176,8 +176,8 @@ def pipeline_grad(layer_fn: Callable[[Any, jax.Array], jax.Array],  # noqa: PLR0
   if r == 1:  # (one chunk a stage: (S, L/S, ...), or (S, D, L/S, ...))
     params = jax.tree_util.tree_map(lambda w: w[:, :, 0] if place.blocks > 1 else w[:, 0],
                                     params)
-  run = _Run(plan, place, stage_function(layer_fn), loss_fn, params, xs, ys,
-             (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y))))
+  whole = (_unsplit(tracing, x), all(_unsplit(tracing, v) for v in jax.tree_util.tree_leaves(y)))
+  run = _Run(plan, place, stage_function(layer_fn), loss_fn, params, xs, ys, whole)
   # (each tick's loss stays on its stage, stacked: summed once after the loop)
   carry, losses = jax.lax.scan(lambda c, t: _tick(c, t, run), _first_carry(run),
                                jnp.arange(span(plan.stages, m, r).ticks, dtype=jnp.int32))
