@@ -246,8 +246,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, path: str | os.PathLike |
       On a GPU the lone matmuls' and copy's rates are kept by default: on
       one H100 they estimated two decoders' steps (not in the family) at
       1.04-1.13x their measured time, the rates fitted to the steps at
-      1.16-1.25x. Not on a TPU: its model is a roofline (compute and
-      memory overlap), not the sum the steps are fitted to.
+      1.16-1.25x. Not on a TPU: no family of steps was sized or checked
+      on one.
 
   Raises:
     ValueError: no devices, devices of more than one kind or of another
@@ -424,7 +424,7 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
       "name": f"measured: {first.device_kind} ({first.platform}), {len(devices)} devices",
       "flops_per_s": rates[max(rates)],
       "memory_bytes_per_s": max(memory.values()),
-      "overlap": first.platform == "tpu", "platform": first.platform}
+      "overlap": False, "platform": first.platform}
   if first.platform == "gpu" and matmul.get("float32"):  # (TF32 at jax's default precision)
     fields["f32_flops_per_s"] = max(matmul["float32"].values())
   if attention:  # (the kernel's rate grows with the sequence: each length's kept)

@@ -184,15 +184,14 @@ def family(platform: str) -> Family:
   """The family of steps timed on ``platform``'s devices.
 
   Raises:
-    ValueError: a platform with none (a TPU: its model is a roofline,
-      compute and memory overlapping, not the sum the fit is for).
+    ValueError: a platform with none (a TPU: no family was sized or
+      checked on one).
   """
   if platform not in FAMILIES:
     raise ValueError(f"calibrate(steps=True) on {platform} devices: the family of train steps"
-                     f" is sized and fitted for {' and '.join(sorted(FAMILIES))} devices, whose"
-                     " step time is the sum of their kernels'; a TPU overlaps compute and"
-                     " memory (its model is a roofline), not measured here. Hint: leave steps"
-                     " out there.")
+                     f" is sized and fitted for {' and '.join(sorted(FAMILIES))} devices; none"
+                     " was sized or checked on a TPU. Hint: leave steps out there (the lone"
+                     " matmuls', copy's and collectives' rates are measured).")
   return FAMILIES[platform]
 
 

@@ -114,11 +114,11 @@ class Cost:
       on which the kernel's rate depends
       (:attr:`DeviceModel.attention_length_factors`); 0 where there are none.
     overlapped_bytes: of ``bytes_accessed``, those that matmul kernels
-      move while their flops run, under a GPU's model (which runs one
-      kernel after another, each as long as the larger of its flops' and
-      its bytes' times: :func:`partitioner._report.traffic.overlapped_bytes`);
-      0 under other models (a CPU's adds the two; a TPU's takes the larger
-      over the whole program).
+      move while their flops run, under a GPU's or a TPU's model (which
+      runs one kernel after another, each as long as the larger of its
+      flops' and its bytes' times:
+      :func:`partitioner._report.traffic.overlapped_bytes`); 0 under a
+      CPU's (which adds the two) and a roofline's (``overlap``).
     narrow_flops: what the matmuls cost more, in flops at the full rate,
       for running below it at their shapes (each one at
       :meth:`DeviceModel.matmul_factor` of its smallest dimension: a
@@ -285,11 +285,12 @@ def _scores(k: _traffic.Kernel, values: _Values) -> float:
 
 def overlapped_bytes(program: Program, device: DeviceModel, scores: _Values | None = None) -> float:
   """:attr:`Cost.overlapped_bytes` of a program under ``device``: what its
-  matmul kernels move while their flops run, under a GPU's model
-  (:func:`partitioner._report.traffic.overlapped_bytes`); with ``scores``
+  matmul kernels move while their flops run, under an accelerator's model
+  that runs one kernel after another (a GPU's, a TPU's:
+  :func:`partitioner._report.traffic.overlapped_bytes`); with ``scores``
   (a fused attention's score matrices, :func:`_score_values`), a kernel's
   bytes less those, which the fused kernel keeps on chip."""
-  if device.platform != "gpu":
+  if device.overlap or device.platform not in ("gpu", "tpu"):
     return 0.0
   return _traffic.overlapped_bytes(
       program, device.memory_bytes_per_s / device.flops_per_s, device.matmul_factor,

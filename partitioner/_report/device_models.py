@@ -1,9 +1,10 @@
 """Device models: what a flop, a byte of memory and a byte on a link cost.
 
 A candidate's estimated time per call is its compute time (per-device flops
-over the peak rate and bytes accessed over memory bandwidth: on a TPU the
-larger of the two, a roofline; on a CPU, which runs one op after another,
-and on a GPU, which runs one kernel after another, their sum) plus its
+over the peak rate and bytes accessed over memory bandwidth, their sum: a
+CPU runs one op after another, and a GPU and a TPU one kernel after
+another, each as long as the larger of its flops' and its bytes' times,
+so a matmul kernel's bytes move within its flops' time) plus its
 communication time (each collective's bytes, weighted by its algorithm
 and group size, over the bandwidth of the links it crosses: inside a
 host, or across hosts, i.e. processes) plus a latency per collective,
@@ -19,8 +20,9 @@ compute and memory rates are measured (by
 ``partitioner.calibrate`` on one of each: ``docs/measured``), the A100's,
 GH200's and B200's bf16 matmul rates are published measurements (torch's
 matmul at its best shape: an upper bound of what XLA's reach, which on
-the H100 measured 0.82x torch's best, 651 against 794.5), and so is
-the v4's data-centre network (PaLM's); every other figure of the
+the H100 measured 0.82x torch's best, 651 against 794.5), and so are
+the v5e's (XLA's own matmul) and the v4's data-centre network (PaLM's);
+every other figure of the
 accelerators is a datasheet peak for one device (dense, bf16), not a
 measurement; the cpu's are measured:
 
@@ -80,7 +82,11 @@ measurement; the cpu's are measured:
   chips on 1536 hosts, 4 a host) reached an aggregate burst of 81 Tb/s
   (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways",
   section 4): 52.7 Gb/s a host;
-- ``tpu-v5e``: Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at
+- ``tpu-v5e``: 182 TFLOP/s of bf16 matmul, measured (jax's Pallas TPU
+  matmul guide, github.com/jax-ml/jax ``docs/pallas/tpu/matmul.ipynb``:
+  XLA's ``jnp.matmul`` of 8192 x 8192 x 8192 in 6.05 ms on a v5e, 181.8
+  TFLOP/s, 92% of the datasheet's 197; 84% at 4096 cubed, timed with the
+  call's dispatch); Google Cloud TPU v5e docs: 16 GB HBM2 at
   819 GB/s, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
   (the docs: 2 x 100 Gb/s NICs a host of 8 chips, 6.4 Tb/s a pod of 256);
 - ``tpu-v5p``: Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at
@@ -109,6 +115,17 @@ and "sm_100_B200" tables as built into jax's CUDA plugin for jaxlib
 The A100 and the TPUs have none (none found): every matmul at the
 model's rate; ``partitioner.calibrate()`` measures them on the devices at
 hand.
+
+A TPU runs one fusion after another as a GPU runs its kernels, and its
+models add compute and memory time the same way. Taking the larger of
+the two over the whole step instead (a roofline) put MaxText's published
+rates (``benchmarks/published.py``) 10-49% too high and ranked them worse:
+v5e's 24 configurations at 0.85-1.06 of the published by the sum and the
+measured matmul rate (rho 0.84; 0.90-1.12 at the datasheet's) against
+1.10-1.39 (rho 0.62), v4's 6 at 1.15-1.24 (rho 0.83)
+against 1.21-1.40 (rho -0.20); v5p's 16 at 1.04-1.31 against 1.14-1.49
+(its rho 0.57 against 0.74: the sum does not see why its 1024B runs
+faster on 4096 chips than on 2048).
 
 A fused attention kernel (``attention="fused"``: cuDNN's, which jax runs on
 a GPU) has a rate of its own on the H100, H200 and B200, on the kernel's
@@ -199,9 +216,11 @@ class DeviceModel:
       each host spreads its bytes across hosts over their ``g`` links
       (:attr:`Cost.network_bytes`).
     latency_s: fixed cost of one collective.
-    overlap: compute and memory traffic overlap (a roofline: the larger
-      of the two counts), as on TPUs; False adds them, as on a CPU and a
-      GPU (one kernel after another, each bound by one or the other).
+    overlap: compute and memory traffic overlap over the whole program (a
+      roofline: the larger of the two counts); False adds them, as on a
+      CPU, a GPU and a TPU (one kernel after another, each bound by one or
+      the other: under a GPU's or a TPU's model a matmul kernel's bytes
+      within its flops' time, :attr:`Cost.overlapped_bytes`).
     error: how far its estimates are from measured times (relative, rms):
       :func:`partitioner.search` times the candidates within it of the best
       on the devices instead of trusting the estimate.
@@ -407,6 +426,14 @@ def _gpu(name: str, rates: tuple[float, float, float, float], latency: float,
                      f32_flops_per_s=f32_flops, network_latency_s=_ACROSS_HOSTS_LATENCY,
                      network_level_latency_s=_LEVEL_LATENCY, **more)
 
+def _tpu(name: str, rates: tuple[float, float, float, float], capacity: float) -> DeviceModel:
+  """A TPU chip's model: compute and memory time added (one fusion after
+  another), a collective at 10 us; ``rates``: flop/s, memory, link and
+  network bytes/s."""
+  flops, memory, link, network = rates
+  return DeviceModel(name, flops, memory, link, network, 10e-6, overlap=False,
+                     memory_bytes=capacity, platform="tpu")
+
 # cuDNN's fused attention by sequence length on one H200 (see the docstring):
 # 382, 466 and 521 TFLOP/s
 _HOPPER_ATTENTION = ((2048, 382 / 521), (4096, 466 / 521), (8192, 1.0))
@@ -430,14 +457,10 @@ MODELS = types.MappingProxyType({
                   matmul_dim_factors=_HOPPER_MATMUL),
     "b200": _gpu("NVIDIA B200", (1745e12, 7.7e12, 1800e9, 50e9), 8e-6, 180e9, 1125e12,
                  attention_flops_per_s=998e12, matmul_dim_factors=_B200_MATMUL),
-    "tpu-v4": DeviceModel("Google TPU v4", 275e12, 1.2e12, 270e9, 1.65e9, 10e-6,
-                          memory_bytes=32 * 2**30, platform="tpu"),
-    "tpu-v5e": DeviceModel("Google TPU v5e", 197e12, 0.819e12, 200e9, 3.125e9, 10e-6,
-                           memory_bytes=16e9, platform="tpu"),
-    "tpu-v5p": DeviceModel("Google TPU v5p", 459e12, 2.765e12, 600e9, 6.25e9, 10e-6,
-                           memory_bytes=95e9, platform="tpu"),
-    "tpu-v6e": DeviceModel("Google TPU v6e", 918e12, 1.64e12, 400e9, 12.5e9, 10e-6,
-                           memory_bytes=32e9, platform="tpu"),
+    "tpu-v4": _tpu("Google TPU v4", (275e12, 1.2e12, 270e9, 1.65e9), 32 * 2**30),
+    "tpu-v5e": _tpu("Google TPU v5e", (181.8e12, 0.819e12, 200e9, 3.125e9), 16e9),
+    "tpu-v5p": _tpu("Google TPU v5p", (459e12, 2.765e12, 600e9, 6.25e9), 95e9),
+    "tpu-v6e": _tpu("Google TPU v6e", (918e12, 1.64e12, 400e9, 12.5e9), 32e9),
 })
 
 

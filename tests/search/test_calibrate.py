@@ -169,7 +169,7 @@ class _Fake:
     (dict(devices=[_Fake(process_index=1)]), "of other processes.*Hint: leave devices out"),
     (dict(kinds=("all-reduce", "broadcast")), r"unknown \['broadcast'\].*Hint: any of"),
     (dict(devices=[_Fake("tpu", "TPU v5")], steps=True),
-     r"steps=True\) on tpu devices.*roofline.*Hint: leave steps out"),
+     r"steps=True\) on tpu devices.*none was sized or checked on a TPU.*Hint: leave steps out"),
 ])
 def test_bad_input(kw, message):
   with pytest.raises(ValueError, match=message):
