@@ -508,6 +508,18 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
                    tree_util.dispatch_registry, _pxla.cc_shard_arg)
 
 
+def _jaxlib_version() -> tuple[int, ...]:
+  import jaxlib
+  return tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+
+
+# jaxlib 0.10's C++ dispatch runs a cached program on an array already
+# donated: on several devices it crashes (signal 11), on one it raises an
+# error that names no argument. jaxlib 0.11 and later hand such a call to
+# the Python fallback, as they do an array deleted with .delete().
+DONATED_INPUT_REACHES_EXECUTE = _jaxlib_version() < (0, 11)
+
+
 def fastpath(loaded: LoadedExecutable, outputs: Any,
              in_shardings: Sequence[jax.sharding.Sharding],
              out_shardings: Sequence[jax.sharding.Sharding],
@@ -518,9 +530,8 @@ def fastpath(loaded: LoadedExecutable, outputs: Any,
   Only for programs whose every input was an ArrayImpl with exactly its
   ``in_shardings`` in that call (an array laid out otherwise on the same
   devices would reach the executable unconverted), with no effects and no
-  per-process conversions. A donating program's caller must refuse deleted
-  inputs first: on several devices jaxlib 0.10.2 crashes (signal 11) where
-  it should raise.
+  per-process conversions. Under jaxlib 0.10 a donating program's caller
+  must refuse deleted inputs first (:data:`DONATED_INPUT_REACHES_EXECUTE`).
   """
   from jax._src import tree_util
   out_flat, out_tree = tree_util.dispatch_registry.flatten(outputs, None)

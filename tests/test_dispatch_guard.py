@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import partitioner
-from partitioner import sharded_jit
+from partitioner import _compat, sharded_jit
 from sharding import PartitionSpec as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +38,28 @@ def test_a_donating_loop_runs_in_jaxs_dispatch(n):
     x = y
   assert _python_hits() == before
   np.testing.assert_array_equal(x, 6 * np.ones((8, 4)))
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_a_donated_pytree_costs_no_python_per_leaf_where_nothing_can_crash(n):
+  # Under jaxlib 0.10 a program on several devices crashes on an array
+  # already donated, so each call checks its donated leaves; on one CPU
+  # device jaxlib raises instead, and only a failed call looks at them.
+  # Under jaxlib 0.11 and later its C++ dispatch refuses such an array.
+  f = sharded_jit(lambda p: {k: v + 1 for k, v in p.items()}, in_parts=P(n, 1),
+                  out_parts=P(n, 1), donate_argnums=0)
+  p = f({"a": np.zeros((8, 4), np.float32), "b": np.zeros((8, 4), np.float32)})
+  for _ in range(3):
+    old, p = p, f(p)
+  guard = getattr(type(f).__call__, "__qualname__", "C++").split(".")[0]
+  if not _compat.DONATED_INPUT_REACHES_EXECUTE:
+    assert guard not in ("donation_guard", "donation_catch")
+  else:
+    assert guard == ("donation_catch" if n == 1 else "donation_guard")
+  with pytest.raises(ValueError, match=r"argument `p` \(args\[0\]\)\['a'\] \(shape \(8, 4\)\)"
+                                       r" has been deleted: it was donated"):
+    f(old)
+  np.testing.assert_array_equal(f(p)["b"], 5 * np.ones((8, 4)))
 
 
 @pytest.mark.parametrize("static_argnums", [1, -1])
@@ -124,8 +146,12 @@ def test_a_donated_array_used_again_is_a_named_error_not_a_crash():
   assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-3000:])
   named = "ValueError argument `x` (args[0]) (shape (8, 4)) has been deleted"
   for n in (1, 8):
-    for who in ("own", "other"):
-      assert proc.stdout.count(f"{n} {who} {named}") == 2, proc.stdout
+    assert proc.stdout.count(f"{n} own {named}") == 2, proc.stdout
+    # (under jaxlib 0.10 another function on one CPU device gets jaxlib's
+    # error, as jax.jit's functions do: nothing of ours runs per call there)
+    other = ("ValueError INVALID_ARGUMENT: Invalid buffer passed to Execute()"
+             if n == 1 and _compat.DONATED_INPUT_REACHES_EXECUTE else named)
+    assert proc.stdout.count(f"{n} other {other}") == 2, proc.stdout
     assert proc.stdout.count(f"{n} jax.jit RuntimeError Array has been deleted") == 2
     assert f"{n} foreign {named}" in proc.stdout
     assert f"{n} compiled {named}" in proc.stdout

@@ -1,11 +1,15 @@
 """What runs in Python around jax's C++ dispatch of a front end's calls.
 
 jax's C++ dispatch (``_compat.cpp_dispatch``) runs a known call signature
-without Python, but two of its answers are worse than ours: an array
-already donated crashes a multi-device program, and an unhashable static
-argument gets an error that names no argument. These thin wrappers, one
-Python frame each, keep our answers; ``execute.Dispatched`` puts them in
-front of the functions that donate or have static arguments.
+without Python, but two of its answers are worse than ours: under jaxlib
+0.10 an array already donated crashes a multi-device program (and gets an
+error that names no argument from a single-device one), and an
+unhashable static argument gets an error that names no argument. These
+thin wrappers, one Python frame each, keep our answers;
+``execute.Dispatched`` puts them in front of the functions that donate or
+have static arguments. Under jaxlib 0.11 and later the C++ dispatch hands
+a donated array to our Python path itself, and no wrapper is needed for
+it.
 """
 
 from __future__ import annotations
@@ -43,9 +47,35 @@ def _check_hashable(layout: ArgumentLayout, args: tuple) -> None:
     pass  # (the error being raised says it already)
 
 
+def donation_catch(dispatch: Callable, layout: ArgumentLayout, refuse: Callable) -> Callable:
+  """``dispatch`` for a function that donates and whose programs run on
+  one CPU device each, under jaxlib 0.10: given an array already donated,
+  its C++ dispatch raises an error that names no argument (a multi-device
+  program would crash: :func:`donation_guard`). Nothing runs per call but
+  a ``try``; a failed call with a deleted donated input goes to
+  ``refuse``, the Python path, which names it. (Another function given
+  such an array gets jaxlib's error, which names its flat position, as
+  ``jax.jit`` does.)"""
+  positions = layout.donate_argnums
+  if layout.static_argnums:
+    dispatch = static_guard(dispatch, layout)
+  need = max(k + 1 if k >= 0 else -k for k in positions)
+
+  def call(*args, **kwargs):
+    try:
+      return dispatch(*args, **kwargs)
+    except (ValueError, RuntimeError):
+      if len(args) >= need and any(
+          x.is_deleted() for x in jax.tree_util.tree_leaves([args[k] for k in positions])
+          if type(x) is _ArrayImpl):
+        return refuse(*args, **kwargs)
+      raise
+  return call
+
+
 def donation_guard(dispatch: Callable, layout: ArgumentLayout, refuse: Callable) -> Callable:
   """``dispatch`` (jax's C++ dispatch) for a function that donates the
-  arguments at ``layout.donate_argnums``.
+  arguments at ``layout.donate_argnums``, under jaxlib 0.10.
 
   jaxlib 0.10.2 crashes (signal 11) when a multi-device program is given an
   array already donated to an earlier call, and on one device its error

@@ -11,7 +11,7 @@ import numpy as np
 from partitioner import _compat
 from partitioner._compile import program as _program
 from partitioner._compile.cache.calls import call_caches
-from partitioner._compile.dispatch import donation_guard, static_guard
+from partitioner._compile.dispatch import donation_catch, donation_guard, static_guard
 from partitioner._distributed.steps import steps
 from partitioner._lower.args import ArgumentLayout
 from partitioner._lower.trace import TracedProgram
@@ -54,6 +54,7 @@ class Dispatched:
     self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._miss,
                                           layout.static_argnums)
     self._counting = False
+    self._check_donated = False  # (a program that may crash on a donated array ran)
     call_caches.on_clear(self)
     # The C++ callable (or its guard: _guarded) is this object's own
     # __call__, so that a call runs no other Python frame of ours: on
@@ -67,10 +68,14 @@ class Dispatched:
         "__doc__": cls.__doc__}))
 
   def _guarded(self, dispatch: Callable) -> Callable:
-    """``dispatch`` behind the guards this function's arguments need."""
+    """``dispatch`` behind the guards this function's arguments need: a
+    donating one's under jaxlib 0.10 (its donated arrays checked once it
+    has run a program that would crash on one, on several devices or an
+    accelerator; else a ``try``), a static argument's."""
     layout = self._layout
-    if layout.donate_argnums:
-      return donation_guard(dispatch, layout, self._unjitted)
+    if layout.donate_argnums and _compat.DONATED_INPUT_REACHES_EXECUTE:
+      guard = donation_guard if self._check_donated else donation_catch
+      return guard(dispatch, layout, self._unjitted)
     if layout.static_argnums:
       return static_guard(dispatch, layout)
     return dispatch
@@ -98,6 +103,11 @@ class Dispatched:
 
   def _native(self, executable: Executable, out: Any) -> Any:
     """What jax's C++ dispatch needs to run calls like this one itself."""
+    if not self._check_donated and executable.may_crash_on_donated:
+      # (before C++ runs it: under jaxlib 0.10 its donated inputs are checked)
+      self._check_donated = True
+      if not self._counting:  # (counting: _count_calls guards it below)
+        type(self).__call__ = staticmethod(self._guarded(self._dispatch))
     if executable.multi_process:
       if not self._counting:
         self._count_calls(executable)
@@ -192,6 +202,14 @@ class Executable:
       if type(given[k]) is _ArrayImpl and given[k].is_deleted():  # (_dispatch_guard)
         given[k].delete()
     return outs
+
+  @property
+  def may_crash_on_donated(self) -> bool:
+    """Whether jaxlib 0.10's C++ dispatch may crash running this program on
+    an array already donated: on several devices it does (signal 11), on
+    an accelerator it is not known; on one CPU device it raises."""
+    devices = self.loaded.local_devices()
+    return self._process[1] > 1 or len(devices) > 1 or devices[0].platform != "cpu"
 
   @property
   def multi_process(self) -> bool:
