@@ -509,8 +509,8 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
 
 
 def _jaxlib_version() -> tuple[int, ...]:
-  import jaxlib
-  return tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+  from jax._src.lib import version  # (jaxlib's, as (0, 10, 2))
+  return tuple(version[:2])
 
 
 # jaxlib 0.10's C++ dispatch runs a cached program on an array already
