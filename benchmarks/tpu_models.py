@@ -6,8 +6,9 @@ FSDP 8, Megatron 2 x 4 and 4 x 2, tensor parallel 8, FSDP x TP 2 x 4) is
 compiled by XLA:TPU for 8 v5p chips (libtpu's ``v5p:2x2x2`` topology,
 compile-only devices: nothing runs) and scored twice: by
 ``Compiled.cost()`` under the ``tpu-v5p`` model (flops over the peak
-rate, bytes accessed over HBM bandwidth, a roofline, plus each
-collective's bytes over ICI and a latency), and by XLA:TPU's own estimate
+rate plus the bytes accessed over HBM bandwidth, less those a matmul
+kernel moves within its flops' time, plus each collective's bytes over
+ICI and a latency), and by XLA:TPU's own estimate
 (``cost_analysis()["optimal_seconds"]``). Reported per model: the range
 of ours / XLA's over the layouts, and whether the two put the same layout
 first; each layout's two figures in the detail. Neither is a measurement:

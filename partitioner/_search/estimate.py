@@ -14,7 +14,7 @@ state). Walking the ops, per device:
   result;
 - memory: the arguments' pieces plus the dot_generals' results (the
   activations kept for the backward pass) and the gathered copies;
-- bytes accessed: every op's operands and results, for the roofline.
+- bytes accessed: every op's operands and results, for the memory time.
 
 It only ranks candidates for compiling: the compiled program (``partitioner._report.cost``)
 decides.
