@@ -106,7 +106,9 @@ class Dispatched:
     if not self._check_donated and executable.may_crash_on_donated:
       # (before C++ runs it: under jaxlib 0.10 its donated inputs are checked)
       self._check_donated = True
-      if not self._counting:  # (counting: _count_calls guards it below)
+      # (counting starts with a multi-process program, which checks: a
+      # counted function has the guard inside its counter already)
+      if not self._counting:
         type(self).__call__ = staticmethod(self._guarded(self._dispatch))
     if executable.multi_process:
       if not self._counting:
