@@ -207,7 +207,7 @@ HEADLINES = (
            Figure("scan_loop: scan over loop", _rows("scan_loop", r"layers, remat:", full=False),
                   runs=_ONCE),
            "the unrolled loop's estimate", needs="libtpu"),
-  Headline(ESTIMATE, "the `tpu-v5p` model's step time: the search section's 3 models in 6"
+  Headline(ESTIMATE, "the `tpu-v5p` model's step time: the search section's 5 models in 6"
            " layouts each",
            Figure("tpu_models: estimate", _rows("tpu_models", r"our estimate / XLA:TPU's",
                                                 full=False), unit="x", runs=_ONCE),
