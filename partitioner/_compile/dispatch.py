@@ -47,6 +47,12 @@ def _check_hashable(layout: ArgumentLayout, args: tuple) -> None:
     pass  # (the error being raised says it already)
 
 
+def _arguments_needed(positions: tuple[int, ...]) -> int:
+  """How many positional arguments a call needs for every donated
+  position (negative ones count from the end) to name one."""
+  return max(k + 1 if k >= 0 else -k for k in positions)
+
+
 def donation_catch(dispatch: Callable, layout: ArgumentLayout, refuse: Callable) -> Callable:
   """``dispatch`` for a function that donates and whose programs run on
   one CPU device each, under jaxlib 0.10: given an array already donated,
@@ -59,7 +65,7 @@ def donation_catch(dispatch: Callable, layout: ArgumentLayout, refuse: Callable)
   positions = layout.donate_argnums
   if layout.static_argnums:
     dispatch = static_guard(dispatch, layout)
-  need = max(k + 1 if k >= 0 else -k for k in positions)
+  need = _arguments_needed(positions)
 
   def call(*args, **kwargs):
     try:
@@ -92,7 +98,7 @@ def donation_guard(dispatch: Callable, layout: ArgumentLayout, refuse: Callable)
   tree_leaves, is_deleted = jax.tree_util.tree_leaves, _ArrayImpl.is_deleted
   drain = collections.deque(maxlen=0).extend
   # With fewer arguments the Python path names the missing position.
-  need = max(k + 1 if k >= 0 else -k for k in positions)
+  need = _arguments_needed(positions)
   first = positions[0]
 
   def call(*args, **kwargs):

@@ -103,7 +103,8 @@ class Dispatched:
 
   def _native(self, executable: Executable, out: Any) -> Any:
     """What jax's C++ dispatch needs to run calls like this one itself."""
-    if not self._check_donated and executable.may_crash_on_donated:
+    if (not self._check_donated and self._layout.donate_argnums
+        and _compat.DONATED_INPUT_REACHES_EXECUTE and executable.may_crash_on_donated):
       # (before C++ runs it: under jaxlib 0.10 its donated inputs are checked)
       self._check_donated = True
       # (counting starts with a multi-process program, which checks: a
