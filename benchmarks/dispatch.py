@@ -1,8 +1,8 @@
 """Dispatch section: per-call time (inputs already placed) of each front end
 (a direct sharded_jit call, the same with a donated argument fed back call
 after call, a donated pytree of 2, 62 and 500 leaves fed back, the same
-with a static argument, partitioner.pmap, a
-sharded_jit staged in jax.jit) against jax.jit with the same shardings, and
+with a static argument, partitioner.pmap, a sharded_jit staged in jax.jit,
+a donated step fed a batch from one device) against jax.jit with the same shardings, and
 first-call time (trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
@@ -163,9 +163,38 @@ def build_donated_tree(jax, n: int, leaves: int) -> Pair:
               donated=True)
 
 
+def build_batch_from_one_device(jax, n: int) -> Pair:
+  """A training loop's step as flax and optax examples write it: the state
+  donated and fed back, each call's batch a jnp array on one device (not
+  where the program wants it: each side's dispatch moves it to the n
+  devices, in C++ for both)."""
+  import numpy as np
+
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+
+  def step(w, x):
+    return w - 0.01 * (x.T @ jax.numpy.tanh(x @ w)) / x.shape[0]
+
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(32, 32)).astype(np.float32)
+  x = jax.numpy.asarray(rng.normal(size=(64, 32)).astype(np.float32))  # (one device)
+  spec = P(n, 1) if n > 1 else None
+  ours = sharded_jit(step, in_parts=(None, spec), out_parts=None, num_partitions=n,
+                     donate_argnums=0)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+  row = jax.sharding.NamedSharding(mesh, jax.P("x" if n > 1 else None, None))
+  rep = jax.sharding.NamedSharding(mesh, jax.P())
+  theirs = jax.jit(step, in_shardings=(rep, row), out_shardings=rep, donate_argnums=0)
+  w_in = ours.lower(w, x).in_shardings[0]
+  return Pair(ours, theirs, [jax.device_put(w, w_in), x], [jax.device_put(w, rep), x],
+              donated=True)
+
+
 FRONT_ENDS = {"sharded_jit": build, "sharded_jit, donated": build_donated,
               "sharded_jit, static argument": build_static, "pmap": build_pmap,
-              "staged in jax.jit": build_staged}
+              "staged in jax.jit": build_staged,
+              "sharded_jit, donated, a batch from one device": build_batch_from_one_device}
 # (a donated pytree of so many leaves: 2, a small model's 62, a large one's
 # 500; timed over fewer calls, each up to 5 ms)
 TREES = {f"sharded_jit, donated pytree of {k} leaves": k for k in (2, 62, 500)}

@@ -109,3 +109,35 @@ def test_placed_inputs_run_in_jaxs_dispatch(make, shape):
   placed.delete()
   with pytest.raises(ValueError, match=r"argument `x` \(args\[0\]\) \(shape .*\) has been deleted"):
     f(placed)
+
+
+@pytest.mark.parametrize("n", [8, 1])
+def test_a_donated_step_fed_batches_from_one_device_runs_in_jaxs_dispatch(n):
+  # A training loop as flax and optax write it: parameters and optimizer
+  # state donated back each step, each batch a fresh jnp array on one device
+  # (jax.jit's C++ dispatch moves it with shard_arg; so does ours).
+  def step(params, opt, x):
+    grads = jax.grad(lambda p: ((x @ p["w"] + p["b"]) ** 2).mean())(params)
+    opt = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, opt, grads)
+    return jax.tree_util.tree_map(lambda p, m: p - 0.01 * m, params, opt), opt
+
+  f = sharded_jit(step, in_parts=(None, None, P(n, 1)), out_parts=(None, None),
+                  donate_argnums=(0, 1))
+  ref = jax.jit(step)
+  init = lambda: ({"w": jax.numpy.ones((4, 3)), "b": jax.numpy.zeros(3)},
+                  {"w": jax.numpy.zeros((4, 3)), "b": jax.numpy.zeros(3)})
+  (params, opt), (want_p, want_o) = init(), init()
+  batches = [jax.numpy.full((16, 4), k + 1.0) for k in range(5)]
+  counts = []
+  for x in batches:
+    before = partitioner.compilation_stats()["cache_hits"]
+    params, opt = f(params, opt, x)
+    counts.append(partitioner.compilation_stats()["cache_hits"] - before)
+    want_p, want_o = ref(want_p, want_o, x)
+  # Python ran the first call (compile) and the second (the parameters now
+  # laid out as the program's outputs), then never again.
+  assert counts[2:] == [0, 0, 0], counts
+  for got, want in zip(jax.tree_util.tree_leaves((params, opt)),
+                       jax.tree_util.tree_leaves((want_p, want_o))):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert batches[-1].sharding.num_devices == 1 and not batches[-1].is_deleted()

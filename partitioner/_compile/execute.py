@@ -237,10 +237,33 @@ class Executable:
             all(type(x) is _ArrayImpl and x.sharding == s
                 for x, s in zip(leaves, self.in_shardings)))
 
+  def runs_natively(self, leaves: Sequence[Any]) -> bool:
+    """Whether jax's C++ dispatch, given these inputs, runs the program as
+    :meth:`call_flat` does (then so it will any inputs with the same types,
+    avals and shardings). Each must be a jax.Array laid out as the program
+    wants it (an equal or equivalent sharding) or, in a single-process
+    program, one over another number of devices (a batch on one device),
+    which the C++ dispatch moves with jax's own ``shard_arg`` as
+    :meth:`place` would, and as ``jax.jit`` does. An array over as many
+    devices laid out otherwise it would hand the program unmoved; host
+    values (numpy) take our Python path, which copies them first
+    (:func:`host_copy`)."""
+    if self._globalize is not None or self._unwrap is not None:
+      return False
+    moves = self._process[1] == 1  # (not a local array into a global program)
+    for x, s in zip(leaves, self.in_shardings):
+      if type(x) is not _ArrayImpl:
+        return False
+      have = x.sharding
+      if not (have == s or (moves and have.num_devices != s.num_devices)
+              or have.is_equivalent_to(s, x.ndim)):
+        return False
+    return True
+
   def fastpath(self, outputs: Any) -> Any | None:
     """What jax's C++ dispatch needs to run this program itself (see
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
-    passed :meth:`runs_as_is`); None when the per-call path needs Python:
+    passed :meth:`runs_natively`); None when the per-call path needs Python:
     effects, empty outputs, per-process conversions. A donating program's
     front end must check its donated inputs first, and a multi-process
     program's must count its calls (``Dispatched`` does both)."""

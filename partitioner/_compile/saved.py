@@ -176,7 +176,7 @@ class SavedProgram(Dispatched):
           " sharded_jit function itself there.")
     leaves = self._layout.check_call(self._inputs, args, kwargs)
     executable = self._executable
-    native = executable if executable.runs_as_is(leaves) else None
+    native = executable if executable.runs_natively(leaves) else None
     out = jax.tree_util.tree_unflatten(self._out_tree, executable.call_flat(leaves))
     return out, native
 

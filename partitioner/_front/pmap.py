@@ -353,7 +353,7 @@ class MappedProgram:
     else:
       stats.pmap_cache_hit()
     executable = compiled.executable
-    native = native and executable.runs_as_is(leaves)
+    native = native and executable.runs_natively(leaves)
     out = compiled.call_flat(leaves)
     return out, executable if native else None
 

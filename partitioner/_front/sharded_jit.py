@@ -219,8 +219,9 @@ class ShardedJitFunction(Dispatched):
     if key is not None:
       if executable.runs_as_is(leaves):  # then so will every hit of this key
         runner, native = executable.direct_runner(compiled.out_tree), executable
-      else:
+      else:  # (placed first; jax's dispatch can place some inputs itself)
         runner = compiled.call_flat
+        native = executable if executable.runs_natively(leaves) else None
       self._fast_cache.put(key, (runner, native))
     out = compiled.call_flat(leaves)
     return out, native
