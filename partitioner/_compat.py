@@ -7,7 +7,7 @@ range is pinned in pyproject.toml.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -505,7 +505,39 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
 
   return _jax.pjit(name, fallback, miss, list(static_argnums), [],
                    _pxla.JitGlobalCppCacheKeys(),
-                   tree_util.dispatch_registry, _pxla.cc_shard_arg)
+                   tree_util.dispatch_registry, _shard_arg)
+
+
+class HostInput:
+  """A flat input that jax's C++ dispatch gets as a host value (numpy):
+  ``put(x)`` hands it to ``copy`` and puts the copy where the program wants
+  it (``sharding``, as ``aval``). It rides in the fast path's per-input
+  layout slot, where anything but None makes the C++ dispatch call
+  :func:`_shard_arg` for a host value (on one device too, where it would
+  otherwise put the caller's buffer there itself, maybe without a copy)."""
+  __slots__ = ("put",)
+
+  def __init__(self, copy: Callable[[Any], Any], sharding: jax.sharding.Sharding, aval: Any):
+    devices = list(sharding._addressable_device_assignment)
+    indices = (None if sharding.is_fully_replicated else
+               tuple(sharding.addressable_devices_indices_map(aval.shape).values()))
+    dtype, device_put = aval.dtype, _pxla.batched_device_put
+
+    def put(x):  # (jax's shard_arg for numpy, its per-sharding work done once)
+      x = copy(x)
+      if x.dtype != dtype:  # (int64 without jax_enable_x64, ...)
+        x = x.astype(dtype)
+      return device_put(aval, sharding, [x] * len(devices) if indices is None
+                        else [x[i] for i in indices], devices)
+    self.put = put
+
+
+def _shard_arg(x: Any, sharding: Any, layout: Any) -> Any:
+  """What jax's C++ dispatch calls to put an input it cannot use as it is
+  where the program wants it (jax's own ``shard_arg``)."""
+  if type(layout) is HostInput:
+    return layout.put(x)
+  return _pxla.cc_shard_arg(x, sharding, layout)
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -523,24 +555,30 @@ DONATED_INPUT_REACHES_EXECUTE = _jaxlib_version() < (0, 11)
 def fastpath(loaded: LoadedExecutable, outputs: Any,
              in_shardings: Sequence[jax.sharding.Sharding],
              out_shardings: Sequence[jax.sharding.Sharding],
-             out_avals: Sequence[Any]) -> Any | None:
+             out_avals: Sequence[Any],
+             host: Mapping[int, HostInput] | None = None) -> Any | None:
   """What :func:`cpp_dispatch` needs to run ``loaded`` in C++, given the
   outputs of one Python call of it (None when they are not all arrays).
 
-  Only for programs whose every input was an ArrayImpl with exactly its
-  ``in_shardings`` in that call (an array laid out otherwise on the same
-  devices would reach the executable unconverted), with no effects and no
-  per-process conversions. Under jaxlib 0.10 a donating program's caller
-  must refuse deleted inputs first (:data:`DONATED_INPUT_REACHES_EXECUTE`).
+  Only for programs whose inputs in that call were ArrayImpls the C++
+  dispatch runs as they are or moves itself (an array laid out otherwise
+  on as many devices would reach the executable unconverted), or host
+  values, the flat inputs in ``host`` (each copied as its HostInput says);
+  with no effects and no per-process conversions. Under jaxlib 0.10 a
+  donating program's caller must refuse deleted inputs first
+  (:data:`DONATED_INPUT_REACHES_EXECUTE`).
   """
   from jax._src import tree_util
   out_flat, out_tree = tree_util.dispatch_registry.flatten(outputs, None)
   if not all(type(o) is ArrayImpl for o in out_flat):
     return None
   n = len(in_shardings)
+  layouts = [None] * n
+  for k, mark in (host or {}).items():
+    layouts[k] = mark
   return _pxla.MeshExecutableFastpathData(
       loaded, out_tree, list(in_shardings), list(out_shardings), list(out_avals),
-      [True] * len(out_flat), [True] * n, [None] * n, [])
+      [True] * len(out_flat), [True] * n, layouts, [])
 
 
 def distributed_client() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self, cast
 
@@ -28,14 +29,23 @@ class Shardings(NamedTuple):
 
 
 
+class Native(NamedTuple):
+  """What jax's C++ dispatch needs to run calls like one the Python path
+  ran: the program, and which flat inputs were host values (numpy), which
+  it copies before putting them on the devices."""
+  executable: Executable
+  host: tuple[int, ...] = ()
+
+
 class Dispatched:
   """A front end whose calls go through jax's C++ dispatch.
 
   Arguments whose signature (structure, avals, shardings, static values)
   already ran a program that needs no Python per call (see
   :meth:`Executable.fastpath`) run in C++, as ``jax.jit``'s do; anything
-  else reaches the subclass's ``_run(args, kwargs) -> (outputs, the
-  Executable that ran them as they were, or None)``. The subclass sets
+  else reaches the subclass's ``_run(args, kwargs) -> (outputs, a Native
+  for the program that ran them, when jax's C++ dispatch can run such calls,
+  or None)``. The subclass sets
   ``_layout`` (its ``ArgumentLayout``: static and donated positions)
   before :meth:`start_dispatch`.
 
@@ -47,7 +57,7 @@ class Dispatched:
   _layout: ArgumentLayout
   _dispatch: Any  # the C++ callable of _compat.cpp_dispatch
   _counting: bool  # multi-process: calls go through steps.counting
-  _run: Callable[[tuple, dict], tuple[Any, Executable | None]]  # (the subclass's)
+  _run: Callable[[tuple, dict], tuple[Any, Native | None]]  # (the subclass's)
 
   def start_dispatch(self, who: str) -> None:
     layout = self._layout
@@ -92,8 +102,8 @@ class Dispatched:
     """jax's C++ dispatch found no program for these arguments: (outputs,
     what it needs to run such calls itself, or None)."""
     steps.uncount()
-    out, executable = self._run(args, kwargs)
-    return out, None if executable is None else self._native(executable, out)
+    out, native = self._run(args, kwargs)
+    return out, None if native is None else self._native(native, out)
 
   def _unjitted(self, *args, **kwargs):
     """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded.
@@ -101,8 +111,9 @@ class Dispatched:
     steps.uncount()
     return self._run(args, kwargs)[0]
 
-  def _native(self, executable: Executable, out: Any) -> Any:
+  def _native(self, native: Native, out: Any) -> Any:
     """What jax's C++ dispatch needs to run calls like this one itself."""
+    executable = native.executable
     if (not self._check_donated and self._layout.donate_argnums
         and _compat.DONATED_INPUT_REACHES_EXECUTE and executable.may_crash_on_donated):
       # (before C++ runs it: under jaxlib 0.10 its donated inputs are checked)
@@ -116,7 +127,7 @@ class Dispatched:
         self._count_calls(executable)
     elif self._counting:  # (its calls would be counted as multi-process steps)
       return None
-    return executable.fastpath(out)
+    return executable.fastpath(out, native.host)
 
   def _count_calls(self, executable: Executable) -> None:
     """From now on every call is counted (see ``steps.counting``)."""
@@ -148,7 +159,7 @@ class Executable:
     donated: flat indices of the donated inputs.
   """
 
-  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_in_avals", "_out_avals",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
                "_bounded", "_on_cpu", "_process", "_names", "_donated", "_empty")
 
@@ -164,6 +175,7 @@ class Executable:
     self.in_shardings = tuple(shardings.in_shardings)
     self.out_shardings = tuple(shardings.out_shardings)
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
+    self._in_avals = traced.in_avals
     self._out_avals = traced.out_avals
     self._globalize = globalize
     self._localize = localize
@@ -237,42 +249,49 @@ class Executable:
             all(type(x) is _ArrayImpl and x.sharding == s
                 for x, s in zip(leaves, self.in_shardings)))
 
-  def runs_natively(self, leaves: Sequence[Any]) -> bool:
+  def native(self, leaves: Sequence[Any]) -> Native | None:
     """Whether jax's C++ dispatch, given these inputs, runs the program as
     :meth:`call_flat` does (then so it will any inputs with the same types,
-    avals and shardings). Each must be a jax.Array laid out as the program
-    wants it (an equal or equivalent sharding) or, in a single-process
-    program, one over another number of devices (a batch on one device),
-    which the C++ dispatch moves with jax's own ``shard_arg`` as
-    :meth:`place` would, and as ``jax.jit`` does. An array over as many
-    devices laid out otherwise it would hand the program unmoved; host
-    values (numpy) take our Python path, which copies them first
-    (:func:`host_copy`)."""
+    avals and shardings): a :class:`Native` if so, else None. Each input
+    must be a jax.Array laid out as the program wants it (an equal or
+    equivalent sharding) or, in a single-process program, a jax.Array over
+    another number of devices (a batch on one device), which the C++
+    dispatch moves with jax's own ``shard_arg`` as :meth:`place` would, or
+    a numpy array, which it copies first as :meth:`place` does
+    (:func:`host_copy`). An array over as many devices laid out otherwise
+    it would hand the program unmoved."""
     if self._globalize is not None or self._unwrap is not None:
-      return False
-    moves = self._process[1] == 1  # (not a local array into a global program)
-    for x, s in zip(leaves, self.in_shardings):
+      return None
+    one_process = self._process[1] == 1  # (not a local value into a global program)
+    host = []
+    for k, (x, s) in enumerate(zip(leaves, self.in_shardings)):
+      if type(x) is np.ndarray and one_process:
+        host.append(k)
+        continue
       if type(x) is not _ArrayImpl:
-        return False
+        return None
       have = x.sharding
-      if not (have == s or (moves and have.num_devices != s.num_devices)
+      if not (have == s or (one_process and have.num_devices != s.num_devices)
               or have.is_equivalent_to(s, x.ndim)):
-        return False
-    return True
+        return None
+    return Native(self, tuple(host))
 
-  def fastpath(self, outputs: Any) -> Any | None:
+  def fastpath(self, outputs: Any, host: Sequence[int] = ()) -> Any | None:
     """What jax's C++ dispatch needs to run this program itself (see
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
-    passed :meth:`runs_natively`); None when the per-call path needs Python:
-    effects, empty outputs, per-process conversions. A donating program's
-    front end must check its donated inputs first, and a multi-process
-    program's must count its calls (``Dispatched`` does both)."""
+    passed :meth:`native`; ``host``: its flat inputs that were numpy);
+    None when the per-call path needs Python: effects, empty outputs,
+    per-process conversions. A donating program's front end must check its
+    donated inputs first, and a multi-process program's must count its
+    calls (``Dispatched`` does both)."""
     if (self._effects or self._empty or
         self._localize is not None or self._globalize is not None or
         self._unwrap is not None):
       return None
-    return _compat.fastpath(self.loaded, outputs, self.in_shardings,
-                            self.out_shardings, self._out_avals)
+    return _compat.fastpath(
+        self.loaded, outputs, self.in_shardings, self.out_shardings, self._out_avals,
+        {k: _compat.HostInput(functools.partial(host_copy, name=self._name(k)),
+                              self.in_shardings[k], self._in_avals[k]) for k in host})
 
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,

@@ -23,7 +23,7 @@ import numpy as np
 from partitioner import _compat
 from partitioner._compile.cache import compilation_cache
 from partitioner._compile.cache.key import host_cpu_fingerprint, versions
-from partitioner._compile.execute import Dispatched, Executable, Shardings
+from partitioner._compile.execute import Dispatched, Executable, Native, Shardings
 from partitioner._lower.args import ArgumentLayout, InputSignature
 from partitioner._lower.trace import TracedProgram
 
@@ -167,7 +167,7 @@ class SavedProgram(Dispatched):
   def output_shardings(self) -> Any:
     return jax.tree_util.tree_unflatten(self._out_tree, self._executable.out_shardings)
 
-  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
+  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Native | None]:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
       raise NotImplementedError(
           f"{self._layout.who} was called under a jax transformation (jax.jit, grad,"
@@ -176,7 +176,7 @@ class SavedProgram(Dispatched):
           " sharded_jit function itself there.")
     leaves = self._layout.check_call(self._inputs, args, kwargs)
     executable = self._executable
-    native = executable if executable.runs_natively(leaves) else None
+    native = executable.native(leaves)
     out = jax.tree_util.tree_unflatten(self._out_tree, executable.call_flat(leaves))
     return out, native
 

@@ -29,7 +29,7 @@ from jax.extend.mlir import ir
 
 from partitioner import _compat, _distributed
 from partitioner._compile.cache.calls import call_caches
-from partitioner._compile.execute import Dispatched, Executable
+from partitioner._compile.execute import Dispatched, Native
 from partitioner._compile.program import Program
 from partitioner._compile.stages import MappedCompiled, MappedLowered
 from partitioner._compile.stats import stats
@@ -122,15 +122,15 @@ class PmapFunction(Dispatched):
     self._layout = ArgumentLayout(fun, static, donate, self._who,
                                   static_name="static_broadcasted_argnums")
     self._devices = check_devices_argument(devices)
-    self._programs = call_caches.new()  # argument signature -> MappedProgram
+    self._programs = call_caches.new(on_evict=self.clear_cache)  # signature -> MappedProgram
     self.start_dispatch(self._who)
     # (not its __dict__: a wrapped sharded_jit function would lend us its state)
     functools.update_wrapper(self, fun, updated=())
 
-  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
-    """The Python per-call path: (outputs, the executable that ran them as
-    they were, which jax's C++ dispatch may run later calls like this one
-    with, or None)."""
+  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Native | None]:
+    """The Python per-call path: (outputs, the program that ran them as a
+    :class:`Native` when jax's C++ dispatch can run later calls like this
+    one, or None)."""
     program, leaves, traced = self._program(args, kwargs)
     if traced:
       return program.staged(leaves), None
@@ -343,9 +343,8 @@ class MappedProgram:
     self._gspmd_checked = False
 
   def __call__(self, leaves: Sequence[Any], native: bool = True) -> tuple[Any, Any]:
-    """(the outputs, the executable, which jax's C++ dispatch may run such
-    calls with, when ``native`` and the inputs were placed as the program
-    wants, else None)."""
+    """(the outputs, a Native for the program when ``native`` and jax's C++
+    dispatch can run such calls (``Executable.native``), else None)."""
     layout = self.layout(leaves)
     compiled = self._compiled.get(_layout_key(layout))
     if compiled is None:
@@ -353,9 +352,8 @@ class MappedProgram:
     else:
       stats.pmap_cache_hit()
     executable = compiled.executable
-    native = native and executable.runs_natively(leaves)
     out = compiled.call_flat(leaves)
-    return out, executable if native else None
+    return out, executable.native(leaves) if native else None
 
   def layout(self, leaves: Sequence[Any]) -> list[Any]:
     """What the program is lowered for. An input already on its devices

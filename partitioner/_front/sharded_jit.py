@@ -20,7 +20,7 @@ from partitioner import _compat, _distributed
 from partitioner._compile import check as _check
 from partitioner._compile import partition as _partition
 from partitioner._compile.cache.calls import call_caches
-from partitioner._compile.execute import Dispatched, Executable
+from partitioner._compile.execute import Dispatched, Native
 from partitioner._compile.stages import Compiled, Lowered
 from partitioner._compile.stats import stats
 from partitioner._config import config
@@ -173,18 +173,18 @@ class ShardedJitFunction(Dispatched):
     # Call caches (bounded, cleared by clear_caches): canonical (shape,
     # dtype, weak type) keys, and keys made of jax.Array avals (which also
     # carry their placement).
-    self._cache = call_caches.new()
-    self._fast_cache = call_caches.new()
+    self._cache = call_caches.new(on_evict=self.clear_cache)
+    self._fast_cache = call_caches.new(on_evict=self.clear_cache)
     self._staged = _staged.StagedCalls(self._request)  # calls on tracers
     self._checked: set[Compiled] = set()  # config.check_unsharded: programs done
     self.start_dispatch(layout.who)
     # (not its __dict__: a wrapped sharded_jit function would lend us its state)
     functools.update_wrapper(self, fun, updated=())
 
-  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Executable | None]:
-    """The Python per-call path: (outputs, the executable that ran them as
-    they were, which jax's C++ dispatch may run later calls like this one
-    with, or None).
+  def _run(self, args: tuple, kwargs: dict) -> tuple[Any, Native | None]:
+    """The Python per-call path: (outputs, the program that ran them as a
+    :class:`Native` when jax's C++ dispatch can run later calls like this
+    one, or None).
 
     flatten -> key -> cached program -> execute -> wrap. For jax.Array
     inputs the key is their avals and shardings (attribute reads); a hit
@@ -215,14 +215,14 @@ class ShardedJitFunction(Dispatched):
       return self._staged(len(args), static_values, leaves, treedef), None
     if config.check_unsharded and compiled not in self._checked:
       return self._call_checked(compiled, args, leaves), None
-    executable, native = compiled.executable, None
-    if key is not None:
-      if executable.runs_as_is(leaves):  # then so will every hit of this key
-        runner, native = executable.direct_runner(compiled.out_tree), executable
-      else:  # (placed first; jax's dispatch can place some inputs itself)
-        runner = compiled.call_flat
-        native = executable if executable.runs_natively(leaves) else None
-      self._fast_cache.put(key, (runner, native))
+    executable = compiled.executable
+    if key is not None and executable.runs_as_is(leaves):  # so will every hit of this key
+      native = Native(executable)
+      self._fast_cache.put(key, (executable.direct_runner(compiled.out_tree), native))
+    else:  # (placed first; jax's dispatch places some inputs itself: native)
+      native = executable.native(leaves)
+      if key is not None:
+        self._fast_cache.put(key, (compiled.call_flat, native))
     out = compiled.call_flat(leaves)
     return out, native
 

@@ -18,18 +18,27 @@ from partitioner._config import config
 
 
 class CallCache(dict):
-  """A dict whose :meth:`put` keeps at most ``config.memory_cache_entries``.
+  """A dict whose :meth:`put` keeps at most ``config.memory_cache_entries``;
+  ``on_evict()`` runs when it lets one go (a front end forgets its C++
+  dispatch's programs then, which would hold the evicted one).
 
   A plain dict underneath: ``get`` stays a C call on the per-call path.
   """
 
-  __slots__ = ("__weakref__",)
+  __slots__ = ("__weakref__", "on_evict")
+
+  def __init__(self, on_evict: Callable[[], None] | None = None):
+    super().__init__()
+    self.on_evict = on_evict
 
   def put(self, key: Any, value: Any) -> Any:
     self[key] = value
     bound = config.memory_cache_entries
-    while len(self) > bound:
-      del self[next(iter(self))]
+    if len(self) > bound:
+      while len(self) > bound:
+        del self[next(iter(self))]
+      if self.on_evict is not None:
+        self.on_evict()
     return value
 
 
@@ -44,8 +53,8 @@ class CallCaches:
     self._on_clear: weakref.WeakSet[Any] = weakref.WeakSet()
     self._listening = False
 
-  def new(self) -> CallCache:
-    cache = CallCache()
+  def new(self, on_evict: Callable[[], None] | None = None) -> CallCache:
+    cache = CallCache(on_evict)
     self._caches[id(cache)] = cache
     return cache
 
