@@ -2,7 +2,7 @@
 (a direct sharded_jit call, the same with a donated argument fed back call
 after call, a donated pytree of 2, 62 and 500 leaves fed back, the same
 with a static argument, partitioner.pmap, a sharded_jit staged in jax.jit,
-a donated step fed a batch from one device) against jax.jit with the same shardings, and
+a donated step fed a batch from one device, or from numpy) against jax.jit with the same shardings, and
 first-call time (trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
@@ -163,11 +163,12 @@ def build_donated_tree(jax, n: int, leaves: int) -> Pair:
               donated=True)
 
 
-def build_batch_from_one_device(jax, n: int) -> Pair:
+def build_batch_from_one_device(jax, n: int, host: bool = False) -> Pair:
   """A training loop's step as flax and optax examples write it: the state
   donated and fed back, each call's batch a jnp array on one device (not
   where the program wants it: each side's dispatch moves it to the n
-  devices, in C++ for both)."""
+  devices, in C++ for both) or, with ``host``, a numpy array (ours copies
+  it first: ``docs/sharded_jit.md``)."""
   import numpy as np
 
   from partitioner import sharded_jit
@@ -178,7 +179,9 @@ def build_batch_from_one_device(jax, n: int) -> Pair:
 
   rng = np.random.default_rng(0)
   w = rng.normal(size=(32, 32)).astype(np.float32)
-  x = jax.numpy.asarray(rng.normal(size=(64, 32)).astype(np.float32))  # (one device)
+  x = rng.normal(size=(64, 32)).astype(np.float32)
+  if not host:
+    x = jax.numpy.asarray(x)  # (one device)
   spec = P(n, 1) if n > 1 else None
   ours = sharded_jit(step, in_parts=(None, spec), out_parts=None, num_partitions=n,
                      donate_argnums=0)
@@ -194,7 +197,9 @@ def build_batch_from_one_device(jax, n: int) -> Pair:
 FRONT_ENDS = {"sharded_jit": build, "sharded_jit, donated": build_donated,
               "sharded_jit, static argument": build_static, "pmap": build_pmap,
               "staged in jax.jit": build_staged,
-              "sharded_jit, donated, a batch from one device": build_batch_from_one_device}
+              "sharded_jit, donated, a batch from one device": build_batch_from_one_device,
+              "sharded_jit, donated, a numpy batch":
+                  lambda jax, n: build_batch_from_one_device(jax, n, host=True)}
 # (a donated pytree of so many leaves: 2, a small model's 62, a large one's
 # 500; timed over fewer calls, each up to 5 ms)
 TREES = {f"sharded_jit, donated pytree of {k} leaves": k for k in (2, 62, 500)}

@@ -484,18 +484,13 @@ def sharding_on_mesh(hlo: Any, mesh: jax.sharding.Mesh, ndim: int) -> jax.shardi
 
 def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
                  static_argnums: Sequence[int] = ()) -> Any:
-  """A callable that dispatches in jax's C++ ``pjit`` fast path.
-
-  Per call signature (argument structure, avals, shardings, the values of
-  the ``static_argnums`` arguments) the first call goes to
-  ``cache_miss(*args, **kwargs) -> (outputs, fastpath or None)``;
-  when it returns :func:`fastpath` data, later calls with that signature
-  run the executable in C++ (no Python at all) on the other arguments,
-  otherwise every call goes to ``cache_miss``. Under ``jax.disable_jit()``
-  calls go to ``fallback``. ``fallback`` must be a new object per callable:
-  jax keys its executables by it. ``._clear_cache()`` forgets every
-  signature.
-  """
+  """A callable that dispatches in jax's C++ ``pjit`` fast path: per call
+  signature (structure, avals, shardings, static values) the first call goes
+  to ``cache_miss(*args, **kwargs) -> (outputs, fastpath or None)``; given
+  :func:`fastpath` data, later calls like it run in C++, else every call
+  goes there. Under ``jax.disable_jit()`` calls go to ``fallback``, a new
+  object per callable (jax keys its executables by it). ``._clear_cache()``
+  forgets every signature."""
   import jaxlib._jax as _jax  # (jax._src.lib._jax)
   from jax._src import tree_util
 
@@ -508,36 +503,26 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
                    tree_util.dispatch_registry, _shard_arg)
 
 
-class HostInput:
-  """A flat input that jax's C++ dispatch gets as a host value (numpy):
-  ``put(x)`` hands it to ``copy`` and puts the copy where the program wants
-  it (``sharding``, as ``aval``). It rides in the fast path's per-input
-  layout slot, where anything but None makes the C++ dispatch call
-  :func:`_shard_arg` for a host value (on one device too, where it would
-  otherwise put the caller's buffer there itself, maybe without a copy)."""
+class _HostInput:
+  """A host value's ``put`` in the fast path's layout slot: anything but
+  None there makes jax's C++ dispatch hand a host value to :func:`_shard_arg`
+  (on one device too, where it would take the caller's buffer itself)."""
   __slots__ = ("put",)
 
-  def __init__(self, copy: Callable[[Any], Any], sharding: jax.sharding.Sharding, aval: Any):
-    devices = list(sharding._addressable_device_assignment)
-    indices = (None if sharding.is_fully_replicated else
-               tuple(sharding.addressable_devices_indices_map(aval.shape).values()))
-    dtype, device_put = aval.dtype, _pxla.batched_device_put
-
-    def put(x):  # (jax's shard_arg for numpy, its per-sharding work done once)
-      x = copy(x)
-      if x.dtype != dtype:  # (int64 without jax_enable_x64, ...)
-        x = x.astype(dtype)
-      return device_put(aval, sharding, [x] * len(devices) if indices is None
-                        else [x[i] for i in indices], devices)
+  def __init__(self, put: Callable[[Any], Any]):
     self.put = put
 
 
 def _shard_arg(x: Any, sharding: Any, layout: Any) -> Any:
-  """What jax's C++ dispatch calls to put an input it cannot use as it is
-  where the program wants it (jax's own ``shard_arg``)."""
-  if type(layout) is HostInput:
+  """jax's C++ dispatch puts an input it cannot take as it is with this."""
+  if type(layout) is _HostInput:
     return layout.put(x)
   return _pxla.cc_shard_arg(x, sharding, layout)
+
+
+def put_shards(aval: Any, sharding: Any, shards: list, devices: list) -> Any:
+  """One array (``aval``, ``sharding``) from host shards, one a device."""
+  return _pxla.batched_device_put(aval, sharding, shards, devices)
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -546,9 +531,8 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 
 # jaxlib 0.10's C++ dispatch runs a cached program on an array already
-# donated: on several devices it crashes (signal 11), on one it raises an
-# error that names no argument. jaxlib 0.11 and later hand such a call to
-# the Python fallback, as they do an array deleted with .delete().
+# donated (several devices: a crash, signal 11; one: an error naming no
+# argument); 0.11 and later hand it to the Python fallback, as .delete()d.
 DONATED_INPUT_REACHES_EXECUTE = _jaxlib_version() < (0, 11)
 
 
@@ -556,26 +540,22 @@ def fastpath(loaded: LoadedExecutable, outputs: Any,
              in_shardings: Sequence[jax.sharding.Sharding],
              out_shardings: Sequence[jax.sharding.Sharding],
              out_avals: Sequence[Any],
-             host: Mapping[int, HostInput] | None = None) -> Any | None:
+             host: Mapping[int, Callable[[Any], Any]] | None = None) -> Any | None:
   """What :func:`cpp_dispatch` needs to run ``loaded`` in C++, given the
   outputs of one Python call of it (None when they are not all arrays).
 
   Only for programs whose inputs in that call were ArrayImpls the C++
-  dispatch runs as they are or moves itself (an array laid out otherwise
-  on as many devices would reach the executable unconverted), or host
-  values, the flat inputs in ``host`` (each copied as its HostInput says);
-  with no effects and no per-process conversions. Under jaxlib 0.10 a
-  donating program's caller must refuse deleted inputs first
-  (:data:`DONATED_INPUT_REACHES_EXECUTE`).
-  """
+  dispatch runs as they are or moves itself (it would hand one laid out
+  otherwise on as many devices to the program unmoved), or host values:
+  ``host`` maps their flat positions to ``put(x) -> jax.Array``. No effects,
+  no per-process conversions; under jaxlib 0.10 a donating program's caller
+  refuses deleted inputs first (:data:`DONATED_INPUT_REACHES_EXECUTE`)."""
   from jax._src import tree_util
   out_flat, out_tree = tree_util.dispatch_registry.flatten(outputs, None)
   if not all(type(o) is ArrayImpl for o in out_flat):
     return None
-  n = len(in_shardings)
-  layouts = [None] * n
-  for k, mark in (host or {}).items():
-    layouts[k] = mark
+  n, host = len(in_shardings), host or {}
+  layouts: list[Any] = [_HostInput(host[k]) if k in host else None for k in range(n)]
   return _pxla.MeshExecutableFastpathData(
       loaded, out_tree, list(in_shardings), list(out_shardings), list(out_avals),
       [True] * len(out_flat), [True] * n, layouts, [])

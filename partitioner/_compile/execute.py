@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self, cast
 
@@ -290,8 +289,7 @@ class Executable:
       return None
     return _compat.fastpath(
         self.loaded, outputs, self.in_shardings, self.out_shardings, self._out_avals,
-        {k: _compat.HostInput(functools.partial(host_copy, name=self._name(k)),
-                              self.in_shardings[k], self._in_avals[k]) for k in host})
+        {k: _host_put(self._name(k), self.in_shardings[k], self._in_avals[k]) for k in host})
 
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
@@ -370,3 +368,20 @@ class Executable:
 
   def _name(self, k: int) -> str:
     return self._names[k] if k < len(self._names) else f"input {k}"
+
+
+def _host_put(name: str, sharding: jax.sharding.Sharding, aval: Any) -> Callable[[Any], Any]:
+  """What :meth:`Executable.place` does with a numpy input (copied, checked
+  by :func:`host_copy`, then put on the devices), for jax's C++ dispatch:
+  jax's own ``shard_arg`` for numpy with its per-sharding work done once."""
+  where = sharding.addressable_devices_indices_map(aval.shape)
+  devices, indices = list(where), list(where.values())
+  whole = sharding.is_fully_replicated
+
+  def put(x):
+    x = host_copy(x, name)
+    if x.dtype != aval.dtype:  # (int64 without jax_enable_x64, ...)
+      x = x.astype(aval.dtype)
+    return _compat.put_shards(aval, sharding, [x] * len(devices) if whole
+                              else [x[i] for i in indices], devices)
+  return put
