@@ -164,33 +164,33 @@ def build_donated_tree(jax, n: int, leaves: int) -> Pair:
 
 
 def build_batch_from_one_device(jax, n: int, host: bool = False) -> Pair:
-  """A training loop's step as flax and optax examples write it: the state
-  donated and fed back, each call's batch a jnp array on one device (not
-  where the program wants it: each side's dispatch moves it to the n
-  devices, in C++ for both) or, with ``host``, a numpy array (ours copies
-  it first: ``docs/sharded_jit.md``)."""
+  """A training loop's shape of call: the state (``f32[64, 32]``, split as
+  the batch) donated and fed back, each call's batch a jnp array on one
+  device (not where the program wants it: each side's dispatch moves it to
+  the n devices, in C++ for both) or, with ``host``, a numpy array (ours
+  copies it first: ``docs/sharded_jit.md``). No collectives: XLA:CPU's
+  rendezvous aborts a queue of such calls on busy simulated devices."""
   import numpy as np
 
   from partitioner import sharded_jit
   from sharding import PartitionSpec as P
 
-  def step(w, x):
-    return w - 0.01 * (x.T @ jax.numpy.tanh(x @ w)) / x.shape[0]
+  def step(s, x):
+    return s * 0.5 + jax.numpy.tanh(x)
 
   rng = np.random.default_rng(0)
-  w = rng.normal(size=(32, 32)).astype(np.float32)
+  s = rng.normal(size=(64, 32)).astype(np.float32)
   x = rng.normal(size=(64, 32)).astype(np.float32)
   if not host:
     x = jax.numpy.asarray(x)  # (one device)
   spec = P(n, 1) if n > 1 else None
-  ours = sharded_jit(step, in_parts=(None, spec), out_parts=None, num_partitions=n,
+  ours = sharded_jit(step, in_parts=(spec, spec), out_parts=spec, num_partitions=n,
                      donate_argnums=0)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
   row = jax.sharding.NamedSharding(mesh, jax.P("x" if n > 1 else None, None))
-  rep = jax.sharding.NamedSharding(mesh, jax.P())
-  theirs = jax.jit(step, in_shardings=(rep, row), out_shardings=rep, donate_argnums=0)
-  w_in = ours.lower(w, x).in_shardings[0]
-  return Pair(ours, theirs, [jax.device_put(w, w_in), x], [jax.device_put(w, rep), x],
+  theirs = jax.jit(step, in_shardings=(row, row), out_shardings=row, donate_argnums=0)
+  s_in = ours.lower(s, x).in_shardings[0]
+  return Pair(ours, theirs, [jax.device_put(s, s_in), x], [jax.device_put(s, row), x],
               donated=True)
 
 

@@ -504,10 +504,8 @@ def cpp_dispatch(name: str, fallback: Any, cache_miss: Any,
 
 
 class _HostInput:
-  """A host value's ``put`` in the fast path's layout slot: anything but
-  None there makes jax's C++ dispatch hand a host value to :func:`_shard_arg`
-  (on one device too, where it would take the caller's buffer itself)."""
-  __slots__ = ("put",)
+  """A host value's ``put`` in the fast path's layout slot: not None, so jax's
+  C++ dispatch hands the value to :func:`_shard_arg` (on one device too)."""
 
   def __init__(self, put: Callable[[Any], Any]):
     self.put = put
@@ -520,9 +518,11 @@ def _shard_arg(x: Any, sharding: Any, layout: Any) -> Any:
   return _pxla.cc_shard_arg(x, sharding, layout)
 
 
-def put_shards(aval: Any, sharding: Any, shards: list, devices: list) -> Any:
-  """One array (``aval``, ``sharding``) from host shards, one a device."""
-  return _pxla.batched_device_put(aval, sharding, shards, devices)
+def put_shards(aval: Any, sharding: Any, shards: list, devices: list, owned: bool) -> Any:
+  """One array from host shards, one a device; copied as this runs unless ``owned``."""
+  how = _xc.HostBufferSemantics
+  return _xc.batched_device_put(aval, sharding, shards, devices, True, host_buffer_semantics=(
+      how.ZERO_COPY if owned else how.IMMUTABLE_ONLY_DURING_CALL))
 
 
 def _jaxlib_version() -> tuple[int, ...]:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self, cast
 
 import jax
+import jax.core
 import numpy as np
 
 from partitioner import _compat
@@ -33,7 +34,7 @@ class Native(NamedTuple):
   ran: the program, and which flat inputs were host values (numpy), which
   it copies before putting them on the devices."""
   executable: Executable
-  host: tuple[int, ...] = ()
+  host: tuple[tuple[int, Callable[[Any], Any]], ...] = ()  # (position, put)
 
 
 class Dispatched:
@@ -158,7 +159,7 @@ class Executable:
     donated: flat indices of the donated inputs.
   """
 
-  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_in_avals", "_out_avals",
+  __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
                "_bounded", "_on_cpu", "_process", "_names", "_donated", "_empty")
 
@@ -174,7 +175,6 @@ class Executable:
     self.in_shardings = tuple(shardings.in_shardings)
     self.out_shardings = tuple(shardings.out_shardings)
     self._handlers = _compat.result_handlers(traced.out_avals, self.out_shardings)
-    self._in_avals = traced.in_avals
     self._out_avals = traced.out_avals
     self._globalize = globalize
     self._localize = localize
@@ -265,7 +265,7 @@ class Executable:
     host = []
     for k, (x, s) in enumerate(zip(leaves, self.in_shardings)):
       if type(x) is np.ndarray and one_process:
-        host.append(k)
+        host.append((k, _host_put(self._name(k), s, x)))
         continue
       if type(x) is not _ArrayImpl:
         return None
@@ -275,10 +275,10 @@ class Executable:
         return None
     return Native(self, tuple(host))
 
-  def fastpath(self, outputs: Any, host: Sequence[int] = ()) -> Any | None:
+  def fastpath(self, outputs: Any, host: Sequence[tuple[int, Callable]] = ()) -> Any | None:
     """What jax's C++ dispatch needs to run this program itself (see
     ``_compat.cpp_dispatch``), given one call's ``outputs`` (whose inputs
-    passed :meth:`native`; ``host``: its flat inputs that were numpy);
+    passed :meth:`native`; ``host``: its numpy inputs' positions and puts);
     None when the per-call path needs Python: effects, empty outputs,
     per-process conversions. A donating program's front end must check its
     donated inputs first, and a multi-process program's must count its
@@ -287,9 +287,8 @@ class Executable:
         self._localize is not None or self._globalize is not None or
         self._unwrap is not None):
       return None
-    return _compat.fastpath(
-        self.loaded, outputs, self.in_shardings, self.out_shardings, self._out_avals,
-        {k: _host_put(self._name(k), self.in_shardings[k], self._in_avals[k]) for k in host})
+    return _compat.fastpath(self.loaded, outputs, self.in_shardings,
+                            self.out_shardings, self._out_avals, dict(host))
 
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
@@ -370,18 +369,22 @@ class Executable:
     return self._names[k] if k < len(self._names) else f"input {k}"
 
 
-def _host_put(name: str, sharding: jax.sharding.Sharding, aval: Any) -> Callable[[Any], Any]:
-  """What :meth:`Executable.place` does with a numpy input (copied, checked
-  by :func:`host_copy`, then put on the devices), for jax's C++ dispatch:
-  jax's own ``shard_arg`` for numpy with its per-sharding work done once."""
+def _host_put(name: str, sharding: jax.sharding.Sharding, like: np.ndarray
+              ) -> Callable[[Any], Any]:
+  """What :meth:`Executable.place` does with a numpy input like ``like``
+  (checked by :func:`host_copy`, copied, put on the devices), for jax's C++
+  dispatch: jax's own ``shard_arg`` for numpy, its per-sharding work done
+  once, the copy made by the runtime as it takes the data."""
+  aval = jax.core.ShapedArray(like.shape, jax.dtypes.canonicalize_dtype(like.dtype))
   where = sharding.addressable_devices_indices_map(aval.shape)
   devices, indices = list(where), list(where.values())
   whole = sharding.is_fully_replicated
 
   def put(x):
-    x = host_copy(x, name)
-    if x.dtype != aval.dtype:  # (int64 without jax_enable_x64, ...)
-      x = x.astype(aval.dtype)
-    return _compat.put_shards(aval, sharding, [x] * len(devices) if whole
-                              else [x[i] for i in indices], devices)
+    if whole:  # (the runtime copies it as it takes it)
+      return _compat.put_shards(aval, sharding, [host_copy(x, name, copy=False)] * len(devices),
+                                devices, owned=False)
+    x = host_copy(x, name, copy=False)  # (its views, the runtime refuses to copy)
+    return _compat.put_shards(aval, sharding, [np.array(x[i]) for i in indices], devices,
+                              owned=True)
   return put

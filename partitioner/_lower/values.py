@@ -140,9 +140,10 @@ def from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def host_copy(x: np.ndarray, name: str) -> np.ndarray:
-  """A private copy of a numpy input, in native byte order; warns when
-  64-bit integers will not fit the 32-bit type jax turns them into."""
+def host_copy(x: np.ndarray, name: str, copy: bool = True) -> np.ndarray:
+  """A private copy of a numpy input (``copy=False``: ``x`` itself where it
+  needs no conversion), in native byte order; warns when 64-bit integers
+  will not fit the 32-bit type jax turns them into."""
   if x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size and not _x64():
     info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
     low, high = x.min(), x.max()
@@ -153,7 +154,8 @@ def host_copy(x: np.ndarray, name: str) -> np.ndarray:
           f" converts it to {info.dtype} and these values wrap around. Hint:"
           " enable 64-bit types (jax.config.update('jax_enable_x64', True))"
           " or pass values that fit.", stacklevel=_user_stacklevel())
-  return np.array(x, dtype=x.dtype.newbyteorder("="), copy=True)
+  native = x.dtype.newbyteorder("=")
+  return np.array(x, dtype=native, copy=True) if copy else np.asarray(x, dtype=native)
 
 
 def _user_stacklevel() -> int:
