@@ -175,3 +175,14 @@ def test_numpy_inputs_in_jaxs_dispatch_are_still_copied_and_checked(n):
     out = g(x)
     x[:] = 2.0
     np.testing.assert_array_equal(out[:2, :2], np.full((2, 2), 512.0))
+
+
+@pytest.mark.parametrize("n,spec", [(1, None), (8, None), (8, P(8, 1)), (8, P(1, 8))])
+def test_numpy_views_and_64_bit_inputs_in_jaxs_dispatch(n, spec):
+  big = np.arange(800, dtype=np.float64).reshape(20, 40)
+  f = sharded_jit(lambda v: v * 2, in_parts=spec, out_parts=spec, num_partitions=n)
+  for x in (big[2:18, :16], big[:16, :16].T, big[::2, ::2][:8, :8]):  # views, strided
+    for _ in range(3):  # (the first call's Python path, then jax's dispatch)
+      out = f(x)
+      assert out.dtype == np.float32
+      np.testing.assert_array_equal(out, (x * 2).astype(np.float32))
