@@ -262,9 +262,11 @@ class Executable:
     if self._globalize is not None or self._unwrap is not None:
       return None
     one_process = self._process[1] == 1  # (not a local value into a global program)
+    # (no puts to build for a program Python runs every call: see fastpath)
+    puts = one_process and not (self._effects or self._empty or self._localize is not None)
     host = []
     for k, (x, s) in enumerate(zip(leaves, self.in_shardings)):
-      if type(x) is np.ndarray and one_process:
+      if type(x) is np.ndarray and puts:
         host.append((k, _host_put(self._name(k), s, x)))
         continue
       if type(x) is not _ArrayImpl:
