@@ -186,3 +186,35 @@ def test_numpy_views_and_64_bit_inputs_in_jaxs_dispatch(n, spec):
       out = f(x)
       assert out.dtype == np.float32
       np.testing.assert_array_equal(out, (x * 2).astype(np.float32))
+
+
+def test_a_flax_and_optax_step_fed_numpy_batches_runs_in_jaxs_dispatch():
+  nn, optax = pytest.importorskip("flax.linen"), pytest.importorskip("optax")
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.relu(nn.Dense(32)(x)))
+
+  model, tx = MLP(), optax.adam(1e-2)
+
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  f = sharded_jit(step, in_parts=(None, None, P(8, 1), P(8, 1)), out_parts=(None, None, None),
+                  donate_argnums=(0, 1))
+  params = model.init(jax.random.PRNGKey(0), np.ones((16, 8), np.float32))
+  ref_params, ref_opt = params, tx.init(params)
+  params, opt_state = jax.tree_util.tree_map(jax.numpy.copy, (params, ref_opt))
+  rng = np.random.default_rng(0)
+  hits = []
+  for _ in range(5):
+    x, y = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)
+    before = partitioner.compilation_stats()["cache_hits"]
+    params, opt_state, loss = f(params, opt_state, x, y)
+    hits.append(partitioner.compilation_stats()["cache_hits"] - before)
+    ref_params, ref_opt, ref_loss = jax.jit(step)(ref_params, ref_opt, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert hits[2:] == [0, 0, 0], hits  # (jax's dispatch ran them)
