@@ -16,7 +16,7 @@ from partitioner._compile.dispatch import donation_catch, donation_guard, static
 from partitioner._distributed.steps import steps
 from partitioner._lower.args import ArgumentLayout
 from partitioner._lower.trace import TracedProgram
-from partitioner._lower.values import host_copy
+from partitioner._lower.values import host_checked
 
 _ArrayImpl = _compat.ArrayImpl  # bound once for the per-call path
 _unflatten = jax.tree_util.tree_unflatten
@@ -256,8 +256,8 @@ class Executable:
     equivalent sharding) or, in a single-process program, a jax.Array over
     another number of devices (a batch on one device), which the C++
     dispatch moves with jax's own ``shard_arg`` as :meth:`place` would, or
-    a numpy array, which it copies first as :meth:`place` does
-    (:func:`host_copy`). An array over as many devices laid out otherwise
+    a numpy array, which it puts as :meth:`place` does (:func:`_host_put`).
+    An array over as many devices laid out otherwise
     it would hand the program unmoved."""
     if self._globalize is not None or self._unwrap is not None:
       return None
@@ -359,12 +359,12 @@ class Executable:
 
     An array whose sharding is equivalent (same devices, same tiles) is
     re-labelled without a copy; anything else is copied or resharded. Numpy
-    inputs are copied first: the transfer may finish after this call
-    returns, and the caller may change its array at once.
+    inputs are copied as they are put (:func:`_host_put`, as jax's C++
+    dispatch puts them): the caller may change its array at once.
     """
     return [x if type(x) is _compat.ArrayImpl and x.sharding == s
-            else jax.device_put(host_copy(x, self._name(k)) if isinstance(x, np.ndarray)
-                                else x, s)
+            else _host_put(self._name(k), s, x)(x) if isinstance(x, np.ndarray)
+            else jax.device_put(x, s)
             for k, (x, s) in enumerate(zip(leaves, self.in_shardings))]
 
   def _name(self, k: int) -> str:
@@ -373,20 +373,21 @@ class Executable:
 
 def _host_put(name: str, sharding: jax.sharding.Sharding, like: np.ndarray
               ) -> Callable[[Any], Any]:
-  """What :meth:`Executable.place` does with a numpy input like ``like``
-  (checked by :func:`host_copy`, copied, put on the devices), for jax's C++
-  dispatch: jax's own ``shard_arg`` for numpy, its per-sharding work done
-  once, the copy made by the runtime as it takes the data."""
+  """How a numpy input like ``like`` goes to the devices, on our Python path
+  (:meth:`Executable.place`) and jax's C++ dispatch alike: checked by
+  :func:`host_checked`, then copied as it is put (jax's own ``shard_arg`` for
+  numpy, its per-sharding work done once), so that the caller may refill
+  its buffer as soon as the call returns."""
   aval = jax.core.ShapedArray(like.shape, jax.dtypes.canonicalize_dtype(like.dtype))
   where = sharding.addressable_devices_indices_map(aval.shape)
   devices, indices = list(where), list(where.values())
   whole = sharding.is_fully_replicated
 
   def put(x):
+    x = host_checked(x, name)
     if whole:  # (the runtime copies it as it takes it)
-      return _compat.put_shards(aval, sharding, [host_copy(x, name, copy=False)] * len(devices),
-                                devices, owned=False)
-    x = host_copy(x, name, copy=False)  # (its views, the runtime refuses to copy)
+      return _compat.put_shards(aval, sharding, [x] * len(devices), devices, owned=False)
+    # (shards copied here: the runtime refuses to copy views of some layouts)
     return _compat.put_shards(aval, sharding, [np.array(x[i]) for i in indices], devices,
                               owned=True)
   return put

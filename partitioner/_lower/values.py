@@ -4,8 +4,8 @@ placed.
 One set of rules and messages for every front end: which values are arrays
 (:func:`signature`, the call-cache key of each flat input), why another
 value is not (:func:`why_not`), what a program is lowered for in place of
-a value (:func:`abstract`), the private host copy a numpy input is placed
-from (:func:`host_copy`), and a value every process holds whole as a global
+a value (:func:`abstract`), the checks a numpy input passes before it is
+placed (:func:`host_checked`), and a value every process holds whole as a global
 array (:func:`from_host`).
 """
 
@@ -140,10 +140,10 @@ def from_host(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def host_copy(x: np.ndarray, name: str, copy: bool = True) -> np.ndarray:
-  """A private copy of a numpy input (``copy=False``: ``x`` itself where it
-  needs no conversion), in native byte order; warns when 64-bit integers
-  will not fit the 32-bit type jax turns them into."""
+def host_checked(x: np.ndarray, name: str) -> np.ndarray:
+  """A numpy input in native byte order (``x`` itself where it needs no
+  conversion); warns when 64-bit integers will not fit the 32-bit type jax
+  turns them into."""
   if x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size and not _x64():
     info = np.iinfo(np.int32 if x.dtype.kind == "i" else np.uint32)
     low, high = x.min(), x.max()
@@ -154,8 +154,7 @@ def host_copy(x: np.ndarray, name: str, copy: bool = True) -> np.ndarray:
           f" converts it to {info.dtype} and these values wrap around. Hint:"
           " enable 64-bit types (jax.config.update('jax_enable_x64', True))"
           " or pass values that fit.", stacklevel=_user_stacklevel())
-  native = x.dtype.newbyteorder("=")
-  return np.array(x, dtype=native, copy=True) if copy else np.asarray(x, dtype=native)
+  return np.asarray(x, dtype=x.dtype.newbyteorder("="))
 
 
 def _user_stacklevel() -> int:
