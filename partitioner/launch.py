@@ -78,6 +78,8 @@ from partitioner._distributed.job_report import (
   how_it_ended,
   killed_for_a_peer,
   lost,
+  oom_kills,
+  oom_said,
   quiet_deaths,
 )
 from sharding._checks import positive_count
@@ -361,6 +363,7 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
       parser.error(str(e))
     env[RESTART_ENV] = str(attempt)
     order = EndOrder(markers, n)  # (listening before the ranks connect)
+    oom_before = oom_kills()
     try:
       proc = subprocess.Popen(cmd, env=env,
                               start_new_session=True, stdout=subprocess.PIPE,
@@ -372,6 +375,9 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     errors = _Forward(proc.stderr, sys.stderr, hide, args.prefix_rank)
     code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))
     order.stop()
+    for stream, thread in ((proc.stdout, output), (proc.stderr, errors)):
+      if not thread.is_alive():  # (one still draining a killed job keeps its pipe)
+        stream.close()
     if code != 0:  # (nothing of it alive when the job starts again)
       _end_leftovers(markers)
     if ended:
@@ -381,7 +387,8 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     return code, []
   tails = (output.tail(), errors.tail())
   statuses, followed = _who_followed(order, marks, exit_statuses(tails[0], n))
-  return (_report_failure(cmd, code, marks, tails, n, followed, statuses),
+  oom = oom_said(oom_before, oom_kills())
+  return (_report_failure(cmd, code, marks, tails, n, followed, statuses, oom),
           lost(marks, statuses, followed))
 
 
@@ -401,12 +408,13 @@ def _who_followed(order: EndOrder, marks: dict[int, dict[str, str]],
 
 def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, bytes],
                     n: int, followed: frozenset[int],
-                    statuses: dict[int, int] | None = None) -> int:
+                    statuses: dict[int, int] | None = None, oom: str = "") -> int:
   """Says on stderr how a failed job ended (mpiexec's own failure, or each
   rank's ending) and returns the launcher's exit code; ``tails`` are the
   ends of the job's stdout and stderr, ``followed`` the ranks seen ending
   after a peer's process (:class:`EndOrder`), ``statuses`` the ranks' wait
-  statuses (else MPICH's, from ``tails``)."""
+  statuses (else MPICH's, from ``tails``), ``oom`` what the rank a SIGKILL
+  ended first is told of the host's out-of-memory kills (``oom_said``)."""
   if not any("started" in m for m in marks.values()):  # mpiexec's own failure
     said = (tails[0] + tails[1]).decode(errors="replace")
     hint = (" Hint: Open MPI refuses to run as root; if you mean to, set"
@@ -425,7 +433,7 @@ def _report_failure(cmd: list[str], code: int, marks: dict, tails: tuple[bytes, 
   failed = {r for r, m in marks.items() if "failed" in m}
   endings = sorted((order, r, text) for r, m in marks.items()
                    for order, text in [how_it_ended(m, statuses.get(r), cause_known,
-                                                    bool(failed - {r}), r in followed)])
+                                                    bool(failed - {r}), r in followed, oom)])
   sys.stderr.write(f"partitioner.launch: the job failed (mpiexec exit code {code}):\n"
                    + "".join(f"  rank {r}: {text}\n" for _, r, text in endings))
   return _cause_code(endings, statuses) or code or 1

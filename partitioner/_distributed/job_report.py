@@ -276,6 +276,36 @@ def killed_for_a_peer(seen: dict[int, int], statuses: dict[int, int]) -> frozens
                    if 0 < status <= 255 and status & 0x7F and statuses.get(r) == 0)
 
 
+def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
+  """How many processes the kernel's out-of-memory killer has ended on
+  this host since it started (``oom_kill`` in ``/proc/vmstat``, a memory
+  cgroup's limit included); None where the kernel does not say (not
+  Linux, or a kernel before 4.13)."""
+  try:
+    with open(vmstat) as f:
+      for line in f:
+        if line.startswith("oom_kill "):
+          return int(line.split()[1])
+  except (OSError, ValueError):
+    pass
+  return None
+
+
+def oom_said(before: int | None, after: int | None) -> str:
+  """What a rank killed by SIGKILL is told when the kernel's
+  out-of-memory killer ended processes on this host while its attempt ran
+  (``oom_kills`` before and after); "" otherwise. The kernel's count is
+  the host's: another process of the host may have been the one."""
+  if before is None or after is None or after <= before:
+    return ""
+  n = after - before
+  return (f"; the kernel's out-of-memory killer ended {n} process{'es' if n > 1 else ''}"
+          " on this host while the job ran (oom_kill in /proc/vmstat): if this rank"
+          " was one, it ran out of host memory. Hint: give each process more memory"
+          " (fewer processes or --devices-per-process on the host, a smaller batch),"
+          " or look for another program filling the host's memory")
+
+
 def quiet_deaths(marks: dict[int, dict[str, str]]) -> set[int]:
   """The ranks that ended with no Python exit: those that may have died
   first (killed, crashed, or ``os._exit``, whose status 0 MPICH reports
@@ -285,7 +315,8 @@ def quiet_deaths(marks: dict[int, dict[str, str]]) -> set[int]:
 
 
 def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,
-                  peer_failed: bool = False, followed: bool = False) -> tuple[int, str]:
+                  peer_failed: bool = False, followed: bool = False,
+                  oom: str = "") -> tuple[int, str]:
   """One rank's ending, from the markers it left (``env.mark``) and its
   wait status from MPICH: (0 if it caused the job's end, else 1, what
   happened). ``cause_known``: some rank caused the end; ``peer_failed``:
@@ -293,7 +324,8 @@ def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,
   then exits without a Python exit follows (jax's runtime or MPI ended it
   on the lost peer before its watcher could say so), never precedes;
   ``followed``: its process was seen ending after a peer's
-  (:class:`EndOrder`)."""
+  (:class:`EndOrder`); ``oom``: :func:`oom_said`, added where SIGKILL
+  ended it first."""
   pid = marks.get("started", "")
   if "failed" in marks:
     if marks["failed"] == "interrupted":
@@ -310,7 +342,8 @@ def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,
                " process had ended")
   if status and quiet:
     return -1, (f"died first (PID {pid}, {how}) without a Python exit: killed by"
-                " a signal, crashed in native code, or called os._exit")
+                " a signal, crashed in native code, or called os._exit"
+                + (oom if status == 9 else ""))
   if "done" in marks:
     return 1, "finished normally"
   if "left" in marks:
@@ -321,4 +354,4 @@ def how_it_ended(marks: dict[str, str], status: int | None, cause_known: bool,
   if "stopped" in marks or cause_known:
     return 1, "was stopped by the launcher after a peer failed"
   return 0, (f"ended without a Python exit (PID {pid or '?'}): killed by a"
-             " signal, crashed in native code, or called os._exit")
+             " signal, crashed in native code, or called os._exit" + oom)

@@ -326,6 +326,55 @@ def test_a_spent_restart_budget_is_the_jobs_failure(tmp_path):
   assert len(mp.found(r"attempt \d rank 1", proc.stdout)) == 2
 
 
+def test_the_hosts_out_of_memory_kills_are_read_from_vmstat(tmp_path):
+  from partitioner._distributed.job_report import oom_kills, oom_said
+  vmstat = tmp_path / "vmstat"
+  vmstat.write_text("pgfault 12\noom_kill 3\nthp_fault_alloc 0\n")
+  assert oom_kills(str(vmstat)) == 3
+  vmstat.write_text("pgfault 12\n")  # (a kernel before 4.13)
+  assert oom_kills(str(vmstat)) is None
+  assert oom_kills(str(tmp_path / "absent")) is None
+  assert oom_said(3, 3) == oom_said(None, 4) == oom_said(3, None) == ""
+  assert oom_said(3, 5).startswith("; the kernel's out-of-memory killer ended 2 processes"
+                                   " on this host while the job ran")
+
+
+def test_a_rank_killed_first_by_sigkill_is_told_of_the_hosts_out_of_memory_kills():
+  from partitioner._distributed.job_report import how_it_ended, oom_said
+  quiet, oom = {"started": "7"}, oom_said(0, 1)
+  first = how_it_ended(quiet, 9, True, oom=oom)
+  assert first[0] == -1 and first[1].endswith(oom) and "it ran out of host memory" in oom
+  assert "--devices-per-process" in oom
+  # not a rank another signal or exit code ended, nor one ended after a peer
+  assert oom not in how_it_ended(quiet, 11, True, oom=oom)[1]
+  assert oom not in how_it_ended(quiet, 256, True, oom=oom)[1]
+  assert oom not in how_it_ended(quiet, 9, True, followed=True, oom=oom)[1]
+  assert oom not in how_it_ended(quiet, 9, True, peer_failed=True, oom=oom)[1]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("kills,told", [((4, 5), True), ((4, 4), False), ((None, None), False)])
+def test_the_launcher_says_when_the_kernel_killed_processes_for_memory(
+    tmp_path, monkeypatch, capfd, kills, told):
+  """A rank SIGKILLed first (as the kernel's out-of-memory killer ends
+  one) while /proc/vmstat's oom_kill rose: its line says so (a count
+  faked here, one reading before the job and one after; a real one was
+  seen in a memory cgroup of 3 GB, a rank filling it)."""
+  script = tmp_path / "flaky.py"
+  script.write_text(_FLAKY)
+  readings = iter(kills)
+  monkeypatch.setattr(launch, "oom_kills", lambda: next(readings))
+  for name in [k for k in os.environ if k.startswith("SHARDED_JIT_")]:
+    monkeypatch.delenv(name)
+  assert launch.main(["-n", "2", "--devices-per-process", "1", "--timeout", "120",
+                      str(script), "1", "kill"]) == 9
+  err = capfd.readouterr().err
+  line = next(l for l in err.splitlines() if l.startswith("  rank 1: died first"))
+  assert ("the kernel's out-of-memory killer ended 1 process on this host" in line) is told, err
+  assert next(readings, "spent") == "spent"  # (read before the job and after it)
+
+
 @pytest.mark.slow
 def test_max_restarts_must_not_be_negative():
   out = subprocess.run([sys.executable, "-m", "partitioner.launch", "-n", "2",
