@@ -2,7 +2,9 @@
 (a direct sharded_jit call, the same with a donated argument fed back call
 after call, a donated pytree of 2, 62 and 500 leaves fed back, the same
 with a static argument, partitioner.pmap, a sharded_jit staged in jax.jit,
-a donated step fed a batch from one device, or from numpy) against jax.jit with the same shardings, and
+a donated step fed a batch from one device, or from numpy, a donated step
+with an all-reduce read every 16 calls) against jax.jit with the same
+shardings, and
 first-call time (trace + compile), on N devices and on 1 device."""
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ _BATCH = 50
 class Pair:
   """A case's two functions and their inputs, placed as each wants them;
   ``donated``: both donate their first argument (each call gets the last
-  call's output in its place)."""
+  call's output in its place); ``queue``: both wait for an output every
+  this many calls (0: once a batch)."""
   ours: object
   theirs: object
   ours_in: list
   theirs_in: list
   donated: bool = False
+  queue: int = 0
 
 
 def make_fn():
@@ -194,12 +198,35 @@ def build_batch_from_one_device(jax, n: int, host: bool = False) -> Pair:
               donated=True)
 
 
+def build_collective(jax, n: int) -> Pair:
+  """A donated step with an all-reduce (the state's mean over its split
+  rows), fed back call after call, both sides waiting for its output
+  every 16 calls: XLA:CPU deadlocks once 32 calls with collectives are
+  queued on a device, and ours bounds its queue at
+  ``config.max_inflight_steps`` (16: every 8th call waits on the host for
+  the 8th before), which this case prices."""
+  from partitioner import sharded_jit
+  from sharding import PartitionSpec as P
+
+  def step(s, w):
+    return jax.numpy.tanh(s @ w) * 0.5 + s - s.mean(axis=0)
+
+  direct = build(jax, n)
+  spec = P(n, 1) if n > 1 else None
+  row, rep = (a.sharding for a in direct.theirs_in)
+  ours = sharded_jit(step, in_parts=(spec, None), out_parts=spec, num_partitions=n,
+                     donate_argnums=0)
+  theirs = jax.jit(step, in_shardings=(row, rep), out_shardings=row, donate_argnums=0)
+  return Pair(ours, theirs, direct.ours_in, direct.theirs_in, donated=True, queue=16)
+
+
 FRONT_ENDS = {"sharded_jit": build, "sharded_jit, donated": build_donated,
               "sharded_jit, static argument": build_static, "pmap": build_pmap,
               "staged in jax.jit": build_staged,
               "sharded_jit, donated, a batch from one device": build_batch_from_one_device,
               "sharded_jit, donated, a numpy batch":
-                  lambda jax, n: build_batch_from_one_device(jax, n, host=True)}
+                  lambda jax, n: build_batch_from_one_device(jax, n, host=True),
+              "sharded_jit, donated, an all-reduce, a read every 16 calls": build_collective}
 # (a donated pytree of so many leaves: 2, a small model's 62, a large one's
 # 500; timed over fewer calls, each up to 5 ms)
 TREES = {f"sharded_jit, donated pytree of {k} leaves": k for k in (2, 62, 500)}
@@ -215,21 +242,20 @@ def feed(fn, inputs: list, donated: bool) -> tuple[list, object]:
   return ([out, *inputs[1:]] if donated else inputs), out
 
 
-def warm_up(fn, inputs: list, donated: bool) -> list:
-  import jax
-  for _ in range(50):  # the first executions of a program are slower
-    inputs, out = feed(fn, inputs, donated)
-  jax.block_until_ready(out)
-  return inputs
+def warm_up(fn, inputs: list, donated: bool, queue: int = 0) -> list:
+  return batch(fn, inputs, 50, donated, queue)[1]  # (the first executions are slower)
 
 
-def batch(fn, inputs: list, calls: int, donated: bool) -> tuple[float, list]:
+def batch(fn, inputs: list, calls: int, donated: bool, queue: int = 0) -> tuple[float, list]:
   """Seconds per call over ``calls`` back-to-back calls (one wait at the
-  end), and the inputs for the next batch."""
+  end, and with ``queue`` one every so many calls), and the inputs for
+  the next batch."""
   import jax
   t0 = time.perf_counter()
-  for _ in range(calls):
+  for k in range(1, calls + 1):
     inputs, out = feed(fn, inputs, donated)
+    if queue and not k % queue:
+      jax.block_until_ready(out)
   jax.block_until_ready(out)
   return (time.perf_counter() - t0) / calls, inputs
 
@@ -244,16 +270,16 @@ def per_call(jax, front_end: str, n: int, calls: int) -> dict:
   if not pair.donated:  # (a donated case's inputs are its own: checked after warming)
     np.testing.assert_allclose(pair.ours(*pair.ours_in), pair.theirs(*pair.theirs_in),
                                rtol=1e-5, atol=1e-6)
-  ours_in = warm_up(pair.ours, list(pair.ours_in), pair.donated)
-  theirs_in = warm_up(pair.theirs, list(pair.theirs_in), pair.donated)
+  ours_in = warm_up(pair.ours, list(pair.ours_in), pair.donated, pair.queue)
+  theirs_in = warm_up(pair.theirs, list(pair.theirs_in), pair.donated, pair.queue)
   if pair.donated:  # (both fed back the same 50 times)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                            ours_in[0], theirs_in[0])
   a, b = [], []
   for _ in range(max(1, calls // _BATCH)):
-    seconds, ours_in = batch(pair.ours, ours_in, _BATCH, pair.donated)
+    seconds, ours_in = batch(pair.ours, ours_in, _BATCH, pair.donated, pair.queue)
     a.append(seconds)
-    seconds, theirs_in = batch(pair.theirs, theirs_in, _BATCH, pair.donated)
+    seconds, theirs_in = batch(pair.theirs, theirs_in, _BATCH, pair.donated, pair.queue)
     b.append(seconds)
   return {"case": f"per-call, {front_end}, {n} device(s)", "unit": "us",
           "ours": statistics.median(a) * 1e6, "jax": statistics.median(b) * 1e6}

@@ -149,14 +149,14 @@ _SETTINGS: dict[str, _Setting] = {
         " the same compilation (or to connect) before raising an error; inf"
         " waits without a limit."),
     "max_inflight_steps": _Setting(
-        "SHARDED_JIT_MAX_INFLIGHT_STEPS", 4, int, _whole(0),
-        "Multi-process runs on CPU devices: how many calls of sharded programs"
-        " with collectives may be queued on the devices; every"
+        "SHARDED_JIT_MAX_INFLIGHT_STEPS", 16, int, _whole(0),
+        "CPU devices, one process or several: how many calls of sharded"
+        " programs with collectives may be queued on the devices; every"
         " max_inflight_steps // 2-th call waits for the previous such one to"
-        " finish. XLA's CPU runtime deadlocks when many steps with"
-        " cross-process collectives run ahead of each other (plain jax.jit as"
-        " well); 0 means no limit. GPUs and TPUs queue steps themselves: no"
-        " limit there."),
+        " finish. XLA's CPU runtime deadlocks once 32 calls with collectives"
+        " are queued on a device (its max_inflight_computations_per_device;"
+        " plain jax.jit as well): at most 31. 0 means no limit. GPUs and TPUs"
+        " queue steps themselves: no limit there."),
     "check_unsharded": _Setting(
         "SHARDED_JIT_CHECK_UNSHARDED", False, _parse_bool, _check_bool,
         "Run each newly compiled program's first call also unsharded on one"
@@ -211,9 +211,9 @@ class Config:
     check_unsharded: compare each new program's first call with an
       unsharded run on one device and raise on a mismatch. Env:
       ``SHARDED_JIT_CHECK_UNSHARDED``.
-    max_inflight_steps: multi-process on CPU devices: at most this many
-      calls of programs with collectives queued on the devices (default 4;
-      0 = no limit; none on GPUs and TPUs). Env:
+    max_inflight_steps: on CPU devices: at most this many calls of
+      programs with collectives queued on the devices, in one process or
+      several (default 16; 0 = no limit; none on GPUs and TPUs). Env:
       ``SHARDED_JIT_MAX_INFLIGHT_STEPS``.
 
   Example:

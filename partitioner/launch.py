@@ -376,7 +376,7 @@ def _attempt(parser: argparse.ArgumentParser, args: argparse.Namespace, n: int,
     code, ended = _wait(proc, deadline, args.timeout, "the job", (output, errors))
     order.stop()
     for stream, thread in ((proc.stdout, output), (proc.stderr, errors)):
-      if not thread.is_alive():  # (one still draining a killed job keeps its pipe)
+      if stream is not None and not thread.is_alive():  # (one still draining keeps it)
         stream.close()
     if code != 0:  # (nothing of it alive when the job starts again)
       _end_leftovers(markers)

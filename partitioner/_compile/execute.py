@@ -13,6 +13,7 @@ from partitioner import _compat
 from partitioner._compile import program as _program
 from partitioner._compile.cache.calls import call_caches
 from partitioner._compile.dispatch import donation_catch, donation_guard, static_guard
+from partitioner._distributed import steps as _steps
 from partitioner._distributed.steps import steps
 from partitioner._lower.args import ArgumentLayout
 from partitioner._lower.trace import TracedProgram
@@ -51,12 +52,15 @@ class Dispatched:
 
   Multi-process programs run in C++ too, counted (``steps.counting``):
   once such a program runs, the front end's calls are counted and its
-  single-process programs (if any) take the Python path.
+  single-process programs (if any) take the Python path. A single-process
+  program with collectives on CPU devices is counted apart
+  (``steps.local``), for its queue's bound.
   """
 
   _layout: ArgumentLayout
   _dispatch: Any  # the C++ callable of _compat.cpp_dispatch
   _counting: bool  # multi-process: calls go through steps.counting
+  _bounding: bool  # counted by either (steps.local: collectives on CPU devices)
   _run: Callable[[tuple, dict], tuple[Any, Native | None]]  # (the subclass's)
 
   def start_dispatch(self, who: str) -> None:
@@ -64,6 +68,7 @@ class Dispatched:
     self._dispatch = _compat.cpp_dispatch(who, self._unjitted, self._miss,
                                           layout.static_argnums)
     self._counting = False
+    self._bounding = False
     self._check_donated = False  # (a program that may crash on a donated array ran)
     call_caches.on_clear(self)
     # The C++ callable (or its guard: _guarded) is this object's own
@@ -101,14 +106,14 @@ class Dispatched:
   def _miss(self, *args, **kwargs) -> tuple[Any, Any]:
     """jax's C++ dispatch found no program for these arguments: (outputs,
     what it needs to run such calls itself, or None)."""
-    steps.uncount()
+    _steps.uncount()
     out, native = self._run(args, kwargs)
     return out, None if native is None else self._native(native, out)
 
   def _unjitted(self, *args, **kwargs):
     """Under ``jax.disable_jit()`` jax's dispatch calls this: still sharded.
     The donation guard sends inputs it refuses here too."""
-    steps.uncount()
+    _steps.uncount()
     return self._run(args, kwargs)[0]
 
   def _native(self, native: Native, out: Any) -> Any:
@@ -120,24 +125,31 @@ class Dispatched:
       self._check_donated = True
       # (counting starts with a multi-process program, which checks: a
       # counted function has the guard inside its counter already)
-      if not self._counting:
+      if not self._bounding:
         type(self).__call__ = staticmethod(self._guarded(self._dispatch))
     if executable.multi_process:
       if not self._counting:
-        self._count_calls(executable)
+        self._count_calls(executable, steps)
     elif self._counting:  # (its calls would be counted as multi-process steps)
       return None
+    elif executable.on_cpu and not self._bounding:  # (collectives on CPU devices)
+      self._count_calls(executable, _steps.local)
     return executable.fastpath(out, native.host)
 
-  def _count_calls(self, executable: Executable) -> None:
-    """From now on every call is counted (see ``steps.counting``)."""
-    self._counting = True
+  def _count_calls(self, executable: Executable, counter: _steps.Steps) -> None:
+    """From now on every call is counted by ``counter`` (``steps``: the
+    multi-process steps; ``steps.local``: single-process calls, for their
+    queue's bound), and on CPU devices every K-th one takes the Python
+    path (see ``Steps.counting``)."""
+    self._counting = self._counting or counter is steps
+    self._bounding = True
     self._dispatch._clear_cache()  # programs let through uncounted
     def python(*args, **kwargs):
       return self._run(args, kwargs)[0]
-    type(self).__call__ = staticmethod(steps.counting(
-        self._guarded(self._dispatch), self._guarded(python),
-        executable.process, executable.on_cpu))
+    native, python = self._guarded(self._dispatch), self._guarded(python)
+    type(self).__call__ = staticmethod(
+        counter.counting(native, python, executable.process, executable.on_cpu)
+        if counter is steps else counter.bounding(native, python))
 
 
 class Executable:
@@ -161,7 +173,8 @@ class Executable:
 
   __slots__ = ("loaded", "in_shardings", "out_shardings", "_handlers", "_out_avals",
                "_globalize", "_localize", "_unwrap", "_effects", "_keepalive",
-               "_bounded", "_on_cpu", "_process", "_names", "_donated", "_empty")
+               "_bounded", "_on_cpu", "_counter", "_process", "_names", "_donated",
+               "_empty")
 
   def __init__(self, loaded: _compat.LoadedExecutable, shardings: Shardings,
                traced: TracedProgram, *,
@@ -186,9 +199,16 @@ class Executable:
     self._process = process
     # Multi-process steps (see _distributed.steps): only a program with
     # collectives can wait for a peer rank; the others run as single-process.
-    self._bounded = process[1] > 1 and _program.communicates(loaded)
-    # (the step bound is for XLA:CPU's runtime; accelerators' queue steps)
-    self._on_cpu = self._bounded and all(d.platform == "cpu" for d in loaded.local_devices())
+    devices = loaded.local_devices()
+    cpu = all(d.platform == "cpu" for d in devices)
+    communicates = ((process[1] > 1 or (cpu and len(devices) > 1))
+                    and _program.communicates(loaded))
+    self._bounded = process[1] > 1 and communicates
+    # A program with collectives on CPU devices has its queue bounded (for
+    # XLA:CPU's rendezvous; accelerators queue steps themselves): counted
+    # as a multi-process step, or by steps.local.
+    self._on_cpu = communicates and cpu
+    self._counter = steps if self._bounded else _steps.local if self._on_cpu else None
     # Outputs with no elements: Shardy hands back whole-shaped buffers for
     # them whatever was asked; they hold no data, so make them afresh.
     self._empty = tuple((k, a.shape, a.dtype) for k, a in enumerate(traced.out_avals)
@@ -233,7 +253,7 @@ class Executable:
 
   @property
   def on_cpu(self) -> bool:
-    """A multi-process program on CPU devices (its queue is bounded)."""
+    """A program with collectives on CPU devices (its queue is bounded)."""
     return self._on_cpu
 
   @property
@@ -295,7 +315,7 @@ class Executable:
   def direct_runner(self, out_tree: Any) -> Callable[[Sequence[Any]], Any]:
     """A closure for the hottest path: inputs known to be placed, no effects,
     no per-process conversion; returns the outputs' pytree."""
-    if self._effects or self._bounded or self._empty or self._localize is not None:
+    if self._effects or self._counter or self._empty or self._localize is not None:
       return lambda leaves: jax.tree_util.tree_unflatten(out_tree, self.run(leaves))
     execute, handlers, unflatten = self.loaded.execute_sharded, self._handlers, _unflatten
     check, donated = self.check_deleted, self._donated
@@ -336,15 +356,15 @@ class Executable:
       raise
 
   def _execute_unchecked(self, leaves: Sequence[Any]) -> list[jax.Array]:
-    if self._effects or self._bounded:
+    if self._effects or self._counter:
       if self._bounded:
         steps.before(*self._process)
       results = self.loaded.execute_sharded(leaves, with_tokens=True)
       token = results.consume_token()
       if self._effects:
         _compat.record_runtime_token(token, self.loaded)
-      if self._bounded:
-        steps.add(token, bound=self._on_cpu)
+      if self._counter:
+        self._counter.add(token, bound=self._on_cpu)
       outs = results.consume_with_handlers(self._handlers)
     else:
       outs = self.loaded.execute_sharded(leaves).consume_with_handlers(self._handlers)

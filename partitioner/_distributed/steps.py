@@ -1,4 +1,6 @@
-"""Every execution of a multi-process program goes through :data:`steps`.
+"""Every execution of a multi-process program goes through :data:`steps`,
+and of a single-process program with collectives on CPU devices through
+:data:`local` (its queue bound alone).
 
 It bounds how many executions are queued on the devices, counts them (the
 ranks run the same programs in the same order, so the counts agree), and
@@ -21,19 +23,24 @@ from typing import Any
 
 import jax
 
+from partitioner import _compat
 from partitioner._config import config
 from partitioner._distributed.errors import PeerError
 
 WATCHER_SECS = 5.0  # how long a rank waits for its watcher to end the job
+_ArrayImpl = _compat.ArrayImpl
 
 
 class Steps:
   """The multi-process executions of this process.
 
   When a training loop dispatches many steps of a program with
-  cross-process collectives without reading a result, XLA's CPU runtime
-  deadlocks after a few dozen (plain ``jax.jit`` as well: 38 on 2 ranks x
-  4 devices here). On CPU devices every ``K = max(1,
+  collectives without reading a result, XLA's CPU runtime deadlocks once
+  32 are queued on a device (its client's
+  ``max_inflight_computations_per_device``: the host blocks on the full
+  device while the others wait in a collective for it; plain ``jax.jit``
+  as well: 31 queued ran, 33 aborted after 40 s, on 2 to 8 simulated
+  devices here). On CPU devices every ``K = max(1,
   config.max_inflight_steps // 2)``-th execution runs with a runtime token
   and first waits on the host for the previous such one: at most ``2K - 1
   <= max_inflight_steps`` executions are queued, and no device computation
@@ -120,12 +127,49 @@ class Steps:
     if not limit:
       return
     every = max(1, limit // 2)
-    tokens = self._tokens
-    tokens.append((n, token))
-    if n % every:
-      return
+    self._tokens.append((n, token))
+    if not n % every:
+      self._wait_before(n, every)
+
+  def _wait_before(self, n: int, every: int) -> bool:
+    """Waits for the executions recorded up to ``n - every`` (their runtime
+    tokens, or outputs kept by :meth:`bounding`); False when one of them
+    cannot be waited on (an output donated to a later call since)."""
+    tokens, waited = self._tokens, True
     while tokens and tokens[0][0] <= n - every:
-      tokens.popleft()[1].block_until_ready()
+      done = tokens.popleft()[1]
+      if type(done) is _ArrayImpl and done.is_deleted():
+        waited = False
+      else:
+        done.block_until_ready()
+    return waited
+
+  def bounding(self, native: Callable, python: Callable) -> Callable:
+    """A single-process front end's call of a program with collectives on
+    CPU devices (:data:`local`): ``native`` (jax's C++ dispatch), every
+    K-th call (as in :meth:`counting`) first waiting on the host for the
+    previous K-th one. That one is waited on through an output kept from
+    it (the smaller of its first and last), so that the calls stay in C++;
+    where that output has been donated to a later call since, the call
+    takes the Python path (``python``) instead, whose runtime token
+    (:meth:`add`) the next K-th call waits on.
+    """
+    def call(*args, **kwargs):
+      n = self.count + 1
+      every = max(1, config.max_inflight_steps // 2)
+      bound = config.max_inflight_steps and not n % every
+      if bound and not self._wait_before(n, every):
+        return python(*args, **kwargs)
+      self.count = n
+      self.precounted = True
+      try:
+        out = native(*args, **kwargs)
+      finally:
+        self.precounted = False
+      if bound:
+        self._tokens.append((n, _kept_output(out)))
+      return out
+    return call
 
   def drain(self) -> None:
     """Waits until every execution started so far has finished: the newest
@@ -138,6 +182,27 @@ class Steps:
     for x in jax.live_arrays():
       if not x.is_deleted():
         x.block_until_ready()
+
+
+def _kept_output(out: Any) -> Any:
+  """What :meth:`Steps.bounding` keeps of a call's outputs to wait on: the
+  smaller of the first and the last array (a loss rather than weights)."""
+  leaves = [x for x in jax.tree_util.tree_leaves(out) if type(x) is _ArrayImpl]
+  if not leaves:
+    return _NOTHING
+  first, last = leaves[0], leaves[-1]
+  return first if first.size <= last.size else last
+
+
+class _Nothing:
+  """Kept for a call with no array among its outputs: nothing to wait on."""
+
+  @staticmethod
+  def block_until_ready() -> None:
+    pass
+
+
+_NOTHING = _Nothing()
 
 
 def departure_message(rank: int, size: int, departed: dict[int, int],
@@ -155,3 +220,14 @@ def departure_message(rank: int, size: int, departed: dict[int, int],
 
 
 steps = Steps()  # one per process: the bound is on the devices' queues
+# Single-process programs with collectives on CPU devices deadlock the
+# same way (see Steps), so their queue is bounded the same way. Counted
+# apart: the ranks of a job need not run the same single-process programs.
+local = Steps()
+
+
+def uncount() -> None:
+  """The Python path was reached from a counted call (see
+  :meth:`Steps.uncount`), of either kind."""
+  steps.uncount()
+  local.uncount()

@@ -207,3 +207,41 @@ def test_every_kth_execution_waits_for_the_previous_kth(steps, monkeypatch):
   for n in range(1, 11):
     steps.add(FakeToken(n, waited))
   assert waited == [1, 2, 3, 4, 5, 6]
+
+
+def test_bounded_single_process_calls_stay_in_cpp_and_wait_on_a_kept_output(steps, monkeypatch):
+  # (steps.local's kind of counting) K = 2: calls 4 and 6 first wait for
+  # calls 2 and 4, through an output each kept; none takes the Python path.
+  monkeypatch.setattr(_steps.config, "max_inflight_steps", 4)
+  waited = []
+  monkeypatch.setattr(_steps, "_kept_output", lambda out: FakeToken(out, waited))
+  call = steps.bounding(lambda x: x, pytest.fail)
+  assert [call(k) for k in range(1, 7)] == [1, 2, 3, 4, 5, 6]
+  assert waited == [2, 4] and steps.count == 6 and not steps.precounted
+
+
+def test_a_kept_output_donated_since_sends_the_bounding_call_to_python(steps, monkeypatch):
+  import jax.numpy as jnp
+  monkeypatch.setattr(_steps.config, "max_inflight_steps", 4)
+  waited, seen = [], []
+
+  def native(x):
+    seen.append(("native", x))
+    return {"w": jnp.full(3, x)}
+
+  def python(x):  # the Python path records its runtime token
+    seen.append(("python", x))
+    steps.add(FakeToken(x, waited))
+    return {"w": jnp.full(3, x)}
+
+  call = steps.bounding(native, python)
+  outs = [call(1), call(2)]
+  outs[1]["w"].delete()  # call 2's kept output, donated to a later call
+  outs += [call(3), call(4), call(5), call(6)]
+  # call 4 cannot wait on call 2: it takes the Python path, whose token call 6 waits on
+  assert [kind for kind, _ in seen] == ["native"] * 3 + ["python"] + ["native"] * 2
+  assert waited == [4] and steps.count == 6
+  # with no bound, every call runs natively
+  monkeypatch.setattr(_steps.config, "max_inflight_steps", 0)
+  call(7), call(8)
+  assert [kind for kind, _ in seen[6:]] == ["native", "native"]
