@@ -110,8 +110,8 @@ def _rows(section: str, case: str = "", field: str = "ratio", against: str = "",
 
 
 HEADLINES = (
-  Headline(CPU, "per-call, 8 devices: direct; donated (array, 2-500-leaf pytrees, batches"
-           " from one device or numpy); static arg; `pmap`; in `jax.jit` (lower is better)",
+  Headline(CPU, "per-call, 8 devices (lower is better): direct; donated (array, 2-500-leaf"
+           " pytrees, numpy or 1-device batch, all-reduce); static; `pmap`; in `jax.jit`",
            Figure("dispatch: per-call, 8 devices", _rows("dispatch", r"^per-call, .*\b8 device")),
            "`jax.jit` (for `pmap`: of a `shard_map`)"),
   Headline(CPU, "first call (trace + compile + run), 8 and 1 devices (lower is better)",
