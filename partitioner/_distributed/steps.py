@@ -187,11 +187,11 @@ class Steps:
 def _kept_output(out: Any) -> Any:
   """What :meth:`Steps.bounding` keeps of a call's outputs to wait on: the
   smaller of the first and the last array (a loss rather than weights)."""
-  leaves = [x for x in jax.tree_util.tree_leaves(out) if type(x) is _ArrayImpl]
-  if not leaves:
+  leaves = jax.tree_util.tree_leaves(out)
+  ends = [x for x in (*leaves[:1], *leaves[-1:]) if type(x) is _ArrayImpl]
+  if not ends:
     return _NOTHING
-  first, last = leaves[0], leaves[-1]
-  return first if first.size <= last.size else last
+  return min(ends, key=lambda x: x.size)
 
 
 class _Nothing:
