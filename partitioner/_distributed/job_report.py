@@ -283,12 +283,10 @@ def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
   Linux, or a kernel before 4.13)."""
   try:
     with open(vmstat) as f:
-      for line in f:
-        if line.startswith("oom_kill "):
-          return int(line.split()[1])
+      counts = [int(line.split()[1]) for line in f if line.startswith("oom_kill ")]
   except (OSError, ValueError):
-    pass
-  return None
+    return None
+  return counts[0] if counts else None
 
 
 def oom_said(before: int | None, after: int | None) -> str:

@@ -138,6 +138,8 @@ class Steps:
     tokens, waited = self._tokens, True
     while tokens and tokens[0][0] <= n - every:
       done = tokens.popleft()[1]
+      if done is None:  # (a call with no array among its outputs)
+        continue
       if type(done) is _ArrayImpl and done.is_deleted():
         waited = False
       else:
@@ -155,9 +157,9 @@ class Steps:
     (:meth:`add`) the next K-th call waits on.
     """
     def call(*args, **kwargs):
-      n = self.count + 1
-      every = max(1, config.max_inflight_steps // 2)
-      bound = config.max_inflight_steps and not n % every
+      n, limit = self.count + 1, config.max_inflight_steps
+      every = max(1, limit // 2)
+      bound = limit and not n % every
       if bound and not self._wait_before(n, every):
         return python(*args, **kwargs)
       self.count = n
@@ -186,23 +188,11 @@ class Steps:
 
 def _kept_output(out: Any) -> Any:
   """What :meth:`Steps.bounding` keeps of a call's outputs to wait on: the
-  smaller of the first and the last array (a loss rather than weights)."""
+  smaller of the first and the last array (a loss rather than weights);
+  None where there is no array."""
   leaves = jax.tree_util.tree_leaves(out)
   ends = [x for x in (*leaves[:1], *leaves[-1:]) if type(x) is _ArrayImpl]
-  if not ends:
-    return _NOTHING
-  return min(ends, key=lambda x: x.size)
-
-
-class _Nothing:
-  """Kept for a call with no array among its outputs: nothing to wait on."""
-
-  @staticmethod
-  def block_until_ready() -> None:
-    pass
-
-
-_NOTHING = _Nothing()
+  return min(ends, key=lambda x: x.size) if ends else None
 
 
 def departure_message(rank: int, size: int, departed: dict[int, int],
