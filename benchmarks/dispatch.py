@@ -204,7 +204,10 @@ def build_collective(jax, n: int) -> Pair:
   every 16 calls: XLA:CPU deadlocks once 32 calls with collectives are
   queued on a device, and ours bounds its queue at
   ``config.max_inflight_steps`` (16: every 8th call waits on the host for
-  the 8th before), which this case prices."""
+  the 8th before), which this case prices. Its only output is donated to
+  the next call, so the bound cannot wait on it: one call in 16 takes the
+  Python path for a runtime token (a flax and optax step returning only
+  its state is this case)."""
   from partitioner import sharded_jit
   from sharding import PartitionSpec as P
 
