@@ -87,7 +87,7 @@ Sections (one module each):
             with --full and libtpu also MaxText's v5e, v5p and v4 tables
             (46 rates, each compiled by XLA:TPU).
   published_v6e  only by name (``--full --only published_v6e``, libtpu
-            installed: 66-76 minutes, its 10 compiles taking 6-7 minutes
+            installed: 47-76 minutes, its 10 compiles taking 4-7 minutes
             each), the ``tpu-v6e`` model against Google's Trillium recipes
             (tpu-recipes: MaxText's Llama 3.1 8B on 8 to 256 chips, 70B on
             32 to 256, one slice each, 8192 tokens a sequence): five of

@@ -39,7 +39,7 @@ MaxText on one v6e slice each and show a measured step's log line: Llama
 3.1 8B on 8 to 256 chips and 70B on 32 to 256, 10 rates, five of them
 here (the ``published_v6e`` section, run only by name: ``scripts/bench
 --full --only published_v6e``; 8192-token sequences, so each compile
-takes 6-7 minutes here, 66 in all).
+takes 4-7 minutes here, 47-66 in all).
 
 With jax's CUDA plugin installed (the ``cuda`` extra), the three GPU
 families are also compiled by XLA:GPU itself, for compile-only GPUs
@@ -502,9 +502,9 @@ def planned_on_cpu(rows: list[dict], families: dict[str, Family]) -> list[dict]:
 def run_v6e(args) -> list[dict]:
   """The published_v6e section: the Trillium recipes' family, only when
   asked for by name, with ``--full`` and libtpu (``--full --only
-  published_v6e``: 10 compiles of 8 to 256 chips, 66-76 minutes here)."""
+  published_v6e``: 10 compiles of 8 to 256 chips, 47-76 minutes here)."""
   if not (getattr(args, "full", False) and getattr(args, "only", None) == "published_v6e"):
-    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, 66-76"
+    print("(published_v6e: 10 compiles of Trillium slices of 8 to 256 chips, 47-76"
           " minutes: with --full --only published_v6e)")
     return []
   if importlib.util.find_spec("libtpu") is None:

@@ -21,7 +21,8 @@ compute and memory rates are measured (by
 GH200's and B200's bf16 matmul rates are published measurements (torch's
 matmul at its best shape: an upper bound of what XLA's reach, which on
 the H100 measured 0.82x torch's best, 651 against 794.5), and so are
-the v5e's (XLA's own matmul) and the v4's data-centre network (PaLM's);
+the v5e's and v6e's (XLA's own matmul) and the v4's data-centre network
+(PaLM's);
 every other figure of the
 accelerators is a datasheet peak for one device (dense, bf16), not a
 measurement; the cpu's are measured:
@@ -92,8 +93,13 @@ measurement; the cpu's are measured:
 - ``tpu-v5p``: Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at
   2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
   GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
-- ``tpu-v6e``: Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16,
-  32 GB HBM at 1.64 TB/s, ICI 400 GB/s per chip (the docs' table: 800
+- ``tpu-v6e``: 728 TFLOP/s of bf16 matmul, measured (one user's run,
+  github.com/yangwhale/gpu-tpu-pedia, commit 6744fee,
+  ``tpu/v7_perf/chay_gemm_benchmark_simple/results_trace_test.csv``:
+  XLA's ``lax.dot_general`` of 8192 x 8192 x 8192 in 1510.9 us on a v6e,
+  the median of 20 calls' device time in jax's profiler trace, 727.7
+  TFLOP/s, 79% of the datasheet's 918; 73% timed with the call's dispatch);
+  Google Cloud TPU v6e (Trillium) docs: 32 GB HBM at 1.64 TB/s, ICI 400 GB/s per chip (the docs' table: 800
   GB/s bidirectional, as v5e's 400 and v5p's 1200 are, whose models hold
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
@@ -460,7 +466,7 @@ MODELS = types.MappingProxyType({
     "tpu-v4": _tpu("Google TPU v4", (275e12, 1.2e12, 270e9, 1.65e9), 32 * 2**30),
     "tpu-v5e": _tpu("Google TPU v5e", (181.8e12, 0.819e12, 200e9, 3.125e9), 16e9),
     "tpu-v5p": _tpu("Google TPU v5p", (459e12, 2.765e12, 600e9, 6.25e9), 95e9),
-    "tpu-v6e": _tpu("Google TPU v6e", (918e12, 1.64e12, 400e9, 12.5e9), 32e9),
+    "tpu-v6e": _tpu("Google TPU v6e", (727.7e12, 1.64e12, 400e9, 12.5e9), 32e9),
 })
 
 
