@@ -189,8 +189,8 @@ HEADLINES = (
            aside=Figure("published: XLA:CPU's plan over XLA:GPU's", _rows(
                "published", r"the plan from XLA:CPU's program vs XLA:GPU's own", full=False),
                runs=_ONCE)),
-  Headline(ESTIMATE, "a 5.9B GPT on 8 hosts x 8 A100s, planned on simulated devices: tensor x"
-           " data and pipeline x data layouts, Spearman's rho of the estimated order",
+  Headline(ESTIMATE, "a 5.9B GPT on 8 hosts x 8 A100s, simulated: tensor x data and pipeline x data"
+           " layouts, batches of 32, 128, 512: Spearman's rho of the estimated order",
            Figure("pipeline_data: cluster rankings", _rows(
                "pipeline_data", r"estimated order, Spearman's rho"), runs=_ONCE),
            "Megatron-LM's measured order (slowest over fastest, ours over theirs: {})",
