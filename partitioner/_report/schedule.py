@@ -45,11 +45,10 @@ from partitioner._report.program import Op, Program
 
 # Text a program with an async collective holds; without any, nothing is
 # hidden and the schedule is not read.
-_ASYNC = ("all-reduce-start", "all-gather-start", "collective-permute-start",
-          "async-start", 'chain_id="', "_xla_megascale_transfer_type")
+_ASYNC = (*(f" {k}-start(" for k in _hlo.COLLECTIVE_KINDS), "async-start", 'chain_id="',
+          "_xla_megascale_transfer_type")
 _STARTS = frozenset(k + "-start" for k in _hlo.COLLECTIVE_KINDS)
-_DONES = frozenset({"all-reduce-done", "all-gather-done", "collective-permute-done",
-                    "async-done"})
+_DONES = frozenset({*(k + "-done" for k in _hlo.COLLECTIVE_KINDS), "async-done"})
 # A multi-slice program's collective among slices: a ``send`` of each
 # chip's part and a ``recv`` of the result, paired by their rendezvous;
 # the compute waits at the ``recv-done``.

@@ -325,3 +325,47 @@ def test_the_part_across_hosts_hides_its_own_share(hidden):
     assert got.network_hidden_seconds == pytest.approx(across, rel=1e-3)
     assert got.hidden_for(device, within, 10 * across) == pytest.approx(
         (10 * across, 10 * across), rel=1e-3)
+
+
+# Each collective XLA:GPU runs asynchronously, in the form it prints: a
+# done right after its start waits for the whole collective (XLA:GPU's
+# A100 schedules of MosaicML's MPT steps put every reduce-scatter's done
+# there: their gradients' reduction hides nothing).
+_ADD = ("%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+        "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(%a, %b)\n}\n\n")
+_ASYNC_FORMS = {
+    "all-gather": ("(f32[8,64]{1,0}, f32[64,64]{1,0}) all-gather-start(%w), channel_id=1,"
+                   f" {_GROUP}, dimensions={{0}}", "f32[64,64]{1,0}"),
+    "reduce-scatter": ("((f32[64,64]{1,0}), (f32[8,64]{1,0})) reduce-scatter-start(%x),"
+                       f" channel_id=1, {_GROUP}, dimensions={{0}}, to_apply=%add",
+                       "(f32[8,64]{1,0})"),
+    "all-reduce": (f"f32[64,64]{{1,0}} all-reduce-start(%x), channel_id=1, {_GROUP},"
+                   " to_apply=%add", "f32[64,64]{1,0}"),
+    "all-to-all": ("((f32[64,64]{1,0}), f32[64,64]{1,0}) all-to-all-start(%x), channel_id=1,"
+                   f" {_GROUP}, dimensions={{0}}", "f32[64,64]{1,0}"),
+    "collective-permute": ("(f32[64,64]{1,0}, f32[64,64]{1,0}) collective-permute-start(%x),"
+                           " channel_id=1, source_target_pairs={{0,1},{1,0}}",
+                           "f32[64,64]{1,0}"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_ASYNC_FORMS))
+def test_every_async_collective_is_waited_for_at_its_done(kind):
+  start, done_shape = _ASYNC_FORMS[kind]
+  # (with an all-gather's start and done besides, as in XLA:GPU's programs)
+  text = _program(f"""\
+  %g = (f32[8,64]{{1,0}}, f32[64,64]{{1,0}}) all-gather-start(%w), channel_id=2, {_GROUP}, dimensions={{0}}
+  %gd = f32[64,64]{{1,0}} all-gather-done(%g)
+  %s = {start}
+  %c = {done_shape} {kind}-done(%s)
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %d1), {_DOT}
+""").replace("HloModule m, is_scheduled=true, num_partitions=8\n\n",
+             "HloModule m, is_scheduled=true, num_partitions=8\n\n" + _ADD)
+  got = _score(text, _device(1e9), matmuls=2)
+  assert got.collectives == 2 and got.collective_bytes > 0
+  assert got.hidden_seconds == pytest.approx(0, abs=1e-6 * got.seconds)
+  # (and started a dot earlier, the same collective hides behind it)
+  text = text.replace(f"  %c = {done_shape} {kind}-done(%s)\n", "").replace(
+      "  ROOT %d2", f"  %c = {done_shape} {kind}-done(%s)\n  ROOT %d2")
+  assert _score(text, _device(1e9), matmuls=2).hidden_seconds > 0
