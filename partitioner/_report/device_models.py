@@ -286,6 +286,14 @@ class DeviceModel:
       (:meth:`matmul_factor`). Measured by :func:`partitioner.calibrate`
       (GEMMs of one narrow dimension against the widest); empty: every
       matmul at ``flops_per_s``.
+    hides_collectives: whether its compiler's default schedule runs a
+      collective behind compute (XLA:GPU's latency-hiding scheduler:
+      where its speed-of-light latency estimator knows the GPU, Hopper
+      and later); False where each collective's done follows its start
+      (XLA:GPU on an A100, unless ``--xla_gpu_enable_latency_hiding_scheduler=true``).
+      It says what an XLA:CPU program read for this GPU hides
+      (``partitioner._report.schedule``); a program compiled for the GPU
+      itself hides what its own schedule does.
   """
   name: str
   flops_per_s: float
@@ -305,6 +313,7 @@ class DeviceModel:
   attention_flops_per_s: float | None = None
   attention_length_factors: tuple[tuple[int, float], ...] = ()
   matmul_dim_factors: tuple[tuple[int, float], ...] = ()
+  hides_collectives: bool = True
 
   def __post_init__(self):
     # (from a calibration file: lists; kept as tuples, the model hashable)
@@ -452,7 +461,8 @@ _B200_MATMUL = ((256, 0.426), (512, 0.656), (1024, 0.822), (2048, 0.933), (4096,
 MODELS = types.MappingProxyType({
     "cpu": DeviceModel("cpu (simulated devices, 2-core host)", 4.1e10, 8.8e9, 5.4e8, 2.7e8, 155e-6,
                        overlap=False, error=0.30, platform="cpu"),
-    "a100": _gpu("NVIDIA A100 SXM 80GB", (271e12, 2.0e12, 240e9, 25e9), 10e-6, 80e9, 156e12),
+    "a100": _gpu("NVIDIA A100 SXM 80GB", (271e12, 2.0e12, 240e9, 25e9), 10e-6, 80e9, 156e12,
+                 hides_collectives=False),
     "h100": _gpu("NVIDIA H100 SXM 80GB", (650e12, 3.0e12, 470e9, 50e9), 8e-6, 80e9, 336e12,
                  attention_flops_per_s=521e12, attention_length_factors=_HOPPER_ATTENTION,
                  matmul_dim_factors=_HOPPER_MATMUL),

@@ -20,16 +20,23 @@ compute time, so the replay changes only how much of the communication
 counts, not the totals.
 
 A program compiled by XLA:CPU (simulated devices) for a GPU's device model
-holds only synchronous collectives, where XLA:GPU would run them
-asynchronously: its scheduler's post-processing (``gpu_hlo_schedule.cc``,
-``PostprocessorToScheduleAsEarlyOrLateAsPossible``, XLA's default when
-its latency-hiding scheduler is off) moves each async collective's start
-right after its operands are made and its done right before its first
-user. The replay does the same for such a program: each collective
-queued on the link once its operands are made, waited for where its
-result is first used (through ``get-tuple-element``s): a gradient's
-all-reduce goes on behind the backward pass of the layers before it, a
-weight's all-gather behind whatever runs before its first matmul.
+holds only synchronous collectives, where XLA:GPU would schedule them
+itself. XLA:GPU runs its latency-hiding scheduler by default where its
+speed-of-light latency estimator knows the GPU (Hopper and later): each
+collective's start moves up to where its operands can be made and its
+done down to its first real user, the link sending what is needed first
+first. The replay does the same for such a program: each collective
+ready for the link once its operands are made (XLA:CPU's float32 round
+trips of a bfloat16 weight, and other conversions of a collective's
+result, looked through: an accelerator's kernel reads the result as it
+is), sent in the order of need and waited for where its result is first
+used (through ``get-tuple-element``s): a weight's all-gather behind the
+layers before it, a gradient's all-reduce behind the backward pass of the
+layers before it. On an A100 (``DeviceModel.hides_collectives`` False)
+XLA:GPU puts each collective's done right after its start unless
+``--xla_gpu_enable_latency_hiding_scheduler=true``: nothing is hidden.
+(Seen in jax 0.10.2's XLA:GPU, compiling MosaicML's MPT steps for
+compile-only A100s and H100s.)
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from collections.abc import Callable
 
 from partitioner._report import hlo as _hlo
 from partitioner._report import hlo_flops as _hlo_flops
+from partitioner._report import stand_in as _stand_in
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.program import Op, Program
 
@@ -75,6 +83,8 @@ def hidden_seconds(program: Program, comm_of: Callable[[str], float], compute_se
     device: whose flop and memory rates weigh each instruction.
   """
   early = device.platform == "gpu" and not has_async(program)
+  if early and not device.hides_collectives:  # (XLA:GPU runs them one after the compute)
+    return 0.0
   if not (early or has_async(program)) or compute_seconds <= 0:
     return 0.0
   replay = _Replay(program, comm_of, device, early=early)
@@ -95,6 +105,7 @@ class _Clock:
   free: float = 0.0
   serial: float = 0.0
   pending: dict = dataclasses.field(default_factory=dict)
+  queued: dict = dataclasses.field(default_factory=dict)  # (XLA:GPU's early starts: when)
 
   def step(self, role: str, key: object, comm: float, work: float, name: str) -> None:
     """One instruction: ``work`` seconds of compute, and ``comm`` of a
@@ -114,10 +125,24 @@ class _Clock:
     else:
       self.now += work
 
-  def queue(self, keys, seconds: dict) -> None:
-    """Collectives put on the link now (XLA:GPU's early starts)."""
+  def queue(self, keys) -> None:
+    """Collectives ready for the link now (XLA:GPU's early starts)."""
     for k in keys:
-      self.pending[k] = self.free = max(self.now, self.free) + seconds[k]
+      self.queued[k] = self.now
+
+  def wait(self, keys, seconds: dict) -> None:
+    """The compute waits for these queued collectives, the link sending
+    what is needed first first (its queue in the order of need)."""
+    for k in sorted(keys, key=lambda k: self.queued.get(k, self.now)):
+      if k in self.queued:
+        self.free = max(self.free, self.queued.pop(k)) + seconds[k]
+        self.now = max(self.now, self.free)
+
+  def flush(self, seconds: dict) -> None:
+    """The queued collectives sent, in the order they were queued."""
+    for k in sorted(self.queued, key=self.queued.__getitem__):
+      self.free = max(self.free, self.queued[k]) + seconds[k]
+    self.queued.clear()
 
 
 @dataclasses.dataclass
@@ -206,12 +231,12 @@ class _Replay:
     members = self._chain_members(ops)
     clock = _Clock()
     starts, waits, early = self._early_plan(ops) if self.early else ({}, {}, {})
-    clock.queue(starts.get(-1, ()), early)  # (on arguments: at once)
+    clock.queue(starts.get(-1, ()))  # (on arguments: at once)
     for i, op in enumerate(ops):
-      for k in waits.get(i, ()):
-        clock.now = max(clock.now, clock.pending.pop(k, clock.now))
+      clock.wait(waits.get(i, ()), early)
       loop = self._loop(op)
       if loop is not None:
+        clock.flush(early)
         took, alone = self.run(loop[0])
         clock.now = clock.free = max(clock.now, clock.free) + took * loop[1]
         clock.serial += alone * loop[1]
@@ -221,7 +246,8 @@ class _Replay:
           role, comm = "", 0.0
           clock.serial += early[i]
         clock.step(role, key, comm, self.raw_of[op.name] * self.scale, op.name)
-      clock.queue(starts.get(i, ()), early)
+      clock.queue(starts.get(i, ()))
+    clock.flush(early)
     return max([clock.now, clock.free, *clock.pending.values()]), clock.serial
 
   def _early_plan(self, ops: list[Op]) -> tuple[dict, dict, dict]:
@@ -237,9 +263,13 @@ class _Replay:
     seconds: dict[int, float] = {}
     for i, op in enumerate(ops):
       operands = op.operands
-      if op.kind == "get-tuple-element" and operands and (
-          operands[0] in collectives or operands[0] in forwarded):
-        forwarded[op.name] = forwarded.get(operands[0]) or operands[0]
+      read = [forwarded.get(v, v) for v in operands if forwarded.get(v, v) in collectives]
+      if read and (op.kind == "get-tuple-element" or (
+          len(set(read)) == 1 and _stand_in.converts(self.program, op))):
+        # (a part of its result, or XLA:CPU's conversion of it, which an
+        # accelerator's kernel does as it reads the result: the collective
+        # is waited for where the value is used)
+        forwarded[op.name] = read[0]
       else:
         for v in operands:
           source = forwarded.get(v, v)
@@ -252,8 +282,9 @@ class _Replay:
         starts.setdefault(max((made.get(v, -1) for v in operands), default=-1), []).append(i)
       made[op.name] = i
     waits: dict[int, list[int]] = {}
-    for name, k in collectives.items():
-      waits.setdefault(first_use.get(name, len(ops)), []).append(k)
+    needed = {k: first_use.get(name, len(ops)) for name, k in collectives.items()}
+    for k, at in needed.items():
+      waits.setdefault(at, []).append(k)
     return starts, waits, seconds
 
   def _chain_members(self, ops: list[Op]) -> dict[tuple[str, str], list[int]]:

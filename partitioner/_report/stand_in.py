@@ -141,7 +141,7 @@ def _sliced(program: Program, name: str, depth: int) -> int:
     part = _partition_slice(program, reader)
     if part and value is not None:
       cuts.add(value.elements // part)
-    elif depth and _converts(program, reader):
+    elif depth and converts(program, reader):
       cuts.add(_sliced(program, reader.name, depth - 1))
     else:
       return 0
@@ -203,7 +203,7 @@ def _computation_of(program: Program) -> dict[str, str]:
       o.name: c for c, ops in program.computations.items() for o in ops})
 
 
-def _converts(program: Program, op: Op) -> bool:
+def converts(program: Program, op: Op) -> bool:
   """Whether ``op`` only converts or reshapes what it reads."""
   if op.kind in _VIEWS:
     return True

@@ -4,8 +4,11 @@ XLA:GPU and XLA:TPU print: async collective starts and dones, XLA:TPU's
 async collective fusions, multi-slice sends, a loop; and XLA:TPU's
 fusion copies of one async collective counted once."""
 
+import dataclasses
+
 import pytest
 
+import partitioner
 from partitioner._report import cost as _cost
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.program import parse
@@ -251,6 +254,59 @@ def test_for_a_gpu_a_synchronous_collective_starts_once_its_operands_are_made(ra
   got = _score(_SYNC, _gpu(rate), matmuls=2)
   assert got.hidden_seconds == pytest.approx(min(_GATHERED / 1e9, _MATMUL / rate), rel=1e-3)
   assert _score(_SYNC, _device(rate), matmuls=2).hidden_seconds == 0  # (no GPU: as it runs)
+
+
+def test_for_an_a100_a_synchronous_collective_hides_nothing():
+  """XLA:GPU schedules an A100's collectives without its latency-hiding
+  scheduler: each done right after its start."""
+  a100 = dataclasses.replace(_gpu(1e9), hides_collectives=False)
+  assert _score(_SYNC, a100, matmuls=2).hidden_seconds == 0
+  assert partitioner.DEVICE_MODELS["a100"].hides_collectives is False
+  assert partitioner.DEVICE_MODELS["h100"].hides_collectives is True
+
+
+# XLA:CPU's form of a gathered weight: the gather, then a conversion of its
+# result (XLA:CPU's float32 round trip of a bfloat16 weight), the dot that
+# uses it after another dot. An accelerator's gemm reads the gathered
+# value as it is: the gather hides behind the first dot.
+_CONVERTED = _program(f"""\
+  %ag = f32[64,64]{{1,0}} all-gather(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %c = f32[64,64]{{1,0}} fusion(%ag), kind=kLoop, calls=%round_trip
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  ROOT %d2 = f32[64,64]{{1,0}} dot(%d1, %c), {_DOT}
+""").replace("\nENTRY", "\n%round_trip (p: f32[64,64]) -> f32[64,64] {\n"
+             "  %p = f32[64,64]{1,0} parameter(0)\n"
+             "  %b = bf16[64,64]{1,0} convert(%p)\n"
+             "  ROOT %r = f32[64,64]{1,0} convert(%b)\n}\n\nENTRY")
+
+
+def test_for_a_gpu_a_collective_is_waited_for_where_its_converted_value_is_used():
+  rate = 1e9  # (the dot between outlasts the gather)
+  got = _score(_CONVERTED, _gpu(rate), matmuls=2)
+  assert got.collectives == 1
+  assert got.hidden_seconds == pytest.approx(_GATHERED / 1e9, rel=1e-3)
+
+
+# Two gathers issued at once, the one needed last first: the link sends
+# the one needed first first (XLA:GPU's scheduler orders them by need).
+_TWO_GATHERS = _program(f"""\
+  %late = f32[64,64]{{1,0}} all-gather(%w), channel_id=1, {_GROUP}, dimensions={{0}}
+  %soon = f32[64,64]{{1,0}} all-gather(%w), channel_id=2, {_GROUP}, dimensions={{0}}
+  %d1 = f32[64,64]{{1,0}} dot(%x, %x), {_DOT}
+  %d2 = f32[64,64]{{1,0}} dot(%d1, %soon), {_DOT}
+  %d3 = f32[64,64]{{1,0}} dot(%d2, %x), {_DOT}
+  ROOT %d4 = f32[64,64]{{1,0}} dot(%d3, %late), {_DOT}
+""")
+
+
+def test_for_a_gpu_the_link_sends_what_is_needed_first_first():
+  # a dot takes as long as a gather: the one needed soon behind d1, the
+  # other behind d2 and d3; in the order issued, the first would wait for
+  # both at d2
+  comm = _GATHERED / 1e9
+  got = _score(_TWO_GATHERS, _gpu(_MATMUL / comm), matmuls=4)
+  assert got.collectives == 2
+  assert got.hidden_seconds == pytest.approx(2 * comm, rel=1e-3)
 
 
 # A gradient's all-reduce: made by the first dot, read (through its tuple)
