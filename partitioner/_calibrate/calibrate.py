@@ -444,6 +444,7 @@ def _fit(devices: Sequence[Any], matmul: dict[str, dict[int, float]], memory: di
     fields["network_latency_s"] = named.network_latency_s
     fields["network_level_latency_s"] = named.network_level_latency_s
     fields["memory_bytes"], fields["usable_fraction"] = named.memory_bytes, named.usable_fraction
+    fields["hides_collectives"] = named.hides_collectives  # (its compiler's schedule)
   else:
     fields["network_bytes_per_s"] = fields["link_bytes_per_s"] / 2
   stats = first.memory_stats() if hasattr(first, "memory_stats") else None

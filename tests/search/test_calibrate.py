@@ -278,6 +278,19 @@ def test_a_gpus_measured_model_keeps_its_named_networks_figures():
   assert model.flops_per_s == 6e14 and model.f32_flops_per_s == 3e14
 
 
+def test_an_a100s_measured_model_keeps_its_compilers_schedule():
+  """XLA:GPU hides no collective behind compute on an A100 by default: a
+  model measured there says so, as the named one does (an H100's hides)."""
+  class A100:
+    device_kind, platform = "NVIDIA A100-SXM4-80GB", "gpu"
+  measured = {"a100": cal._fit([A100()], {"bfloat16": {4096: 2.5e14}}, {1 << 26: 1.8e12}, {})}
+  class H100(A100):
+    device_kind = "NVIDIA H100 80GB HBM3"
+  measured["h100"] = cal._fit([H100()], {"bfloat16": {4096: 6e14}}, {1 << 26: 3e12}, {})
+  assert measured["a100"].hides_collectives is False
+  assert measured["h100"].hides_collectives is True
+
+
 def test_a_gpus_measured_model_takes_the_fused_attention_s_rate_at_each_sequence(tmp_path):
   class H100:
     device_kind, platform = "NVIDIA H100 80GB HBM3", "gpu"
