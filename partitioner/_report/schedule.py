@@ -282,9 +282,8 @@ class _Replay:
         starts.setdefault(max((made.get(v, -1) for v in operands), default=-1), []).append(i)
       made[op.name] = i
     waits: dict[int, list[int]] = {}
-    needed = {k: first_use.get(name, len(ops)) for name, k in collectives.items()}
-    for k, at in needed.items():
-      waits.setdefault(at, []).append(k)
+    for name, k in collectives.items():
+      waits.setdefault(first_use.get(name, len(ops)), []).append(k)
     return starts, waits, seconds
 
   def _chain_members(self, ops: list[Op]) -> dict[tuple[str, str], list[int]]:
