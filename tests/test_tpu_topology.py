@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as NP
 import partitioner
 from partitioner import _compat, sharded_jit
 from partitioner._compile.partition import _lowering_platform
+from partitioner._search.found import ESTIMATED
 from sharding import PartitionSpec as P
 from sharding import from_named
 from tests.search.test_search import _deep_step, mlp_step
@@ -361,10 +362,16 @@ def test_a_proxied_tpu_plan_settles_the_winners_memory_with_xla_tpu():
   whole = rival.sharded_jit(devices=chips, donate_argnums=(0,)).lower(params, x).compile()
   assert whole.cost().xla_seconds > 0
   # Its time is scored as the others' (a proxy's, scaled): it leads them.
-  assert best.seconds <= min(x.seconds for x in found.candidates[1:] if x.fits and not x.error)
+  others = [x for x in found.candidates[1:] if not x.error]
+  assert others and best.seconds <= min(x.seconds for x in others)
   assert best.memory["arguments"] > 0 and best.memory["aliased"] > 0  # (the donated state)
   report = " ".join(found.report().split())  # (its lines wrap at 100 columns)
   assert "Memory per device at the peak (XLA:TPU, the whole program)" in report
+  # The others were never compiled whole: their peaks are their proxies'
+  # scaled (Llama 3 8B's FSDP 8 came to 3.8x its whole program's), so
+  # whether they fit is not known, and the report does not say they miss.
+  assert all(x.fits is None and x.memory["by"] == ESTIMATED for x in others)
+  assert "(peak estimated)" in report and "over the budget" not in report
   # Under a budget below that peak the winner is another layout, which fits.
   tight = partitioner.search(_deep_step, params, x, devices=chips, max_compiles=3,
                              memory_budget_bytes=best.peak_memory - 1)

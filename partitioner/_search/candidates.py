@@ -114,7 +114,7 @@ class Candidate:
       sharded = " + optimizer state sharded" if self.zero else " + FSDP"
       parts.append(f"{head}: {what}" + (sharded if self.fsdp and fsdp > 1 else ""))
     if model > 1:
-      parts.append(f"model {model}: " + (", ".join(role_names[r] for r in self.model)
+      parts.append(f"model {model}: " + (relisted([role_names[r] for r in self.model])
                                            or "nothing")
                    + (" + rest sharded" if self.fsdp and fsdp == 1 else ""))
     if self.microbatches > 1:
@@ -262,24 +262,82 @@ def _listed(leaves: Sequence[tuple[str, int]]) -> str:
   left out."""
   paths = {(_readable(path), d) for path, d in leaves}
   tails = {(p.split(".", 1)[1], d) for p, d in paths if "." in p}
-  by_shape: dict[tuple[int, int], list[list[str]]] = {}
+  kept = []
   for path, d in sorted(paths):
     keys = path.split(".")
     if any((".".join(keys[i:]), d) in tails for i in range(2, len(keys))):
       continue  # (an optimizer's moment of a weight listed: it follows the weight)
+    kept.append((keys, d))
+  return _grouped(kept)
+
+
+def relisted(names: Sequence[str]) -> str:
+  """Roles' names (:func:`_listed`'s) as one list, grouped again: one
+  axis's roles, each layer's its own (``layers[0].wq dim 0, layers[1].wq
+  dim 0``), read ``layers[0-1].wq dim 0``."""
+  entries = [e.rsplit(" dim ", 1) for name in names for e in name.split(", ")]
+  if any(len(e) != 2 or not e[1].isdigit() for e in entries):
+    return ", ".join(names)  # (a name of another form: left as it is)
+  return _grouped([(path.split("."), int(d)) for path, d in entries])
+
+
+_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _grouped(paths: Sequence[tuple[list[str], int]]) -> str:
+  """Leaf dimensions (their keys, the dimension) as one list: those that
+  differ only in one key's index (each layer's own) folded into ranges
+  (``layers[0-31].wq``), then those that differ in one key only grouped
+  (``layers[0-31].{wk,wq} dim 1``), in order."""
+  by_shape: dict[tuple[int, int], list[list[str]]] = {}
+  for keys, d in _indices_folded(paths):
     by_shape.setdefault((len(keys), d), []).append(keys)
   out = []
-  for (n, d), paths in by_shape.items():
+  for (n, d), alike in by_shape.items():
     for i in reversed(range(n)):  # (the last key that differs: up, gate; not the layer)
-      rest = {tuple(p[:i] + p[i + 1:]) for p in paths}
-      if len(paths) > 1 and len(rest) == 1:
-        names = sorted({p[i] for p in paths})
-        out.append(".".join(paths[0][:i] + ["{" + ",".join(names) + "}"] + paths[0][i + 1:])
+      rest = {tuple(p[:i] + p[i + 1:]) for p in alike}
+      if len(alike) > 1 and len(rest) == 1:
+        names = sorted({p[i] for p in alike})
+        out.append(".".join(alike[0][:i] + ["{" + ",".join(names) + "}"] + alike[0][i + 1:])
                    + f" dim {d}")
         break
     else:
-      out += [".".join(p) + f" dim {d}" for p in paths]
+      out += [".".join(p) + f" dim {d}" for p in alike]
   return ", ".join(out)
+
+
+def _indices_folded(paths: Sequence[tuple[list[str], int]]) -> list[tuple[list[str], int]]:
+  """``paths`` with those that differ only in the index of their last
+  indexed key (``layers[3]``) as one, the indices as ranges
+  (``layers[0-2,5]``), in the order of their first."""
+  groups: dict[tuple, list[int]] = {}
+  for keys, d in paths:
+    at = next((i for i in reversed(range(len(keys))) if _INDEXED.match(keys[i])), None)
+    if at is None:
+      groups.setdefault((tuple(keys), d, None), [])
+      continue
+    m = _INDEXED.match(keys[at])
+    assert m is not None
+    key = (tuple(keys[:at]) + (m.group(1),) + tuple(keys[at + 1:]), d, at)
+    groups.setdefault(key, []).append(int(m.group(2)))
+  out = []
+  for (keys, d, at), indices in groups.items():
+    keys = list(keys)
+    if at is not None:
+      keys[at] += f"[{_ranges(sorted(set(indices)))}]"
+    out.append((keys, d))
+  return out
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+  """Sorted numbers as ranges: ``0-2,5``."""
+  runs: list[list[int]] = []
+  for n in numbers:
+    if runs and n == runs[-1][1] + 1:
+      runs[-1][1] = n
+    else:
+      runs.append([n, n])
+  return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def grids(n: int, hosts: int = 1) -> list[tuple[tuple[int, int, int], bool]]:

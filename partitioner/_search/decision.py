@@ -68,7 +68,7 @@ def decide(found: Any) -> Decision:
     return Decision("chosen" if chosen else by, rival, ratio, len(timed) + 1)
   families: dict[str, Any] = {}
   for x in others(found):
-    if not x.error and x.fits and x.family != best.family:
+    if not x.error and x.fits is not False and x.family != best.family:
       families.setdefault(x.family, x)
   if not families:
     return Decision("chosen" if chosen else "alone", timed=len(timed))
@@ -90,7 +90,7 @@ def _apart(best: Any, rival: Any) -> tuple[str, ...]:
                  " bytes")
   if best.flops < rival.flops * 0.99:
     parts.append(f"does {best.flops / max(rival.flops, 1):.2f}x the flops")
-  if best.peak_memory < rival.peak_memory:
+  if best.peak_memory < rival.peak_memory and rival.fits is not None:  # (None: an estimate)
     parts.append(f"needs {best.peak_memory / max(rival.peak_memory, 1):.2f}x the memory")
   if best.flops > rival.flops * 1.01:
     parts.append(f"at {best.flops / max(rival.flops, 1):.2f}x its flops")

@@ -26,6 +26,10 @@ from sharding._constraint import decode_spec, encode_spec
 from sharding._named import to_named
 from sharding._partition_spec import PartitionSpec
 
+# Whose peak a candidate carries when no compiler settled it: a TPU slice's
+# proxied candidate ranked after the winner (its floor within the budget).
+ESTIMATED = "a proxy's peak scaled by the cheap model, an estimate"
+
 
 @dataclasses.dataclass
 class Result:
@@ -81,7 +85,9 @@ class CandidateResult:
     peak_memory: XLA's peak estimate per device.
     estimated_seconds: the cheap model's time, which shortlisted it.
     measured_seconds: its measured time per call (``measure=``), or None.
-    fits: within the memory budget.
+    fits: within the memory budget; None where that is not known (a TPU
+      slice's proxied candidate that was never compiled whole, whose
+      ``peak_memory`` is an estimate: ``memory["by"]`` says so).
     error: why it did not compile ("" if it did).
     alike: how many other candidates compiled to this very program (one
       row for all of them).
@@ -119,7 +125,7 @@ class CandidateResult:
   peak_memory: int
   estimated_seconds: float
   measured_seconds: float | None
-  fits: bool
+  fits: bool | None
   error: str = ""
   alike: int = 0
   stages: int = 1
@@ -154,7 +160,7 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
         "network_bytes": s.network_bytes if s else None,
         "peak_memory": s.peak_memory if s else None,
         "estimated_seconds": x.estimate.seconds, "measured_seconds": x.measured,
-        "fits": bool(s) and (budget is None or s.peak_memory <= budget),
+        "fits": _fits(x, budget),
         "error": x.error, "alike": x.alike, "stages": x.candidate.stages,
         "microbatches": x.candidate.microbatches, "schedule": x.candidate.schedule,
         "pipeline_microbatches": x.candidate.pipeline_microbatches,
@@ -168,6 +174,16 @@ def to_json(results: Sequence[Result], device: DeviceModel, budget: float | None
                      "proxy": {}, "devices": [], "hosts": 1, "accumulate": False,
                      "schedule": False, "pipeline_microbatches": False,
                      "stand_in": {}, **about, "candidates": rows}).encode()
+
+
+def _fits(x: Result, budget: float | None) -> bool | None:
+  """Whether ``x`` fits ``budget``: None where its peak is an estimate no
+  compiler settled."""
+  if x.failed:
+    return False
+  if budget is None:
+    return True
+  return None if (x.memory or {}).get("by") == ESTIMATED else x.score.peak_memory <= budget
 
 
 class FoundLayout:

@@ -52,8 +52,7 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
   left, winner, peaks = EXACT_COMPILES, None, []
   for x in order:
     target = space.part(x.candidate).target
-    assert target is not None  # (counted memory never settles: every count has its own)
-    if not left and target.proxy is not None:
+    if not left and target is not None and target.proxy is not None:
       continue  # (no whole compile left: one compiled whole already may still fit)
     compiled = settle(x, target, budget, request.devices[0].platform)
     left -= compiled
@@ -65,9 +64,9 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
         winner = x
         break
   bar.close()
-  for x in compiler.results:  # (the rest: a proxy's peak scaled, an estimate)
+  for x in compiler.results:  # (the rest: their floor, else an estimate: never compiled whole)
     if not x.failed and x.memory is None:
-      x.memory = {"by": "a proxy's peak scaled by the cheap model, an estimate"}
+      settle(x, space.part(x.candidate).target, budget, request.devices[0].platform, False)
   if winner is None:
     if budget is None or not peaks:  # (XLA refused every one it compiled whole)
       raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
@@ -79,13 +78,17 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
   return [winner] + rest
 
 
-def settle(x: _found.Result, target: _target.Target, budget: float | None,
-            platform: str) -> int:
+def settle(x: _found.Result, target: _target.Target | None, budget: float | None,
+           platform: str, compile_whole: bool = True) -> int:
   """``x``'s peak settled: its whole program's where it was compiled whole
   (a count of microbatches), else, when its floor is within the budget,
   compiled whole now (its time stays the proxy's, scaled as every
-  candidate's: like with like), else the floor. How many programs it
-  compiled (0 or 1)."""
+  candidate's: like with like), else the floor. Without ``compile_whole`` (a
+  candidate ranked after the winner), a floor within the budget leaves its
+  proxy's scaled peak, marked an estimate (:data:`_found.ESTIMATED`: it
+  may be several times the whole program's, or short of it). How many
+  programs it compiled (0 or 1)."""
+  assert target is not None  # (counted memory never settles: every count has its own)
   if target.proxy is None:
     x.memory = {"by": _target.whole_program(platform)}
     return 0
@@ -93,6 +96,9 @@ def settle(x: _found.Result, target: _target.Target, budget: float | None,
   if budget is not None and floor > budget:
     x.got = dataclasses.replace(x.score, peak_memory=floor)
     x.memory = {"by": "at least: its arguments' shards, its proxy's peak"}
+    return 0
+  if not compile_whole:
+    x.memory = {"by": _found.ESTIMATED}
     return 0
   try:
     whole, x.memory = target.exact(x.in_specs, x.out_specs)

@@ -65,7 +65,7 @@ def table(found: Any, rows: int) -> str:
   lines += _rows(found, rows, hosts)
   lines += ["", _wrapped(why(found))]
   for more in (where_memory_goes(found.best), own_compiler_hint(found.stand_in),
-               families_that_lost(found)):
+               families_that_lost(found), estimated_peaks(found)):
     if more:
       lines.append(_wrapped(more))
   return "\n".join(lines)
@@ -84,7 +84,7 @@ def _rows(found: Any, rows: int, hosts: bool) -> list[str]:
                    + (f"  {'':>18}" if hosts else "") + f"  {'':>9}  {x.family}")
       lines.append(_wrapped(f"{x.layout}: {x.error[:160]}", " " * 6))
       continue
-    mark = ("" if x.fits else "  (over budget)") + (
+    mark = {True: "", False: "  (over budget)", None: "  (peak estimated)"}[x.fits] + (
         "  (chosen)" if k and x is found.best else "")
     timed = f"; measured {_time(x.measured_seconds)}" if x.measured_seconds else ""
     lines.append(f"  {k + 1:>2}  {_time(x.seconds):>9}  {_flops(x.flops):>11}"
@@ -177,6 +177,16 @@ def own_compiler_hint(stand_in: dict) -> str:
           f'"{chip}:<a topology of {n // hosts} chips>"{slices}) ({have}).')
 
 
+def estimated_peaks(found: Any) -> str:
+  """What a row marked "(peak estimated)" means, where there is one."""
+  if all(x.fits is not None for x in found.candidates):
+    return ""
+  return ("(peak estimated): never compiled whole, the peak is the proxy's scaled by the"
+          " cheap model, which can miss the whole program's several times over either way;"
+          " whether it fits is not known. For its exact peak, compile it whole:"
+          ' found.choose("<family>").sharded_jit(devices=...).lower(*args).compile().')
+
+
 def families_that_lost(found: Any) -> str:
   """Why the best layout of each other family lost: over the budget (by
   how much), or slower (by how much)."""
@@ -185,11 +195,13 @@ def families_that_lost(found: Any) -> str:
     if x.error or x.family in seen:
       continue
     seen.add(x.family)
-    if not x.fits and found.budget:
+    if x.fits is False and found.budget:
       by = (x.memory or {}).get("by", "")
-      how = (" by a proxy's scaled estimate" if "scaled" in by else
-             " at least" if by.startswith("at least") else "")
+      how = " at least" if by.startswith("at least") else ""
       parts.append(f"{x.family}: over the budget{how} ({x.peak_memory / found.budget:.2f}x)")
+    elif x.fits is None and x.seconds < best.seconds:  # (the whole compiles ran out first)
+      parts.append(f"{x.family}: faster, {x.seconds / max(best.seconds, 1e-12):.2f}x the"
+                   " time, but its peak was never settled (no whole compile left)")
     else:
       # (a TPU topology's, where both were compiled whole: a proxy's is
       # not scaled, XLA's estimate has parts that do not repeat)

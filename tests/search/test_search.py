@@ -403,6 +403,9 @@ def test_a_deep_model_is_searched_through_a_proxy_of_its_layers():
   assert all(n == 12 for _, n in found.grouped) and found.grouped
   flat = " ".join(found.report().split())  # (its lines wrap at 100 columns)
   assert "Compiled as a proxy" in flat and "(x12)" in flat
+  # Each layer's leaves are named as one range, not layer by layer.
+  layouts = " ".join(c.layout for c in found.candidates)
+  assert "layers[0]" not in layouts and "params.layers[0-11].down dim 1" in layouts, layouts
   # The scaled scores are those of the whole program, near enough to rank.
   best = found.best
   real = sharded_jit(_deep_step, in_parts=found.in_parts,
