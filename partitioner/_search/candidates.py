@@ -281,7 +281,9 @@ def relisted(names: Sequence[str]) -> str:
   return _grouped([(path.split("."), int(d)) for path, d in entries])
 
 
-_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+# A key that numbers a layer: ``layers[3]`` (a list's), ``Dense_3`` (flax
+# linen's), ``3`` (a module list's).
+_NUMBERED = re.compile(r"^(.*?)(\d+)(\]?)$")
 
 
 def _grouped(paths: Sequence[tuple[list[str], int]]) -> str:
@@ -307,25 +309,34 @@ def _grouped(paths: Sequence[tuple[list[str], int]]) -> str:
 
 
 def _indices_folded(paths: Sequence[tuple[list[str], int]]) -> list[tuple[list[str], int]]:
-  """``paths`` with those that differ only in the index of their last
-  indexed key (``layers[3]``) as one, the indices as ranges
-  (``layers[0-2,5]``), in the order of their first."""
-  groups: dict[tuple, list[int]] = {}
-  for keys, d in paths:
-    at = next((i for i in reversed(range(len(keys))) if _INDEXED.match(keys[i])), None)
-    if at is None:
-      groups.setdefault((tuple(keys), d, None), [])
-      continue
-    m = _INDEXED.match(keys[at])
-    assert m is not None
-    key = (tuple(keys[:at]) + (m.group(1),) + tuple(keys[at + 1:]), d, at)
-    groups.setdefault(key, []).append(int(m.group(2)))
-  out = []
-  for (keys, d, at), indices in groups.items():
-    keys = list(keys)
-    if at is not None:
-      keys[at] += f"[{_ranges(sorted(set(indices)))}]"
-    out.append((keys, d))
+  """``paths`` with those that differ only in one key's number (the
+  layer's) as one, key by key from the first: ``layers[0-31]`` (for
+  ``layers[0]`` to ``layers[31]``), ``Dense_{0-2,5}``, ``h.{0-11}``; a
+  number without brackets only where three or more differ (``w1``,
+  ``w2`` stay names), in the order of their first."""
+  out = [(list(keys), d) for keys, d in paths]
+  for at in range(max((len(keys) for keys, _ in out), default=0)):
+    groups: dict[tuple, list[int]] = {}
+    for keys, d in out:
+      m = _NUMBERED.match(keys[at]) if at < len(keys) else None
+      if m is None:
+        groups.setdefault((tuple(keys), d, None), [])
+        continue
+      head, number, bracket = m.groups()
+      key = (tuple(keys[:at]) + (f"{head}\0{bracket}",) + tuple(keys[at + 1:]), d, at)
+      groups.setdefault(key, []).append(int(number))
+    out = []
+    for (keys, d, where), numbers in groups.items():
+      keys, numbers = list(keys), sorted(set(numbers))
+      if where is not None:
+        head, bracket = keys[where].split("\0")
+        if len(numbers) >= (2 if bracket else 3):
+          keys[where] = head + (f"{_ranges(numbers)}]" if bracket else f"{{{_ranges(numbers)}}}")
+        else:  # (each as it was)
+          out += [(keys[:where] + [f"{head}{n}{bracket}"] + keys[where + 1:], d)
+                  for n in numbers]
+          continue
+      out.append((keys, d))
   return out
 
 

@@ -418,6 +418,20 @@ def test_a_deep_model_is_searched_through_a_proxy_of_its_layers():
   np.testing.assert_allclose(float(loss), float(ref), rtol=1e-4)
 
 
+def test_a_layouts_leaves_of_many_layers_read_as_ranges():
+  """Each layer's own leaves (a list of layers, flax linen's Dense_3, a
+  module list's h.3) fold into one range; two numbered names stay names."""
+  from partitioner._search.candidates import relisted
+  linen = [f"params.Block_{i}.Dense_{j}.kernel dim 1" for i in range(4) for j in range(2)]
+  assert relisted(linen) == "params.Block_{0-3}.{Dense_0,Dense_1}.kernel dim 1"
+  listed = [f"params.layers[{i}].{w} dim 0" for i in (0, 1, 2, 5) for w in ("wq", "wk")]
+  assert relisted(["params.embed dim 1", *listed]) == (
+      "params.embed dim 1, params.layers[0-2,5].{wk,wq} dim 0")
+  hf = [f"transformer.h.{i}.attn.c_attn.kernel dim 1" for i in range(12)]
+  assert relisted(hf) == "transformer.h.{0-11}.attn.c_attn.kernel dim 1"
+  assert relisted(["params.w1 dim 1", "params.w2 dim 1"]) == "params.{w1,w2} dim 1"
+
+
 def test_the_search_costs_about_the_same_at_any_depth():
   """What the search estimates and compiles does not grow with depth: the
   same candidates, and proxies of the same size, at 4 and 16 layers."""
