@@ -299,7 +299,8 @@ def _grouped(paths: Sequence[tuple[list[str], int]]) -> str:
     for i in reversed(range(n)):  # (the last key that differs: up, gate; not the layer)
       rest = {tuple(p[:i] + p[i + 1:]) for p in alike}
       if len(alike) > 1 and len(rest) == 1:
-        names = sorted({p[i] for p in alike})
+        names = sorted({n for p in alike  # (a group already grouped joins as its names)
+                        for n in (p[i][1:-1].split(",") if p[i].startswith("{") else [p[i]])})
         out.append(".".join(alike[0][:i] + ["{" + ",".join(names) + "}"] + alike[0][i + 1:])
                    + f" dim {d}")
         break

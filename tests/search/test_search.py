@@ -430,6 +430,8 @@ def test_a_layouts_leaves_of_many_layers_read_as_ranges():
   hf = [f"transformer.h.{i}.attn.c_attn.kernel dim 1" for i in range(12)]
   assert relisted(hf) == "transformer.h.{0-11}.attn.c_attn.kernel dim 1"
   assert relisted(["params.w1 dim 1", "params.w2 dim 1"]) == "params.{w1,w2} dim 1"
+  assert relisted(["layers[*].{w_gate,w_up} dim 1", "layers[*].wq dim 1"]) == (
+      "layers[*].{w_gate,w_up,wq} dim 1")
 
 
 def test_the_search_costs_about_the_same_at_any_depth():
