@@ -223,16 +223,20 @@ def repeated(got: Cost, parts: dict, runs: Sequence[_proxy.Repeat], kept: int,
              part: Estimate, whole: Estimate, device: DeviceModel) -> Cost:
   """A proxy's compiled cost for the whole program: each run's kept
   repetitions (``parts["k_i"]``: the collectives, flops and bytes accessed
-  of run ``k``'s repetition ``i``, read from the compiled proxy) counted
-  as ``reps`` times its last one (an earlier one may have lost ops the
-  proxy leaves unused; every later use reads the last). The peak memory is
-  scaled by the cheap model's ratio of the whole to the proxy's equations."""
+  of run ``k``'s repetition ``i``, read from the compiled proxy): each
+  repetition left out counts as the last one kept, and each kept one at
+  least as much (an earlier one may have lost ops the proxy leaves unused;
+  every later use reads the last), keeping what it holds beyond (a
+  collective where the run starts: a first layer whose input arrives
+  split another way). The peak memory is scaled by the cheap model's
+  ratio of the whole to the proxy's equations."""
   def more(field: str) -> float:
     total = 0.0
     for k, run in enumerate(runs):
       copies = [getattr(parts[f"{k}_{i}"], field) if f"{k}_{i}" in parts else 0.0
                 for i in range(kept)]
-      total += run.reps * copies[-1] - sum(copies)
+      last = copies[-1]
+      total += sum(max(c, last) - c for c in copies) + max(run.reps - kept, 0) * last
     return total
   flops = got.flops + more("flops")
   accessed = got.bytes_accessed + more("accessed")

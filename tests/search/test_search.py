@@ -434,6 +434,27 @@ def test_a_layouts_leaves_of_many_layers_read_as_ranges():
       "layers[*].{w_gate,w_up,wq} dim 1")
 
 
+def test_a_proxys_first_repetition_keeps_a_collective_only_it_holds():
+  """A proxy keeps 2 of 12 layers. The first holds an all-reduce where the
+  run starts (its input arrives split another way: seen on XLA:TPU for a
+  flax MLP whose first layer's input is split on its features) and fewer
+  flops than the second (ops the proxy leaves unused); the whole program
+  has the all-reduce once and every layer's flops."""
+  from partitioner._report.cost import Cost, Part
+  from partitioner._search.estimate import Estimate
+  from partitioner._search.proxy import Repeat
+  from partitioner._search.target import repeated
+  parts = {None: Part(flops=10.0), "0_0": Part(collectives=1, collective_bytes=1000.0, flops=4.0),
+           "0_1": Part(flops=30.0)}
+  got = Cost(flops=44.0, bytes_accessed=0.0, collectives=1, collective_bytes=1000.0,
+             network_bytes=0.0, peak_memory=1, seconds=0.0)
+  same = Estimate(flops=1.0, collective_bytes=0.0, collectives=0, memory=1.0, seconds=0.0)
+  whole = repeated(got, parts, [Repeat(0, 6, 12)], 2, same, same,
+                   partitioner.DEVICE_MODELS["tpu-v5p"])
+  assert (whole.collectives, whole.collective_bytes) == (1, 1000.0)
+  assert whole.flops == 10.0 + 12 * 30.0
+
+
 def test_the_search_costs_about_the_same_at_any_depth():
   """What the search estimates and compiles does not grow with depth: the
   same candidates, and proxies of the same size, at 4 and 16 layers."""
