@@ -317,27 +317,29 @@ def _indices_folded(paths: Sequence[tuple[list[str], int]]) -> list[tuple[list[s
   ``w2`` stay names), in the order of their first."""
   out = [(list(keys), d) for keys, d in paths]
   for at in range(max((len(keys) for keys, _ in out), default=0)):
+    # (the keys before and after ``at``, the dimension, the numbered key's
+    # head and bracket, or None for a path with no number there)
     groups: dict[tuple, list[int]] = {}
     for keys, d in out:
       m = _NUMBERED.match(keys[at]) if at < len(keys) else None
       if m is None:
-        groups.setdefault((tuple(keys), d, None), [])
+        groups.setdefault((tuple(keys), (), d, None), [])
         continue
       head, number, bracket = m.groups()
-      key = (tuple(keys[:at]) + (f"{head}\0{bracket}",) + tuple(keys[at + 1:]), d, at)
-      groups.setdefault(key, []).append(int(number))
+      groups.setdefault((tuple(keys[:at]), tuple(keys[at + 1:]), d, (head, bracket)),
+                        []).append(int(number))
     out = []
-    for (keys, d, where), numbers in groups.items():
-      keys, numbers = list(keys), sorted(set(numbers))
-      if where is not None:
-        head, bracket = keys[where].split("\0")
-        if len(numbers) >= (2 if bracket else 3):
-          keys[where] = head + (f"{_ranges(numbers)}]" if bracket else f"{{{_ranges(numbers)}}}")
-        else:  # (each as it was)
-          out += [(keys[:where] + [f"{head}{n}{bracket}"] + keys[where + 1:], d)
-                  for n in numbers]
-          continue
-      out.append((keys, d))
+    for (before, after, d, numbered), numbers in groups.items():
+      if numbered is None:
+        out.append((list(before), d))
+        continue
+      head, bracket = numbered
+      numbers = sorted(set(numbers))
+      if len(numbers) >= (2 if bracket else 3):
+        key = head + (f"{_ranges(numbers)}]" if bracket else f"{{{_ranges(numbers)}}}")
+        out.append(([*before, key, *after], d))
+      else:  # (each as it was)
+        out += [([*before, f"{head}{n}{bracket}", *after], d) for n in numbers]
   return out
 
 
