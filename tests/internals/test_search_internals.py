@@ -320,7 +320,8 @@ def test_of_layouts_that_send_about_as_few_bytes_across_hosts_the_faster_leads()
 def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
   """Of the uncompiled candidates, those with the best compiled one's grid,
   batch and FSDP flag (other model roles), best by the cheap model; then
-  those of the next best compiled."""
+  those of the next best compiled, while its compiled time puts them
+  within FAMILY_WITHIN of the best."""
   from partitioner._search import found as _found
   from partitioner._search import select as _select
   from partitioner._search.candidates import Candidate
@@ -333,16 +334,21 @@ def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
           row((4, 1, 2), (2,), 1.3),        # 2: a variant of 1
           row((4, 1, 2), (1, 2), 1.1),      # 3: a variant of 1, cheaper
           row((2, 1, 4), (1,), 0.9),        # 4: another grid
-          row((4, 1, 2), (3,), 1.2)]        # 5: a variant of 1
+          row((4, 1, 2), (3,), 1.2),        # 5: a variant of 1
+          row((8, 1, 1), (1,), 1.0)]        # 6: a variant of 0
 
   def compiled(i, seconds):
     cost = _cost.Cost(1.0, 1.0, 0, 0.0, 0.0, 1, seconds)
     c, _, est = rows[i]
     return _found.Result(i, c, "", c.family(), est, cost, [], [])
-  results = [compiled(0, 2.0), compiled(1, 1.0)]
+  results = [compiled(0, 1.5), compiled(1, 1.0)]
   assert [i for i, *_ in _select.variants(rows, results, 2)] == [3, 5]
   assert [i for i, *_ in _select.variants(rows, results, 0)] == []
-  # Once the best's variants run out, the next best's (none left here).
+  # Once the best's variants run out, the next best's.
+  assert [i for i, *_ in _select.variants(rows, results, 5)] == [2, 3, 5, 6]
+  # A configuration compiled beyond FAMILY_WITHIN of the best: its
+  # variants, which the cheap model puts as slow, are no close call.
+  results = [compiled(0, 2.5), compiled(1, 1.0)]
   assert [i for i, *_ in _select.variants(rows, results, 5)] == [2, 3, 5]
 
 
