@@ -15,19 +15,12 @@ from partitioner._report.device_models import DeviceModel
 from partitioner._search import found as _found
 from partitioner._search import select as _select
 from partitioner._search import target as _target
-from partitioner._search.candidates import (
-  spec_of,
-)
+from partitioner._search.candidates import spec_of
 from partitioner._search.progress import Progress
 from partitioner._search.request import Request
 from partitioner._search.space import Space
 
 logger = logging.getLogger(__name__)
-
-
-
-
-
 
 # Candidates compiled side by side (on 2 cores: 0.65x the time of in turn).
 COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
