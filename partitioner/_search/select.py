@@ -89,7 +89,7 @@ def variants(rows: list, results: list, k: int) -> list:
   compiled with the configuration (grid, batch, FSDP, stages) of the best
   compiled ones, best compiled first, each configuration's by the cheap
   model; in candidate order. A variant whose configuration's compiled time,
-  moved by the cheap model's difference between the two, puts it beyond
+  scaled by the cheap model's ratio between the two, puts it beyond
   ``FAMILY_WITHIN`` of the best compiled is no close call: not compiled
   (on 8 v5p chips, variants of layouts 2.3x and 3.6x the winner's time
   cost a minute of XLA:TPU's compiles)."""
