@@ -54,6 +54,7 @@ class _Op:
   ins: tuple[_Value, ...]
   outs: tuple[_Value, ...]
   contract: tuple[tuple[int, int], ...] = ()   # dot: (lhs dim, rhs dim) pairs
+  batch: tuple[tuple[int, int], ...] = ()      # dot: its batch dims' pairs
   reduced: tuple[int, ...] = ()                # reduce: operand dims
   times: int = 1                               # scan bodies run length times; alike ops
   # the op's flops on one device alone (a dot's 2 * out * contracted, a
@@ -162,8 +163,8 @@ class OpTable:
       outs = tuple(self.value(ctx, v) for v in eqn.outvars)
       name = eqn.primitive.name
       if name == "dot_general":
-        (lc, rc), _ = eqn.params["dimension_numbers"]
-        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), times=times)
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), tuple(zip(lb, rb)), times=times)
       elif name in _REDUCTIONS:
         op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times)
       elif len(outs) == 1 and all(x.shape in (outs[0].shape, ()) for x in ins):
@@ -239,6 +240,8 @@ class _Walk:
       for x, want in zip(op.ins, want_in):
         if x.source is not None:
           self._gather(op, x, x.source, want)
+    if op.kind == "dot":
+      self._regather(op, want_in)
     outs = [self.wanted(o) for o in op.outs]
     self.accessed += (sum(self.local_bytes(x, w) for x, w in zip(op.ins, want_in))
                       + sum(self.local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
@@ -258,6 +261,23 @@ class _Walk:
         if source not in self.gathered:  # the gathered copies are temporaries
           self.gathered.add(source)
           self.memory += self.local_bytes(x, want) * self.alike[source]
+
+  def _regather(self, op: _Op, want_in: list) -> None:
+    """A grid axis that splits both operands of a dot, but not a pair of
+    its batch or contracting dimensions (a sequence split: the queries'
+    positions and the keys'), cannot split both: the smaller operand is
+    all-gathered over it, as XLA does (each device's queries against every
+    key)."""
+    lhs, rhs = want_in[0], want_in[1]
+    paired = {a for pairs in (op.contract, op.batch) for i, j in pairs
+              for a in lhs[i] if a in rhs[j]}
+    clash = ({a for ax in lhs for a in ax} & {a for ax in rhs for a in ax}) - paired
+    if not clash:
+      return
+    sizes = [self.local_bytes(x, w) for x, w in zip(op.ins, want_in)]
+    smaller = sizes[0] if sizes[0] <= sizes[1] else sizes[1]
+    for a in sorted(clash):
+      self._send(smaller * (self.sizes[a] - 1) * op.times, a, op.times)
 
   def _compute(self, op: _Op, want_in: list, outs: list) -> set[int]:
     """Adds the op's flops (and a dot's result to the memory kept); the

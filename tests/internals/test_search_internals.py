@@ -251,6 +251,27 @@ def test_the_cheap_estimate_counts_the_collectives_that_cross_hosts():
                                       + 2e6 / device.link_bytes_per_s + 5 * device.latency_s)
 
 
+def test_the_cheap_estimate_gathers_keys_where_the_sequence_is_split():
+  """Attention's scores (queries by keys) split over the sequence: both
+  operands are split along the same grid axis, so one of them, the
+  smaller, is all-gathered (each device's queries meet every key); split
+  over the batch, the batch is a pair of the dot's and nothing moves."""
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import _Op, _Value, _Walk
+  batch, seq, feature = 0, 1, 2  # roles
+  q = _Value((8, 1024, 64), 2, (batch, seq, feature))
+  k = _Value((8, 512, 64), 2, (batch, seq, feature))  # (fewer keys: the smaller)
+  scores = _Value((8, 1024, 512), 4, (batch, seq, seq))
+  dot = _Op("dot", (q, k), (scores,), contract=((2, 2),), batch=((0, 0),), times=3)
+  sent = {}
+  for split in (batch, seq):
+    walk = _Walk(Candidate((8, 1, 1), split, False, ()), [], (False, False, False), {})
+    walk.op(dot)
+    sent[split] = (walk.comm, walk.count)
+  assert sent[batch] == (0.0, 0)
+  assert sent[seq] == (k.nbytes / 8 * 7 * 3, 3)  # k's piece from each of the 7 others
+
+
 def test_candidates_that_compile_to_one_program_are_one_row():
   """Two rule sets whose specs differ only where nothing reads them compile
   to the same program: the search keeps one row and counts the other."""
