@@ -11,7 +11,9 @@ state). Walking the ops, per device:
   all-gathered (an elementwise op runs on an argument's pieces as they
   are: a sharded optimizer update gathers nothing); a dot_general
   contracting (or a reduction over) a split dimension all-reduces its
-  result;
+  result; a dot whose operands are split over one grid axis outside a
+  pair of its dimensions (a sequence split's queries and keys) gathers
+  the smaller;
 - memory: the arguments' pieces plus the dot_generals' results (the
   activations kept for the backward pass) and the gathered copies;
 - bytes accessed: every op's operands and results, for the memory time.
