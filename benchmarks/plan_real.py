@@ -12,8 +12,9 @@ from simulated CPU devices
 
 Reported: the search's time (cold), the winner, and its peak per device
 (counted for the accelerator: ``partitioner/_search/memory.py``) against
-the budget and, for the 8B, against a first-principles count by hand
-(``_llama.first_principles_bytes``: 24.5 GB per device under FSDP 8).
+the budget and, for the 8B, FSDP 8's (whichever layout wins) against a
+first-principles count by hand (``_llama.first_principles_bytes``: 24.5
+GB per device under FSDP 8).
 ``titan``: the account of FSDP 8 for the shapes of a published recipe,
 torchtitan's Llama 3.1 8B on 8 H100s with 32768 tokens a GPU and full
 activation checkpointing, against the peak it reports (``TORCHTITAN``).
@@ -244,12 +245,13 @@ def _plan(which: str) -> list[dict]:
           {"case": f"{name}: peak per device vs the budget", "unit": "GB",
            "ours": best.peak_memory / 1e9, "jax": found.budget / 1e9,
            "against": "60 GB (75% of 80 GB)", "target": "<= 1.0", "detail": detail}]
-  if which == "8b":
+  fsdp = next((c for c in found.candidates if c.family == "FSDP 8" and not c.error), None)
+  if which == "8b" and fsdp is not None:  # (the count by hand is FSDP 8's, whoever wins)
     by_hand = _llama.first_principles_bytes(shape, devices)
     rows.append({"case": f"{name}: peak per device vs first principles", "unit": "GB",
-                 "ours": best.peak_memory / 1e9, "jax": by_hand / 1e9,
-                 "against": "a count by hand (FSDP 8, all at once)", "target": "0.75-1.25",
-                 "detail": detail})
+                 "ours": fsdp.peak_memory / 1e9, "jax": by_hand / 1e9,
+                 "against": "a count by hand (FSDP 8, all at once), FSDP 8's peak",
+                 "target": "0.75-1.25", "detail": detail})
   if which == "8b64":  # accumulation where it pays: the whole batch at once fits nowhere
     rows.append({"case": f"{name}: the same step without accumulation, its smallest peak"
                  " vs the budget", "unit": "GB", "ours": _smallest_whole(shape) / 1e9,
