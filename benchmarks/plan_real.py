@@ -245,8 +245,9 @@ def _plan(which: str) -> list[dict]:
           {"case": f"{name}: peak per device vs the budget", "unit": "GB",
            "ours": best.peak_memory / 1e9, "jax": found.budget / 1e9,
            "against": "60 GB (75% of 80 GB)", "target": "<= 1.0", "detail": detail}]
-  fsdp = next((c for c in found.candidates if c.family == "FSDP 8" and not c.error), None)
-  if which == "8b" and fsdp is not None:  # (the count by hand is FSDP 8's, whoever wins)
+  fsdp = (next((c for c in found.candidates if c.family == "FSDP 8" and not c.error), None)
+          if which == "8b" else None)
+  if fsdp is not None:  # (the count by hand is FSDP 8's, whichever layout wins)
     by_hand = _llama.first_principles_bytes(shape, devices)
     rows.append({"case": f"{name}: peak per device vs first principles", "unit": "GB",
                  "ours": fsdp.peak_memory / 1e9, "jax": by_hand / 1e9,

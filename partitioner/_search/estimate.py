@@ -276,8 +276,7 @@ class _Walk:
     clash = ({a for ax in lhs for a in ax} & {a for ax in rhs for a in ax}) - paired
     if not clash:
       return
-    sizes = [self.local_bytes(x, w) for x, w in zip(op.ins, want_in)]
-    smaller = sizes[0] if sizes[0] <= sizes[1] else sizes[1]
+    smaller = min(self.local_bytes(x, w) for x, w in zip(op.ins, want_in))
     for a in sorted(clash):
       self._send(smaller * (self.sizes[a] - 1) * op.times, a, op.times)
 
