@@ -11,12 +11,18 @@ state). Walking the ops, per device:
   all-gathered (an elementwise op runs on an argument's pieces as they
   are: a sharded optimizer update gathers nothing); a dot_general
   contracting (or a reduction over) a split dimension all-reduces its
-  result; a dot whose operands are split over one grid axis outside a
-  pair of its dimensions (a sequence split's queries and keys) gathers
-  the smaller;
+  result (split on one operand only, the other's is sliced to match); a
+  dot whose operands are split over one grid axis outside a pair of its
+  dimensions (a sequence split's queries and keys) gathers
+  the smaller; an operand split over an axis none of an op's results is
+  split over (a reshape into dimensions no rule splits) is gathered, or
+  the results all-reduced, the cheaper;
 - memory: the arguments' pieces plus the dot_generals' results (the
   activations kept for the backward pass) and the gathered copies;
-- bytes accessed: every op's operands and results, for the memory time.
+- bytes accessed: every op's operands and results that XLA reads from
+  and writes to memory, for the memory time: a chain of elementwise ops
+  fused into one kernel (``fusion``: its results consumed by elementwise
+  ops and reductions alone) moves its inputs and its result once.
 
 It only ranks candidates for compiling: the compiled program (``partitioner._report.cost``)
 decides.
@@ -32,10 +38,9 @@ from typing import Any
 from jax.extend import core as jex_core
 
 from partitioner._report.device_models import DeviceModel
+from partitioner._search import fusion
 from partitioner._search.axes import Axes, _sub_jaxprs
 from partitioner._search.candidates import BATCH_AXES, MODEL, Candidate, Roles
-
-_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,10 @@ class _Op:
   batch: tuple[tuple[int, int], ...] = ()      # dot: its batch dims' pairs
   reduced: tuple[int, ...] = ()                # reduce: operand dims
   times: int = 1                               # scan bodies run length times; alike ops
+  # per operand and per result, whether it moves through memory (not inside
+  # a fused chain of elementwise ops); () for all of them
+  reads: tuple[bool, ...] = ()
+  writes: tuple[bool, ...] = ()
   # the op's flops on one device alone (a dot's 2 * out * contracted, a
   # reduction's operand elements, another op's result elements); a
   # candidate divides them among the devices its operands are split over
@@ -147,7 +156,13 @@ class OpTable:
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
     return _Value(shape, itemsize, roles, source)
 
-  def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict) -> None:
+  def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict,
+               fused: frozenset = frozenset()) -> None:
+    """``fused``: the inputs and results of a call's jaxpr that its caller
+    keeps inside a fused chain (never in memory)."""
+    written = fusion.materialized(jaxpr) - fusion.constant_like(jaxpr)
+    read = set(jaxpr.invars) | written
+    moves = lambda v: not isinstance(v, jex_core.Literal) and v in read and v not in fused  # noqa: E731
     for k, eqn in enumerate(jaxpr.eqns):
       if not ctx and k in self._skip:
         continue
@@ -158,21 +173,24 @@ class OpTable:
           for b, branch in enumerate(eqn.params["branches"]):
             self._flatten(branch.jaxpr, (*ctx, k, b), times, ops)
         else:
-          for n, inner in enumerate(subs):
-            self._flatten(inner, (*ctx, k, n), times * length, ops)
+          inner = (_inline(eqn, subs[0], moves, lambda v: v in written and v not in fused)
+                   if len(subs) == 1 else frozenset())
+          for n, sub in enumerate(subs):
+            self._flatten(sub, (*ctx, k, n), times * length, ops, inner)
         continue
       ins = tuple(self.value(ctx, v) for v in eqn.invars)
       outs = tuple(self.value(ctx, v) for v in eqn.outvars)
+      flags = dict(reads=tuple(map(moves, eqn.invars)), writes=tuple(map(moves, eqn.outvars)))
       name = eqn.primitive.name
       if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), tuple(zip(lb, rb)), times=times)
-      elif name in _REDUCTIONS:
-        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times)
+        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), tuple(zip(lb, rb)), times=times, **flags)
+      elif name in fusion.REDUCING:
+        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times, **flags)
       elif len(outs) == 1 and all(x.shape in (outs[0].shape, ()) for x in ins):
-        op = _Op("elementwise", ins, outs, times=times)
+        op = _Op("elementwise", ins, outs, times=times, **flags)
       else:
-        op = _Op("other", ins, outs, times=times)
+        op = _Op("other", ins, outs, times=times, **flags)
       ops[op] = ops.get(op, 0) + 1
 
   def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
@@ -186,6 +204,18 @@ class OpTable:
     for op in self.ops:
       walk.op(op)
     return walk.result(device)
+
+
+def _inline(eqn: Any, sub: Any, moves: Any, writes: Any) -> frozenset:
+  """The inputs and results of the jaxpr of ``eqn``, a call of one that
+  maps them one to one (jnp.where's), that the caller keeps fused:
+  ``moves`` (its operands) and ``writes`` (its results) say which move."""
+  if (eqn.primitive.name not in fusion.CALLS or len(sub.invars) != len(eqn.invars)
+      or len(sub.outvars) != len(eqn.outvars)):
+    return frozenset()
+  pairs = [*((i, moves(v)) for i, v in zip(sub.invars, eqn.invars)),
+           *((o, writes(v)) for o, v in zip(sub.outvars, eqn.outvars))]
+  return frozenset(x for x, moved in pairs if not moved and not isinstance(x, jex_core.Literal))
 
 
 class _Walk:
@@ -245,8 +275,12 @@ class _Walk:
     if op.kind == "dot":
       self._regather(op, want_in)
     outs = [self.wanted(o) for o in op.outs]
-    self.accessed += (sum(self.local_bytes(x, w) for x, w in zip(op.ins, want_in))
-                      + sum(self.local_bytes(o, w) for o, w in zip(op.outs, outs))) * op.times
+    if op.kind in ("elementwise", "other"):
+      self._unsplit(op, want_in, outs)
+    reads, writes = op.reads or (True,) * len(op.ins), op.writes or (True,) * len(op.outs)
+    self.accessed += (sum(self.local_bytes(x, w) for x, w, m in zip(op.ins, want_in, reads) if m)
+                      + sum(self.local_bytes(o, w) for o, w, m in zip(op.outs, outs, writes)
+                            if m)) * op.times
     for a in self._compute(op, want_in, outs):  # partial results: all-reduce
       g = self.sizes[a]  # (ring: 2 (g - 1) / g)
       self._send(self.local_bytes(op.outs[0], outs[0]) * 2 * (g - 1) / g * op.times, a,
@@ -280,6 +314,20 @@ class _Walk:
     for a in sorted(clash):
       self._send(smaller * (self.sizes[a] - 1) * op.times, a, op.times)
 
+  def _unsplit(self, op: _Op, want_in: list, outs: list) -> None:
+    """A grid axis that splits an operand but none of the results (a
+    reshape into dimensions no rule splits, an embedding's lookup): XLA
+    gathers the operand's pieces, or all-reduces the results computed
+    from them; the cheaper of the two."""
+    out_axes = {a for w in outs for ax in w for a in ax}
+    for x, want in zip(op.ins, want_in):
+      lost = {a for ax in want for a in ax} - out_axes
+      for a in sorted(lost):
+        g = self.sizes[a]
+        gather = self.local_bytes(x, want) * (g - 1)
+        reduce = sum(self.local_bytes(o, w) for o, w in zip(op.outs, outs)) * 2 * (g - 1) / g
+        self._send(min(gather, reduce) * op.times, a, op.times)
+
   def _compute(self, op: _Op, want_in: list, outs: list) -> set[int]:
     """Adds the op's flops (and a dot's result to the memory kept); the
     grid axes its results are partial sums over."""
@@ -289,7 +337,9 @@ class _Walk:
     if op.kind == "dot":
       self.f32 += flops if op.ins[0].itemsize == 4 else 0.0
       self.memory += self.local_bytes(op.outs[0], outs[0]) * op.times
-      return {a for i, j in op.contract for a in want_in[0][i] if a in want_in[1][j]}
+      # (a contracted dimension split on one side only: XLA slices the other
+      # operand's to match, and the pieces' products are partial sums too)
+      return {a for i, j in op.contract for a in (*want_in[0][i], *want_in[1][j])}
     if op.kind == "reduce":
       return {a for d in op.reduced for a in want_in[0][d]}
     return set()

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
+from partitioner._search import fusion
 from partitioner._search.axes import _sub_jaxprs
 from partitioner._search.candidates import Candidate
 from partitioner._search.estimate import OpTable, _Value, _Walk
@@ -179,7 +180,7 @@ class Liveness:
         last[v] = len(jaxpr.eqns)
     inside = [self._fused(eqn) for eqn in jaxpr.eqns]
     outside_use = _used_outside(jaxpr, inside)
-    unfused = _materialized(jaxpr) - _constant_like(jaxpr, hints.get(_CHEAP, ()))
+    unfused = fusion.materialized(jaxpr) - fusion.constant_like(jaxpr, hints.get(fusion.CHEAP, ()))
     if ctx:  # a sub-program's results are its caller's (counted there)
       unfused -= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
     steps, frees_at = [], {}
@@ -187,13 +188,13 @@ class Liveness:
       if v in ids or k < len(jaxpr.eqns):
         frees_at.setdefault(k, []).append(v)
     for k, eqn in enumerate(jaxpr.eqns):
-      inner = [] if inside[k] or _elementwise(eqn) else _sub_jaxprs(eqn)
+      inner = [] if inside[k] or fusion.elementwise(eqn) else _sub_jaxprs(eqn)
       if inner:
         around = {**hints, **{x.shape: x.roles for x in map(
             lambda v: self._value(ctx, v, hints), [*eqn.invars, *eqn.outvars])
                              if any(r is not None for r in x.roles)}}
-        cheap = _constant_like(jaxpr, hints.get(_CHEAP, ()))
-        around[_CHEAP] = tuple(k for k, v in enumerate(eqn.invars)
+        cheap = fusion.constant_like(jaxpr, hints.get(fusion.CHEAP, ()))
+        around[fusion.CHEAP] = tuple(k for k, v in enumerate(eqn.invars)
                                if isinstance(v, jex_core.Literal) or v in cheap)
       subs = [self._block(j, (*ctx, k, n), {}, around) for n, j in enumerate(inner)]
       outs, out_ids = [], []
@@ -382,81 +383,6 @@ class _Counts:
     before, working = self.walk(block.arrays, 0.0)
     self.peaks[block.key] = peak = float(max(0.0, (before + working).max(initial=0.0)))
     return peak
-
-
-# Ops XLA fuses into their consumers (loop and input fusion): their results
-# are never written out when every consumer fuses them too.
-_SHAPING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
-                      "expand_dims", "select_n", "iota"})
-_REDUCING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                       "argmin"})
-
-
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
-
-
-def _elementwise(eqn: Any) -> bool:
-  if eqn.primitive.name in _SHAPING:
-    return True
-  subs = _sub_jaxprs(eqn)
-  if subs:  # a call of elementwise ops (jnp.where's, jnp.tril's): fused alike
-    return (eqn.primitive.name in _CALLS and len(subs) == 1
-            and all(_elementwise(e) for e in subs[0].eqns))
-  if len(eqn.outvars) != 1:
-    return False
-  shape = getattr(eqn.outvars[0].aval, "shape", None)
-  if shape is None:
-    return False
-  def fits(s: Any) -> bool:  # (the same shape, a scalar, or size-1 dimensions of it)
-    return s == () or (s is not None and len(s) == len(shape)
-                       and all(a in (b, 1) for a, b in zip(s, shape)))
-  return all(fits(getattr(v.aval, "shape", None)) for v in eqn.invars)
-
-
-def _materialized(jaxpr: Any) -> set:
-  """The variables written to memory: all but the results of elementwise
-  ops whose every consumer is elementwise or a reduction (fused into it)."""
-  fusing = [_elementwise(e) or e.primitive.name in _REDUCING for e in jaxpr.eqns]
-  consumers: dict[Any, list[bool]] = {}
-  for eqn, fuses in zip(jaxpr.eqns, fusing):
-    for v in eqn.invars:
-      if not isinstance(v, jex_core.Literal):
-        consumers.setdefault(v, []).append(fuses)
-  results = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-  written = set()
-  for eqn in jaxpr.eqns:
-    fused = _elementwise(eqn)
-    for v in eqn.outvars:
-      if not (fused and v not in results and all(consumers.get(v, [False]))):
-        written.add(v)
-  return written
-
-
-_CHEAP = "constant-like inputs"  # (a key of the hints: which inputs of a sub-program)
-
-
-def _constant_like(jaxpr: Any, inputs: Sequence[int] = ()) -> set:
-  """Values made by elementwise and shaping ops from scalars, literals,
-  iotas and ``inputs`` (positions of constant-like invars) alone: a
-  broadcast -inf, a causal mask. XLA fuses them into each consumer,
-  recomputed, instead of writing them out (across calls too: jnp.where's
-  broadcast operand kept for the backward pass)."""
-  cheap = {jaxpr.invars[k] for k in inputs if k < len(jaxpr.invars)}
-  cheap |= {v for v in jaxpr.invars if getattr(v.aval, "shape", None) == ()}
-  def known(v: Any) -> bool:
-    return isinstance(v, jex_core.Literal) or v in cheap or getattr(v.aval, "shape", 1) == ()
-
-  for eqn in jaxpr.eqns:
-    subs = _sub_jaxprs(eqn)
-    if not subs:
-      if _elementwise(eqn) and all(known(v) for v in eqn.invars):
-        cheap.update(eqn.outvars)
-    elif eqn.primitive.name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(
-        eqn.invars) and len(subs[0].outvars) == len(eqn.outvars):
-      inner = _constant_like(subs[0], [k for k, v in enumerate(eqn.invars) if known(v)])
-      cheap.update(o for o, i in zip(eqn.outvars, subs[0].outvars)
-                   if isinstance(i, jex_core.Literal) or i in inner)
-  return cheap
 
 
 def _describe(eqn: Any) -> str:

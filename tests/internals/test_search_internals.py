@@ -272,6 +272,67 @@ def test_the_cheap_estimate_gathers_keys_where_the_sequence_is_split():
   assert sent[seq] == (k.nbytes / 8 * 7 * 3, 3)  # k's piece from each of the 7 others
 
 
+def test_the_cheap_estimate_moves_a_fused_chain_through_memory_once():
+  """Elementwise ops between two matmuls are one kernel (XLA's loop
+  fusion): the chain reads the first matmul's result and writes its own
+  once, however long it is; before, each op of it counted its operands
+  and result."""
+  from partitioner._search.candidates import Candidate, roles
+  from partitioner._search.estimate import OpTable
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+  w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+
+  def accessed(n):
+    def f(x, w):
+      h = x @ w
+      for _ in range(n):
+        h = jnp.tanh(h) * 2.0 + 1.0
+      return h @ w
+    closed = jax.make_jaxpr(f)(x, w)
+    axes = logical_axes(closed)
+    table = OpTable(axes, roles(axes.in_axes, [x.shape, w.shape], ["x", "w"], [False, False]),
+                    [False, False])
+    one = Candidate((1, 1, 1), None, False, ())
+    return table.estimate(one, [((), ())] * 2, partitioner.DEVICE_MODELS["cpu"]).bytes_accessed
+
+  # x, w; the first product written and read; the chain's result written and
+  # read; w again; the result written
+  assert accessed(1) == accessed(6) == 4 * (6 * 256 * 512 + 2 * 512 * 512)
+
+
+def test_the_cheap_estimate_all_reduces_a_contraction_split_on_one_side():
+  """A dot contracting a dimension split on its right operand only: the
+  left's is sliced to match, and the products are partial sums, all-
+  reduced (before, the flops were halved and nothing moved)."""
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import _Op, _Value, _Walk
+  rows, feature, hidden, out = 0, 1, 2, 3  # roles
+  x = _Value((64, 128), 4, (rows, feature))
+  w = _Value((128, 32), 4, (hidden, out))  # (its contracted dimension another role's)
+  y = _Value((64, 32), 4, (rows, out))
+  walk = _Walk(Candidate((1, 1, 2), None, False, (hidden,)), [], (False,) * 3, {})
+  walk.op(_Op("dot", (x, w), (y,), contract=((1, 0),)))
+  assert (walk.comm, walk.count) == (y.nbytes * 2 * (2 - 1) / 2, 1)
+  assert walk.flops == 2 * 64 * 32 * 128 / 2
+
+
+def test_the_cheap_estimate_gathers_what_a_reshape_leaves_unsplit():
+  """A projection split on its output features, reshaped into heads that
+  no rule splits: its pieces are gathered (the cheaper than all-reducing
+  the result), not taken whole for free."""
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import _Op, _Value, _Walk
+  rows, feature = 0, 1  # roles
+  k = _Value((8, 64), 4, (rows, feature))
+  heads = _Value((8, 4, 16), 4, (rows, None, None))
+  walk = _Walk(Candidate((1, 1, 2), None, False, (feature,)), [], (False,) * 3, {})
+  walk.op(_Op("other", (k,), (heads,), times=3))
+  assert (walk.comm, walk.count) == (k.nbytes / 2 * (2 - 1) * 3, 3)
+  walk = _Walk(Candidate((1, 1, 2), None, False, ()), [], (False,) * 3, {})
+  walk.op(_Op("other", (k,), (heads,)))
+  assert walk.comm == 0.0
+
+
 def test_candidates_that_compile_to_one_program_are_one_row():
   """Two rule sets whose specs differ only where nothing reads them compile
   to the same program: the search keeps one row and counts the other."""

@@ -458,10 +458,11 @@ def test_a_proxys_first_repetition_keeps_a_collective_only_it_holds():
 def test_the_search_costs_about_the_same_at_any_depth():
   """What the search estimates and compiles does not grow with depth: the
   same candidates, and proxies of the same size, at 4 and 16 layers."""
-  # (at a batch of 16 no family's best is near FAMILY_WITHIN of the best at
-  # either depth, where it would be compiled at one depth only)
-  shallow = partitioner.search(_deep_step, *_deep(4, b=16), max_compiles=3, measure=0)
-  deep = partitioner.search(_deep_step, *_deep(16, b=16), max_compiles=3, measure=0)
+  # (at a batch of 128 no family's best is near FAMILY_WITHIN of the best
+  # at either depth (within 1.7x, or beyond 2.1x), where it would be
+  # compiled at one depth only)
+  shallow = partitioner.search(_deep_step, *_deep(4, b=128), max_compiles=3, measure=0)
+  deep = partitioner.search(_deep_step, *_deep(16, b=128), max_compiles=3, measure=0)
   assert shallow.estimated == deep.estimated and shallow.compiled == deep.compiled
   assert deep.proxy["proxy_ops"] == shallow.proxy["proxy_ops"]
 
