@@ -539,8 +539,9 @@ def floor_row(jax, model: Model, abstract, hand: Scores, found: Found) -> Row:
   """The found layout's bytes against the fewest of any layout that does
   no duplicated work (flops within 1.1x the best hand-written layout's)."""
   floor = bytes_floor(jax, model.step, abstract, 1.1 * hand.cpu[hand.best("flops")].flops)
+  why = overruled(found)  # (as the other bytes rows: no target where measuring picked)
   return Row("collective bytes vs the fewest of any layout without duplicated work",
              found.cpu.best.collective_bytes / 2**20, floor.collective_bytes / 2**20, "MiB",
-             "bytes-first search", "<= 1.05",
+             "bytes-first search", "-" if why else "<= 1.05",
              f"fewest bytes without duplicated work: {floor.family}, {floor.layout};"
-             f" {floor.flops / 1e9:.3g} GFLOP")
+             f" {floor.flops / 1e9:.3g} GFLOP" + (f"; {why}" if why else ""))
