@@ -13,10 +13,10 @@ state). Walking the ops, per device:
   contracting (or a reduction over) a split dimension all-reduces its
   result (split on one operand only, the other's is sliced to match); a
   dot whose operands are split over one grid axis outside a pair of its
-  dimensions (a sequence split's queries and keys) gathers
-  the smaller; an operand split over an axis none of an op's results is
-  split over (a reshape into dimensions no rule splits) is gathered, or
-  the results all-reduced, the cheaper;
+  dimensions (a sequence split's queries and keys) gathers the smaller;
+  an operand split over an axis none of an op's results is split over (a
+  reshape into dimensions no rule splits) is gathered, or the results
+  all-reduced, the cheaper;
 - memory: the arguments' pieces plus the dot_generals' results (the
   activations kept for the backward pass) and the gathered copies;
 - bytes accessed: every op's operands and results that XLA reads from
@@ -162,7 +162,10 @@ class OpTable:
     keeps inside a fused chain (never in memory)."""
     written = fusion.materialized(jaxpr) - fusion.constant_like(jaxpr)
     read = set(jaxpr.invars) | written
-    moves = lambda v: not isinstance(v, jex_core.Literal) and v in read and v not in fused  # noqa: E731
+
+    def moves(v: Any) -> bool:
+      return not isinstance(v, jex_core.Literal) and v in read and v not in fused
+
     for k, eqn in enumerate(jaxpr.eqns):
       if not ctx and k in self._skip:
         continue
