@@ -22,12 +22,14 @@ SHAPING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squ
                      "expand_dims", "select_n", "iota"})
 REDUCING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                       "argmin"})
-
-
+# Calls of a sub-jaxpr that XLA inlines (jnp.where's, a library's nested jit).
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
 def elementwise(eqn: Any) -> bool:
+  """Whether XLA fuses ``eqn`` into a loop kernel: a shaping op, an op
+  whose operands are its result's shape (or broadcast to it), or a call
+  of such ops alone."""
   if eqn.primitive.name in SHAPING:
     return True
   subs = _sub_jaxprs(eqn)
