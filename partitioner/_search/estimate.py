@@ -183,17 +183,19 @@ class OpTable:
         continue
       ins = tuple(self.value(ctx, v) for v in eqn.invars)
       outs = tuple(self.value(ctx, v) for v in eqn.outvars)
-      flags = dict(reads=tuple(map(moves, eqn.invars)), writes=tuple(map(moves, eqn.outvars)))
+      reads, writes = tuple(map(moves, eqn.invars)), tuple(map(moves, eqn.outvars))
       name = eqn.primitive.name
       if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), tuple(zip(lb, rb)), times=times, **flags)
+        op = _Op("dot", ins, outs, tuple(zip(lc, rc)), tuple(zip(lb, rb)), times=times,
+                 reads=reads, writes=writes)
       elif name in fusion.REDUCING:
-        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times, **flags)
+        op = _Op("reduce", ins, outs, reduced=tuple(eqn.params["axes"]), times=times,
+                 reads=reads, writes=writes)
       elif len(outs) == 1 and all(x.shape in (outs[0].shape, ()) for x in ins):
-        op = _Op("elementwise", ins, outs, times=times, **flags)
+        op = _Op("elementwise", ins, outs, times=times, reads=reads, writes=writes)
       else:
-        op = _Op("other", ins, outs, times=times, **flags)
+        op = _Op("other", ins, outs, times=times, reads=reads, writes=writes)
       ops[op] = ops.get(op, 0) + 1
 
   def estimate(self, c: Candidate, in_dims: Sequence[tuple[tuple[int, ...], ...]],
