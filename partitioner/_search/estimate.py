@@ -176,8 +176,8 @@ class OpTable:
           for b, branch in enumerate(eqn.params["branches"]):
             self._flatten(branch.jaxpr, (*ctx, k, b), times, ops)
         else:
-          inner = (_inline(eqn, subs[0], moves, lambda v: v in written and v not in fused)
-                   if len(subs) == 1 else frozenset())
+          inner = _inline(eqn, fusion.inlined(eqn, subs), moves,
+                          lambda v: v in written and v not in fused)
           for n, sub in enumerate(subs):
             self._flatten(sub, (*ctx, k, n), times * length, ops, inner)
         continue
@@ -212,11 +212,10 @@ class OpTable:
 
 
 def _inline(eqn: Any, sub: Any, moves: Any, writes: Any) -> frozenset:
-  """The inputs and results of the jaxpr of ``eqn``, a call of one that
-  maps them one to one (jnp.where's), that the caller keeps fused:
-  ``moves`` (its operands) and ``writes`` (its results) say which move."""
-  if (eqn.primitive.name not in fusion.CALLS or len(sub.invars) != len(eqn.invars)
-      or len(sub.outvars) != len(eqn.outvars)):
+  """The inputs and results of ``sub``, the jaxpr of the inlined call
+  ``eqn`` (None: no such call), that the caller keeps fused: ``moves``
+  (its operands) and ``writes`` (its results) say which move."""
+  if sub is None:
     return frozenset()
   pairs = [*((i, moves(v)) for i, v in zip(sub.invars, eqn.invars)),
            *((o, writes(v)) for o, v in zip(sub.outvars, eqn.outvars))]

@@ -26,6 +26,15 @@ REDUCING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
+def inlined(eqn: Any, subs: Sequence[Any]) -> Any | None:
+  """The jaxpr of ``eqn`` (its ``subs``) where ``eqn`` is a call XLA
+  inlines that maps its inputs and results one to one; else None."""
+  if (eqn.primitive.name in CALLS and len(subs) == 1
+      and len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars)):
+    return subs[0]
+  return None
+
+
 def elementwise(eqn: Any) -> bool:
   """Whether XLA fuses ``eqn`` into a loop kernel: a shaping op, an op
   whose operands are its result's shape (or broadcast to it), or a call
@@ -85,9 +94,8 @@ def constant_like(jaxpr: Any, inputs: Sequence[int] = ()) -> set:
     if not subs:
       if elementwise(eqn) and all(known(v) for v in eqn.invars):
         cheap.update(eqn.outvars)
-    elif eqn.primitive.name in CALLS and len(subs) == 1 and len(subs[0].invars) == len(
-        eqn.invars) and len(subs[0].outvars) == len(eqn.outvars):
-      inner = constant_like(subs[0], [k for k, v in enumerate(eqn.invars) if known(v)])
-      cheap.update(o for o, i in zip(eqn.outvars, subs[0].outvars)
+    elif (sub := inlined(eqn, subs)) is not None:
+      inner = constant_like(sub, [k for k, v in enumerate(eqn.invars) if known(v)])
+      cheap.update(o for o, i in zip(eqn.outvars, sub.outvars)
                    if isinstance(i, jex_core.Literal) or i in inner)
   return cheap

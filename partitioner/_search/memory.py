@@ -195,7 +195,7 @@ class Liveness:
                              if any(r is not None for r in x.roles)}}
         cheap = fusion.constant_like(jaxpr, hints.get(fusion.CHEAP, ()))
         around[fusion.CHEAP] = tuple(k for k, v in enumerate(eqn.invars)
-                               if isinstance(v, jex_core.Literal) or v in cheap)
+                                     if isinstance(v, jex_core.Literal) or v in cheap)
       subs = [self._block(j, (*ctx, k, n), {}, around) for n, j in enumerate(inner)]
       outs, out_ids = [], []
       for v in eqn.outvars:
