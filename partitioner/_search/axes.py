@@ -343,8 +343,13 @@ def shape_of(v: Any) -> tuple[int, ...]:
 
 
 def kept_by_reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int]]:
-  """Pairs (source dim, result dim) that a reshape keeps whole: groups of
-  equal product, one dimension on each side (size-1 dimensions aside)."""
+  """Pairs (source dim, result dim) a reshape carries: in each group of
+  equal product (size-1 dimensions aside), one dimension on each side, or
+  a dimension split into several (or several merged into one) with its
+  major factor: ``[.., 4096] -> [.., 32, 128]`` pairs the 4096 with the
+  32 heads. Split over n devices where n divides it, the major factor is
+  laid out as the whole is (each device a contiguous block of both), so
+  a weight split on its fused heads splits the heads it is reshaped into."""
   pairs, i, j = [], 0, 0
   while i < len(src) and j < len(dst):
     if src[i] == 1:
@@ -369,10 +374,9 @@ def kept_by_reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[in
         gj.append(j)
     big_i = [d for d in gi if src[d] > 1]
     big_j = [d for d in gj if dst[d] > 1]
-    if len(big_i) == 1 and len(big_j) == 1:
-      pairs.append((big_i[0], big_j[0]))
-    elif big_i and big_j and src[big_i[0]] == dst[big_j[0]]:
-      pairs.append((big_i[0], big_j[0]))  # a split or merge keeps its major dimension
+    if big_i and big_j and (len(big_i) == 1 or len(big_j) == 1
+                            or src[big_i[0]] == dst[big_j[0]]):
+      pairs.append((big_i[0], big_j[0]))  # (a split or merge: with its major factor)
     i, j = i + 1, j + 1
   return pairs
 

@@ -299,10 +299,10 @@ class Liveness:
     layers = sum(walk.local_bytes(self.inputs[k], flat[k])
                  for k, dims in enumerate(in_dims) if any(0 in ax for ax in dims))
     layers = min(layers, one.arguments)
-    # A data axis inside the stages splits each microbatch: the loop's
-    # values, which the probe's jaxpr holds whole (its reshape of the batch
-    # into microbatches keeps no dimension the batch's split could follow).
-    spread = (bubble if ring is None else 1.0) / s / c.replicas
+    # (A data axis inside the stages splits each microbatch: the probe's
+    # reshape of the batch into microbatches carries the batch's split to
+    # the microbatch's rows, and the one-stage account splits them.)
+    spread = (bubble if ring is None else 1.0) / s
     return MemoryAccount(one.arguments - layers + layers / s,
                          one.kept * spread + (ring or 0.0) / c.replicas, one.working * spread,
                          one.at)

@@ -37,6 +37,55 @@ def test_logical_axes_follow_a_matmul_chain_and_keep_layers_apart():
   assert xa[0] not in (*w1a, *w2a)  # the batch is no weight's
 
 
+
+def _attention(p, x, heads=4):
+  """Self-attention whose weights hold the heads fused (``wq`` is
+  [width, heads x head size], as Llama's are written)."""
+  b, s, d = x.shape
+  q, k, v = ((x @ p[w]).reshape(b, s, heads, d // heads) for w in ("wq", "wk", "wv"))
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+  out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+  return (out.reshape(b, s, d) @ p["wo"]).sum()
+
+
+def test_logical_axes_see_the_heads_a_fused_weight_holds():
+  """A reshape that splits a dimension (or merges several) carries it to
+  its major factor: the heads of wq, wk and wv's outputs and of wo's input
+  are one axis, which a split of the weights splits."""
+  from partitioner._search.axes import kept_by_reshape
+  assert kept_by_reshape((8, 4096), (8, 32, 128)) == [(0, 0), (1, 1)]
+  assert kept_by_reshape((8, 32, 128), (8, 4096)) == [(0, 0), (1, 1)]
+  assert kept_by_reshape((6, 4), (3, 8)) == []  # (no dimension laid out as another)
+  p = {w: jnp.ones((32, 32)) for w in ("wq", "wk", "wv", "wo")}
+  axes = logical_axes(jax.make_jaxpr(_attention)(p, jnp.ones((2, 16, 32))))
+  (wk, wo, wq, wv, x) = axes.in_axes
+  assert wq[1] == wk[1] == wv[1] == wo[0] != wq[0]
+  assert x[0] not in (*wq, *wo) and x[2] == wq[0]
+
+
+def test_the_cheap_estimate_splits_the_heads_of_fused_weights():
+  """Tensor parallel over the fused heads (2 devices) halves the
+  attention's flops and moves no activation: the scores are split as the
+  heads are (once they stayed whole, every device computing them all)."""
+  from partitioner._search.candidates import Candidate, roles
+  from partitioner._search.estimate import OpTable
+  p = {w: jax.ShapeDtypeStruct((64, 64), np.float32) for w in ("wq", "wk", "wv", "wo")}
+  x = jax.ShapeDtypeStruct((2, 256, 64), np.float32)
+  closed = jax.make_jaxpr(_attention)(p, x)
+  axes = logical_axes(closed)
+  shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
+  r = roles(axes.in_axes, shapes, ["wk", "wo", "wq", "wv", "x"], [True] * 4 + [False])
+  heads = r.of_axis[axes.in_axes[2][1]]
+  table = OpTable(axes, r, [True] * 4 + [False])
+  device = partitioner.DEVICE_MODELS["cpu"]
+  whole = table.estimate(Candidate((1, 1, 1), None, False, ()), [((),) * len(s) for s in shapes],
+                         device)
+  split = [tuple((2,) if r.of_axis.get(a) == heads else () for a in ax) for ax in axes.in_axes]
+  tp = table.estimate(Candidate((1, 1, 2), None, False, (heads,)), split, device)
+  assert tp.flops == pytest.approx(whole.flops / 2, rel=0.01)
+  assert tp.bytes_accessed < 0.55 * whole.bytes_accessed
+  assert tp.collective_bytes <= 4 * 2 * 256 * 64 * 4  # (at most the output's all-reduce)
+
 def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
   calls = []
 
