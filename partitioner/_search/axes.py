@@ -4,10 +4,11 @@ The search splits *logical axes* (batch, width, heads, hidden units,
 vocabulary...) over the device grid, as MaxText's logical axis rules do,
 but finds them itself: a union-find over (value, dimension) pairs of the
 function's jaxpr, joined where an op carries a dimension through (the
-elementwise ops, transposes, reductions, broadcasts, reshapes that keep a
-dimension, the batch and free dimensions of a dot_general and its
-contracting pairs, gathers and scatters, sub-jaxprs). Each class is one
-logical axis (``candidates`` names them by the arguments' dimensions).
+elementwise ops, transposes, reductions, broadcasts, reshapes (a dimension
+kept, or split into factors: with the major one), the batch and free
+dimensions of a dot_general and its contracting pairs, gathers and
+scatters, sub-jaxprs). Each class is one logical axis (``candidates``
+names them by the arguments' dimensions).
 """
 
 from __future__ import annotations
