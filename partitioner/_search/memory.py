@@ -281,16 +281,14 @@ class Liveness:
     activations, the stacked gradients) a stage's share times the bubble:
     the loop keeps each iteration's values for the backward pass, the fill
     and drain's too, split over the data axis inside the stages. (Against
-    XLA:TPU's peak of the same layouts on 8 v5p chips: 0.93-1.13x on
-    transformers of 8 layers, 4 or 8 microbatches, 2 to 8 stages; without
-    the bubble 0.42-0.75x. An MLP whose loop XLA:TPU
+    XLA:TPU's peak of the same layouts on 8 v5p chips: 1.02-1.10x on
+    transformers of 8 layers, 4 or 8 microbatches, 2 to 8 stages. An MLP whose loop XLA:TPU
     keeps less of: 1.24-3.14x.) ``ring``: with 1F1B, the microbatch
     inputs a stage keeps (:func:`stage_axis.ring_bytes`), which its
     one-stage trace holds for one stage only; its loop keeps nothing else
     from tick to tick but its carries (the gradient sums), so no bubble
     multiplies what is computed. (Against XLA:TPU's peak of the same
-    layouts on 8 v5p chips, 1F1B over 2 to 8 stages: 1.37-1.70x with
-    the bubble, below without.)"""
+    layouts on 8 v5p chips, 1F1B over 2 to 8 stages: 1.04-1.25x.)"""
     s = c.stages
     flat = [tuple(tuple(a - 1 for a in ax if a) for ax in dims) for dims in in_dims]
     one_stage = dataclasses.replace(c, stages=1)
