@@ -178,7 +178,7 @@ def test_a_causal_mask_and_a_broadcast_constant_cost_nothing():
   x = jax.ShapeDtypeStruct((8, 2048, 256), jnp.float32)
   plain, masked = ({c.layout: c.peak_memory for c in partitioner.search(
       _attention_step(False, causal_by_hand=mask), w, x, device_model="h100", progress=False,
-      max_compiles=4, measure=0).candidates} for mask in (False, True))
+      max_compiles=6, measure=0).candidates} for mask in (False, True))
   both = sorted(set(plain) & set(masked))  # (the two searches may rank a few differently)
   assert len(both) >= 3
   assert [masked[k] for k in both] == pytest.approx([plain[k] for k in both], rel=0.02)

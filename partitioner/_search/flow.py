@@ -8,10 +8,10 @@ cost and memory analysis of the compiled candidates.
    Megatron, tensor parallel, FSDP x TP, hybrid FSDP across hosts, and
    per-weight mixes of them); ``hosts=`` says which devices share a host,
    and what crosses hosts costs the device model's network bandwidth.
-3. Rank them all with the cheap model (``estimate``), then compile the
-   best ``max_compiles`` (and the best of each hand-written family, for
-   comparison; 2 of them are kept for variants of the best compiled
-   ones) through our own pipeline, without running them, and score
+3. Rank them all with the cheap model (``estimate``), then compile at
+   most ``max_compiles`` (the best, the best of each hand-written family
+   within 2x of it, then the next best; 2 of them are kept for variants
+   of the best compiled ones) through our own pipeline, without running them, and score
    the compiled programs (``partitioner._report.cost``) under a device model
    (``partitioner._report.device_models``); a program whose layers repeat is
    compiled as a short proxy and its scores scaled (``target``).
@@ -109,9 +109,12 @@ def search(  # noqa: PLR0913 (the search's keywords)
       lie within the device model's error of the best, the best of each
       family (at most 2), when the devices are the model's own; 0 never
       times.
-    max_compiles: how many candidates to compile: the cheap model's best
-      (and the best of each family), up to 2 of them kept for a second
-      round, variants (other model roles) of the best compiled layouts.
+    max_compiles: how many candidates to compile, at most: the cheap
+      model's best, the best of each family within 2x of it, then the
+      next best; up to 2 of them kept for a second round, variants (other
+      model roles) of the best compiled layouts. Under a memory budget,
+      the smallest of each configuration not compiled yet is compiled
+      too, to learn the model's memory error.
     progress: show a progress line on stderr (default: when it is a
       terminal).
     hosts: plan for this many hosts of ``num_devices / hosts`` consecutive

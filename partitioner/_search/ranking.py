@@ -38,18 +38,49 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
   (``Target.least_peak``: its arguments, its proxy's peak) is within the
   budget is compiled whole, and the first whose exact peak fits wins (at
   most ``EXACT_COMPILES`` whole programs; once they are spent, a candidate
-  compiled whole already, a count of microbatches, may still win). The
-  winner's peak and XLA's own
+  compiled whole already, a count of microbatches, may still win). Where
+  none fits, the smallest of a few configurations (``Space.later``) are
+  compiled and settled the same way. The winner's peak and XLA's own
   time estimate are then its whole program's; its time, flops and
   collectives stay the proxy's, scaled as every other candidate's (on a
   Gemma decoder the whole program's estimate was 1.3x its scaled one: the
   ranking compares like with like)."""
   who, budget = request.who, request.budget
-  order = sorted(compiled_results(compiler, who), key=lambda x: (x.score.seconds, x.index))
-  if request.hosts > 1:
+  peaks: list[_found.Result] = []
+  winner = _settle_first(compiler, space, request, compiled_results(compiler, who), peaks)
+  if winner is None and budget is not None and space.later:
+    # (none fits: the smallest configurations, compiled now, and settled the same way)
+    tried = set(map(id, compiler.results))
+    compiler.compile_all(space.later)
+    space.later = []
+    more = [x for x in compiler.results if id(x) not in tried and not x.failed]
+    winner = _settle_first(compiler, space, request, more, peaks)
+  for x in compiler.results:  # (the rest: their floor, else an estimate: never compiled whole)
+    if not x.failed and x.memory is None:
+      settle(x, space.part(x.candidate).target, budget, request.devices[0].platform, False)
+  if winner is None:
+    if budget is None or not peaks:  # (XLA refused every one it compiled whole)
+      raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
+                       f"{next(x.error for x in compiler.results if x.failed)}")
+    least = min(peaks, key=lambda x: x.score.peak_memory)
+    raise _select.budget_error(who, least.score.peak_memory, budget, least.family)
+  rest = sorted((x for x in compiler.fitting() if x is not winner),
+                key=lambda x: (x.score.seconds, x.index))
+  return [winner] + rest
+
+
+def _settle_first(compiler: Compiler, space: Space, request: Request, results: list,
+                  peaks: list) -> _found.Result | None:
+  """The first of ``results`` (in the order the search ranks them) whose
+  exact peak fits, each compiled whole while ``EXACT_COMPILES`` last; the
+  settled ones appended to ``peaks``."""
+  budget = request.budget
+  order = sorted(results, key=lambda x: (x.score.seconds, x.index))
+  if request.hosts > 1 and order:
     order = _select.plan_order(order, request.device)
-  bar = Progress(EXACT_COMPILES, f"{who}: compiling the winner whole", request.progress)
-  left, winner, peaks = EXACT_COMPILES, None, []
+  bar = Progress(EXACT_COMPILES, f"{request.who}: compiling the winner whole",
+                 request.progress)
+  left, winner = EXACT_COMPILES, None
   for x in order:
     target = space.part(x.candidate).target
     if not left and target is not None and target.proxy is not None:
@@ -64,18 +95,7 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
         winner = x
         break
   bar.close()
-  for x in compiler.results:  # (the rest: their floor, else an estimate: never compiled whole)
-    if not x.failed and x.memory is None:
-      settle(x, space.part(x.candidate).target, budget, request.devices[0].platform, False)
-  if winner is None:
-    if budget is None or not peaks:  # (XLA refused every one it compiled whole)
-      raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
-                       f"{next(x.error for x in order if x.failed)}")
-    least = min(peaks, key=lambda x: x.score.peak_memory)
-    raise _select.budget_error(who, least.score.peak_memory, budget, least.family)
-  rest = sorted((x for x in compiler.fitting() if x is not winner),
-                key=lambda x: (x.score.seconds, x.index))
-  return [winner] + rest
+  return winner
 
 
 def settle(x: _found.Result, target: _target.Target | None, budget: float | None,

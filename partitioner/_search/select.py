@@ -20,7 +20,7 @@ def plainer(c: Candidate, other: Candidate) -> bool:
 
 # Of the k best by the cheap model, at most k / PER_FAMILY (and 2) of one family.
 PER_FAMILY = 5
-# The best of each family is compiled too, when the cheap model puts it
+# The best of each family is among them, when the cheap model puts it
 # within this factor of the best (beyond, it is no close call).
 FAMILY_WITHIN = 2.0
 # Under a budget nothing fits: compile this many more rounds of candidates.
@@ -55,33 +55,44 @@ def memory_scale(results: list) -> Callable[[Candidate], float]:
   return scale
 
 
-def shortlist(rows: list, k: int, low_memory: bool, smallest_of: int | None = None) -> list:
-  """(index, candidate, dims, estimate) of the ``k`` best by the cheap
-  model (at most ``k / PER_FAMILY`` of a family), the best of each family that
-  does not copy work (within ``FAMILY_WITHIN`` of the best) and, under a
-  memory budget, the smallest of each (grid, batch, FSDP) configuration
-  (of the ``smallest_of`` configurations with the smallest, where given:
-  a 256-chip slice has dozens); in candidate order."""
+def shortlist(rows: list, k: int, low_memory: bool) -> list:
+  """(index, candidate, dims, estimate) of at most ``k`` candidates: the
+  cheap model's best, the best of each family that does not copy work
+  (within ``FAMILY_WITHIN`` of the best; in the cheap model's order, while
+  there is room), then the next best (at most ``k / PER_FAMILY`` of a
+  family); under a memory budget, the smallest of each (grid, batch, FSDP)
+  configuration not already among them, to learn each one's memory
+  error; in candidate order."""
   order = sorted(range(len(rows)), key=lambda i: (rows[i][2].seconds, i))
   family = [c.family() for c, *_ in rows]
-  picked, per_family, cap = [], {}, max(2, k // PER_FAMILY)
-  for i in order:  # the k best, few of a kind: variants of a family score alike
-    if len(picked) < max(1, k) and per_family.get(family[i], 0) < cap:
-      picked.append(i)
-      per_family[family[i]] = per_family.get(family[i], 0) + 1
+  picked, per_family, k = [], {}, max(1, k)
   best_of: dict[str, int] = {}
   worst = FAMILY_WITHIN * rows[order[0]][2].seconds if order else 0.0
   for i in order:  # no layout copies work on purpose: those compete by rank only
     if not rows[i][0].copies_work and rows[i][2].seconds <= worst:
       best_of.setdefault(family[i], i)
-  picked += best_of.values()
+  # (each family's best first: on 8 v5p chips ten families lie within
+  # 1.12x of the best, and each XLA:TPU compile of an 8B proxy takes 40 s)
+  cap = max(2, k // PER_FAMILY)
+  for i in [*order[:1], *best_of.values(), *order]:  # variants of a family score alike
+    if len(picked) < k and i not in picked and per_family.get(family[i], 0) < cap:
+      picked.append(i)
+      per_family[family[i]] = per_family.get(family[i], 0) + 1
   if low_memory:  # the smallest of every (grid, batch, FSDP): to learn each one's error
-    smallest: dict = {}
-    for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
-      c = rows[i][0]
-      smallest.setdefault(_config(c)[:-1], i)  # (of every microbatch count: its largest)
-    picked += list(smallest.values())[:smallest_of]
+    picked += smallest_rows(rows, picked)
   return [(i, *rows[i]) for i in sorted(set(picked))]
+
+
+def smallest_rows(rows: list, picked: list, few: int | None = None) -> list[int]:
+  """The indices of the smallest candidate (by the cheap model's memory)
+  of each (grid, batch, FSDP) configuration none of ``picked`` has (of the
+  ``few`` configurations with the smallest, where given: a 256-chip slice
+  has dozens)."""
+  smallest: dict = {}
+  for i in sorted(range(len(rows)), key=lambda i: (rows[i][2].memory, i)):
+    smallest.setdefault(_config(rows[i][0])[:-1], i)  # (of every microbatch count: its largest)
+  have = {_config(rows[i][0])[:-1] for i in picked}
+  return [i for key, i in list(smallest.items())[:few] if key not in have]
 
 
 def variants(rows: list, results: list, k: int) -> list:

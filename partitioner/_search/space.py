@@ -85,6 +85,7 @@ class Space:
   parts: dict = dataclasses.field(default_factory=dict)  # count -> its Space
   base_of: dict = dataclasses.field(default_factory=dict)  # row -> the whole batch's row
   chosen: list = dataclasses.field(default_factory=list)
+  later: list = dataclasses.field(default_factory=list)  # compiled only if nothing fits
   refine: int = 0
   remat: bool = False  # (the step recomputes activations: jax.checkpoint somewhere)
 
@@ -121,9 +122,15 @@ class Space:
           request.who, est.memory, budget, c.family(), liveness.account(c, dims), self.remat,
           None if self.remat else rematerialized(liveness, c, dims))
     chosen = shortlist_rows(self.rows, request, self.refine, self.liveness is not None,
-                        self.target.settles)
+                            self.target.settles)
     picked = {k for k, *_ in chosen}
     self.chosen = chosen + [(i, *self.rows[i]) for i in self.staged if i not in picked]
+    if self.target.settles and budget is not None:
+      # (where every compile is XLA:TPU's (40 s for an 8B's proxy) and the
+      # winner is compiled whole anyway, the few smallest configurations
+      # are compiled only if no candidate compiled first fits the budget)
+      self.later = [(i, *self.rows[i]) for i in _select.smallest_rows(
+          self.rows, [k for k, *_ in self.chosen], SETTLE_SMALLEST)]
 
 
 def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
@@ -198,21 +205,20 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
                 remat=rematerializes(closed.jaxpr))
 
 
-# Configurations whose smallest candidate is compiled on such a target.
+# On a target that settles the winner's memory, the configurations whose
+# smallest candidate is compiled when no candidate compiled first fits.
 SETTLE_SMALLEST = 3
 
 
 def shortlist_rows(rows: list, request: Request, refine: int, counted: bool,
-               settles: bool = False) -> list:
+                   settles: bool = False) -> list:
   """The first candidates to compile; with memory counted for the
   accelerator, only among those that fit (the count is the verdict: no
-  compile would correct it)."""
+  compile would correct it); where the target ``settles`` the winner's
+  memory (:attr:`Space.later`), not the smallest of each configuration."""
   k, budget = request.max_compiles - refine, request.budget
   if not counted or budget is None:
-    # (where every compile is XLA:TPU's and the winner is compiled whole
-    # anyway, the few smallest configurations, not each one's smallest)
-    few = SETTLE_SMALLEST if settles else None
-    return _select.shortlist(rows, k, budget is not None, few)
+    return _select.shortlist(rows, k, budget is not None and not settles)
   # (Space.choose raised, naming what fills the smallest peak, where none fits)
   eligible = [i for i, row in enumerate(rows) if row[2].memory <= budget]
   picked = _select.shortlist([rows[i] for i in eligible], k, False)

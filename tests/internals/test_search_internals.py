@@ -483,6 +483,47 @@ def test_the_second_round_compiles_variants_of_the_best_compiled_layouts():
   assert [i for i, *_ in _select.variants(rows, results, 5)] == [2, 3, 5]
 
 
+def test_the_shortlist_compiles_at_most_max_compiles_each_familys_best_first():
+  """Where more families lie within FAMILY_WITHIN of the best than there
+  is room (ten within 1.12x on 8 v5p chips, each XLA:TPU compile 40 s),
+  the shortlist keeps ``k``: the best, then each family's best in the
+  cheap model's order; under a budget, the smallest of a configuration
+  not already among them is added."""
+  from partitioner._search.candidates import Candidate
+  from partitioner._search.estimate import Estimate
+
+  def row(grid, batch, fsdp, model, seconds, memory=1.0, zero=False):
+    c = Candidate(grid, batch, fsdp, model, zero=zero)
+    return (c, [], Estimate(1.0, 0.0, 0, memory, seconds))
+  rows = [row((8, 1, 1), 0, False, (), 1.05),               # 0 data parallel 8
+          row((1, 8, 1), 0, True, (), 1.05, zero=True),     # 1 ZeRO-1 8
+          row((1, 8, 1), 0, True, (), 1.06, 0.5),           # 2 FSDP 8
+          row((1, 8, 1), 1, True, (), 1.07, 0.4),           # 3 FSDP 8, the smallest
+          row((4, 1, 2), 0, False, (1,), 1.0),              # 4 data x model 4 x 2
+          row((4, 1, 2), 0, False, (1, 2), 1.001),          # 5 its variant
+          row((1, 4, 2), 0, True, (1,), 1.002, zero=True),  # 6 ZeRO-1 4 x TP 2
+          row((1, 4, 2), 0, True, (1,), 1.003, 0.6),        # 7 FSDP x TP 4 x 2
+          row((2, 1, 4), 0, False, (1,), 1.02),             # 8 data x model 2 x 4
+          row((1, 1, 8), None, False, (0, 1), 1.1),         # 9 tensor parallel 8
+          row((1, 1, 8), None, False, (1,), 2.5)]           # 10 beyond FAMILY_WITHIN
+  assert len({c.family() for c, *_ in rows}) == 8
+  picked = lambda *a: [i for i, *_ in _select.shortlist(rows, *a)]
+  assert picked(5, False) == [0, 4, 6, 7, 8]  # the best, then each family's best
+  # With room, the next best after every family's best (5, then 3; 10:
+  # no close call, and the last).
+  assert picked(9, False) == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+  assert picked(10, False) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+  # Under a budget, the smallest of each configuration not compiled yet
+  # (3 and 2: FSDP 8 with each batch split; 1: ZeRO-1 8; 9: TP 8); those
+  # compiled already learn their memory error from what is (7's, 0's).
+  assert picked(5, True) == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+  # Of the few smallest configurations only (a TPU slice's, compiled when
+  # nothing compiled first fits): the third smallest is 7's, compiled.
+  first = [0, 4, 6, 7, 8]
+  assert _select.smallest_rows(rows, first, 1) == [3]
+  assert _select.smallest_rows(rows, first, 3) == [3, 2]
+
+
 def test_timed_steps_on_accelerators_donate_only_whole_state_arguments():
   from partitioner._search import inputs as _inputs
   from partitioner._search.measure import state_args as _state_args

@@ -54,7 +54,8 @@ def test_the_found_layout_trains_like_an_unsharded_run():
 @pytest.mark.eight_devices
 def test_a_wide_mlp_with_a_small_batch_splits_the_weights():
   params, x = mlp(512, 2048, 8)
-  found = partitioner.search(mlp_step, params, x, max_compiles=4)
+  # (6: room for the best of each of the four families within 2x of it)
+  found = partitioner.search(mlp_step, params, x, max_compiles=6)
   assert found.best.family not in ("data parallel 8", "FSDP 8"), found.report()
   dp = [c for c in found.candidates if c.family == "data parallel 8" and not c.error]
   assert dp and found.best.collective_bytes < dp[0].collective_bytes
