@@ -83,10 +83,11 @@ def _against_tpu() -> list[dict]:
   step, state, tokens = _llama.abstract(_llama.Shape(**SMALL))
   args = (step, *state, tokens)
   chips = partitioner.tpu_devices("v5p:2x2x2")
-  tpu = partitioner.search(*args, devices=chips, progress=False, max_compiles=2,
+  # (16: room for the best of every family within 2x of the best: ten or so)
+  tpu = partitioner.search(*args, devices=chips, progress=False, max_compiles=16,
                            memory_budget_bytes=1e12)
   counted = {c.layout: c for c in partitioner.search(
-      *args, device_model="tpu-v5p", progress=False, max_compiles=2,
+      *args, device_model="tpu-v5p", progress=False, max_compiles=16,
       memory_budget_bytes=1e12, measure=0).candidates}
   rows, seen = [], set()
   for c in tpu.candidates:
