@@ -11,10 +11,11 @@ cost and memory analysis of the compiled candidates.
 3. Rank them all with the cheap model (``estimate``), then compile at
    most ``max_compiles`` (the best, the best of each hand-written family
    within 2x of it, then the next best; 2 of them are kept for variants
-   of the best compiled ones) through our own pipeline, without running them, and score
-   the compiled programs (``partitioner._report.cost``) under a device model
-   (``partitioner._report.device_models``); a program whose layers repeat is
-   compiled as a short proxy and its scores scaled (``target``).
+   of the best compiled ones) through our own pipeline, without running
+   them, and score the compiled programs (``partitioner._report.cost``)
+   under a device model (``partitioner._report.device_models``); a
+   program whose layers repeat is compiled as a short proxy and its
+   scores scaled (``target``).
 4. Keep those within ``memory_budget_bytes``, pick the fastest (ties: the
    earlier in the fixed candidate order: same inputs, same layout); the
    close calls (within the device model's error) are timed on the devices
@@ -114,7 +115,9 @@ def search(  # noqa: PLR0913 (the search's keywords)
       next best; up to 2 of them kept for a second round, variants (other
       model roles) of the best compiled layouts. Under a memory budget,
       the smallest of each configuration not compiled yet is compiled
-      too, to learn the model's memory error.
+      too, to learn the model's memory error (for a TPU slice's
+      compile-only devices, those of a few configurations, and only when
+      nothing compiled first fits).
     progress: show a progress line on stderr (default: when it is a
       terminal).
     hosts: plan for this many hosts of ``num_devices / hosts`` consecutive
