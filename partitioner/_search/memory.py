@@ -282,8 +282,8 @@ class Liveness:
     the loop keeps each iteration's values for the backward pass, the fill
     and drain's too, split over the data axis inside the stages. (Against
     XLA:TPU's peak of the same layouts on 8 v5p chips: 1.02-1.10x on
-    transformers of 8 layers, 4 or 8 microbatches, 2 to 8 stages. An MLP whose loop XLA:TPU
-    keeps less of: 1.24-3.14x.) ``ring``: with 1F1B, the microbatch
+    transformers of 8 layers, 4 or 8 microbatches, 2 to 8 stages. An MLP
+    whose loop XLA:TPU keeps less of: 1.24-3.14x.) ``ring``: with 1F1B, the microbatch
     inputs a stage keeps (:func:`stage_axis.ring_bytes`), which its
     one-stage trace holds for one stage only; its loop keeps nothing else
     from tick to tick but its carries (the gradient sums), so no bubble

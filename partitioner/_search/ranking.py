@@ -50,10 +50,9 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
   winner = _settle_first(compiler, space, request, compiled_results(compiler, who), peaks)
   if winner is None and budget is not None and space.later:
     # (none fits: the smallest configurations, compiled now, and settled the same way)
-    tried = set(map(id, compiler.results))
+    first = len(compiler.results)
     compiler.compile_all(space.later)
-    space.later = []
-    more = [x for x in compiler.results if id(x) not in tried and not x.failed]
+    more = [x for x in compiler.results[first:] if not x.failed]
     winner = _settle_first(compiler, space, request, more, peaks)
   for x in compiler.results:  # (the rest: their floor, else an estimate: never compiled whole)
     if not x.failed and x.memory is None:
