@@ -39,11 +39,15 @@ class Axes:
     of: ``of[(var, dim)]`` -> the class id of every (value, dimension).
     in_axes: per flat input, the class id of each dimension.
     out_axes: per flat output, the class id of each dimension.
+    looked_up: the classes of a table's rows that a lookup indexes (an
+      embedding's vocabulary: a gather's collapsed dimensions, with no
+      batching dimensions, which ``take_along_axis`` has).
   """
   jaxpr: Any
   of: dict
   in_axes: list[tuple[int, ...]]
   out_axes: list[tuple[int | None, ...]]
+  looked_up: frozenset[int] = frozenset()
 
   def axis(self, ctx: tuple, var: Any, dim: int) -> int | None:
     """The class of ``var``'s dimension ``dim`` inside the call ``ctx``."""
@@ -55,6 +59,7 @@ class Axes:
 class _UnionFind:
   def __init__(self):
     self.parent: dict = {}
+    self.looked_up: list = []  # (value, dimension) keys of the tables' rows
 
   def find(self, x):
     parent = self.parent
@@ -89,7 +94,7 @@ def logical_axes(closed: Any) -> Axes:
   in_axes = [tuple(cast(int, cls(v, d)) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
   out_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.outvars]
   of = {key: ids.setdefault(uf.find(key), len(ids)) for key in list(uf.parent)}
-  return Axes(closed, of, in_axes, out_axes)
+  return Axes(closed, of, in_axes, out_axes, frozenset(of[uf.find(k)] for k in uf.looked_up))
 
 
 class _Scoped:
@@ -226,6 +231,9 @@ def _elementwise(eqn: Any, uf: _Scoped) -> None:
 
 def _gather(eqn: Any, uf: _Scoped) -> None:
   gather(uf, eqn)
+  dn, operand = eqn.params["dimension_numbers"], eqn.invars[0]
+  if not getattr(dn, "operand_batching_dims", ()) and not isinstance(operand, jex_core.Literal):
+    uf.uf.looked_up.extend(((uf.ctx, operand), d) for d in dn.collapsed_slice_dims)
 
 
 def _scatter(eqn: Any, uf: _Scoped) -> None:

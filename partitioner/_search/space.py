@@ -152,7 +152,7 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   # State that feeds no matmul is optimizer state (Adam's moments): ZeRO-1 splits only it.
   kinds = [(WEIGHT if w else OPTIMIZER) if st else BATCH_LIKE
            for st, w in zip(state, feeds_matmul(closed))]
-  r = roles(axes.in_axes, shapes, names, state)
+  r = roles(axes.in_axes, shapes, names, state, axes.looked_up)
   program = OpTable(axes, r, state)
   by_layout: dict = {}  # rules that give the same specs are one layout
   for c in enumerate_candidates(n, r, hosts, zero=OPTIMIZER in kinds):

@@ -63,6 +63,33 @@ def test_logical_axes_see_the_heads_a_fused_weight_holds():
   assert x[0] not in (*wq, *wo) and x[2] == wq[0]
 
 
+def test_a_tables_rows_are_looked_up_and_a_take_along_axis_is_not():
+  """An embedding lookup marks the table's rows (FSDP splits them first);
+  ``take_along_axis`` (a gather with batching dimensions) marks nothing."""
+  from partitioner._search.candidates import Candidate, role_dims, roles
+
+  def f(p, tokens):
+    x = p["embed"].astype(jnp.bfloat16)[tokens]
+    logp = jax.nn.log_softmax(x.astype(jnp.float32) @ p["unembed"])
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1).sum()
+
+  p = {"embed": jnp.ones((256, 32)), "unembed": jnp.ones((32, 256))}
+  closed = jax.make_jaxpr(f)(p, jnp.ones((4, 8), jnp.int32))
+  axes = logical_axes(closed)
+  (embed, unembed, tokens) = axes.in_axes
+  assert axes.looked_up == {embed[0]}
+  shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
+  r = roles(axes.in_axes, shapes, ["embed", "unembed", "tokens"], [True, True, False],
+            axes.looked_up)
+  assert r.looked_up == {r.of_axis[embed[0]]}
+  # FSDP x TP 4 x 2 with the rows on model: FSDP on the rows too, not the width.
+  vocab = r.of_axis[embed[0]]
+  c = Candidate((1, 4, 2), r.of_axis[tokens[0]], True, (vocab,))
+  role = tuple(r.of_axis.get(a) for a in embed)
+  assert role_dims(c, role, (256, 32), 1, (True, False)) == ((1, 2), ())
+  assert role_dims(c, role, (256, 32), 1) == ((2,), (1,))  # (a weight's: the largest free dim)
+
+
 def test_the_cheap_estimate_splits_the_heads_of_fused_weights():
   """Tensor parallel over the fused heads (2 devices) halves the
   attention's flops and moves no activation: the scores are split as the
