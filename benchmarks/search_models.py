@@ -13,7 +13,9 @@ steps/s against the fastest hand-written layout: data parallel 8, FSDP 8
 Megatron rules on Gemma's names, weights copied over data), the same with
 the single key/value head left whole (as MaxText lays out a multi-query
 model) at 4 x 2 and 2 x 4, tensor parallel 8 and FSDP x TP 4 x 2 (both
-with the key/value head whole). Each layout
+with the key/value head whole; FSDP x TP with the embedding table's rows
+over the whole grid, as ``fsdp_tp_specs`` splits a leaf no rule names).
+Each layout
 keeps its parameters on the devices (each step gets the last one's
 output); the layouts are timed in interleaved rounds, each warmed by one
 step right before its timed steps, then the found one against the two
@@ -57,8 +59,11 @@ def hand_written(jax, state, ids) -> dict:
         P(d, 1))
   layouts["tensor parallel 8"] = (fsdp_tp_specs(state, megatron_rules(8, kv), fsdp=1,
                                                 tensor=8), None)
-  layouts["FSDP x TP 4 x 2"] = (fsdp_tp_specs(state, megatron_rules(2, kv), fsdp=4, tensor=2),
-                                P(4, 1))
+  # (the table without a rule: FSDP splits its rows over the whole grid;
+  # with Megatron's rule on its rows, FSDP would split its width over the
+  # batch's axis, and every activation after the lookup the batch whole)
+  tables = [(pattern, spec) for pattern, spec in megatron_rules(2, kv) if "embed" not in pattern]
+  layouts["FSDP x TP 4 x 2"] = (fsdp_tp_specs(state, tables, fsdp=4, tensor=2), P(4, 1))
   return {k: ((*s, b), (*s, None)) for k, (s, b) in layouts.items()}
 
 

@@ -81,6 +81,12 @@ def fsdp_tp_specs(tree: Any, rules: Sequence[tuple[Any, PartitionSpec | None]], 
   the FSDP split on its major one: MaxText's ``P('fsdp', 'tensor')`` and
   ``P('tensor', 'fsdp')`` on a ``('fsdp', 'tensor')`` mesh.
 
+  An embedding table is best left to no rule: its rows (the largest
+  dimension) are then split over the whole grid. With a rule on its rows,
+  FSDP splits its width over the batch's axis, and where the model
+  constrains no activation, XLA's propagation gives the lookup's result
+  that split and keeps the batch whole in every activation after it.
+
   Args:
     tree: a pytree of arrays or ``jax.ShapeDtypeStruct``.
     rules: ordered ``(pattern, spec)`` pairs, as for ``spec_tree``.
