@@ -462,7 +462,10 @@ def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
     # TP 4 x 2 with the rows on model, FSDP on the width: 4x the
     # collective bytes, a 68 MB peak by XLA:TPU; FSDP on the rows too:
     # 42 MB, as with the rows whole on model.)
-    first = looked_up or (False,) * len(shape)
+    # (Under ZeRO-1 the table stays whole on fsdp and its optimizer state
+    # takes the width as any leaf's: on the rows it cost a Gemma plan
+    # for 8 hosts 1.6x the bytes across them.)
+    first = looked_up if looked_up and not candidate.zero else (False,) * len(shape)
     for axis in (FSDP, MODEL):
       if grid[axis] == 1 or axis in used:
         continue
@@ -470,7 +473,10 @@ def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
                       key=lambda d: (not first[d], bool(dims[d]), -shape[d], d)):
         split = math.prod(grid[a] for a in dims[d])
         if shape[d] % (split * grid[axis]) == 0:
-          dims[d] = tuple(sorted((*dims[d], axis)))
+          # (minor to the split there: each device's piece lies inside the
+          # piece its model split gives it, so ZeRO-1's optimizer state
+          # refines its weight's layout and is updated where it lies)
+          dims[d] = (*dims[d], axis)
           used.add(axis)
           break
   return tuple(dims)

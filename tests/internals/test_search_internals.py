@@ -86,8 +86,13 @@ def test_a_tables_rows_are_looked_up_and_a_take_along_axis_is_not():
   vocab = r.of_axis[embed[0]]
   c = Candidate((1, 4, 2), r.of_axis[tokens[0]], True, (vocab,))
   role = tuple(r.of_axis.get(a) for a in embed)
-  assert role_dims(c, role, (256, 32), 1, (True, False)) == ((1, 2), ())
+  assert role_dims(c, role, (256, 32), 1, (True, False)) == ((2, 1), ())  # (fsdp minor)
   assert role_dims(c, role, (256, 32), 1) == ((2,), (1,))  # (a weight's: the largest free dim)
+  # ZeRO-1: the table whole on fsdp, its optimizer state on the width as any
+  # leaf's (inside the rows' model split: the update is local).
+  zero = dataclasses.replace(c, zero=True)
+  assert role_dims(zero, role, (256, 32), 1, (True, False)) == ((2,), ())
+  assert role_dims(zero, role, (256, 32), 2, (True, False)) == ((2,), (1,))
 
 
 def test_the_cheap_estimate_splits_the_heads_of_fused_weights():
