@@ -5,13 +5,13 @@ A candidate is a grid ``(data, fsdp, model)`` of the devices, row-major
 across hosts), and rules that put logical axes on its axes, the way
 MaxText's logical axis rules do (see ``axes``): one axis of the
 batch-like arguments on ``data`` and ``fsdp``; with FSDP, each state
-leaf's largest free dimension (a table's rows first) on ``fsdp`` (and on
-``model`` if no model role splits it); a set of weight axes on ``model``. Those give every
-hand-written layout (data parallel, FSDP, Megatron d x m, pure tensor
-parallel, FSDP x TP), hybrid FSDP (replicas across hosts, FSDP inside),
-ZeRO-1 (only the optimizer state on ``fsdp``: the weights whole, see
-``weights``) and the mixes between them (attention replicated, MLP tensor
-parallel).
+leaf's largest free dimension (a table's rows first) on ``fsdp`` (and
+on ``model`` if no model role splits it); a set of weight axes on
+``model``. Those give every hand-written layout (data parallel, FSDP,
+Megatron d x m, pure tensor parallel, FSDP x TP), hybrid FSDP (replicas
+across hosts, FSDP inside), ZeRO-1 (only the optimizer state on
+``fsdp``: the weights whole, see ``weights``) and the mixes between them
+(attention replicated, MLP tensor parallel).
 Pipeline stages (``_stage_axis``) are one more axis, major to all of
 them: ``stages`` on a candidate, the grid of each stage inside. Axes are
 grouped into *roles* first: the same axis of every layer (``blocks/0/wq
@@ -455,16 +455,15 @@ def role_dims(candidate: Candidate, role: tuple, shape: tuple[int, ...],
   if candidate.fsdp and sharded and math.prod(shape) >= FSDP_MIN_SIZE:
     # ZeRO-3: a state leaf also takes the grid axes it does not use, on its
     # largest other dimension that divides, else its split one (major
-    # first), as fsdp_tp_specs does; a table's rows first. (A table split
-    # on its width over the batch's axis hands the lookup's result that
-    # split: XLA's propagation keeps the width split and the batch whole
-    # on every activation after it. On a decoder for 8 v5p chips, FSDP x
-    # TP 4 x 2 with the rows on model, FSDP on the width: 4x the
-    # collective bytes, a 68 MB peak by XLA:TPU; FSDP on the rows too:
-    # 42 MB, as with the rows whole on model.)
-    # (Under ZeRO-1 the table stays whole on fsdp and its optimizer state
-    # takes the width as any leaf's: on the rows it cost a Gemma plan
-    # for 8 hosts 1.6x the bytes across them.)
+    # first), as fsdp_tp_specs does. A table's rows come first where the
+    # table itself is sharded: split on its width over the batch's axis,
+    # the lookup's result takes that split and XLA's propagation keeps
+    # the batch whole in every activation after it (on a decoder for 8
+    # v5p chips, FSDP x TP 4 x 2 with the rows on model: 4x the
+    # collective bytes, XLA:TPU's peak 68 against 42 MB). Under ZeRO-1
+    # the table stays whole on fsdp and its optimizer state takes the
+    # width as any leaf's (on the rows it cost a Gemma plan for 8 hosts
+    # 1.6x the bytes across them).
     first = looked_up if looked_up and not candidate.zero else (False,) * len(shape)
     for axis in (FSDP, MODEL):
       if grid[axis] == 1 or axis in used:
