@@ -105,6 +105,34 @@ def _mlp_step(params, x):
   return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
 
 
+def _xla_tpu_rate(chip, shape, f) -> float:
+  """XLA:TPU's cost model: its optimal_seconds of ``f`` on bf16 arguments of
+  ``shape`` on one ``chip``, and the flops or bytes over it."""
+  arg = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(chip))
+  analysis = jax.jit(f).lower(arg, arg).compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  work = analysis["flops"] if f is jnp.matmul else analysis["bytes accessed"]
+  return work / analysis["optimal_seconds"]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, model, measured_matmul", [
+    ("v4:2x2x1", "tpu-v4", False), ("v5e:2x2", "tpu-v5e", True),
+    ("v5p:2x2x1", "tpu-v5p", False), ("v6e:2x2", "tpu-v6e", True)])
+def test_tpu_models_rates_are_xla_tpus_own_where_none_is_measured(topology, model,
+                                                                   measured_matmul):
+  # (device_models' docstring: the memory rates, and the matmul rates no
+  # measurement was found for, are XLA:TPU's cost model's, not datasheets')
+  chip, named = partitioner.tpu_devices(topology)[0], partitioner.DEVICE_MODELS[model]
+  matmul = _xla_tpu_rate(chip, (16384, 16384), jnp.matmul)
+  memory = _xla_tpu_rate(chip, (2**16, 4096), jnp.add)
+  assert named.memory_bytes_per_s == pytest.approx(memory, rel=0.005)
+  if measured_matmul:  # (XLA's matmuls, measured, reach below its model's peak)
+    assert 0.75 * matmul < named.flops_per_s < matmul
+  else:
+    assert named.flops_per_s == pytest.approx(matmul, rel=0.005)
+
+
 @needs_libtpu
 def test_compiled_for_a_topology_reports_xla_tpu_memory_and_cannot_run():
   devices = partitioner.tpu_devices("v5p:2x2x2")  # 8 chips

@@ -22,10 +22,11 @@ GH200's and B200's bf16 matmul rates are published measurements (torch's
 matmul at its best shape: an upper bound of what XLA's reach, which on
 the H100 measured 0.82x torch's best, 651 against 794.5), and so are
 the v5e's and v6e's (XLA's own matmul) and the v4's data-centre network
-(PaLM's);
-every other figure of the
-accelerators is a datasheet peak for one device (dense, bf16), not a
-measurement; the cpu's are measured:
+(PaLM's); the TPUs' memory rates and the v4's and v5p's matmul rates are
+XLA:TPU's own, read from its cost model (below: no measurement was found
+to cite, and the target's compiler is the next best source); every other
+figure of the accelerators is a datasheet peak for one device (dense,
+bf16), not a measurement; the cpu's are measured:
 
 - ``cpu``: one of 8 simulated devices sharing a 2-core host, measured by
   ``partitioner.calibrate()`` on it (three runs: 38-45 GFLOP/s, 7.9-9.1
@@ -76,8 +77,9 @@ measurement; the cpu's are measured:
   1745.0 on a B200 SXM, torch 2.7.1 + CUDA 12.8; the datasheet's 2250);
   NVIDIA HGX B200 datasheet: 1.125 PFLOP/s TF32, 180 GB HBM3e at 7.7
   TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
-- ``tpu-v4``: Google Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at
-  1.2 TB/s, ICI ~270 GB/s per chip (the docs' all-reduce bandwidth of 1.1
+- ``tpu-v4``: XLA:TPU's cost model (below): 274 TFLOP/s of bf16 matmul
+  (the docs' 275), 982.5 GB/s of memory (the docs' 1.2 TB/s); Google
+  Cloud TPU v4 docs: 32 GiB HBM2, ICI ~270 GB/s per chip (the docs' all-reduce bandwidth of 1.1
   PB/s a pod of 4096 chips); data-centre network 1.65 GB/s per chip, a
   measurement: PaLM's cross-pod gradient exchange on two pods of v4 (6144
   chips on 1536 hosts, 4 a host) reached an aggregate burst of 81 Tb/s
@@ -87,11 +89,12 @@ measurement; the cpu's are measured:
   matmul guide, github.com/jax-ml/jax ``docs/pallas/tpu/matmul.ipynb``:
   XLA's ``jnp.matmul`` of 8192 x 8192 x 8192 in 6.05 ms on a v5e, 181.8
   TFLOP/s, 92% of the datasheet's 197; 84% at 4096 cubed, timed with the
-  call's dispatch); Google Cloud TPU v5e docs: 16 GB HBM2 at
-  819 GB/s, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
+  call's dispatch); XLA:TPU's cost model: 737.7 GB/s of memory (the
+  docs' 819); Google Cloud TPU v5e docs: 16 GB HBM2, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
   (the docs: 2 x 100 Gb/s NICs a host of 8 chips, 6.4 Tb/s a pod of 256);
-- ``tpu-v5p``: Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at
-  2.77 TB/s, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
+- ``tpu-v5p``: XLA:TPU's cost model: 394 TFLOP/s of bf16 matmul (the
+  docs' 459), 2350.4 GB/s of memory (the docs' 2.77 TB/s); Google Cloud
+  TPU v5p docs: 95 GB HBM2e, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
   GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
 - ``tpu-v6e``: 728 TFLOP/s of bf16 matmul, measured (one user's run,
   github.com/yangwhale/gpu-tpu-pedia, commit 6744fee,
@@ -99,10 +102,23 @@ measurement; the cpu's are measured:
   XLA's ``lax.dot_general`` of 8192 x 8192 x 8192 in 1510.9 us on a v6e,
   the median of 20 calls' device time in jax's profiler trace, 727.7
   TFLOP/s, 79% of the datasheet's 918; 73% timed with the call's dispatch);
-  Google Cloud TPU v6e (Trillium) docs: 32 GB HBM at 1.64 TB/s, ICI 400 GB/s per chip (the docs' table: 800
+  XLA:TPU's cost model: 1638 GB/s of memory (the docs' 1.64 TB/s);
+  Google Cloud TPU v6e (Trillium) docs: 32 GB HBM, ICI 400 GB/s per chip (the docs' table: 800
   GB/s bidirectional, as v5e's 400 and v5p's 1200 are, whose models hold
   half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
   NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
+
+XLA:TPU's cost model is what the compiler itself assumes of a chip: its
+``optimal_seconds`` (``compiled.cost_analysis()``) for one chip of a
+compile-only topology (``partitioner.tpu_devices("v5p:2x2x1")``, libtpu
+0.0.42.1) of a bf16 matmul of 16384 cubed gives the matmul rate, of an
+elementwise add of 2**28 bf16 values (and of a transposed copy, the same)
+the memory rate, the same at every size from 2**20 values. It is a peak,
+not a measurement: at the v5e's and v6e's it gives their datasheets'
+197 and 918 TFLOP/s, which XLA's matmuls were measured to reach 0.92
+and 0.79 of (above); at the v5p's it gives 394, 0.86 of its datasheet's
+459. ``tests/test_tpu_topology.py`` checks these constants against the
+installed libtpu.
 
 A matmul with a narrow dimension (a tensor-parallel shard's) runs below
 the rate of a wide one. The Hopper GPUs (``h100``, ``h200``, ``gh200``)
@@ -473,10 +489,10 @@ MODELS = types.MappingProxyType({
                   matmul_dim_factors=_HOPPER_MATMUL),
     "b200": _gpu("NVIDIA B200", (1745e12, 7.7e12, 1800e9, 50e9), 8e-6, 180e9, 1125e12,
                  attention_flops_per_s=998e12, matmul_dim_factors=_B200_MATMUL),
-    "tpu-v4": _tpu("Google TPU v4", (275e12, 1.2e12, 270e9, 1.65e9), 32 * 2**30),
-    "tpu-v5e": _tpu("Google TPU v5e", (181.8e12, 0.819e12, 200e9, 3.125e9), 16e9),
-    "tpu-v5p": _tpu("Google TPU v5p", (459e12, 2.765e12, 600e9, 6.25e9), 95e9),
-    "tpu-v6e": _tpu("Google TPU v6e", (727.7e12, 1.64e12, 400e9, 12.5e9), 32e9),
+    "tpu-v4": _tpu("Google TPU v4", (274e12, 0.9825e12, 270e9, 1.65e9), 32 * 2**30),
+    "tpu-v5e": _tpu("Google TPU v5e", (181.8e12, 0.7377e12, 200e9, 3.125e9), 16e9),
+    "tpu-v5p": _tpu("Google TPU v5p", (394e12, 2.3504e12, 600e9, 6.25e9), 95e9),
+    "tpu-v6e": _tpu("Google TPU v6e", (727.7e12, 1.638e12, 400e9, 12.5e9), 32e9),
 })
 
 
