@@ -141,13 +141,14 @@ hand.
 A TPU runs one fusion after another as a GPU runs its kernels, and its
 models add compute and memory time the same way. Taking the larger of
 the two over the whole step instead (a roofline) put MaxText's published
-rates (``benchmarks/published.py``) 10-49% too high and ranked them worse:
-v5e's 24 configurations at 0.85-1.06 of the published by the sum and the
-measured matmul rate (rho 0.84; 0.90-1.12 at the datasheet's) against
-1.10-1.39 (rho 0.62), v4's 6 at 1.15-1.24 (rho 0.83)
-against 1.21-1.40 (rho -0.20); v5p's 16 at 1.04-1.31 against 1.14-1.49
-(its rho 0.57 against 0.74: the sum does not see why its 1024B runs
-faster on 4096 chips than on 2048).
+rates (``benchmarks/published.py``) 10-49% too high and ranked them worse
+(with the datasheets' memory rates): v5e's 24 configurations at
+0.85-1.06 of the published by the sum against 1.10-1.39 (rho 0.84
+against 0.62), v4's 6 at 1.15-1.24 against 1.21-1.40 (rho 0.83 against
+-0.20); v5p's 16 at 1.04-1.31 against 1.14-1.49 (its rho 0.57 against
+0.74: the sum does not see why its 1024B runs faster on 4096 chips than
+on 2048). With XLA:TPU's own rates the sum gives v5e 0.83-1.03, v4
+1.13-1.21 and v5p 0.90-1.14 (``BENCHMARKS.md``).
 
 A fused attention kernel (``attention="fused"``: cuDNN's, which jax runs on
 a GPU) has a rate of its own on the H100, H200 and B200, on the kernel's
