@@ -78,35 +78,36 @@ bf16), not a measurement; the cpu's are measured:
   NVIDIA HGX B200 datasheet: 1.125 PFLOP/s TF32, 180 GB HBM3e at 7.7
   TB/s, NVLink 5 1.8 TB/s, 400 Gb/s InfiniBand (50 GB/s);
 - ``tpu-v4``: XLA:TPU's cost model (below): 274 TFLOP/s of bf16 matmul
-  (the docs' 275), 982.5 GB/s of memory (the docs' 1.2 TB/s); Google
-  Cloud TPU v4 docs: 32 GiB HBM2, ICI ~270 GB/s per chip (the docs' all-reduce bandwidth of 1.1
-  PB/s a pod of 4096 chips); data-centre network 1.65 GB/s per chip, a
-  measurement: PaLM's cross-pod gradient exchange on two pods of v4 (6144
-  chips on 1536 hosts, 4 a host) reached an aggregate burst of 81 Tb/s
-  (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways",
-  section 4): 52.7 Gb/s a host;
+  (the docs' 275), 982.5 GB/s of memory (the docs' 1.2 TB/s); Google Cloud
+  TPU v4 docs: 32 GiB HBM2, ICI ~270 GB/s per chip (the docs' all-reduce
+  bandwidth of 1.1 PB/s a pod of 4096 chips); data-centre network 1.65
+  GB/s per chip, a measurement: PaLM's cross-pod gradient exchange on two
+  pods of v4 (6144 chips on 1536 hosts, 4 a host) reached an aggregate
+  burst of 81 Tb/s (Chowdhery et al. 2022, "PaLM: Scaling Language
+  Modeling with Pathways", section 4): 52.7 Gb/s a host;
 - ``tpu-v5e``: 182 TFLOP/s of bf16 matmul, measured (jax's Pallas TPU
   matmul guide, github.com/jax-ml/jax ``docs/pallas/tpu/matmul.ipynb``:
   XLA's ``jnp.matmul`` of 8192 x 8192 x 8192 in 6.05 ms on a v5e, 181.8
   TFLOP/s, 92% of the datasheet's 197; 84% at 4096 cubed, timed with the
-  call's dispatch); XLA:TPU's cost model: 737.7 GB/s of memory (the
-  docs' 819); Google Cloud TPU v5e docs: 16 GB HBM2, ICI 200 GB/s per chip; data-centre network 3.125 GB/s per chip
-  (the docs: 2 x 100 Gb/s NICs a host of 8 chips, 6.4 Tb/s a pod of 256);
-- ``tpu-v5p``: XLA:TPU's cost model: 394 TFLOP/s of bf16 matmul (the
-  docs' 459), 2350.4 GB/s of memory (the docs' 2.77 TB/s); Google Cloud
-  TPU v5p docs: 95 GB HBM2e, ICI 600 GB/s per chip (4,800 Gb/s); data-centre network 6.25
-  GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
+  call's dispatch); XLA:TPU's cost model: 737.7 GB/s of memory (the docs'
+  819); Google Cloud TPU v5e docs: 16 GB HBM2, ICI 200 GB/s per chip;
+  data-centre network 3.125 GB/s per chip (the docs: 2 x 100 Gb/s NICs a
+  host of 8 chips, 6.4 Tb/s a pod of 256);
+- ``tpu-v5p``: XLA:TPU's cost model: 394 TFLOP/s of bf16 matmul (the docs'
+  459), 2350.4 GB/s of memory (the docs' 2.77 TB/s); Google Cloud TPU v5p
+  docs: 95 GB HBM2e, ICI 600 GB/s per chip (4,800 Gb/s); data-centre
+  network 6.25 GB/s per chip (the docs' 50 Gb/s DCN bandwidth per chip);
 - ``tpu-v6e``: 728 TFLOP/s of bf16 matmul, measured (one user's run,
   github.com/yangwhale/gpu-tpu-pedia, commit 6744fee,
-  ``tpu/v7_perf/chay_gemm_benchmark_simple/results_trace_test.csv``:
-  XLA's ``lax.dot_general`` of 8192 x 8192 x 8192 in 1510.9 us on a v6e,
-  the median of 20 calls' device time in jax's profiler trace, 727.7
-  TFLOP/s, 79% of the datasheet's 918; 73% timed with the call's dispatch);
-  XLA:TPU's cost model: 1638 GB/s of memory (the docs' 1.64 TB/s);
-  Google Cloud TPU v6e (Trillium) docs: 32 GB HBM, ICI 400 GB/s per chip (the docs' table: 800
-  GB/s bidirectional, as v5e's 400 and v5p's 1200 are, whose models hold
-  half); data-centre network 12.5 GB/s per chip (the docs: 4 x 200 Gb/s
-  NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
+  ``tpu/v7_perf/chay_gemm_benchmark_simple/results_trace_test.csv``: XLA's
+  ``lax.dot_general`` of 8192 x 8192 x 8192 in 1510.9 us on a v6e, the
+  median of 20 calls' device time in jax's profiler trace, 727.7 TFLOP/s,
+  79% of the datasheet's 918; 73% timed with the call's dispatch);
+  XLA:TPU's cost model: 1638 GB/s of memory (the docs' 1.64 TB/s); Google
+  Cloud TPU v6e (Trillium) docs: 32 GB HBM, ICI 400 GB/s per chip (the
+  docs' table: 800 GB/s bidirectional, as v5e's 400 and v5p's 1200 are,
+  whose models hold half); data-centre network 12.5 GB/s per chip (the
+  docs: 4 x 200 Gb/s NICs a host of 8 chips, 25.6 Tb/s a pod of 256).
 
 XLA:TPU's cost model is what the compiler itself assumes of a chip: its
 ``optimal_seconds`` (``compiled.cost_analysis()``) for one chip of a
