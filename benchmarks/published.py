@@ -95,9 +95,11 @@ llama2_7b.yml for GPUs). On the TPUs here it is XLA's, whose score
 matrices add memory traffic; the H100s' program is scored with
 ``attention="fused"``, as cuDNN's kernel runs it: the bytes XLA:CPU's
 score matrices move are left out, and its matmuls are the kernel's (the
-causal half, the logits recomputed) at the ``h100`` model's cuDNN rate
-(MosaicML's runs used an older, slower kernel; the A100 model holds no
-such rate: XLA's count at the matmul rate). Some of its scripts offload
+causal half, the logits recomputed) at the ``h100`` model's cuDNN rate.
+MosaicML's H100 runs used its FlashAttention in Triton, which runs at
+about a third of that rate (:data:`TRITON_FLASH_H100`, an estimate): its
+H100 family is scored at that rate (the A100 model holds no attention
+rate: XLA's count at the matmul rate). Some of its scripts offload
 activations to host memory or tile the vocabulary (here neither). Needs libtpu (``pip install
 -e .[tpu]``) for the TPU families: about 20 minutes here (28 compiles of
 64 to 4096 chips), so only with ``--full``; the H100 and A100 families
@@ -152,6 +154,8 @@ class Family:
   run_flags: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
   counter: str = "MaxText"  # whose flop count the published rates are in
   implementation: str | None = None  # the step's attention's (_llama.make_step's)
+  # the fused attention kernel's rate in its runs, where not the model's (its kernel's)
+  attention_rate: float | None = None
 
   def flops(self, config: Config) -> float:
     """A step's training flops a chip, counted as the table counts them."""
@@ -163,11 +167,16 @@ class Family:
     return {**self.flags, **self.run_flags.get((config.name, pod), {})}
 
   def device(self):
-    """The named model, with the family's network where it has its own."""
+    """The named model, with the family's network and its runs' attention
+    kernel where it has its own."""
     import dataclasses
 
     import partitioner
     named = partitioner.DEVICE_MODELS[self.model]
+    if self.attention_rate is not None:
+      named = dataclasses.replace(
+          named, name=f"{named.name}, attention at {self.attention_rate / 1e12:.0f} TFLOP/s",
+          attention_flops_per_s=self.attention_rate, attention_length_factors=())
     if self.network is None:
       return named
     return dataclasses.replace(named, name=f"{named.name}, {self.network / 1e9:.3g} GB/s"
@@ -196,6 +205,20 @@ def shape_of(scale: int, per_chip: int):
   return _llama.Shape(layers=16 << base, width=2048 << (base + (rem > 1)),
                       mlp=7168 << heads, heads=16 << heads, kv_heads=16 << heads,
                       vocab=VOCAB, batch=per_chip, seq=SEQ, head=HEAD)
+
+
+# The attention kernel of MosaicML's H100 runs: llm-foundry's FlashAttention
+# in Triton (``attn_impl: triton``, submit_benchmarks.py's default where
+# sweep.sh sets none, at b2a43a1, the commit that published the H100
+# tables), not the cuDNN kernel the ``h100`` model prices. Its rate on an
+# H100, an estimate: FlashAttention-2 ran forward and backward at up to 335
+# TFLOP/s on an H100, and 1.3-1.5x (forward) and about 2x (backward) as
+# fast as FlashAttention in Triton on an A100 (Dao 2023, arXiv:2307.08691,
+# section 4.1); over a step's attention flops, the backward 2.5 times the
+# forward's, that is (1.4 + 2 x 2.5) / 3.5 = 1.83x. Anywhere within the
+# paper's overall 1.3-2.5x (134-258 TFLOP/s) the family ranks at rho
+# 0.88-0.92 (docs/planning.md).
+TRITON_FLASH_H100 = 335e12 / ((1.4 + 2 * 2.5) / 3.5)
 
 
 def _families() -> dict[str, Family]:
@@ -241,7 +264,8 @@ def _families() -> dict[str, Family]:
                      slices=1, counter="MosaicML"),
       "h100_mpt": Family("h100", "published (MosaicML's llm-foundry H100 table)",
                          {"8 x H100": "cpu:8"}, {}, _mpt(MPT_H100, "8 x H100"),
-                         attention="fused", slices=1, counter="MosaicML"),
+                         attention="fused", slices=1, counter="MosaicML",
+                         attention_rate=TRITON_FLASH_H100),
       "v5e": Family("tpu-v5e", "published (MaxText's v5e table)", {"v5e-256": "v5e:16x16"},
                     flags_of(V5E_FLAGS), v5e),
       # (a v5p pod is named by its cores, two a chip: v5p-128 is 64 chips)
@@ -265,7 +289,8 @@ def _families() -> dict[str, Family]:
                              slices=1, counter="MosaicML", implementation="cudnn"),
       "h100_mpt_xla_gpu": Family("h100", "published (MosaicML's llm-foundry H100 table; XLA:GPU)",
                                  {"8 x H100": "gpu:h100:8"}, {}, _mpt(MPT_H100, "8 x H100"),
-                                 slices=1, counter="MosaicML", implementation="cudnn"),
+                                 slices=1, counter="MosaicML", implementation="cudnn",
+                                 attention_rate=TRITON_FLASH_H100),
       # (one slice each: FSDP over it; jax's attention stands in for the
       # splash kernel, scored as one; in chunks of 1024 queries and tokens
       # so that XLA:TPU fits 8192-token sequences in a v6e chip's 31.25 GiB)

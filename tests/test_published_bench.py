@@ -143,6 +143,23 @@ def test_the_h100_family_of_mosaicml_counts_its_long_sequences_as_mosaicml_does(
   _each_mpt_block_holds_mpt_s_weights(family)
 
 
+def test_mosaicmls_h100_runs_are_scored_with_their_triton_attention_kernel():
+  """MosaicML's H100 table ran llm-foundry's FlashAttention in Triton: its
+  family prices the fused attention at that kernel's estimated rate
+  (FlashAttention-2's 335 TFLOP/s on an H100 over its 1.83x lead), at
+  every length; the other families keep their models' own."""
+  import partitioner
+  h100 = partitioner.DEVICE_MODELS["h100"]
+  families = published._families()
+  for name in ("h100_mpt", "h100_mpt_xla_gpu"):
+    device = families[name].device()
+    assert device.attention_flops_per_s == pytest.approx(183.2e12, rel=1e-3)
+    assert device.attention_rate(2048) == device.attention_rate(65536)
+    assert device.flops_per_s == h100.flops_per_s  # (only its attention kernel)
+  assert families["h100"].device().attention_flops_per_s == h100.attention_flops_per_s
+  assert families["a100"].device() == partitioner.DEVICE_MODELS["a100"]
+
+
 def test_the_v6e_family_runs_only_when_named_with_full(capsys):
   import types
   for args in (dict(full=False, only="published_v6e"), dict(full=True, only=None)):
