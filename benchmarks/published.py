@@ -217,7 +217,8 @@ def shape_of(scale: int, per_chip: int):
 # section 4.1); over a step's attention flops, the backward 2.5 times the
 # forward's, that is (1.4 + 2 x 2.5) / 3.5 = 1.83x. Anywhere within the
 # paper's overall 1.3-2.5x (134-258 TFLOP/s) the family ranks at rho
-# 0.88-0.92 (docs/planning.md).
+# 0.88-0.92 (docs/scoring.md). (The paper's Triton kernel is Tillet's;
+# llm-foundry's is the flash-attn repository's Triton port: not measured.)
 TRITON_FLASH_H100 = 335e12 / ((1.4 + 2 * 2.5) / 3.5)
 
 
