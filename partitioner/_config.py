@@ -109,8 +109,8 @@ _SETTINGS: dict[str, _Setting] = {
         "'shardy' (default) emits sdy shardings; 'gspmd' emits mhlo.sharding"
         " attributes and @Sharding custom calls."),
     "cache_dir": _Setting(
-        "SHARDED_JIT_CACHE_DIR", None, str, _check_optional_dir,
-        "Directory of the persistent compilation cache; None disables it."),
+        "SHARDED_JIT_CACHE_DIR", None, _parse_optional_dir, _check_optional_dir,
+        "Directory of the persistent compilation cache; None (env: off) disables it."),
     "search_cache_dir": _Setting(
         "SHARDED_JIT_SEARCH_CACHE_DIR", _user_cache_dir("search"), _parse_optional_dir,
         _check_optional_dir,

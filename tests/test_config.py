@@ -56,6 +56,15 @@ def test_setting_in_code_validates_and_names_the_env_variable():
     c.cache_dir = 5
 
 
+@pytest.mark.parametrize("name", ["SHARDED_JIT_CACHE_DIR", "SHARDED_JIT_SEARCH_CACHE_DIR"])
+@pytest.mark.parametrize("text", ["off", "none", "0", "False"])
+def test_both_cache_directories_are_off_by_the_same_words(monkeypatch, name, text):
+  """``off`` turns either cache off; it never names a directory ./off."""
+  monkeypatch.setenv(name, text)
+  c = Config()
+  assert (c.cache_dir if name == "SHARDED_JIT_CACHE_DIR" else c.search_cache_dir) is None
+
+
 def test_cache_dir_expands_the_home_directory(monkeypatch):
   monkeypatch.setenv("HOME", "/home/someone")
   c = Config(environ={"SHARDED_JIT_CACHE_DIR": "~/.cache/sj"})
