@@ -42,12 +42,16 @@ class Axes:
     looked_up: the classes of a table's rows that a lookup indexes (an
       embedding's vocabulary: a gather's collapsed dimensions, with no
       batching dimensions, which ``take_along_axis`` has).
+    minor_of: class -> the class it is a minor factor of, where a reshape
+      splits one dimension into several or merges several into one
+      (:func:`minor_factors`).
   """
   jaxpr: Any
   of: dict
   in_axes: list[tuple[int, ...]]
   out_axes: list[tuple[int | None, ...]]
   looked_up: frozenset[int] = frozenset()
+  minor_of: dict[int, int] = dataclasses.field(default_factory=dict)
 
   def axis(self, ctx: tuple, var: Any, dim: int) -> int | None:
     """The class of ``var``'s dimension ``dim`` inside the call ``ctx``."""
@@ -60,6 +64,7 @@ class _UnionFind:
   def __init__(self):
     self.parent: dict = {}
     self.looked_up: list = []  # (value, dimension) keys of the tables' rows
+    self.minors: list = []  # (minor factor's key, its major factor's key) of reshapes
 
   def find(self, x):
     parent = self.parent
@@ -94,7 +99,13 @@ def logical_axes(closed: Any) -> Axes:
   in_axes = [tuple(cast(int, cls(v, d)) for d in range(len(shape_of(v)))) for v in jaxpr.invars]
   out_axes = [tuple(cls(v, d) for d in range(len(shape_of(v)))) for v in jaxpr.outvars]
   of = {key: ids.setdefault(uf.find(key), len(ids)) for key in list(uf.parent)}
-  return Axes(closed, of, in_axes, out_axes, frozenset(of[uf.find(k)] for k in uf.looked_up))
+  minor_of: dict[int, int] = {}
+  for minor, major in uf.minors:
+    a, b = of.get(minor), of.get(major)
+    if a is not None and b is not None and a != b:
+      minor_of.setdefault(a, b)
+  return Axes(closed, of, in_axes, out_axes, frozenset(of[uf.find(k)] for k in uf.looked_up),
+              minor_of)
 
 
 class _Scoped:
@@ -109,6 +120,11 @@ class _Scoped:
       return
     cb = self.inner if b_inner else self.ctx
     self.uf.join(((self.ctx, a), da), ((cb, b), db))
+
+  def minor(self, a: Any, da: int, b: Any, db: int) -> None:
+    """``a``'s dimension ``da`` is a minor factor of ``b``'s ``db``."""
+    if not isinstance(a, jex_core.Literal) and not isinstance(b, jex_core.Literal):
+      self.uf.minors.append((((self.ctx, a), da), ((self.ctx, b), db)))
 
 
 def _join_dims(uf: _Scoped, a: Any, da: int, b: Any, db: int) -> None:
@@ -192,6 +208,11 @@ def _reshape(eqn: Any, uf: _Scoped) -> None:
   x, out = eqn.invars[0], eqn.outvars[0]
   for a, b in kept_by_reshape(shape_of(x), shape_of(out)):
     _join_dims(uf, x, a, out, b)
+  for in_result, minor, major in minor_factors(shape_of(x), shape_of(out)):
+    if in_result:
+      uf.minor(out, minor, x, major)
+    else:
+      uf.minor(x, minor, out, major)
 
 
 def _concatenate(eqn: Any, uf: _Scoped) -> None:
@@ -359,7 +380,33 @@ def kept_by_reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[in
   32 heads. Split over n devices where n divides it, the major factor is
   laid out as the whole is (each device a contiguous block of both), so
   a weight split on its fused heads splits the heads it is reshaped into."""
-  pairs, i, j = [], 0, 0
+  return [(gi[0], gj[0]) for gi, gj in _reshape_groups(src, dst)
+          if len(gi) == 1 or len(gj) == 1 or src[gi[0]] == dst[gj[0]]]
+
+
+def minor_factors(src: tuple[int, ...], dst: tuple[int, ...]
+                  ) -> list[tuple[bool, int, int]]:
+  """The minor factors of a reshape's splits and merges: ``(in the
+  result, its dim, the major factor's dim on the other side)``.
+  ``[.., 512] -> [.., 2, 2, 128]`` (4 heads as 2 key-value heads of 2
+  queries each) gives the second 2 and the 128 as minor factors of the
+  512. Split over more devices than its major factor has (4 over the 2
+  key-value heads), the whole's split goes on into them, as Shardy's
+  sub-axes do (2 over the key-value heads, 2 over the queries of each)."""
+  out = []
+  for gi, gj in _reshape_groups(src, dst):
+    if len(gi) == 1:
+      out += [(True, d, gi[0]) for d in gj[1:]]
+    elif len(gj) == 1:
+      out += [(False, d, gj[0]) for d in gi[1:]]
+  return out
+
+
+def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]
+                    ) -> list[tuple[list[int], list[int]]]:
+  """A reshape's groups of equal product: the dimensions (size-1 ones
+  aside) on each side, major first."""
+  groups, i, j = [], 0, 0
   while i < len(src) and j < len(dst):
     if src[i] == 1:
       i += 1
@@ -372,22 +419,21 @@ def kept_by_reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[in
       if a < b:
         i += 1
         if i >= len(src):
-          return pairs
+          return groups
         a *= src[i]
         gi.append(i)
       else:
         j += 1
         if j >= len(dst):
-          return pairs
+          return groups
         b *= dst[j]
         gj.append(j)
     big_i = [d for d in gi if src[d] > 1]
     big_j = [d for d in gj if dst[d] > 1]
-    if big_i and big_j and (len(big_i) == 1 or len(big_j) == 1
-                            or src[big_i[0]] == dst[big_j[0]]):
-      pairs.append((big_i[0], big_j[0]))  # (a split or merge: with its major factor)
+    if big_i and big_j:
+      groups.append((big_i, big_j))
     i, j = i + 1, j + 1
-  return pairs
+  return groups
 
 
 def gather(uf: Any, eqn: Any) -> None:

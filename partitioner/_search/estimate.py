@@ -49,6 +49,9 @@ class _Value:
   itemsize: int
   roles: tuple[int | None, ...]
   source: int | None = None  # an argument: the first flat input alike (see OpTable)
+  # per dimension, the role it is a minor factor of (a reshape's: the
+  # queries per key-value head of the heads), or () for none
+  minor: tuple[int | None, ...] = ()
   nbytes: int = dataclasses.field(init=False, compare=False, repr=False)  # (the whole value's)
 
   def __post_init__(self):
@@ -154,7 +157,8 @@ class OpTable:
     axes = [self.axes.axis(ctx, v, d) for d in range(len(shape))]
     roles = tuple(None if a is None else self.r.of_axis.get(a) for a in axes)
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
-    return _Value(shape, itemsize, roles, source)
+    minor = tuple(self.r.of_axis.get(self.axes.minor_of.get(a, -1)) for a in axes)
+    return _Value(shape, itemsize, roles, source, minor if any(m is not None for m in minor) else ())
 
   def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict,
                fused: frozenset = frozenset()) -> None:
@@ -230,6 +234,7 @@ class _Walk:
                remote: tuple[bool, ...], alike: dict[int, int]):
     self.c, self.in_dims, self.remote, self.alike = c, in_dims, remote, alike
     self.sizes = c.grid
+    self._parts: dict[int, int] = {}  # (see _part)
     self.batch_axes = tuple(a for a in BATCH_AXES if self.sizes[a] > 1)
     self.flops = self.comm = self.network = self.count = self.memory = self.accessed = 0.0
     self.remote_count = 0.0
@@ -240,8 +245,13 @@ class _Walk:
 
   def wanted(self, val: _Value) -> tuple[tuple[int, ...], ...]:
     """The grid axes each dimension of ``val`` is split over, by the
-    candidate's rules (the batch role first; a grid axis once)."""
-    key = (val.roles, val.shape)
+    candidate's rules (the batch role first; a grid axis once). A model
+    role's dimension the model axis does not divide takes it where a
+    minor factor of the same role takes the rest (4 devices over 2
+    key-value heads of 2 queries each: 2 x 2, as Shardy's sub-axes split
+    them); where the factors take fewer devices than the axis has, the
+    value is split over those (:meth:`_part`) and copied on the rest."""
+    key = (val.roles, val.shape, val.minor)
     hit = self._wanted.get(key)
     if hit is not None:
       return hit
@@ -258,8 +268,42 @@ class _Walk:
           and val.shape[d] % model == 0):
         dims[d] = (MODEL,)
         used.add(MODEL)
+    for d, role in enumerate(val.roles):  # (none divides: with their minor factors)
+      if model > 1 and role in c.model and val.minor and MODEL not in used and not dims[d]:
+        over = self._goes_on(val, d, dims)
+        if over > 1:
+          dims[d] = (MODEL,) if over == model else (self._part(over),)
+          used.add(MODEL)
     self._wanted[key] = out = tuple(dims)
     return out
+
+  def _goes_on(self, val: _Value, d: int, dims: Sequence[tuple[int, ...]]) -> int:
+    """The devices of the model axis that split ``val``'s dimension ``d``
+    (which the axis's size does not divide) and the unsplit minor factors
+    of its role, in order, each as many as it divides."""
+    rest = self.sizes[MODEL] // math.gcd(val.shape[d], self.sizes[MODEL])
+    for e, m in enumerate(val.minor):
+      if m == val.roles[d] and e != d and not dims[e]:
+        rest //= math.gcd(val.shape[e], rest)
+    return self.sizes[MODEL] // rest
+
+  def _part(self, devices: int) -> int:
+    """A grid axis of its own for ``devices`` of the model axis's (a
+    value split over fewer of them than the axis has: 4 heads over 8
+    devices); collectives over it run where the model axis's do."""
+    axis = self._parts.get(devices)
+    if axis is None:
+      axis = self._parts[devices] = len(self.sizes)
+      self.sizes = (*self.sizes, devices)
+      self.remote = (*self.remote, self.remote[MODEL])
+    return axis
+
+  def _devices(self, axes: set[int]) -> int:
+    """The devices ``axes`` split over: a part of the model axis counts
+    as the largest of them there (they all lie inside it)."""
+    n = math.prod(self.sizes[a] for a in axes if a < len(self.c.grid))
+    parts = [self.sizes[a] for a in axes if a >= len(self.c.grid)]
+    return n * max(parts) if parts and MODEL not in axes else n
 
   def local_bytes(self, val: _Value, dims: Sequence[tuple[int, ...]]) -> float:
     """The bytes of one device's piece of ``val`` split over ``dims``."""
@@ -335,7 +379,7 @@ class _Walk:
   def _compute(self, op: _Op, want_in: list, outs: list) -> set[int]:
     """Adds the op's flops (and a dot's result to the memory kept); the
     grid axes its results are partial sums over."""
-    devices = math.prod(self.sizes[a] for a in {a for w in want_in for ax in w for a in ax})
+    devices = self._devices({a for w in want_in for ax in w for a in ax})
     flops = op.work / devices * op.times
     self.flops += flops
     if op.kind == "dot":

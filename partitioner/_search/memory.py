@@ -337,7 +337,7 @@ class Liveness:
 
   def _number(self, v: _Value) -> int:
     """``v``'s index among the distinct values the account sizes."""
-    key = (v.shape, v.itemsize, v.roles, v.source)
+    key = (v.shape, v.itemsize, v.roles, v.source, v.minor)
     if key not in self._numbers:
       self._numbers[key] = len(self.values)
       self.values.append(v)

@@ -1,6 +1,7 @@
 """partitioner.search internals: logical axes, an interrupted search, replica groups."""
 
 import dataclasses
+import functools
 import os
 from unittest import mock
 
@@ -117,6 +118,51 @@ def test_the_cheap_estimate_splits_the_heads_of_fused_weights():
   assert tp.flops == pytest.approx(whole.flops / 2, rel=0.01)
   assert tp.bytes_accessed < 0.55 * whole.bytes_accessed
   assert tp.collective_bytes <= 4 * 2 * 256 * 64 * 4  # (at most the output's all-reduce)
+
+def _grouped_attention(p, x, heads=4, kv_heads=2):
+  """Grouped-query attention (jax's: 2 key-value heads of 2 queries each)."""
+  b, s, d = x.shape
+  q = (x @ p["wq"]).reshape(b, s, heads, d // heads)
+  k, v = ((x @ p[w]).reshape(b, s, kv_heads, d // heads) for w in ("wk", "wv"))
+  return (jax.nn.dot_product_attention(q, k, v).reshape(b, s, d) @ p["wo"]).sum()
+
+
+def test_more_model_devices_than_key_value_heads_split_the_queries_of_each_too():
+  """Tensor parallel 4 over 2 key-value heads of 2 queries each: Shardy
+  splits the scores over both (its sub-axes: 2 x 2), and so does the
+  estimate: a quarter of the flops, as with 4 key-value heads (once the
+  scores stayed whole on each device). Over 8 devices, the 4 heads split
+  4 ways and copied on the rest: no more than over 4."""
+  from partitioner._search.axes import minor_factors
+  from partitioner._search.candidates import Candidate, roles
+  from partitioner._search.estimate import OpTable
+  assert minor_factors((8, 512), (8, 2, 2, 128)) == [(True, 2, 1), (True, 3, 1)]
+  assert minor_factors((8, 2, 2, 128), (8, 512)) == [(False, 2, 1), (False, 3, 1)]
+  assert minor_factors((8, 512), (8, 512)) == []
+  device = partitioner.DEVICE_MODELS["cpu"]
+  flops = {}
+  for kv in (2, 4):
+    p = {w: jax.ShapeDtypeStruct((64, 16 * (kv if w in ("wk", "wv") else 4)), np.float32)
+         for w in ("wk", "wo", "wq", "wv")}
+    p["wo"] = jax.ShapeDtypeStruct((64, 64), np.float32)
+    x = jax.ShapeDtypeStruct((2, 256, 64), np.float32)
+    closed = jax.make_jaxpr(functools.partial(_grouped_attention, kv_heads=kv))(p, x)
+    axes = logical_axes(closed)
+    shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars]
+    r = roles(axes.in_axes, shapes, ["wk", "wo", "wq", "wv", "x"], [True] * 4 + [False])
+    heads = r.of_axis[axes.in_axes[2][1]]
+    table = OpTable(axes, r, [True] * 4 + [False])
+    flops[kv, 1] = table.estimate(Candidate((1, 1, 1), None, False, ()),
+                                  [((),) * len(s) for s in shapes], device).flops
+    for n in (4, 8):
+      split = [tuple((2,) if r.of_axis.get(a) == heads else () for a in ax)
+               for ax in axes.in_axes]
+      flops[kv, n] = table.estimate(Candidate((1, 1, n), None, False, (heads,)), split,
+                                    device).flops
+  assert flops[2, 4] == pytest.approx(flops[2, 1] / 4, rel=0.02)
+  assert flops[4, 4] == pytest.approx(flops[4, 1] / 4, rel=0.02)
+  assert flops[2, 8] <= flops[2, 4]
+
 
 def test_an_interrupted_search_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
   calls = []
