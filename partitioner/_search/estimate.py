@@ -157,7 +157,8 @@ class OpTable:
     axes = [self.axes.axis(ctx, v, d) for d in range(len(shape))]
     roles = tuple(None if a is None else self.r.of_axis.get(a) for a in axes)
     source = None if isinstance(v, jex_core.Literal) else self.sources.get((ctx, v))
-    minor = tuple(self.r.of_axis.get(self.axes.minor_of.get(a, -1)) for a in axes)
+    minor = tuple(None if a is None else self.r.of_axis.get(self.axes.minor_of.get(a, -1))
+                  for a in axes)
     return _Value(shape, itemsize, roles, source, minor if any(m is not None for m in minor) else ())
 
   def _flatten(self, jaxpr: Any, ctx: tuple, times: int, ops: dict,
