@@ -452,8 +452,6 @@ def _cause_code(endings: list[tuple[int, int, str]], statuses: dict[int, int]) -
   return 0
 
 
-
-
 class _Forward(threading.Thread):
   """Copies one of the job's streams to ours as it comes (progress bars
   included) through a :class:`_console.Console`, keeping the end of it:

@@ -29,7 +29,6 @@ class Shardings(NamedTuple):
   out_shardings: Sequence[jax.sharding.Sharding]
 
 
-
 class Native(NamedTuple):
   """What jax's C++ dispatch needs to run calls like one the Python path
   ran: the program, and which flat inputs were host values (numpy), which

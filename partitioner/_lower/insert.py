@@ -217,5 +217,3 @@ def gspmd_constraint(x: ir.Value, tiling: Tiling) -> ir.Value:
       api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1))
   op.attributes["mhlo.sharding"] = ir.StringAttr.get(tiling.gspmd())
   return op.result
-
-

@@ -159,7 +159,6 @@ class Explanation:
     return summary(self)
 
 
-
 def value_head(v: ValueLayout) -> str:
   """One line: name, global shape, spec, per-device shard and bytes, rule."""
   head = (f"{v.name}: {v.dtype}{list(v.shape)}  {v.spec}  ->  "

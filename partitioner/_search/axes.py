@@ -364,7 +364,6 @@ def _map(uf: _Scoped, a: Any, b: Any, inner: bool = True) -> None:
       uf.join(a, d, b, d, b_inner=inner)
 
 
-
 # ---- How gathers, scatters and reshapes carry dimensions (see ``axes``) ----
 
 

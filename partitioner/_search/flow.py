@@ -72,12 +72,6 @@ from partitioner._search.space import any_fits, build_space, microbatch_counts
 _answers = call_caches.new()
 
 
-
-
-
-
-
-
 def search(  # noqa: PLR0913 (the search's keywords)
     fun: Callable[..., Any], *example_args: Any, num_devices: int | None = None,
     memory_budget_bytes: int | None = None, static_argnums: int | Sequence[int] = (),
@@ -197,18 +191,6 @@ def search(  # noqa: PLR0913 (the search's keywords)
   return found
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _trace(fun: Callable[..., Any], args: Sequence[Any], example_args: Sequence[Any],
            static: tuple[int, ...], who: str, microbatches: int | None = None,
            plan: _choice.Plan = _choice.Plan()) -> tuple[Any, Any, list, list]:
@@ -248,14 +230,6 @@ def _plans(pipelines: Sequence[Any]) -> list[_choice.Plan]:
             if free else [None])
   plans = [_choice.Plan(s, m) for s in schedules for m in counts]
   return [] if plans == [_choice.Plan()] else plans
-
-
-
-
-
-
-
-
 
 
 def _answer(key: str, run: Callable[[], bytes]) -> bytes:
@@ -317,37 +291,3 @@ def _run(f: _inputs.Function, closed: Any, request: Request, pipelines: list,
       "schedule": first.schedule is not None,
       "pipeline_microbatches": first.microbatches is not None,
       "stand_in": stand_in(request) or {}})
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

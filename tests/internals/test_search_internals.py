@@ -38,7 +38,6 @@ def test_logical_axes_follow_a_matmul_chain_and_keep_layers_apart():
   assert xa[0] not in (*w1a, *w2a)  # the batch is no weight's
 
 
-
 def _attention(p, x, heads=4):
   """Self-attention whose weights hold the heads fused (``wq`` is
   [width, heads x head size], as Llama's are written)."""
