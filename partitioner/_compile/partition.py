@@ -55,6 +55,7 @@ def lower(request: Request, inputs: InputSignature) -> Lowered:
   """Traces and partitions ``request.fun`` for these inputs."""
   world = _distributed.world()
   layout = request.layout
+  layout.check_count(inputs.nargs)
   skeleton = inputs.skeleton()
   in_specs = _arg_specs(request.in_parts, layout, inputs, skeleton, "in_parts")
   avals = inputs.avals

@@ -82,8 +82,12 @@ class ArgumentLayout:
       params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
       params = []
-    self._names = [p.name for p in params
-                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    self._names = [p.name for p in positional]
+    # (how many positional arguments a call may give: None where unknown)
+    self._least = sum(p.default is p.empty for p in positional) if params else None
+    self._most = (None if not params or any(p.kind is p.VAR_POSITIONAL for p in params)
+                  else len(positional))
 
   @classmethod
   def from_names(cls, names: Sequence[str], static_argnums: Sequence[int],
@@ -93,6 +97,27 @@ class ArgumentLayout:
     layout = cls(lambda: None, static_argnums, donate_argnums, who)
     layout._names = list(names)
     return layout
+
+  def check_count(self, nargs: int) -> None:
+    """Raises the TypeError that says a call gave the function too few or
+    too many positional arguments, in Python's words (before its specs are
+    matched to them, which would blame ``in_parts``)."""
+    least, most = self._least, self._most
+    if least is None or least <= nargs <= (nargs if most is None else most):
+      return
+    if nargs < least:
+      missing = [f"'{n}'" for n in self._names[nargs:least]]
+      listed = (missing[0] if len(missing) == 1 else
+                f"{', '.join(missing[:-1])}{',' * (len(missing) > 2)} and {missing[-1]}")
+      what = (f"missing {len(missing)} required positional argument"
+              f"{'s' * (len(missing) > 1)}: {listed}")
+    else:
+      takes = f"{least}" if least == most else f"from {least} to {most}"
+      what = (f"takes {takes} positional argument{'s' * (most != 1)} but {nargs}"
+              f" {'was' if nargs == 1 else 'were'} given")
+    raise TypeError(
+        f"{self.who}: {what}. Hint: pass the arguments you would call the function"
+        " itself with (arrays, or jax.ShapeDtypeStruct to lower without data).")
 
   @property
   def arg_names(self) -> tuple[str, ...]:
