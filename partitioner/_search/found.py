@@ -22,13 +22,10 @@ from partitioner._search import table as _table
 from partitioner._search.candidates import Candidate
 from partitioner._search.decision import Decision, decide
 from partitioner._search.estimate import Estimate
+from partitioner._search.table import COUNTED, ESTIMATED
 from sharding._constraint import decode_spec, encode_spec
 from sharding._named import to_named
 from sharding._partition_spec import PartitionSpec
-
-# Whose peak a candidate carries when no compiler settled it: a TPU slice's
-# proxied candidate ranked after the winner (its floor within the budget).
-ESTIMATED = "a proxy's peak scaled by the cheap model, an estimate"
 
 
 @dataclasses.dataclass
@@ -183,7 +180,9 @@ def _fits(x: Result, budget: float | None) -> bool | None:
     return False
   if budget is None:
     return True
-  return None if (x.memory or {}).get("by") == ESTIMATED else x.score.peak_memory <= budget
+  if (x.memory or {}).get("by") in (COUNTED, ESTIMATED):
+    return None
+  return x.score.peak_memory <= budget
 
 
 class FoundLayout:

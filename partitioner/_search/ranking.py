@@ -56,7 +56,9 @@ def settled(compiler: Compiler, space: Space, request: Request) -> list[_found.R
     winner = _settle_first(compiler, space, request, more, peaks)
   for x in compiler.results:  # (the rest: their floor, else an estimate: never compiled whole)
     if not x.failed and x.memory is None:
-      settle(x, space.part(x.candidate).target, budget, request.devices[0].platform, False)
+      part = space.part(x.candidate)
+      settle(x, part.target, budget, request.devices[0].platform, False,
+             counted=part.proxy_counts is not None)
   if winner is None:
     if budget is None or not peaks:  # (XLA refused every one it compiled whole)
       raise ValueError(f"{who}: no candidate layout compiled whole; the first error: "
@@ -98,15 +100,17 @@ def _settle_first(compiler: Compiler, space: Space, request: Request, results: l
 
 
 def settle(x: _found.Result, target: _target.Target | None, budget: float | None,
-           platform: str, compile_whole: bool = True) -> int:
+           platform: str, compile_whole: bool = True, counted: bool = False) -> int:
   """``x``'s peak settled: its whole program's where it was compiled whole
   (a count of microbatches), else, when its floor is within the budget,
   compiled whole now (its time stays the proxy's, scaled as every
   candidate's: like with like), else the floor. Without ``compile_whole`` (a
   candidate ranked after the winner), a floor within the budget leaves its
-  proxy's scaled peak, marked an estimate (:data:`_found.ESTIMATED`: it
-  may be several times the whole program's, or short of it). How many
-  programs it compiled (0 or 1)."""
+  peak as scored, marked an estimate: with ``counted``, the count from the
+  jaxpr (:data:`_found.COUNTED`: 0.8-1.3x XLA:TPU's whole programs),
+  else its proxy's scaled (:data:`_found.ESTIMATED`: it may be several
+  times the whole program's, or short of it). How many programs it
+  compiled (0 or 1)."""
   assert target is not None  # (counted memory never settles: every count has its own)
   if target.proxy is None:
     x.memory = {"by": _target.whole_program(platform)}
@@ -117,7 +121,7 @@ def settle(x: _found.Result, target: _target.Target | None, budget: float | None
     x.memory = {"by": "at least: its arguments' shards, its proxy's peak"}
     return 0
   if not compile_whole:
-    x.memory = {"by": _found.ESTIMATED}
+    x.memory = {"by": _found.COUNTED if counted else _found.ESTIMATED}
     return 0
   try:
     whole, x.memory = target.exact(x.in_specs, x.out_specs)

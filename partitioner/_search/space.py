@@ -168,11 +168,13 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
       by_layout[key] = (c, dims)
   # Planning accelerators from simulated CPU devices: their memory is
   # counted from the jaxpr (XLA:CPU's buffer assignment is no GPU's).
-  # On a GPU, a proxy's peak scaled by the cheap model's ratio overstated
-  # the whole's (one H200: 1.6-2.7x); the count came to 0.90-1.01x XLA:GPU's.
-  # (On a TPU slice both fall short of XLA:TPU's, the count further: the
-  # scaled peak stays there.)
-  proxied_gpu = not pipelines and request.devices[0].platform == "gpu"
+  # A proxied program's peak on an accelerator is the count too: the
+  # proxy's peak scaled by the cheap model's ratio missed the whole's (one
+  # H200: 1.6-2.7x; XLA:TPU for 8 v5p chips: 0.87-8.0x, Llama 3 8B's
+  # 1.8-8.0x), where the count came to 0.90-1.01x XLA:GPU's and
+  # 0.81-1.31x XLA:TPU's (the 8B in 8 layouts 1.04-1.26, an 8-layer
+  # decoder 0.91-1.31, a 12-layer MLP 0.81-1.02).
+  proxied = not pipelines and request.devices[0].platform in ("gpu", "tpu")
   # (a count of microbatches where memory is counted compiles as the whole batch's)
   # (compiled whole: its layers run inside the accumulation loop, where the
   # proxy's cut of repeated top-level ops finds only the update's, and its
@@ -180,9 +182,9 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
   target = None if accounted(request) and microbatches > 1 else Target(
       f, closed, axes, r, state, request.place, proxy=not pipelines and microbatches == 1,
       out_state=out_state)
-  proxied_gpu = proxied_gpu and target is not None and target.proxy is not None
+  proxied = proxied and target is not None and target.proxy is not None
   counts = (Liveness(program, state, attention=request.attention, returns=out_state)
-            if accounted(request) or proxied_gpu else None)
+            if accounted(request) or proxied else None)
   liveness = counts if accounted(request) else None
   proxy_counts = None if accounted(request) else counts
   rows = [(c, list(dims), estimate_row(program, liveness, c, list(dims), device, hosts))

@@ -10,6 +10,13 @@ from partitioner._report.text import size
 from partitioner._search.decision import decide, others
 from partitioner._search.measure import TIE
 
+# Whose peak a candidate carries when no compiler settled it: a proxied
+# candidate ranked after the winner on compile-only devices (its floor
+# within the budget), its peak counted from the jaxpr (COUNTED) or, where
+# nothing counts it (a pipeline's stages), its proxy's scaled (ESTIMATED).
+COUNTED = "counted from the jaxpr, an estimate"
+ESTIMATED = "a proxy's peak scaled by the cheap model, an estimate"
+
 # The report's width: a terminal's, an 80-100 column editor's.
 WIDTH = 100
 
@@ -179,11 +186,15 @@ def own_compiler_hint(stand_in: dict) -> str:
 
 def estimated_peaks(found: Any) -> str:
   """What a row marked "(peak estimated)" means, where there is one."""
-  if all(x.fits is not None for x in found.candidates):
+  estimated = {(x.memory or {}).get("by") for x in found.candidates if x.fits is None}
+  if not estimated:
     return ""
-  return ("(peak estimated): never compiled whole, the peak is the proxy's scaled by the"
-          " cheap model, which can miss the whole program's several times over either way;"
-          " whether it fits is not known. For its exact peak, compile it whole:"
+  how = (" the peak is counted from the jaxpr (0.8-1.3x XLA:TPU's whole programs, where"
+         " measured)" if COUNTED in estimated else
+         " the peak is the proxy's scaled by the cheap model, which can miss the whole"
+         " program's several times over either way")
+  return (f"(peak estimated): never compiled whole,{how}; whether it fits is not known."
+          ' For its exact peak, compile it whole:'
           ' found.choose("<family>").sharded_jit(devices=...).lower(*args).compile().')
 
 
