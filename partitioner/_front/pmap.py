@@ -156,6 +156,7 @@ class PmapFunction(Dispatched):
     dynamic inputs, and whether they are tracers (a jax transformation)."""
     if kwargs:
       reject_kwargs(self._who, kwargs)
+    self._layout.check_count(len(args))  # (before in_axes is matched to them)
     dyn, static_values = self._layout.split(args)
     leaves, treedef = jax.tree_util.tree_flatten(dyn)
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
