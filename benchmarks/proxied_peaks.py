@@ -11,7 +11,10 @@ program's. Models (``--model``), Llama-shaped decoders
 (``benchmarks._llama``): ``decoder``, 8 layers of width 512, 8 query heads
 over 2 key-value heads, 8 x 512 tokens (3 minutes); ``small``, the same at
 4 layers (under a minute, 4 compiles); ``8b``, Llama 3 8B at 8 x 4096
-tokens (about 15 minutes: a whole compile of the 8B takes a minute).
+tokens (about 15 minutes: a whole compile of the 8B takes a minute);
+``gemma``, transformers' Flax Gemma at 6 layers (``benchmarks._gemma``,
+the ``thirdparty`` extra; a minute), whose layouts with the rest sharded
+store weights split on the model axis that no rule splits.
 Prints one line per layout and the range.
 """
 
@@ -24,22 +27,32 @@ import json
 from benchmarks._common import setup_jax
 
 
+def _model(model: str) -> tuple:
+  """``(step, state, tokens)`` of ``--model``, abstract."""
+  from benchmarks import _llama
+  if model == "gemma":
+    import jax
+
+    from benchmarks._gemma import gemma
+    return gemma(jax, 6, abstract=True)
+  decoder = _llama.Shape(layers=8, width=512, mlp=1536, heads=8, kv_heads=2, vocab=4096,
+                         batch=8, seq=512)
+  shape = {"8b": _llama.LLAMA3_8B, "decoder": decoder,
+           "small": dataclasses.replace(decoder, layers=4)}[model]
+  return _llama.abstract(shape)
+
+
 def measure(model: str) -> tuple:
   """(the search's result, [(its index, the candidate, its whole
   program's peak)] for each layout ranked after the winner whose peak no
   compiler settled)."""
   setup_jax(8)
   import partitioner
-  from benchmarks import _llama
-  decoder = _llama.Shape(layers=8, width=512, mlp=1536, heads=8, kv_heads=2, vocab=4096,
-                         batch=8, seq=512)
-  shape = {"8b": _llama.LLAMA3_8B, "decoder": decoder,
-           "small": dataclasses.replace(decoder, layers=4)}[model]
-  step, state, tokens = _llama.abstract(shape)
+  step, state, tokens = _model(model)
   chips = partitioner.tpu_devices("v5p:2x2x2")
   found = partitioner.search(step, *state, tokens, devices=chips, progress=False,
-                             device_model="tpu-v5p", **({"max_compiles": 4} if model == "small"
-                                                        else {}))
+                             device_model="tpu-v5p",
+                             **({"max_compiles": 4} if model in ("small", "gemma") else {}))
   rows = []
   for k, c in enumerate(found.candidates):
     if not k or c.error or c.fits is not None:  # (the winner, and peaks a compiler settled)
@@ -56,7 +69,7 @@ def measure(model: str) -> tuple:
 def main(argv: list[str] | None = None) -> dict:
   """Runs it; the JSON it prints last, as a dict."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", choices=("decoder", "small", "8b"), default="decoder")
+  parser.add_argument("--model", choices=("decoder", "small", "8b", "gemma"), default="decoder")
   args = parser.parse_args(argv)
   found, rows = measure(args.model)
   ratios = [c.peak_memory / whole for _, c, whole in rows]

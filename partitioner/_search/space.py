@@ -183,7 +183,8 @@ def build_space(f: _inputs.Function, closed: Any, request: Request, pipelines: l
       f, closed, axes, r, state, request.place, proxy=not pipelines and microbatches == 1,
       out_state=out_state)
   proxied = proxied and target is not None and target.proxy is not None
-  counts = (Liveness(program, state, attention=request.attention, returns=out_state)
+  counts = (Liveness(program, state, attention=request.attention, returns=out_state,
+                     weights=[k == WEIGHT for k in kinds])
             if accounted(request) or proxied else None)
   liveness = counts if accounted(request) else None
   proxy_counts = None if accounted(request) else counts
