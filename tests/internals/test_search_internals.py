@@ -682,7 +682,7 @@ def test_a_role_on_two_dimensions_is_a_sequence_the_storage_does_not_spread_into
   liveness, by_rules = Liveness(table, state, weights=state), Liveness(table, state)
   assert sequence in liveness.sequences and batch not in liveness.sequences
   # FSDP x 4 on the model axis, no rule there: the weights stored split on it.
-  dims = [((1,), (2,))] * 4 + [((), (), ())]
+  dims: list[tuple] = [((1,), (2,))] * 4 + [((), (), ())]
   peaks = {}
   for split in (batch, sequence):
     dims[4] = tuple((1,) if role == split else () for role in (batch, sequence, width))
