@@ -623,8 +623,8 @@ def test_weights_stored_split_on_the_model_axis_split_the_activations_they_make(
   MLP's weights split on their hidden units over the model axis too, and
   XLA's propagation runs that MLP as Megatron's (its hidden activations
   split 8 ways). The count lays them out so: as Megatron's peak, not the
-  hidden activations whole on every device (Gemma's such layout, for 8
-  v5p chips: counted 1.25-1.84x XLA:TPU's whole program, 4.6-5.3x when
+  hidden activations whole on every device (Gemma's such layouts, for 8
+  v5p chips: counted 1.82-2.44x XLA:TPU's whole programs, 4.6-5.3x when
   they were whole)."""
   from partitioner._search.candidates import WEIGHT, Candidate, leaf_dims, roles
   from partitioner._search.estimate import OpTable
