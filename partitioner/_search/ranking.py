@@ -107,7 +107,7 @@ def settle(x: _found.Result, target: _target.Target | None, budget: float | None
   candidate's: like with like), else the floor. Without ``compile_whole`` (a
   candidate ranked after the winner), a floor within the budget leaves its
   peak as scored, marked an estimate: with ``counted``, the count from the
-  jaxpr (:data:`_found.COUNTED`: 0.8-1.3x XLA:TPU's whole programs),
+  jaxpr (:data:`_found.COUNTED`: 0.8-2.2x XLA:TPU's whole programs),
   else its proxy's scaled (:data:`_found.ESTIMATED`: it may be several
   times the whole program's, or short of it). How many programs it
   compiled (0 or 1)."""

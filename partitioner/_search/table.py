@@ -189,7 +189,7 @@ def estimated_peaks(found: Any) -> str:
   estimated = {(x.memory or {}).get("by") for x in found.candidates if x.fits is None}
   if not estimated:
     return ""
-  how = (" the peak is counted from the jaxpr (0.8-1.3x the peaks of XLA:TPU's and"
+  how = (" the peak is counted from the jaxpr (0.8-2.2x the peaks of XLA:TPU's and"
          " XLA:GPU's whole programs, where measured)" if COUNTED in estimated else
          " the peak is the proxy's scaled by the cheap model, which can miss the whole"
          " program's several times over either way")
