@@ -38,15 +38,11 @@ body, as often as it runs) are of three sorts:
   its layer's residuals into their stack moves what the unrolled loop
   writes).
 
-XLA:TPU holds some values in the chip's own memory (VMEM: its
-memory-space assignment prefetches operands there and keeps results
-there), memory space 1 in their layouts (``{1,0:T(8,128)S(1)}``).
-Reading or writing such a value moves no HBM bytes, and a copy between
-the two memories (``copy-start``) moves its HBM side once: a 6-layer MLP
-under FSDP on 8 v5p chips counted 636 MB a step where XLA:TPU prefetches
-and 275 MB compiled at a lower effort that prefetches nothing, and
-counts no more than that now. (XLA:GPU's memory space 1, NCCL's
-registered buffers, is in HBM and has no tile in its layout.)
+XLA:TPU holds some values in the chip's own memory (VMEM, where it
+prefetches operands and keeps results): memory space 1 beside a tile in
+their layouts (``{1,0:T(8,128)S(1)}``). Reading or writing one moves no
+HBM bytes; a copy between the memories (``copy-start``) moves its HBM
+side once. (XLA:GPU's memory space 1, NCCL's buffers, is HBM, untiled.)
 
 Collectives move their bytes on the links: their time is the
 communication's (``partitioner._report.cost``), not the memory's. XLA's
