@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 from partitioner import _compat
 
@@ -53,13 +55,27 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[_compat.Device, ...
         + INSTALL_HINT + ".")
   try:
     with _quiet_stderr():
-      return _compat.topology_devices(topology, num_slices)
+      devices = _compat.topology_devices(topology, num_slices)
   except _compat.XlaRuntimeError as e:
     raise ValueError(
         f"tpu_devices: libtpu does not know the topology {topology!r}"
         f" (num_slices={num_slices}): {str(e).strip().splitlines()[0]}. Hint: a"
         " generation and its chips per dimension, e.g. 'v4:2x2x1', 'v5p:4x4x8',"
         " 'v5e:4x4', 'v6e:8x8'.") from None
+  _ORIGINS[id(devices[0].client)] = (devices[0].client, topology, num_slices)
+  return devices
+
+
+# Each topology's client (kept, so that its id is not reused), by id: its
+# topology and slices, for a process that compiles for the same devices.
+_ORIGINS: dict[int, tuple[Any, str, int]] = {}
+
+
+def origin(devices: Sequence[_compat.Device]) -> tuple[str, int] | None:
+  """The ``(topology, num_slices)`` that :func:`tpu_devices` made
+  ``devices`` of, or None (not its devices)."""
+  got = _ORIGINS.get(id(getattr(devices[0], "client", None)))
+  return None if got is None else got[1:]
 
 
 @contextlib.contextmanager

@@ -62,8 +62,9 @@ class Compiler:
     bar = Progress(len(batch), f"{who}: compiling candidates", self.request.progress)
     lowered = self._lower(batch)
     with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool:
-      loads = [None if isinstance(p, Exception) else pool.submit(_target.compile_program, p)
-               for _, _, p in lowered]
+      loads = [None if isinstance(p, Exception) else
+               pool.submit(_target.compile_program, p, self._target(i, c).proxy is not None)
+               for (i, c, _, _), (_, _, p) in zip(batch, lowered)]
       for k, (row, low, load) in enumerate(zip(batch, lowered, loads)):
         self._score(row, low, load)
         bar.update(k + 1)

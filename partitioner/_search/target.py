@@ -35,6 +35,7 @@ from partitioner._report.cost import Cost, score, stand_in_for, xla_analyses
 from partitioner._report.device_models import DeviceModel
 from partitioner._report.hosts import hosts_of
 from partitioner._report.program import Program, parse
+from partitioner._search import early as _early
 from partitioner._search import measure as _measure
 from partitioner._search import proxy as _proxy
 from partitioner._search.candidates import Candidate, Roles, leaf_dims, spec_of
@@ -309,16 +310,19 @@ def lower(f: Function, in_specs: list, out_specs: list, devices: Sequence[Any],
   return jitted.lower(*f.args).program
 
 
-def compile_program(program: Any) -> Any:
+def compile_program(program: Any, proxy: bool = False) -> Any:
   """The program compiled to be analysed, never run (not cached); safe to
   call from several threads at once (XLA's compiles release the GIL). For
   compile-only devices (a TPU topology), compiled as it would run: the
-  target's memory analysis is what is asked of it."""
+  target's memory analysis is what is asked of it; a ``proxy`` for a TPU
+  topology, read before code generation (:mod:`partitioner._search.early`)."""
   # Its bytes, not its module: the module's MLIR context is not for
   # threads, nor kept alive by the search's candidates.
   program.parsed.clear()
   if _compat.is_compile_only(program.devices[0]):
-    return _compat.compile_only(program.module, program.devices, program_options(program))
+    options = program_options(program)
+    early = _early.compile_early(program, options) if proxy else None
+    return early or _compat.compile_only(program.module, program.devices, options)
   return _program.compile_module(program, program_options(program, score_only=True))
 
 
