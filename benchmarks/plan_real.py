@@ -24,9 +24,10 @@ XLA:TPU's own memory analysis of the same layouts of a small decoder of
 the same code on 8 v5p chips (``... tpu``, about 5 minutes here; with 64
 sequences, ZeRO-1 8 and the collectives XLA:TPU makes of it), and the
 8B is planned through XLA:TPU itself for 8 v5p chips (``... tpu8b``,
-about 9 minutes) and for 256 (``... tpu256``, a batch of 256 sequences,
-about 10 minutes): search time, the winner's peak against jax.jit's
-compile of the exported layout and the budget. With --full and jax's
+about 4 minutes with jax.jit's compile of the found layout) and for 256
+(``... tpu256``, a batch of 256 sequences, about 6 minutes): search
+time, the winner's peak against jax.jit's compile of the exported layout
+and the budget. With --full and jax's
 CUDA plugin (the ``cuda`` extra), the 8B is planned through XLA:GPU for
 one host of 8 H100s the same way (``... gpu8b``, about 2 minutes).
 
