@@ -147,10 +147,11 @@ def compile_early(program: Any, options: Any) -> EarlyExecutable | None:
       if child.poll() is None:
         child.kill()
       child.wait()
-    if texts is None and child.returncode not in (0, None):
+    if texts is None:
       err.seek(0)
       words = err.read().decode(errors="replace").strip().splitlines()
-      last = words[-1] if words else f"exit status {child.returncode}"
+      last = (words[-1] if words and child.returncode else
+              f"exit status {child.returncode}, no {_HLO} written")
       kind, _, message = last.partition(": ")
       if kind == _compat.XlaRuntimeError.__name__:
         raise _compat.XlaRuntimeError(message)
@@ -161,8 +162,9 @@ def compile_early(program: Any, options: Any) -> EarlyExecutable | None:
 
 def _written(dump: str, child: subprocess.Popen) -> tuple[str, str] | None:
   """The HLO and buffer assignment XLA wrote in ``dump``, once whole (the
-  HLO, written after the assignment, ends its module and stopped growing);
-  None if the child ended first without them."""
+  HLO, written after the assignment, holds its entry computation, printed
+  last, closed, and stopped growing); None if the child ended first
+  without them."""
   last = -1
   while True:
     ended = child.poll() is not None
@@ -172,7 +174,7 @@ def _written(dump: str, child: subprocess.Popen) -> tuple[str, str] | None:
       size = os.path.getsize(hlo[0])
       with open(hlo[0]) as f:
         text = f.read()
-      if (size == last or ended) and text.rstrip().endswith("}"):
+      if (size == last or ended) and "\nENTRY " in text and text.rstrip().endswith("}"):
         with open(buffers[0]) as f:
           return text, f.read()
       last = size
