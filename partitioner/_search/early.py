@@ -122,12 +122,12 @@ def compile_early(program: Any, options: Any) -> EarlyExecutable | None:
     return None
   with tempfile.TemporaryDirectory(prefix="sharded_jit_early_") as dump, \
        tempfile.TemporaryFile() as err:
-    overrides = dict(options.env_option_overrides)
-    options.env_option_overrides = sorted(
-        {**overrides, "xla_dump_to": dump, "xla_dump_hlo_as_text": True}.items())
-    payload = pickle.dumps({"module": program.module, "options": options.SerializeAsString(),
+    dumping = _compat.CompileOptions.ParseFromString(options.SerializeAsString())  # (a copy)
+    dumping.env_option_overrides = sorted({**dict(options.env_option_overrides),
+                                           "xla_dump_to": dump,
+                                           "xla_dump_hlo_as_text": True}.items())
+    payload = pickle.dumps({"module": program.module, "options": dumping.SerializeAsString(),
                             "topology": origin, "ids": [d.id for d in program.devices]})
-    options.env_option_overrides = sorted(overrides.items())
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
